@@ -1,0 +1,44 @@
+# Every target installs what it needs into .venv first, so each works on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Loopback-only Ray: no usage stats, no external address, no cloud-metadata probe.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+export http_proxy := http://127.0.0.1:9
+export HTTP_PROXY := http://127.0.0.1:9
+export no_proxy := 127.0.0.1,localhost,::1
+export NO_PROXY := 127.0.0.1,localhost,::1
+export MASTER_ADDR := 127.0.0.1
+
+.PHONY: install test test-fast demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build from local disk first; a looser spec would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+demo: $(STAMP)
+	$(BIN)/hybrid launch clusters/local.yaml
+
+$(VENV)/.bench-installed: $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	DS_ACCELERATOR=cpu $(BIN)/python bench/compare.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

@@ -1,0 +1,146 @@
+"""The one place collectives are called.
+
+`Comm` wraps a process group (the DP group, the TP group, or the world) and counts the *logical* bytes
+each collective moves, using the accounting of the ZeRO paper (``shared/seed/zero-stages.txt``):
+
+* all-reduce of a tensor X counts ``2·|X|`` (a reduce-scatter plus an all-gather),
+* reduce-scatter counts the full input ``|X|``,
+* all-gather counts the full output ``|X|``,
+* broadcast counts ``|X|``.
+
+A group of size 1 moves nothing: the call is a no-op (all-gather / reduce-scatter become copies) and
+nothing is counted. Async ops return a handle with ``.wait()`` in every case, so callers never branch on
+the group size.
+
+gloo has no ``ReduceOp.AVG``; callers that want a mean pass ``average=True`` and the division happens here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class _Done:
+    """Handle for an op that completed synchronously (or needed no communication)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _AverageOnWait:
+    """Wraps an async handle so the tensor is divided by the group size once the op has finished."""
+
+    def __init__(self, work, tensor: torch.Tensor, size: int):
+        self._work, self._tensor, self._size = work, tensor, size
+        self._done = False
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._work.wait()
+            self._tensor.div_(self._size)
+            self._done = True
+        return True
+
+
+class Comm:
+    """Collectives over one process group, with byte counters per op kind."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "dp"):
+        self.name = name
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            self.size, self.rank = 1, 0
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _count(self, op: str, nbytes: int) -> None:
+        self.bytes[op] += int(nbytes)
+        self.calls[op] += 1
+
+    def report(self) -> dict:
+        """Logical bytes per op kind since the last reset, plus ``total``."""
+        out = {op: 0 for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+        out.update(self.bytes)
+        out["total"] = sum(self.bytes.values())
+        return out
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, *, average: bool = False, op=None, async_op: bool = False):
+        if self.size == 1:
+            return _Done()
+        self._count("all_reduce", 2 * _nbytes(tensor))
+        work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        if not average:
+            return work if async_op else _Done()
+        if async_op:
+            return _AverageOnWait(work, tensor, self.size)
+        tensor.div_(self.size)
+        return _Done()
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, average: bool = False,
+                       async_op: bool = False):
+        """``output`` (numel = input.numel() / size) receives this rank's reduced slice of ``input``."""
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                             f"{output.numel()} x {self.size}")
+        if self.size == 1:
+            output.copy_(input)
+            return _Done()
+        self._count("reduce_scatter", _nbytes(input))
+        work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=async_op)
+        if not average:
+            return work if async_op else _Done()
+        if async_op:
+            return _AverageOnWait(work, output, self.size)
+        output.div_(self.size)
+        return _Done()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False):
+        """``output`` (numel = input.numel() * size) receives every rank's ``input``, in rank order."""
+        if output.numel() != input.numel() * self.size:
+            raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                             f"{input.numel()} x {self.size}")
+        if self.size == 1:
+            output.copy_(input)
+            return _Done()
+        self._count("all_gather", _nbytes(output))
+        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0, *, async_op: bool = False):
+        if self.size == 1:
+            return _Done()
+        self._count("broadcast", _nbytes(tensor))
+        src = dist.get_global_rank(self.group, src_rank_in_group) if self.group is not None else src_rank_in_group
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def all_reduce_max(self, tensor: torch.Tensor):
+        """In-place max across the group; uncounted bookkeeping (a scalar flag, not model traffic)."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

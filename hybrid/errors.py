@@ -1,0 +1,22 @@
+"""User-facing errors: one clear sentence naming the field and the fix.
+
+Library code raises a subclass of ``UserError`` for anything the user can fix (a bad config field, a
+cluster that cannot hold the model, a file that is not a checkpoint). The CLI prints ``str(err)`` alone
+and exits with status 2; it never shows a traceback for these.
+"""
+
+
+class UserError(Exception):
+    """An error the user can fix; its message is one sentence naming the field and the fix."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration field (training config, cluster.yaml, DeepSpeed-style dict) is invalid."""
+
+
+class PlanError(UserError):
+    """The planner found no way to fit the model on the given cluster."""
+
+
+class CheckpointError(UserError):
+    """A path is not a usable checkpoint for this model."""

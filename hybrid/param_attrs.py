@@ -1,0 +1,28 @@
+"""Marks on parameters that the TP layers set and the ZeRO engine reads.
+
+A parameter is *tensor-parallel* when each TP rank holds a different slice of it (column/row parallel
+weights, vocab-parallel embeddings). Every other parameter (layer norms, row-parallel biases, position
+embeddings) is *replicated* across the TP group: identical on every TP rank. The global gradient norm
+must sum a TP-sharded parameter's squares over the TP group, but count a replicated one once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TP_ATTR = "_hybrid_tensor_parallel"
+
+
+def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int) -> torch.nn.Parameter:
+    """Record that ``param`` is sliced along ``partition_dim`` across the TP group."""
+    setattr(param, _TP_ATTR, int(partition_dim))
+    return param
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, _TP_ATTR, None) is not None
+
+
+def tensor_parallel_dim(param: torch.Tensor):
+    """The dimension ``param`` is sliced along across TP ranks, or None for a replicated parameter."""
+    return getattr(param, _TP_ATTR, None)

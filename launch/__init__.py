@@ -1,0 +1,1 @@
+"""Driver-side orchestration on Ray and the ``hybrid`` command line."""

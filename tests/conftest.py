@@ -1,0 +1,11 @@
+"""Shared test settings: loopback-only networking for every process group and Ray cluster."""
+
+import os
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+for _k in ("http_proxy", "HTTP_PROXY"):
+    os.environ.setdefault(_k, "http://127.0.0.1:9")
+for _k in ("no_proxy", "NO_PROXY"):
+    os.environ.setdefault(_k, "127.0.0.1,localhost,::1")
