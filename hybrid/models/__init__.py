@@ -1,0 +1,5 @@
+"""Built-in models: a tensor-parallel GPT (``hybrid.models.gpt``) for the demo, benchmarks and tests."""
+
+from hybrid.models.gpt import GPT, GPTConfig, count_parameters
+
+__all__ = ["GPT", "GPTConfig", "count_parameters"]

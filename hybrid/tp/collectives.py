@@ -1,0 +1,111 @@
+"""The four autograd collective pairs of Megatron-style tensor parallelism, each defined once.
+
+Each function takes the TP ``Comm`` (``hybrid.comm``), so TP traffic is counted apart from DP traffic.
+A ``None`` comm or a group of size 1 makes every function the identity.
+
+=============================  ======================  ======================
+function                       forward                 backward
+=============================  ======================  ======================
+``copy_to_tp_region``          identity                all-reduce (sum)
+``reduce_from_tp_region``      all-reduce (sum)        identity
+``scatter_to_tp_region``       split the last dim      all-gather last dim
+``gather_from_tp_region``      all-gather last dim     split the last dim
+=============================  ======================  ======================
+
+Split and gather work on the last dimension in rank order: rank r owns columns
+``[r·d/t, (r+1)·d/t)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hybrid.comm import Comm
+
+
+def _size(comm: Optional[Comm]) -> int:
+    return 1 if comm is None else comm.size
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out)
+    return out
+
+
+def _split_last(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    if x.shape[-1] % comm.size:
+        raise ValueError(f"cannot split a last dimension of {x.shape[-1]} across {comm.size} TP ranks")
+    return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    x = x.contiguous()
+    stacked = torch.empty((comm.size, *x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather(stacked, x)
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _split_last(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.comm), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_last(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.comm), None
+
+
+def copy_to_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
+    """Enter the TP region: identity forward, sum the input gradients of all TP ranks backward."""
+    return x if _size(comm) == 1 else _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
+    """Leave the TP region by summing partial results: all-reduce forward, identity backward."""
+    return x if _size(comm) == 1 else _ReduceFromTP.apply(x, comm)
+
+
+def scatter_to_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
+    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
+    return x if _size(comm) == 1 else _ScatterToTP.apply(x, comm)
+
+
+def gather_from_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
+    """All-gather the last dim forward; keep this rank's slice of the gradient backward."""
+    return x if _size(comm) == 1 else _GatherFromTP.apply(x, comm)

@@ -1,0 +1,120 @@
+"""Megatron-style tensor-parallel layers on plain tensors.
+
+* ``ColumnParallelLinear``: ``Y = X·Wᵀ`` with W split by output rows; each TP rank computes its slice of
+  the output features. Its weight and bias are marked TP along dim 0. ``gather_output`` all-gathers the
+  output features; otherwise the output stays in the TP region for a following row-parallel layer.
+* ``RowParallelLinear``: W split by input columns; each rank multiplies its slice of the input features
+  and the partial results are summed (all-reduce). Its weight is marked TP along dim 1; the bias is
+  replicated (unmarked) and added once, after the reduce.
+* ``VocabParallelEmbedding``: the table split by vocabulary rows; ids outside this rank's range look up
+  zeros and the partial embeddings are summed.
+
+``tp_comm=None`` (or a group of size 1) gives the plain single-process layer. Parameters are created on
+``device``; with ``seed`` set (the default) they are initialized from the full-then-slice rule of
+``hybrid.tp.sharding`` (weights N(0, init_std²), biases zero). Pass ``seed=None`` when an owner
+initializes them by their qualified names (``reset_parameters(seed, prefix)``), as ``hybrid.models.gpt``
+does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.comm import Comm
+from hybrid.param_attrs import mark_tensor_parallel
+from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+                                   scatter_to_tp_region)
+from hybrid.tp.sharding import divide, init_normal_, tp_rank_size
+
+
+class TensorParallelModule(nn.Module):
+    """Shared bookkeeping: the TP comm, its rank/size, and the seeded weight init."""
+
+    def __init__(self, tp_comm: Optional[Comm], init_std: float):
+        super().__init__()
+        self.tp_comm = tp_comm
+        self.tp_rank, self.tp = tp_rank_size(tp_comm)
+        self.init_std = init_std
+
+    def _maybe_init(self, seed: Optional[int]) -> None:
+        if seed is not None and self.weight.device.type != "meta":
+            self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
+        init_normal_(self.weight, self.init_std, seed, prefix + "weight", self.tp_rank, self.tp)
+        if getattr(self, "bias", None) is not None:
+            self.bias.zero_()
+
+
+class ColumnParallelLinear(TensorParallelModule):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_comm: Optional[Comm] = None,
+                 gather_output: bool = False, init_std: float = 0.02, seed: Optional[int] = 0,
+                 device=None, dtype=None):
+        super().__init__(tp_comm, init_std)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        local_out = divide(out_features, self.tp, "out_features")
+        kw = dict(device=device, dtype=dtype)
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local_out, in_features, **kw)), 0)
+        self.bias = mark_tensor_parallel(nn.Parameter(torch.empty(local_out, **kw)), 0) if bias else None
+        self._maybe_init(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.tp_comm), self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp_comm) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(TensorParallelModule):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_comm: Optional[Comm] = None,
+                 input_is_parallel: bool = True, init_std: float = 0.02, seed: Optional[int] = 0,
+                 device=None, dtype=None):
+        super().__init__(tp_comm, init_std)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        local_in = divide(in_features, self.tp, "in_features")
+        kw = dict(device=device, dtype=dtype)
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local_in, **kw)), 1)
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None  # replicated
+        self._maybe_init(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_comm)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_comm)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_comm: Optional[Comm] = None,
+                 init_std: float = 0.02, seed: Optional[int] = 0, device=None, dtype=None):
+        super().__init__(tp_comm, init_std)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = divide(num_embeddings, self.tp, "vocab_size")
+        self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype)), 0)
+        self._maybe_init(seed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(partial, self.tp_comm)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, tp={self.tp}"

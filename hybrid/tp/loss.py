@@ -1,0 +1,69 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering the full logits.
+
+Each TP rank holds the logits of its contiguous vocabulary slice ``[r·V/t, (r+1)·V/t)``. The loss per
+token is ``log Σ_v exp(z_v − m) − (z_y − m)`` with ``m`` the global max (for numerical stability), and all
+three global quantities come from TP all-reduces of per-token scalars: the max (MAX), the target logit
+(only the owning rank contributes, SUM) and the sum of exponentials (SUM). The gradient with respect to
+the local logits is ``softmax − onehot(y)`` restricted to the local slice, so backward needs no
+communication.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.comm import Comm
+from hybrid.tp.sharding import tp_rank_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, comm):
+        rank, tp = tp_rank_size(comm)
+        local_vocab = logits.shape[-1]
+        start = rank * local_vocab
+        ctx.logits_dtype = logits.dtype
+
+        logits = logits.float()
+        logits_max = logits.max(dim=-1).values
+        if tp > 1:
+            comm.all_reduce(logits_max, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_targets = targets - start
+        outside = (local_targets < 0) | (local_targets >= local_vocab)
+        local_targets = local_targets.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if tp > 1:
+            # One all-reduce for both per-token sums.
+            both = torch.stack([target_logit, sum_exp])
+            comm.all_reduce(both)
+            target_logit, sum_exp = both[0], both[1]
+
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_targets, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_targets, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 tp_comm: Optional[Comm] = None) -> torch.Tensor:
+    """Per-token loss (shape of ``targets``, fp32) from this rank's vocabulary slice of ``logits``.
+
+    ``targets`` hold global vocabulary ids in ``[0, V)``; every TP rank gets the same loss.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm)

@@ -1,0 +1,100 @@
+"""How TP-sliced parameters relate to the full (single-process) ones.
+
+A parameter marked with ``hybrid.param_attrs.mark_tensor_parallel(p, dim)`` holds, on TP rank ``r`` of
+``t``, the ``r``-th of ``t`` equal contiguous chunks of the full tensor along ``dim``. Everything here is
+that one rule: slicing a full tensor, the full shape of a slice, gathering slices back (checkpoints,
+tests), and the seeded full-then-slice initialization that makes a TP model built with seed S hold
+exactly the slices of the single-process model built with seed S.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping, Optional
+
+import torch
+
+from hybrid.comm import Comm
+from hybrid.errors import ConfigError
+from hybrid.param_attrs import tensor_parallel_dim
+
+
+def tp_rank_size(comm: Optional[Comm]) -> tuple[int, int]:
+    """``(rank, size)`` in the TP group; ``(0, 1)`` without one."""
+    return (0, 1) if comm is None else (comm.rank, comm.size)
+
+
+def divide(n: int, tp: int, field: str) -> int:
+    """``n // tp``, or a ConfigError naming ``field`` when tp does not divide it."""
+    if n % tp:
+        raise ConfigError(f"{field}={n} is not divisible by the tensor-parallel degree tp={tp}; "
+                          f"choose a tp that divides {n}.")
+    return n // tp
+
+
+def tp_slice(full: torch.Tensor, dim: Optional[int], rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s chunk of ``full`` along ``dim`` (the whole tensor when ``dim`` is None)."""
+    if dim is None or tp == 1:
+        return full
+    if full.shape[dim] % tp:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {tp} TP slices")
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def full_shape(param: torch.Tensor, tp: int) -> torch.Size:
+    """The single-process shape of a (possibly TP-sliced) parameter."""
+    dim = tensor_parallel_dim(param)
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= tp
+    return torch.Size(shape)
+
+
+def gather_tp_tensor(local: torch.Tensor, dim: int, comm: Optional[Comm]) -> torch.Tensor:
+    """All-gather TP slices along ``dim`` into the full tensor (collective over the TP group)."""
+    if comm is None or comm.size == 1:
+        return local.clone()
+    local = local.contiguous()
+    stacked = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
+    comm.all_gather(stacked, local)
+    return torch.cat(stacked.unbind(0), dim=dim)
+
+
+def tp_dims(model: torch.nn.Module) -> dict[str, Optional[int]]:
+    """Parameter name → TP slicing dim (None for replicated parameters)."""
+    return {name: tensor_parallel_dim(p) for name, p in model.named_parameters()}
+
+
+def gather_tp_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                         tp_comm: Optional[Comm]) -> dict[str, torch.Tensor]:
+    """Full tensors for a state dict of this TP rank's slices; every TP rank must call it.
+
+    Names are ``model``'s parameter names; entries that are not TP-sliced parameters are copied as is.
+    """
+    dims = tp_dims(model)
+    out = {}
+    for name, tensor in state.items():
+        dim = dims.get(name)
+        out[name] = tensor.clone() if dim is None else gather_tp_tensor(tensor, dim, tp_comm)
+    return out
+
+
+def slice_tp_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Module, tp_rank: int,
+                        tp: int) -> dict[str, torch.Tensor]:
+    """The TP rank's slices of a full (single-process) state dict, for loading into ``model``."""
+    dims = tp_dims(model)
+    return {name: tp_slice(t, dims.get(name), tp_rank, tp).clone() for name, t in state.items()}
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from ``(seed, name)`` alone, so the draw does not depend on the TP degree."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2 ** 63 - 1))
+
+
+@torch.no_grad()
+def init_normal_(param: torch.Tensor, std: float, seed: int, name: str, tp_rank: int, tp: int) -> None:
+    """Draw the full tensor from N(0, std²) with the ``(seed, name)`` generator, keep this rank's slice."""
+    full = torch.empty(full_shape(param, tp), dtype=torch.float32)
+    full.normal_(0.0, std, generator=param_generator(seed, name))
+    param.copy_(tp_slice(full, tensor_parallel_dim(param), tp_rank, tp))

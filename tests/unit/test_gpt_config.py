@@ -1,0 +1,111 @@
+"""GPTConfig validation, YAML loading, and the meta-device parameter count."""
+
+import glob
+
+import pytest
+import torch
+
+from hybrid.errors import ConfigError
+from hybrid.models import GPT, GPTConfig, count_parameters
+
+TINY = dict(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
+
+
+def _closed_form(c: GPTConfig) -> int:
+    h, f = c.hidden, c.ffn_hidden
+    per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+    return c.vocab_size * h + c.seq_len * h + c.n_layers * per_layer + 2 * h + h * c.vocab_size
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(bias=False), dict(n_layers=3, mlp_ratio=2, n_heads=8)])
+def test_count_parameters_matches_the_allocated_model(overrides):
+    cfg = GPTConfig(**{**TINY, **overrides})
+    assert count_parameters(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_shipped_configs_load_and_count_near_their_names():
+    counts = {path.split("/")[-1]: count_parameters(GPTConfig.from_yaml(path))
+              for path in glob.glob("configs/gpt-*.yaml")}
+    assert counts["gpt-tiny.yaml"] == 134_912
+    # Untied LM heads add vocab·hidden to the published (tied) figures.
+    for name, nominal, tolerance in [("gpt-125m.yaml", 125e6, 0.35), ("gpt-1.3b.yaml", 1.3e9, 0.1),
+                                     ("gpt-7b.yaml", 6.7e9, 0.05), ("gpt-13b.yaml", 13e9, 0.05)]:
+        assert abs(counts[name] - nominal) / nominal < tolerance, (name, counts[name])
+        cfg = GPTConfig.from_yaml(f"configs/{name}")
+        assert counts[name] == _closed_form(cfg)
+        for tp in (1, 2, 4):  # gpt-125m has 12 heads, so not tp 8
+            cfg.check_tp(tp)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(n_heads=5), "model.n_heads"),
+    (dict(hidden=0), "model.hidden"),
+    (dict(n_layers=True), "model.n_layers"),
+    (dict(vocab_size=2.5), "model.vocab_size"),
+    (dict(dropout=1.0), "model.dropout"),
+    (dict(layer_norm_eps=-1.0), "model.layer_norm_eps"),
+    (dict(bias="yes"), "model.bias"),
+])
+def test_invalid_fields_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        GPTConfig(**{**TINY, **overrides})
+
+
+@pytest.mark.parametrize("tp, field", [(3, "n_heads"), (8, "n_heads")])
+def test_check_tp_rejects_degrees_that_do_not_split_heads(tp, field):
+    with pytest.raises(ConfigError, match=f"model.{field}=4 is not divisible by the tensor-parallel degree tp={tp}"):
+        GPTConfig(**TINY).check_tp(tp)
+
+
+def test_check_tp_rejects_a_vocab_that_does_not_split():
+    with pytest.raises(ConfigError, match="model.vocab_size=250"):
+        GPTConfig(**{**TINY, "vocab_size": 250}).check_tp(4)
+
+
+def test_from_yaml_reads_the_model_mapping(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model:\n  vocab_size: 256\n  seq_len: 32\n  n_layers: 2\n  hidden: 64\n  n_heads: 4\n"
+                    "  layer_norm_eps: 1e-6\ntrain:\n  lr: 0.001\n")
+    cfg = GPTConfig.from_yaml(path)
+    assert cfg == GPTConfig(**TINY, layer_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("vocab_size: 256\n", "has no model: mapping"),
+    ("model:\n  vocab_size: 256\n", "model.seq_len is missing"),
+    ("model: {vocab_size: 256, seq_len: 32, n_layers: 2, hidden: 64, n_heads: 4, heads: 4}\n",
+     "model.heads is not a GPT model key"),
+    ("model: [1, 2\n", "is not valid YAML"),
+])
+def test_from_yaml_errors(tmp_path, text, match):
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        GPTConfig.from_yaml(path)
+
+
+def test_from_yaml_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read model config"):
+        GPTConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+def test_init_depends_on_seed_only():
+    cfg = GPTConfig(**TINY)
+    a, b, c = GPT(cfg, seed=3), GPT(cfg, seed=3), GPT(cfg, seed=4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if name.endswith("weight") and "ln" not in name:
+            assert not torch.equal(pa, pc), name
+
+
+def test_logits_and_loss_agree_with_torch_cross_entropy():
+    cfg = GPTConfig(**TINY)
+    model = GPT(cfg, seed=0)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    targets = idx.roll(-1, dims=1)
+    logits = model(idx)
+    assert logits.shape == (2, cfg.seq_len, cfg.vocab_size)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    torch.testing.assert_close(model(idx, targets), expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="longer than model.seq_len"):
+        model(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
