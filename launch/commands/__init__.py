@@ -1,3 +1,8 @@
 """One module per ``hybrid`` sub-command; ``ALL_COMMANDS`` is what ``launch.cli`` registers."""
 
 ALL_COMMANDS: list = []
+
+from launch.commands.estimate import estimate  # noqa: E402
+from launch.commands.monitor import monitor  # noqa: E402
+
+ALL_COMMANDS += [estimate, monitor]

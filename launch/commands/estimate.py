@@ -1,0 +1,151 @@
+"""``hybrid estimate``: the seed's per-GPU memory table for ZeRO stages 0-3 and the recommended stage.
+
+Human output is the seed's table (one row per component, one column per stage) followed by the planner's
+choice. ``--json`` prints exactly one JSON object:
+``{"params", "dp", "tp", "gpu_memory_gb", "stages": {"0".."3": {"params_gb", "grads_gb", "optimizer_gb",
+"total_gb", "fits"}}, "recommended_stage", "offload", "reason"}``, plus ``"activations_gb"`` when the model
+shape is given (each ``total_gb`` then includes the activations). GB means 10^9 bytes, as in the seed.
+Any bad input ends with one ``error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import click
+
+from hybrid.errors import ConfigError, PlanError
+from hybrid.memory import STAGES, activation_bytes, parse_count
+from hybrid.planner import Plan, choose_stage
+
+_SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
+
+
+class _OneLineCommand(click.Command):
+    """Turns click's own usage errors (bad type, missing or unknown option) into one ``error:`` line."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as err:
+            raise ConfigError(err.format_message()) from None
+
+
+def _gb(value) -> float:
+    return float(Fraction(value) / 10**9)
+
+
+def _gb_text(value) -> str:
+    return f"{_gb(value):.3f}".rstrip("0").rstrip(".") + " GB"
+
+
+def _plain(number: float) -> int | float:
+    return int(number) if float(number).is_integer() else number
+
+
+def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dict) -> None:
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1 (the total GPU count, DP × TP), got {gpus}")
+    if tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {tp}")
+    if gpus % tp:
+        raise ConfigError(f"--gpus ({gpus}) must be a multiple of --tp ({tp}), since DP degree = gpus / tp")
+    if not gpu_memory > 0:
+        raise ConfigError(f"--gpu-memory must be a positive number of GB per GPU, got {gpu_memory}")
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"--headroom must be a fraction in [0, 1), got {headroom}; e.g. 0.1 keeps 10% free")
+    given = [name for name in _SHAPE if shape[name] is not None]
+    if given and len(given) != len(_SHAPE):
+        missing = ", ".join("--" + name.replace("_", "-") for name in _SHAPE if shape[name] is None)
+        raise ConfigError(f"the activation estimate needs the whole model shape: also give {missing}")
+
+
+def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | None) -> dict:
+    extra = activations or 0.0
+    stages = {
+        str(stage): {
+            "params_gb": _gb(plan.stages[stage].params),
+            "grads_gb": _gb(plan.stages[stage].grads),
+            "optimizer_gb": _gb(plan.stages[stage].optimizer),
+            "total_gb": _gb(Fraction(plan.stages[stage].total) + Fraction(extra)),
+            "fits": plan.fits[stage],
+        }
+        for stage in STAGES
+    }
+    out = {"params": params, "dp": plan.dp, "tp": plan.tp, "gpu_memory_gb": _plain(gpu_memory)}
+    if activations is not None:
+        out["activations_gb"] = _gb(activations)
+    out.update(
+        {"stages": stages, "recommended_stage": plan.stage, "offload": plan.offload, "reason": plan.reason}
+    )
+    return out
+
+
+def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activations: float | None) -> str:
+    p_kind, o_kind = precision.upper(), "FP32"
+    rows = [
+        ["Component", "Stage 0 (DDP)", "Stage 1", "Stage 2", "Stage 3"],
+        [f"Params ({p_kind})"] + [_gb_text(plan.stages[s].params) for s in STAGES],
+        [f"Grads ({p_kind})"] + [_gb_text(plan.stages[s].grads) for s in STAGES],
+        [f"Optimizer ({o_kind})"] + [_gb_text(plan.stages[s].optimizer) for s in STAGES],
+    ]
+    extra = activations or 0.0
+    if activations is not None:
+        rows.append(["Activations"] + [_gb_text(activations)] * len(STAGES))
+    rows.append(["Per GPU"] + [_gb_text(Fraction(plan.stages[s].total) + Fraction(extra)) for s in STAGES])
+    rows.append([f"Fits on {_plain(gpu_memory)} GB?"] + ["Yes" if plan.fits[s] else "No" for s in STAGES])
+
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"{params:,} parameters ({precision}) on {plan.dp * plan.tp} GPUs: DP {plan.dp} × TP {plan.tp}, "
+        f"{_plain(gpu_memory)} GB each, {_gb_text(plan.usable_bytes)} usable at "
+        f"{plan.headroom * 100:g}% headroom",
+        "",
+    ]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    offload = " with CPU offload of optimizer states" if plan.offload else ""
+    lines += ["", f"Recommended: ZeRO stage {plan.stage}{offload}", f"Reason: {plan.reason}"]
+    return "\n".join(lines)
+
+
+@click.command("estimate", cls=_OneLineCommand)
+@click.option("--params", "params_text", required=True, help="Parameter count Ψ: 7B, 1.3B, 350M, 13e9, ...")
+@click.option("--gpus", type=int, required=True, help="Total GPU count (DP × TP).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree; DP = gpus / tp.")
+@click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="Memory per GPU in GB (10^9).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--headroom", type=float, default=0.1, show_default=True, help="Fraction of memory kept free.")
+@click.option("--layers", type=int, help="Transformer layers (with --hidden --heads --seq --micro-batch).")
+@click.option("--hidden", type=int, help="Hidden size.")
+@click.option("--heads", type=int, help="Attention heads.")
+@click.option("--seq", type=int, help="Sequence length.")
+@click.option("--micro-batch", type=int, help="Micro-batch size per GPU.")
+@click.option("--activation-checkpointing", is_flag=True, help="Estimate activations with full checkpointing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
+             activation_checkpointing, as_json) -> None:
+    """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
+    params = parse_count(params_text, field="--params")
+    shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
+    _validate(gpus, tp, gpu_memory, headroom, shape)
+
+    activations = None
+    if shape["layers"] is not None:
+        for name, value in shape.items():
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        activations = activation_bytes(seq, micro_batch, hidden, heads, layers, tp, activation_checkpointing)
+
+    try:
+        memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
+        plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom)
+    except PlanError as err:
+        raise PlanError(f"--gpus: {err}") from None
+    if as_json:
+        click.echo(json.dumps(_as_json(params, gpu_memory, plan, activations)))
+    else:
+        click.echo(_as_table(params, precision, gpu_memory, plan, activations))

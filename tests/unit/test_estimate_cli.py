@@ -1,0 +1,120 @@
+"""`hybrid estimate` and `hybrid monitor`: the seed's table, the issue's JSON, one-line errors (exit 2)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.planner import ROW_STAGE1
+from launch.cli import main
+
+HYBRID = str(Path(sys.executable).with_name("hybrid"))
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_for_13b_on_8_gpus_is_the_issue_example(capsys):
+    code, out, err = run(capsys, "estimate", "--params", "13B", "--gpus", "8", "--json")
+    assert code == 0 and err == ""
+    result = json.loads(out)
+    reason = result.pop("reason")
+    assert result == {
+        "params": 13000000000,
+        "dp": 8,
+        "tp": 1,
+        "gpu_memory_gb": 80,
+        "stages": {
+            "0": {"params_gb": 26.0, "grads_gb": 26.0, "optimizer_gb": 156.0, "total_gb": 208.0, "fits": False},
+            "1": {"params_gb": 26.0, "grads_gb": 26.0, "optimizer_gb": 19.5, "total_gb": 71.5, "fits": True},
+            "2": {"params_gb": 26.0, "grads_gb": 3.25, "optimizer_gb": 19.5, "total_gb": 48.75, "fits": True},
+            "3": {"params_gb": 3.25, "grads_gb": 3.25, "optimizer_gb": 19.5, "total_gb": 26.0, "fits": True},
+        },
+        "recommended_stage": 1,
+        "offload": False,
+    }
+    assert reason.startswith(ROW_STAGE1)
+    assert out.count("\n") == 1  # exactly one JSON object on one line
+
+
+def test_json_with_tp_and_activations(capsys):
+    code, out, _ = run(
+        capsys, "estimate", "--params", "13e9", "--gpus", "16", "--tp", "2", "--json",
+        "--layers", "40", "--hidden", "5120", "--heads", "40", "--seq", "2048", "--micro-batch", "1",
+    )
+    result = json.loads(out)
+    assert code == 0 and (result["dp"], result["tp"]) == (8, 2)
+    # 2048·1·5120·(10 + 24/2 + 5·40·2048/(5120·2)) bytes per layer, 40 layers.
+    activations = 2048 * 5120 * 62 * 40 / 1e9
+    assert result["activations_gb"] == activations
+    assert result["stages"]["3"]["params_gb"] == 1.625
+    assert result["stages"]["3"]["total_gb"] == pytest.approx(13 + activations)
+
+
+def test_human_output_is_the_seed_table(capsys):
+    code, out, _ = run(capsys, "estimate", "--params", "7B", "--gpus", "8")
+    assert code == 0
+    lines = out.splitlines()
+
+    def row(label):
+        return next(line for line in lines if line.startswith(label)).split()
+
+    assert row("Component")[1:] == ["Stage", "0", "(DDP)", "Stage", "1", "Stage", "2", "Stage", "3"]
+    assert row("Params (BF16)")[2:] == ["14", "GB", "14", "GB", "14", "GB", "1.75", "GB"]
+    assert row("Grads (BF16)")[2:] == ["14", "GB", "14", "GB", "1.75", "GB", "1.75", "GB"]
+    assert row("Optimizer (FP32)")[2:] == ["84", "GB", "10.5", "GB", "10.5", "GB", "10.5", "GB"]
+    assert row("Per GPU")[2:] == ["112", "GB", "38.5", "GB", "26.25", "GB", "14", "GB"]
+    assert row("Fits on 80 GB?")[4:] == ["No", "Yes", "Yes", "Yes"]
+    assert "Recommended: ZeRO stage 1" in out and ROW_STAGE1 in out
+
+
+def test_human_output_for_offload(capsys):
+    code, out, _ = run(
+        capsys, "estimate", "--params", "13B", "--gpus", "8", "--gpu-memory", "20", "--headroom", "0"
+    )
+    assert code == 0 and "Recommended: ZeRO stage 3 with CPU offload of optimizer states" in out
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--params", "7B", "--gpus", "0"], "--gpus"),
+        (["--params", "-7B", "--gpus", "8"], "--params"),
+        (["--params", "lots", "--gpus", "8"], "--params"),
+        (["--params", "7B", "--gpus", "8", "--precision", "fp8"], "--precision"),
+        (["--params", "7B", "--gpus", "eight"], "--gpus"),
+        (["--params", "7B"], "--gpus"),
+        (["--params", "7B", "--gpus", "8", "--tp", "3"], "--tp"),
+        (["--params", "7B", "--gpus", "8", "--gpu-memory", "-80"], "--gpu-memory"),
+        (["--params", "7B", "--gpus", "8", "--headroom", "1.5"], "--headroom"),
+        (["--params", "7B", "--gpus", "8", "--layers", "32"], "--hidden"),
+        (["--params", "700B", "--gpus", "1"], "at least 39 GPUs"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
+    code, out, err = run(capsys, "estimate", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and field in err
+
+
+def test_console_script_help_and_exit_codes():
+    done = subprocess.run([HYBRID, "estimate", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--micro-batch" in done.stdout and "--params" in done.stdout
+    done = subprocess.run(
+        [HYBRID, "estimate", "--gpus", "0", "--params", "7B"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["error: --gpus must be at least 1 (the total GPU count, DP × TP), got 0"]
+
+
+def test_monitor_command_reports_this_node(capsys):
+    code, out, _ = run(capsys, "monitor")
+    assert code == 0 and out.strip()
+    assert out.startswith("no NVML: ") or out.startswith("NVML: ")
+    code, out, _ = run(capsys, "monitor", "--json")
+    assert code == 0 and isinstance(json.loads(out)["available"], bool)
