@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from hybrid.comm import Comm
+from hybrid.tp.sharding import gather_tp_tensor
 
 
 def _size(comm: Optional[Comm]) -> int:
@@ -42,10 +43,7 @@ def _split_last(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    x = x.contiguous()
-    stacked = torch.empty((comm.size, *x.shape), dtype=x.dtype, device=x.device)
-    comm.all_gather(stacked, x)
-    return torch.cat(stacked.unbind(0), dim=-1)
+    return gather_tp_tensor(x, -1, comm)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -55,9 +55,9 @@ def gather_tp_tensor(local: torch.Tensor, dim: int, comm: Optional[Comm]) -> tor
     if comm is None or comm.size == 1:
         return local.clone()
     local = local.contiguous()
-    stacked = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
-    comm.all_gather(stacked, local)
-    return torch.cat(stacked.unbind(0), dim=dim)
+    flat = torch.empty(comm.size * local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(flat, local.view(-1))
+    return torch.cat(flat.view(comm.size, *local.shape).unbind(0), dim=dim)
 
 
 def tp_dims(model: torch.nn.Module) -> dict[str, Optional[int]]:
@@ -74,7 +74,7 @@ def gather_tp_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Modu
     dims = tp_dims(model)
     out = {}
     for name, tensor in state.items():
-        dim = dims.get(name)
+        tensor, dim = tensor.detach(), dims.get(name)
         out[name] = tensor.clone() if dim is None else gather_tp_tensor(tensor, dim, tp_comm)
     return out
 
