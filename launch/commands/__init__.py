@@ -6,3 +6,7 @@ from launch.commands.estimate import estimate  # noqa: E402
 from launch.commands.monitor import monitor  # noqa: E402
 
 ALL_COMMANDS += [estimate, monitor]
+
+from launch.commands.checkpoint import checkpoint_group  # noqa: E402
+
+ALL_COMMANDS += [checkpoint_group]

@@ -1,0 +1,84 @@
+"""DCP planners for *flat pieces*: a rank holds elements ``[offset, offset + n)`` of a 1-D tensor.
+
+A ZeRO shard is an arbitrary contiguous range of a parameter's flattened elements -- not a ``torch.chunk``
+of it, so neither DTensor placements nor a ShardedTensor (which wants every rank to agree on one
+non-overlapping layout) describe it directly. These planners teach the stock DCP planners that one fact:
+
+* ``FlatSavePlanner(pieces)``: ``pieces[key] = (offset, global_numel)``; the state dict holds the local
+  1-D tensor under ``key``. Each piece becomes one SHARD write item of the global tensor. Identical
+  pieces on several ranks (DP-replicated state, ZeRO stage 0) share one ``(key, offset)`` index, so DCP's
+  own de-duplication writes them once; DCP's global-plan validation rejects pieces that overlap otherwise.
+* ``FlatLoadPlanner(offsets)``: the state dict holds the local 1-D tensor to fill under ``key``;
+  DCP reads exactly the overlap of ``[offset, offset + n)`` with every saved piece, so any new layout
+  (another DP size, another stage) loads from any saved one.
+
+Every other state-dict value (plain tensors, picklable objects) goes through the stock behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+def _piece_chunk(offset: int, local: torch.Tensor) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([local.numel()]))
+
+
+class FlatSavePlanner(DefaultSavePlanner):
+    def __init__(self, pieces: Mapping[str, tuple[int, int]]):
+        super().__init__()
+        self.pieces = dict(pieces)
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [item for item in plan.items if item.index.fqn not in self.pieces]
+        for key, (offset, total) in self.pieces.items():
+            local = self.state_dict[key]
+            items.append(WriteItem(
+                index=MetadataIndex(key, [offset]),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=_piece_chunk(offset, local),
+                                            properties=TensorProperties.create_from_tensor(local),
+                                            size=torch.Size([total])),
+            ))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.pieces:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
+
+
+class FlatLoadPlanner(DefaultLoadPlanner):
+    def __init__(self, offsets: Mapping[str, int]):
+        super().__init__()
+        self.offsets = dict(offsets)
+
+    def create_local_plan(self) -> LoadPlan:
+        others = {k: v for k, v in self.state_dict.items() if k not in self.offsets}
+        plan = create_default_local_load_plan(others, self.metadata)
+        items = list(plan.items)
+        for key, offset in self.offsets.items():
+            saved = self.metadata.state_dict_metadata.get(key)
+            if saved is None:
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {key}.")
+            local = self.state_dict[key]
+            if offset < 0 or offset + local.numel() > saved.size.numel():
+                raise ValueError(f"{key}: piece [{offset}, {offset + local.numel()}) lies outside the saved "
+                                 f"tensor of {saved.size.numel()} elements")
+            items += create_read_items_for_chunk_list(key, saved, [_piece_chunk(offset, local)])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self.offsets:
+            return self.state_dict[index.fqn]  # read items' offsets are relative to this piece
+        return super().lookup_tensor(index)

@@ -1,0 +1,181 @@
+"""Save and load a ZeRO engine's training state with DCP; every rank writes and reads only what it owns.
+
+What is saved, per parameter and TP rank: the fp32 master weights and both Adam moments, as flat tensors
+of the parameter's TP-local numel (``manifest.tensor_key``). Each DP rank contributes the piece
+``[start, end)`` it owns (``engine.shard_views()``); pieces that several DP ranks hold identically (stage
+0) are written once. The model's own (possibly bf16) parameters are not saved: they are a function of the
+masters and are rebuilt with ``engine.sync_params_from_master()`` after a load. Beside the tensors: every
+rank's RNG state, and rank 0's manifest (step counters, world layout, parameter names and shapes, model
+config, the caller's ``extra`` such as the data position).
+
+Loading builds the *new* engine's pieces and lets DCP read the overlap of each with the saved pieces, so a
+checkpoint written at one (DP size, ZeRO stage) resumes at any other with the same TP degree. RNG states
+are restored only when the world layout is unchanged (a restart); under a new layout a rank's old stream
+has no meaning.
+
+All ranks must call ``save`` / ``load`` / ``maybe_save`` / ``resume_if_available`` together, and
+``run_dir`` must be one directory that every rank sees (a shared filesystem across nodes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from hybrid.checkpoint import layout, manifest, rng
+from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
+from hybrid.comm import Comm
+from hybrid.param_attrs import tensor_parallel_dim
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a load restored, for the caller's loop: continue at ``step + 1`` with ``extra``."""
+
+    path: Path
+    step: int
+    optimizer_step_count: int
+    global_step: int
+    extra: dict = field(default_factory=dict)
+    saved_world: dict = field(default_factory=dict)
+    rng_restored: bool = False
+
+
+@dataclass(frozen=True)
+class _World:
+    rank: int
+    world_size: int
+    dp: int
+    dp_rank: int
+    tp: int
+    tp_rank: int
+    stage: int
+    precision: str
+
+    @classmethod
+    def of(cls, engine) -> "_World":
+        dp_group, tp_group = getattr(engine, "dp_group", None), getattr(engine, "tp_group", None)
+        config = engine.config
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   dp=dist.get_world_size(dp_group), dp_rank=dist.get_rank(dp_group),
+                   tp=1 if tp_group is None else dist.get_world_size(tp_group),
+                   tp_rank=0 if tp_group is None else dist.get_rank(tp_group),
+                   stage=int(config.zero.stage), precision=str(config.precision))
+
+    def as_dict(self) -> dict:
+        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "stage": self.stage,
+                "precision": self.precision}
+
+
+def _param_specs(engine, views: Mapping[str, Any]) -> dict:
+    dims = {name: tensor_parallel_dim(p) for name, p in engine.module.named_parameters()}
+    return manifest.param_specs({name: view.shape for name, view in views.items()}, dims)
+
+
+def _pieces(views: Mapping[str, Any], tp_rank: int) -> tuple[dict, dict]:
+    """``(state, where)``: this rank's non-empty pieces by DCP key, and ``(start, param numel)`` of each."""
+    state, where = {}, {}
+    for name in sorted(views):
+        view = views[name]
+        if view.end <= view.start:
+            continue
+        for kind in manifest.KINDS:
+            key = manifest.tensor_key(kind, tp_rank, name)
+            state[key] = getattr(view, kind)
+            where[key] = (int(view.start), int(view.numel))
+    return state, where
+
+
+def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = None,
+         model_config: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None) -> Path:
+    """Write ``RUN_DIR/checkpoints/step-NNNNNN`` atomically and return its path (collective).
+
+    ``extra`` (JSON-serializable, rank 0's value is kept) comes back from ``load`` as ``Resumed.extra``;
+    ``keep_last`` prunes older complete checkpoints (None keeps all).
+    """
+    world = _World.of(engine)
+    views = engine.shard_views()
+    doc = manifest.build(step=step, optimizer_step_count=engine.optimizer_step_count,
+                         global_step=engine.global_step, world=world.as_dict(),
+                         params=_param_specs(engine, views), model_config=model_config, extra=extra)
+    doc["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
+    everyone = Comm(None, name="checkpoint")
+
+    if world.rank == 0:  # a crash may have left this step half-written; start it afresh
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    everyone.barrier()
+    state, pieces = _pieces(views, world.tp_rank)
+    state[manifest.rng_key(world.rank)] = rng.capture()
+    dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=FlatSavePlanner(pieces))
+    if world.rank == 0:  # dcp.save returned on the coordinator: every rank's data and .metadata are written
+        manifest.write(tmp, doc)
+        layout.publish(tmp, final)
+        for gone in layout.prune(run_dir, keep_last, keep=final):
+            log.info("pruned checkpoint %s", gone)
+    everyone.barrier()
+    log.info("rank %d: saved %s", world.rank, final)
+    return final
+
+
+def maybe_save(run_dir, engine, step: int, every: int, keep_last: Optional[int] = None, *,
+               extra: Optional[Mapping[str, Any]] = None, model_config: Optional[Mapping[str, Any]] = None,
+               force: bool = False) -> Optional[Path]:
+    """``save`` when ``step`` is a multiple of ``every`` (or ``force``, e.g. the last step); else None.
+
+    Nothing is saved without a ``run_dir`` or with ``every`` < 1 (unless forced).
+    """
+    if not run_dir or not (force or (every and every > 0 and step % every == 0)):
+        return None
+    return save(run_dir, engine, step, extra=extra, model_config=model_config, keep_last=keep_last)
+
+
+def load(path, engine) -> Resumed:
+    """Fill ``engine`` from a checkpoint (a run directory's latest, or a checkpoint directory); collective.
+
+    Raises CheckpointError (one sentence, the same on every rank, before any communication) when ``path``
+    is not a complete checkpoint or holds another model or TP degree.
+    """
+    world = _World.of(engine)
+    ckpt = layout.resolve(path)
+    doc = manifest.read(ckpt)
+    views = engine.shard_views()
+    manifest.check_same_model(doc, _param_specs(engine, views), world.tp, ckpt)
+
+    state, pieces = _pieces(views, world.tp_rank)
+    saved = doc["world"]
+    same_world = all(saved.get(k) == v for k, v in (("world_size", world.world_size), ("dp", world.dp),
+                                                     ("tp", world.tp)))
+    rng_key = manifest.rng_key(world.rank)
+    if same_world:
+        state[rng_key] = b""
+    dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner({k: start for k, (start, _) in pieces.items()}))
+    if same_world:
+        rng.restore(state[rng_key])
+    engine.optimizer_step_count = int(doc["optimizer_step_count"])
+    engine.sync_params_from_master()
+    log.info("rank %d: resumed from %s (step %d)", world.rank, ckpt, doc["step"])
+    return Resumed(path=ckpt, step=int(doc["step"]), optimizer_step_count=int(doc["optimizer_step_count"]),
+                   global_step=int(doc["global_step"]), extra=dict(doc.get("extra") or {}),
+                   saved_world=dict(saved), rng_restored=same_world)
+
+
+def resume_if_available(run_dir, engine) -> Optional[Resumed]:
+    """``load`` the latest complete checkpoint of ``run_dir``, or return None when it has none (collective).
+
+    Interrupted saves (temporary directories, directories without their marker) are skipped.
+    """
+    if not run_dir or layout.latest(run_dir) is None:
+        return None
+    return load(run_dir, engine)

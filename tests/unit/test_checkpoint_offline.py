@@ -1,0 +1,140 @@
+"""Checkpoint directory protocol, manifest checks, consolidation and the ``hybrid checkpoint`` CLI, in one
+process. The checkpoints here are written with the same DCP planner and publish step the engine path uses,
+as a single writer owning every piece (the multi-rank paths are in tests/dist/test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from hybrid.checkpoint import consolidate, describe, latest, layout, manifest
+from hybrid.checkpoint.flat_planner import FlatSavePlanner
+from hybrid.errors import CheckpointError
+from launch.cli import main
+
+# A two-parameter "model" saved at TP 2: w is sliced along dim 1, b is replicated.
+FULL = {"w": torch.arange(24, dtype=torch.float32).view(4, 6), "b": torch.tensor([0.5, -1.5, 2.0])}
+SPECS = {"b": {"shape": [3], "tp_dim": None}, "w": {"shape": [4, 3], "tp_dim": 1}}
+
+
+def _write_checkpoint(run_dir: Path, step: int, publish: bool = True, marker: bool = True) -> Path:
+    state, pieces = {}, {}
+    for tp_rank in range(2):
+        for name, spec in SPECS.items():
+            local = FULL[name] if spec["tp_dim"] is None else FULL[name].chunk(2, dim=1)[tp_rank]
+            for kind in manifest.KINDS:
+                key = manifest.tensor_key(kind, tp_rank, name)
+                state[key] = (local + (0 if kind == "master" else 100)).contiguous().view(-1).clone()
+                pieces[key] = (0, local.numel())
+    tmp = layout.temporary_dir(run_dir, step)
+    tmp.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=FlatSavePlanner(pieces), no_dist=True)
+    doc = manifest.build(step=step, optimizer_step_count=step, global_step=step,
+                         world={"world_size": 4, "dp": 2, "tp": 2, "stage": 2, "precision": "fp32"},
+                         params=SPECS, model_config={"hidden": 6}, extra={"data_step": step})
+    manifest.write(tmp, doc)
+    if not publish:
+        return tmp
+    final = layout.final_dir(run_dir, step)
+    if marker:
+        layout.publish(tmp, final)
+    else:
+        tmp.rename(final)
+    return final
+
+
+def test_interrupted_checkpoints_are_skipped_and_pruned(tmp_path):
+    good = _write_checkpoint(tmp_path, 10)
+    _write_checkpoint(tmp_path, 20, marker=False)       # renamed but never marked complete
+    stale = _write_checkpoint(tmp_path, 30, publish=False)  # a save that died mid-write
+    assert latest(tmp_path) == good
+    assert layout.read_pointer(tmp_path) == "step-000010"
+    statuses = {row["name"]: row["status"] for row in describe(tmp_path)["checkpoints"]}
+    assert statuses == {"step-000010": "complete", "step-000020": "incomplete (no marker)",
+                        ".tmp-step-000030": "writing or interrupted"}
+
+    newer = _write_checkpoint(tmp_path, 40)
+    removed = layout.prune(tmp_path, keep_last=1, keep=newer)
+    assert set(removed) == {good, stale}
+    assert latest(tmp_path) == newer and layout.read_pointer(tmp_path) == "step-000040"
+    assert (tmp_path / "checkpoints" / "step-000020").is_dir()  # left for a human to look at
+
+    again = _write_checkpoint(tmp_path, 40)  # the same step published twice replaces the first
+    assert again == newer and layout.is_complete(again)
+
+
+def test_consolidate_merges_tp_slices(tmp_path):
+    _write_checkpoint(tmp_path, 5)
+    state, ckpt, doc = consolidate(tmp_path)
+    assert ckpt.name == "step-000005" and doc["extra"] == {"data_step": 5}
+    assert set(state) == {"w", "b"}
+    for name in FULL:
+        assert torch.equal(state[name], FULL[name])
+
+
+def test_resolve_and_manifest_errors_are_one_sentence(tmp_path):
+    (tmp_path / "file.txt").write_text("hello")
+    cases = [tmp_path / "missing", tmp_path / "file.txt", tmp_path]
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    cases.append(tmp_path / "empty_run")
+    cases.append(_write_checkpoint(tmp_path / "run", 3, marker=False))
+    for path in cases:
+        with pytest.raises(CheckpointError) as err:
+            layout.resolve(path)
+        message = str(err.value)
+        assert str(path) in message and message.count(". ") == 0 and "\n" not in message
+
+    good = _write_checkpoint(tmp_path / "run", 4)
+    (good / layout.MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        manifest.read(good)
+    (good / layout.MANIFEST).write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="not a hybrid checkpoint"):
+        manifest.read(good)
+
+
+def test_another_model_or_tp_is_refused():
+    doc = manifest.build(step=1, optimizer_step_count=1, global_step=1,
+                         world={"world_size": 2, "dp": 1, "tp": 2, "stage": 0, "precision": "fp32"}, params=SPECS)
+    where = Path("/runs/x/checkpoints/step-000001")
+    manifest.check_same_model(doc, SPECS, 2, where)
+    wider = {**SPECS, "w": {"shape": [4, 4], "tp_dim": 1}}
+    renamed = {"b": SPECS["b"], "w2": SPECS["w"]}
+    for params, tp, pattern in [(wider, 2, r"'w' has shape \[4, 6\] there but \[4, 8\] here"),
+                                (renamed, 2, "another model: parameter 'w"),
+                                (SPECS, 1, "tp=2 but this job runs tp=1")]:
+        with pytest.raises(CheckpointError, match=pattern):
+            manifest.check_same_model(doc, params, tp, where)
+    with pytest.raises(ValueError, match="JSON-serializable"):
+        manifest.build(step=1, optimizer_step_count=1, global_step=1, world={}, params={}, extra={"x": object()})
+
+
+def test_cli_inspect_and_consolidate(tmp_path, capsys):
+    _write_checkpoint(tmp_path, 7)
+    _write_checkpoint(tmp_path, 8, publish=False)
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step-000007" in out and "complete" in out and "dp 2 × tp 2, stage 2, fp32" in out
+    assert ".tmp-step-000008" in out and "resume uses: step-000007" in out
+    assert main(["checkpoint", "inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["latest"] == "step-000007"
+
+    out_file = tmp_path / "model.pt"
+    assert main(["checkpoint", "consolidate", str(tmp_path), "--out", str(out_file)]) == 0
+    assert "step 7" in capsys.readouterr().out
+    loaded = torch.load(out_file, weights_only=True)
+    assert set(loaded) == set(FULL) and all(torch.equal(loaded[k], FULL[k]) for k in FULL)
+
+    for argv in (["checkpoint", "consolidate", str(tmp_path / "nope"), "--out", str(out_file)],
+                 ["checkpoint", "inspect", str(tmp_path / "checkpoints" / ".tmp-step-000008" / "x")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1
