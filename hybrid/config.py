@@ -1,0 +1,267 @@
+"""Typed training configuration for the ZeRO engine, built from our dict or a DeepSpeed-style dict.
+
+``TrainConfig(zero=ZeroConfig(...), precision="bf16"|"fp32", optimizer=OptimizerConfig(...),
+gradient_clipping=None|float, gradient_accumulation_steps=1)``. Every field is checked on construction;
+a bad value raises ``ConfigError`` naming the field and the fix.
+
+``TrainConfig.from_dict(d)`` accepts both spellings, mixed freely:
+
+* ours: ``{"zero": {...}, "precision": "bf16", "optimizer": {"lr": ..., "betas": ..., ...}, ...}``
+* DeepSpeed: ``{"zero_optimization": {...}, "bf16": {"enabled": true}, "optimizer": {"type": "AdamW",
+  "params": {...}}, "gradient_clipping": 1.0, "gradient_accumulation_steps": 2,
+  "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32}``; ``stage3_prefetch_bucket_size`` and
+  ``stage3_param_persistence_threshold`` are aliases of the plain names. ``fp16`` is refused (use bf16).
+
+Unknown keys are an error that names the key (with its section) and lists the accepted ones. Sizes are in
+elements, as in DeepSpeed, and may be written as floats (``5e8``) when they are whole numbers.
+Defaults follow the seed (bucket sizes 5e8, prefetch 5e7, persistence 1e5, sub-group 1e9) and
+``torch.optim.AdamW`` (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from hybrid.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16")
+STAGES = (0, 1, 2, 3)
+
+
+# -- value checks (shared by the constructors and from_dict, so the rules live in one place) --------------
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        need = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{name} must be {need}, got {value!r}")
+    return value
+
+
+def _float(value: Any, name: str, minimum: float = 0.0, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if value < minimum or (strict and value == minimum):
+        raise ConfigError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _section(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _reject_unknown(section: dict, allowed, where: str) -> None:
+    for key in section:
+        if key not in allowed:
+            prefix = f"{where}." if where else ""
+            raise ConfigError(f"{prefix}{key} is not a known setting; use one of: {', '.join(sorted(allowed))}")
+
+
+# -- the typed configs --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO policy on the data-parallel group. Sizes count elements, not bytes."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000      # stages 0-2: gradient bucket (one collective each)
+    allgather_bucket_size: int = 500_000_000   # stages 1-2: elements in flight in the post-step all-gather
+    prefetch_bucket_size: int = 50_000_000     # stage 3: elements gathered ahead of the running module
+    param_persistence_threshold: int = 100_000  # stage 3: params with fewer elements stay gathered
+    sub_group_size: int = 1_000_000_000        # optimizer steps the shard in pieces of this many elements
+    overlap_comm: bool = True                  # keep gradient collectives in flight during backward
+    reduce_scatter: bool = True                # stages 1-3: reduce-scatter (else all-reduce) gradients
+    contiguous_gradients: bool = True          # accepted for DeepSpeed configs; gradients are always flat
+
+    def __post_init__(self) -> None:
+        _check_zero(self, "zero")
+
+
+def _check_zero(cfg: ZeroConfig, where: str) -> None:
+    set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731  (frozen dataclass)
+    stage = cfg.stage
+    if isinstance(stage, float) and stage.is_integer():
+        stage = int(stage)
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ConfigError(f"{where}.stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
+    set_("stage", stage)
+    for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "sub_group_size"):
+        set_(name, _int(getattr(cfg, name), f"{where}.{name}", 1))
+    set_("param_persistence_threshold",
+         _int(cfg.param_persistence_threshold, f"{where}.param_persistence_threshold", 0))
+    for name in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
+        set_(name, _bool(getattr(cfg, name), f"{where}.{name}"))
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (decoupled weight decay) by default; ``decoupled_weight_decay=False`` is Adam with L2."""
+
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    decoupled_weight_decay: bool = True
+
+    def __post_init__(self) -> None:
+        _check_optimizer(self, "optimizer")
+
+
+def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
+    set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731
+    set_("lr", _float(cfg.lr, f"{where}.lr"))
+    betas = cfg.betas
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise ConfigError(f"{where}.betas must be a pair [beta1, beta2], got {betas!r}")
+    b1, b2 = (_float(b, f"{where}.betas") for b in betas)
+    if not (b1 < 1.0 and b2 < 1.0):
+        raise ConfigError(f"{where}.betas must both be in [0, 1), got {list(betas)!r}")
+    set_("betas", (b1, b2))
+    set_("eps", _float(cfg.eps, f"{where}.eps", strict=True))
+    set_("weight_decay", _float(cfg.weight_decay, f"{where}.weight_decay"))
+    set_("decoupled_weight_decay", _bool(cfg.decoupled_weight_decay, f"{where}.decoupled_weight_decay"))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: str = "fp32"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    gradient_clipping: Optional[float] = None   # max global gradient norm; None (or 0) = no clipping
+    gradient_accumulation_steps: int = 1
+    micro_batch_size: Optional[int] = None      # per rank; informational, checked against train_batch_size
+    train_batch_size: Optional[int] = None      # = micro_batch_size * accumulation * dp when all are given
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        if not isinstance(self.zero, ZeroConfig):
+            raise ConfigError(f"zero must be a ZeroConfig, got {type(self.zero).__name__}")
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        clip = self.gradient_clipping
+        if clip is not None:
+            clip = _float(clip, "gradient_clipping") or None  # DeepSpeed writes 0.0 for "off"
+        set_("gradient_clipping", clip)
+        set_("gradient_accumulation_steps", _int(self.gradient_accumulation_steps, "gradient_accumulation_steps", 1))
+        for name in ("micro_batch_size", "train_batch_size"):
+            if getattr(self, name) is not None:
+                set_(name, _int(getattr(self, name), name, 1))
+
+    def check_batch(self, dp: int) -> None:
+        """``train_batch_size`` must equal micro batch × accumulation × dp when both batch sizes are set."""
+        if self.micro_batch_size is None or self.train_batch_size is None:
+            return
+        expected = self.micro_batch_size * self.gradient_accumulation_steps * dp
+        if expected != self.train_batch_size:
+            raise ConfigError(
+                f"train_batch_size is {self.train_batch_size} but micro batch {self.micro_batch_size} x "
+                f"gradient_accumulation_steps {self.gradient_accumulation_steps} x dp {dp} = {expected}; "
+                f"fix one of them")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Build from our dict or a DeepSpeed-style dict; unknown keys raise ``ConfigError``."""
+        return _from_dict(_section(d, "config"))
+
+
+# -- dict parsing ------------------------------------------------------------------------------------------
+_ZERO_ALIASES = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
+                 "stage3_param_persistence_threshold": "param_persistence_threshold"}
+_ZERO_KEYS = {f.name for f in fields(ZeroConfig)} | set(_ZERO_ALIASES)
+_OPT_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "decoupled_weight_decay"}
+_TOP_KEYS = {"zero", "zero_optimization", "precision", "bf16", "fp16", "optimizer", "gradient_clipping",
+             "gradient_accumulation_steps", "micro_batch_size", "train_micro_batch_size_per_gpu",
+             "train_batch_size"}
+
+
+def _from_dict(d: dict) -> TrainConfig:
+    _reject_unknown(d, _TOP_KEYS, "")
+    kwargs: dict = {}
+    kwargs["zero"] = _zero_from(d)
+    kwargs["precision"] = _precision_from(d)
+    kwargs["optimizer"] = _optimizer_from(d.get("optimizer"))
+    for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size"):
+        if key in d:
+            kwargs[key] = d[key]
+    micro = [k for k in ("micro_batch_size", "train_micro_batch_size_per_gpu") if k in d]
+    if len(micro) > 1:
+        raise ConfigError("micro_batch_size and train_micro_batch_size_per_gpu are both set; keep one")
+    if micro:
+        kwargs["micro_batch_size"] = _int(d[micro[0]], micro[0], 1)
+    return TrainConfig(**kwargs)
+
+
+def _zero_from(d: dict) -> ZeroConfig:
+    present = [k for k in ("zero", "zero_optimization") if k in d]
+    if len(present) > 1:
+        raise ConfigError("zero and zero_optimization are both set; keep one")
+    if not present:
+        return ZeroConfig()
+    where = present[0]
+    section = _section(d[where], where)
+    _reject_unknown(section, _ZERO_KEYS, where)
+    values: dict = {}
+    for key, value in section.items():
+        name = _ZERO_ALIASES.get(key, key)
+        if name in values:
+            raise ConfigError(f"{where}.{name} is set twice (also as {key}); keep one")
+        values[name] = value
+    cfg = ZeroConfig.__new__(ZeroConfig)  # validate under the user's section name, then construct
+    for f in fields(ZeroConfig):
+        object.__setattr__(cfg, f.name, values.get(f.name, f.default))
+    _check_zero(cfg, where)
+    return ZeroConfig(**{f.name: getattr(cfg, f.name) for f in fields(ZeroConfig)})
+
+
+def _precision_from(d: dict) -> str:
+    fp16 = d.get("fp16")
+    if fp16 is not None and _section(fp16, "fp16").get("enabled", False):
+        raise ConfigError("fp16.enabled: fp16 is not supported; use bf16 (bf16.enabled: true) instead")
+    bf16 = None
+    if "bf16" in d:
+        section = _section(d["bf16"], "bf16")
+        _reject_unknown(section, {"enabled"}, "bf16")
+        bf16 = _bool(section.get("enabled", False), "bf16.enabled")
+    if "precision" in d:
+        precision = d["precision"]
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if bf16 is not None and bf16 != (precision == "bf16"):
+            raise ConfigError(f"precision is {precision!r} but bf16.enabled is {bf16}; keep one of them")
+        return precision
+    return "bf16" if bf16 else "fp32"
+
+
+def _optimizer_from(section) -> OptimizerConfig:
+    if section is None:
+        return OptimizerConfig()
+    section = _section(section, "optimizer")
+    if "params" in section:  # DeepSpeed: {"type": ..., "params": {...}}
+        _reject_unknown(section, {"type", "params"}, "optimizer")
+        where, params = "optimizer.params", _section(section["params"], "optimizer.params")
+    else:
+        where, params = "optimizer", {k: v for k, v in section.items() if k != "type"}
+    _reject_unknown(params, _OPT_PARAM_KEYS, where)
+    kind = str(section.get("type", "AdamW"))
+    if kind.lower() not in ("adam", "adamw"):
+        raise ConfigError(f"optimizer.type must be Adam or AdamW, got {kind!r}")
+    decoupled = params.get("decoupled_weight_decay", params.get("adam_w_mode", True))
+    decoupled = _bool(decoupled, f"{where}.adam_w_mode")
+    if kind.lower() == "adamw" and not decoupled:
+        raise ConfigError(f"{where}.adam_w_mode is false but optimizer.type is AdamW; use type Adam for L2 decay")
+    cfg = OptimizerConfig.__new__(OptimizerConfig)
+    for f in fields(OptimizerConfig):
+        object.__setattr__(cfg, f.name, params.get(f.name, f.default))
+    object.__setattr__(cfg, "decoupled_weight_decay", decoupled)
+    _check_optimizer(cfg, where)
+    return OptimizerConfig(**{f.name: getattr(cfg, f.name) for f in fields(OptimizerConfig)})

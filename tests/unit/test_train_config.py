@@ -1,0 +1,97 @@
+"""hybrid.config: our dict, the DeepSpeed-style dict, and one clear error per bad field."""
+
+import pytest
+
+from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
+from hybrid.errors import ConfigError
+
+
+def test_defaults_follow_the_seed_and_torch_adamw():
+    cfg = TrainConfig()
+    assert cfg.zero == ZeroConfig(stage=0, reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
+                                  prefetch_bucket_size=50_000_000, param_persistence_threshold=100_000,
+                                  sub_group_size=1_000_000_000)
+    assert (cfg.precision, cfg.gradient_clipping, cfg.gradient_accumulation_steps) == ("fp32", None, 1)
+    assert cfg.optimizer == OptimizerConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def test_deepspeed_dict():
+    cfg = TrainConfig.from_dict({
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8,
+                              "reduce_scatter": True, "overlap_comm": False, "contiguous_gradients": True,
+                              "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+                              "sub_group_size": 1e9},
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                  "weight_decay": 0.1}},
+        "gradient_clipping": 1.0, "gradient_accumulation_steps": 2,
+        "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32,
+    })
+    z = cfg.zero
+    assert (z.stage, z.reduce_bucket_size, z.allgather_bucket_size, z.prefetch_bucket_size) == (3, 500_000_000,
+                                                                                             200_000_000, 50_000_000)
+    assert (z.param_persistence_threshold, z.sub_group_size, z.overlap_comm) == (100_000, 1_000_000_000, False)
+    assert isinstance(z.reduce_bucket_size, int)
+    assert cfg.precision == "bf16"
+    assert cfg.optimizer == OptimizerConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    assert (cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (1.0, 2)
+    cfg.check_batch(dp=4)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        cfg.check_batch(dp=2)
+
+
+def test_our_dict_and_adam_l2_mode():
+    cfg = TrainConfig.from_dict({"zero": {"stage": 2, "prefetch_bucket_size": 10}, "precision": "bf16",
+                                 "optimizer": {"lr": 0.5, "weight_decay": 0.0}, "gradient_clipping": 0.0})
+    assert (cfg.zero.stage, cfg.zero.prefetch_bucket_size, cfg.precision) == (2, 10, "bf16")
+    assert cfg.optimizer.lr == 0.5 and cfg.gradient_clipping is None  # 0 means "off", as in DeepSpeed
+    adam = TrainConfig.from_dict({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
+    assert adam.optimizer.decoupled_weight_decay is False
+    assert TrainConfig.from_dict({"optimizer": {"type": "Adam"}}).optimizer.decoupled_weight_decay is True
+
+
+@pytest.mark.parametrize("d, field", [
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
+    ({"zero": {"stage": "2"}}, "zero.stage"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"allgather_bucket_size": 1.5}}, "zero_optimization.allgather_bucket_size"),
+    ({"zero_optimization": {"stage3_param_persistence_threshold": -5}},
+     "zero_optimization.param_persistence_threshold"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
+    ({"zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}},
+     "zero_optimization.prefetch_bucket_size"),
+    ({"zero": {}, "zero_optimization": {}}, "zero and zero_optimization"),
+    ({"steps_per_print": 10}, "steps_per_print"),
+    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"bf16": {"enabled": True, "loss_scale": 0}}, "bf16.loss_scale"),
+    ({"precision": "fp16"}, "precision"),
+    ({"precision": "fp32", "bf16": {"enabled": True}}, "precision"),
+    ({"optimizer": {"type": "SGD"}}, "optimizer.type"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, "optimizer.params.momentum"),
+    ({"optimizer": {"lr": -1.0}}, "optimizer.lr"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas"),
+    ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas"),
+    ({"optimizer": {"eps": 0}}, "optimizer.eps"),
+    ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, "optimizer.params.adam_w_mode"),
+    ({"gradient_clipping": -1}, "gradient_clipping"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+])
+def test_bad_fields_raise_one_error_naming_the_field(d, field):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(d)
+    assert str(err.value).startswith(field), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ConfigError, match=r"^zero\.stage must be 0, 1, 2 or 3"):
+        ZeroConfig(stage=5)
+    with pytest.raises(ConfigError, match=r"^zero\.reduce_bucket_size must be a positive integer"):
+        ZeroConfig(reduce_bucket_size=-1)
+    with pytest.raises(ConfigError, match=r"^precision"):
+        TrainConfig(precision="fp16")
+    with pytest.raises(ConfigError, match=r"^config must be a mapping"):
+        TrainConfig.from_dict([("zero", {})])
