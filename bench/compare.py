@@ -1,0 +1,193 @@
+"""Benchmark hybrid against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed, side by side.
+
+    python bench/compare.py            # full comparison (make bench): 4M and 100M params, fp32 and bf16
+    python bench/compare.py --quick    # tiny model, 3 steps, a few implementations (the test runs this)
+
+Each implementation x ZeRO stage trains the same GPT (same seed, same batches) in its own freshly spawned
+world of 2 ranks (gloo on CPU, one thread per rank). The run fails (exit 1) when the implementations'
+losses disagree beyond the precision's tolerance, when a run fails, or when hybrid's traffic per step is
+off the seed's ratios. The full run writes the tables to bench/RESULTS.md, keeping anything below the
+``<!-- notes -->`` marker of the previous file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import report  # noqa: E402
+from bench.peers import LABELS, STAGES, deepspeed_available  # noqa: E402
+from bench.workload import Workload, count_parameters, workloads  # noqa: E402
+
+NOTES_MARKER = "<!-- notes -->"
+QUICK_RUNS = [("hybrid", 0), ("hybrid", 1), ("hybrid", 2), ("hybrid", 3), ("ddp", 0), ("fsdp2", 3),
+              ("deepspeed", 3)]
+
+
+def plan(quick: bool, only: list[str] | None, with_deepspeed: bool) -> list[tuple[str, int]]:
+    runs = QUICK_RUNS if quick else [(impl, s) for impl, stages in STAGES.items() for s in stages]
+    if only:
+        wanted = set(only)
+        runs = [(i, s) for i, s in runs if i in wanted or f"{i}:{s}" in wanted]
+    if not with_deepspeed:
+        runs = [(i, s) for i, s in runs if i != "deepspeed"]
+    return runs
+
+
+def run_one(impl: str, stage: int, w: Workload, timeout_s: float) -> report.Row:
+    from bench.measure import run_rank
+    from hybrid.local_launch import LocalRunError, run_local
+
+    t0 = time.perf_counter()
+    try:
+        per_rank = run_local(run_rank, w.world_size, impl, stage, w, timeout_s=timeout_s, threads=1)
+    except LocalRunError as exc:
+        print(f"  {impl}:{stage} FAILED\n{exc}", file=sys.stderr, flush=True)
+        last = [line for line in str(exc).strip().splitlines() if line.strip()][-1]
+        return report.Row(impl, stage, w.name, w.precision, error=last[:160])
+    return report.summarize(impl, stage, w.name, w.precision, per_rank, time.perf_counter() - t0)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}, torch {_version('torch')}, deepspeed {_version('deepspeed')}")
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 3 steps, a subset of implementations")
+    ap.add_argument("--sizes", nargs="*", help="workload names to run (default: all)")
+    ap.add_argument("--precisions", nargs="*", help="fp32 and/or bf16 (default: both; --quick: fp32)")
+    ap.add_argument("--only", nargs="*", help="implementations or impl:stage to run, e.g. hybrid ddp fsdp2:3")
+    ap.add_argument("--out", help="Markdown file to write (default: bench/RESULTS.md; --quick: none)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per implementation run")
+    args = ap.parse_args(argv)
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned rank
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+
+    precisions = args.precisions or (["fp32"] if args.quick else ["fp32", "bf16"])
+    sizes = [w for w in workloads(args.quick) if not args.sizes or w.name in args.sizes]
+    with_ds = deepspeed_available()
+    if not with_ds:
+        print("deepspeed is not importable: DeepSpeed rows skipped (install the bench extra: "
+              "DS_BUILD_OPS=0 pip install -e '.[bench]')", flush=True)
+    runs = plan(args.quick, args.only, with_ds)
+    command = " ".join(shlex.quote(a) for a in ["python", "bench/compare.py", *(argv or sys.argv[1:])])
+
+    started = time.perf_counter()
+    sections, failures = [], []
+    for base in sizes:
+        for precision in precisions:
+            w = base.with_precision(precision)
+            print(f"== {w.name} params ({count_parameters(w):,}), {precision}, world size {w.world_size}",
+                  flush=True)
+            rows = []
+            for impl, stage in runs:
+                row = run_one(impl, stage, w, args.timeout)
+                rows.append(row)
+                if row.error:
+                    failures.append(f"{w.name} {precision} {row.key}: {row.error}")
+                else:
+                    print(f"  {row.key:12s} {row.step_s * 1e3:9.1f} ms/step  RSS growth "
+                          f"{row.delta_rss / report.MiB:7.0f} MiB  loss {row.losses[-1]:.5f}  "
+                          f"({row.wall_s:.0f} s)", flush=True)
+            tol = report.LOSS_TOLERANCE[precision]
+            bad = report.loss_disagreements(rows, tol)
+            if bad:
+                failures += [f"{w.name} {precision} losses disagree: {b}" for b in bad]
+            ratios = report.traffic_ratios(rows)
+            failures += [f"{w.name} {precision} traffic: {m}" for m in report.traffic_mismatches(ratios)]
+            sections.append((w, rows, bad))
+
+    text = render(sections, command, time.perf_counter() - started)
+    print("\n" + text)
+    out = args.out or (None if args.quick else str(Path(__file__).with_name("RESULTS.md")))
+    if out and not any(bad for _, _, bad in sections):
+        write_keeping_notes(Path(out), text)
+        print(f"\nwrote {out}")
+    if failures:
+        print("\nFAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def render(sections, command: str, elapsed_s: float) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "# Benchmark: hybrid vs DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed",
+        "",
+        f"- Command: `DS_ACCELERATOR=cpu {command}` (what `make bench` runs), {elapsed_s / 60:.1f} min in all",
+        f"- Machine: {machine()}",
+        f"- Date: {now}",
+        "- Every row: world size 2 on one machine, gloo, 1 thread per rank (OMP_NUM_THREADS=1), its own fresh "
+        "processes; the same GPT, seed and batches; AdamW with the same hyper-parameters.",
+        "- step time: median over the timed steps of the slowest rank (forward + backward + optimizer step, "
+        "a barrier before and after each step). vs hybrid: this row's time / hybrid's at the same stage "
+        "(> 1 means hybrid is faster).",
+        "- peak RSS: the rank's lifetime peak (largest rank). RSS growth: peak minus the RSS just before the "
+        "model was built (after the implementation's imports) -- the training footprint; the memory ratio "
+        "below uses it.",
+        "- model states: parameter, gradient and optimizer-state tensors held per rank, read between backward "
+        "and optimizer step (hybrid: `engine.memory_report()`; peers: the distinct storages reachable from the "
+        "module and the optimizer, communication buckets excluded).",
+        "- traffic: hybrid's `engine.comm_report()` per timed step (logical bytes: all-reduce 2|X|, "
+        "reduce-scatter and all-gather |X|); the peers issue their collectives from C++ and are not counted.",
+        "- bf16: hybrid and DeepSpeed keep bf16 parameters and gradients with fp32 masters; FSDP2 uses "
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 shards; DDP and "
+        "ZeroRedundancyOptimizer keep fp32 state and run the forward under torch.autocast(bfloat16).",
+        "",
+    ]
+    for w, rows, bad in sections:
+        n_params = count_parameters(w)
+        parts += [f"## {w.name} ({n_params / 1e6:.1f}M parameters), {w.precision}", "",
+                  f"GPT {w.model}, micro batch {w.micro_batch} per rank, {w.warmup} warm-up + {w.steps} timed "
+                  f"steps. Largest loss spread between implementations over all steps: "
+                  f"{report.max_loss_spread(rows):.2e} (tolerance {report.LOSS_TOLERANCE[w.precision]:g}).", ""]
+        if bad:
+            parts += ["**LOSSES DISAGREE -- the times below are not comparable:**", ""]
+            parts += [f"- {b}" for b in bad] + [""]
+        parts += [report.render_rows(rows, LABELS), ""]
+        summary = report.stage_summary(rows)
+        if summary:
+            parts += [report.render_summary(summary), ""]
+        parts += [report.render_traffic(report.traffic_ratios(rows)), ""]
+    return "\n".join(parts)
+
+
+def write_keeping_notes(path: Path, text: str) -> None:
+    notes = ""
+    if path.exists():
+        old = path.read_text()
+        if NOTES_MARKER in old:
+            notes = old[old.index(NOTES_MARKER):]
+    path.write_text(text + ("\n" + notes if notes else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

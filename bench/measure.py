@@ -1,0 +1,69 @@
+"""One implementation's training run on one rank, timed and measured.
+
+``run_rank(impl, stage, workload)`` runs inside a freshly spawned rank (``hybrid.local_launch.run_local``)
+and returns plain data: the loss and wall time of every step, the RSS before the model was built and the
+peak RSS of the process, the model-state bytes held, and (hybrid only) the traffic per timed step.
+
+Each step is framed by barriers, so its time on every rank is the time of the slowest rank. Model-state
+bytes are read between backward and optimizer step of the last warm-up step: gradients are alive and the
+optimizer state has been allocated by the earlier steps, and no timed step pays for the counting.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench import peers
+from bench.workload import Workload, batch, build_model
+
+
+def run_rank(impl: str, stage: int, w: Workload) -> dict:
+    if w.warmup < 2:
+        raise ValueError("warmup must be >= 2: the optimizer state exists only after the first step")
+    rank = dist.get_rank()
+    peers.import_library(impl)
+    rss_before = current_rss_bytes()
+    model = build_model(w)
+    runner = peers.setup(impl, stage, model, w)
+
+    losses, times, state_bytes = [], [], None
+    for step in range(w.warmup + w.steps):
+        idx, targets = batch(w, step, rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = runner.forward_backward(idx, targets)
+        if step == w.warmup - 1:
+            state_bytes = runner.model_state_bytes()
+        runner.optimizer_step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        if step == w.warmup - 1:
+            runner.reset_traffic()
+
+    traffic = runner.traffic()
+    if traffic is not None:
+        traffic = {k: v / w.steps for k, v in traffic.items()}
+    return dict(rank=rank, losses=losses, times=times[w.warmup:], rss_before=rss_before,
+                peak_rss=peak_rss_bytes(), state_bytes=state_bytes, traffic=traffic)
+
+
+def current_rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:  # psutil comes with the bench extra; the quick test may run without it
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB

@@ -1,0 +1,287 @@
+"""The implementations under test, behind one small interface.
+
+``setup(impl, stage, model, workload)`` wraps a freshly built fp32 model and returns a ``Runner``:
+
+* ``forward_backward(idx, targets) -> loss`` (a detached fp32 scalar tensor),
+* ``optimizer_step()`` (the step plus zeroing/freeing of gradients),
+* ``model_state_bytes() -> int``: bytes of parameter, gradient and optimizer-state tensors this rank holds,
+* ``traffic() -> dict | None`` and ``reset_traffic()``: logical bytes per collective kind (hybrid only; the
+  peers call their collectives from C++ where they cannot be counted).
+
+Every implementation runs the same math: AdamW (torch.optim.AdamW for every peer; hybrid's own AdamW on its
+fp32 master) with the same hyper-parameters, gradients averaged over the data-parallel ranks, no clipping.
+
+Precision per implementation ("bf16"):
+
+* hybrid      -- bf16 parameters and gradients, fp32 master weights and Adam state (its ``precision="bf16"``).
+* ddp, zero1  -- fp32 parameters, gradients and state; forward under ``torch.autocast(bfloat16)``
+                 (torch's data-parallel wrappers have no bf16-parameter mode).
+* fsdp2       -- fp32 sharded parameters, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``:
+                 bf16 unsharded parameters, bf16 gradient reduction, fp32 sharded gradients and state.
+* deepspeed   -- ``bf16.enabled``: bf16 module parameters and gradients, fp32 master weights and state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from bench.workload import Workload
+
+# implementation -> the ZeRO stages it implements
+STAGES = {
+    "hybrid": (0, 1, 2, 3),
+    "ddp": (0,),
+    "zero1": (1,),
+    "fsdp2": (2, 3),
+    "deepspeed": (0, 1, 2, 3),
+}
+LABELS = {
+    "hybrid": "hybrid",
+    "ddp": "DDP",
+    "zero1": "ZeroRedundancyOptimizer+DDP",
+    "fsdp2": "FSDP2 fully_shard",
+    "deepspeed": "DeepSpeed ZeRO",
+}
+
+
+def deepspeed_available() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # not installed, or installed without a usable accelerator
+        return False
+    return True
+
+
+def import_library(impl: str) -> None:
+    """Import what ``impl`` needs, so its import cost is outside the measured training memory."""
+    if impl == "deepspeed":
+        import deepspeed  # noqa: F401
+        from deepspeed.utils import logger
+
+        logger.setLevel(logging.WARNING)
+    elif impl == "hybrid":
+        import hybrid  # noqa: F401
+    elif impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+
+def setup(impl: str, stage: int, model: torch.nn.Module, w: Workload):
+    if stage not in STAGES[impl]:
+        raise ValueError(f"{impl} does not implement ZeRO stage {stage}")
+    if impl == "hybrid":
+        return _HybridRunner(model, stage, w)
+    if impl == "deepspeed":
+        return _DeepSpeedRunner(model, stage, w)
+    if impl == "fsdp2":
+        return _fsdp2(model, stage, w)
+    return _torch_dp(model, impl, w)
+
+
+def _adamw(params, w: Workload) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=w.lr, betas=w.betas, eps=w.eps, weight_decay=w.weight_decay)
+
+
+# --- torch peers ---------------------------------------------------------------------------------
+
+class _TorchRunner:
+    def __init__(self, module, wrapped, optimizer, autocast_bf16: bool):
+        self.module, self.wrapped, self.optimizer = module, wrapped, optimizer
+        self.autocast_bf16 = autocast_bf16
+
+    def forward_backward(self, idx, targets):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            loss = self.wrapped(idx, targets)
+        loss.backward()
+        return loss.detach().float()
+
+    def optimizer_step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state_bytes(self) -> int:
+        return reachable_tensor_bytes(self.module, self.optimizer)
+
+    def traffic(self):
+        return None
+
+    def reset_traffic(self):
+        pass
+
+
+def _torch_dp(model, impl: str, w: Workload) -> _TorchRunner:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    if impl == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=w.lr,
+                                      betas=w.betas, eps=w.eps, weight_decay=w.weight_decay)
+    else:
+        opt = _adamw(model.parameters(), w)
+    return _TorchRunner(model, ddp, opt, autocast_bf16=w.precision == "bf16")
+
+
+def _fsdp2(model, stage: int, w: Workload) -> _TorchRunner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw = dict(mesh=mesh, reshard_after_forward=stage == 3)
+    if w.precision == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    # One FSDP unit per transformer block (every element of a ModuleList), then the root for the rest,
+    # as torchtitan does.
+    for m in list(model.modules()):
+        if isinstance(m, torch.nn.ModuleList):
+            for block in m:
+                fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return _TorchRunner(model, model, _adamw(model.parameters(), w), autocast_bf16=False)
+
+
+# --- DeepSpeed -----------------------------------------------------------------------------------
+
+class _DeepSpeedRunner:
+    def __init__(self, model, stage: int, w: Workload):
+        import deepspeed
+
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory op (30 s) that serves only inference
+        # all-reduce; an empty compatibility table skips that build and the compiler probes. Training
+        # collectives go through torch.distributed (gloo) either way.
+        deepspeed.ops.__compatible_ops__ = {}
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = {
+            "train_micro_batch_size_per_gpu": w.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": w.precision == "bf16"},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=_adamw(model.parameters(), w), config=config)
+
+    def forward_backward(self, idx, targets):
+        loss = self.engine(idx, targets)
+        self.engine.backward(loss)
+        return loss.detach().float()
+
+    def optimizer_step(self):
+        self.engine.step()
+
+    def model_state_bytes(self) -> int:
+        return reachable_tensor_bytes(self.engine.module, self.optimizer)
+
+    def traffic(self):
+        return None
+
+    def reset_traffic(self):
+        pass
+
+
+# --- hybrid --------------------------------------------------------------------------------------
+
+class _HybridRunner:
+    def __init__(self, model, stage: int, w: Workload):
+        import hybrid
+        from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
+
+        config = TrainConfig(zero=ZeroConfig(stage=stage), precision=w.precision,
+                             optimizer=OptimizerConfig(lr=w.lr, betas=tuple(w.betas), eps=w.eps,
+                                                       weight_decay=w.weight_decay))
+        self.engine = hybrid.initialize(model, config)
+
+    def forward_backward(self, idx, targets):
+        loss = self.engine(idx, targets)
+        self.engine.backward(loss)
+        return loss.detach().float()
+
+    def optimizer_step(self):
+        self.engine.step()
+
+    def model_state_bytes(self) -> int:
+        return int(_report_total(self.engine.memory_report()))
+
+    def traffic(self) -> Optional[dict]:
+        return dict(self.engine.comm_report())
+
+    def reset_traffic(self):
+        self.engine.reset_comm()
+
+
+def _report_total(report) -> float:
+    if isinstance(report, dict):
+        return report["total"]
+    return report.total
+
+
+# --- counting held tensors -----------------------------------------------------------------------
+
+def reachable_tensor_bytes(module: torch.nn.Module, optimizer) -> int:
+    """Bytes of the distinct storages behind the module's parameters and gradients and every tensor
+    reachable from the optimizer object (its state, master copies, flat gradient partitions).
+
+    Communication staging buffers are not model state and are left out everywhere: DDP's reducer buckets
+    and FSDP2's all-gather/reduce-scatter staging live in C++ out of reach, and DeepSpeed's "ipg" buckets
+    (stage 3 preallocates reduce_bucket_size elements, 1 GB in bf16 by default, mostly never touched) are
+    skipped by name. What they really cost shows in the peak RSS.
+    """
+    seen: dict[int, int] = {}
+    for p in module.parameters():
+        _add(seen, p)
+        if p.grad is not None:
+            _add(seen, p.grad)
+    _walk(optimizer, seen, visited=set(), depth=0)
+    return sum(seen.values())
+
+
+def _add(seen: dict, t: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if t.device.type == "meta":
+        return
+    storage = t.untyped_storage()
+    if storage.nbytes() > 0:
+        seen[storage.data_ptr()] = storage.nbytes()
+
+
+_LEAVES = (str, bytes, int, float, bool, type(None))
+
+
+def _walk(obj, seen: dict, visited: set, depth: int) -> None:
+    if depth > 8 or isinstance(obj, _LEAVES) or id(obj) in visited:
+        return
+    visited.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        _add(seen, obj)
+        if obj.grad is not None:
+            _add(seen, obj.grad)
+        return
+    if isinstance(obj, torch.nn.Module):
+        return  # parameters were counted above; do not wander into activations or hooks
+    if isinstance(obj, dict):
+        children: Iterable = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        children = list(obj)
+    elif _is_state_holder(obj):
+        children = [v for k, v in vars(obj).items() if "ipg" not in k]
+    else:
+        return
+    for child in children:
+        _walk(child, seen, visited, depth + 1)
+
+
+def _is_state_holder(obj) -> bool:
+    """Optimizers and the DeepSpeed objects that hold partitions; nothing else is searched."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    module = type(obj).__module__ or ""
+    return module.startswith("deepspeed.runtime") and hasattr(obj, "__dict__")
