@@ -64,13 +64,10 @@ class _World:
 
     @classmethod
     def of(cls, engine) -> "_World":
-        dp_group, tp_group = getattr(engine, "dp_group", None), getattr(engine, "tp_group", None)
-        config = engine.config
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   dp=dist.get_world_size(dp_group), dp_rank=dist.get_rank(dp_group),
-                   tp=1 if tp_group is None else dist.get_world_size(tp_group),
-                   tp_rank=0 if tp_group is None else dist.get_rank(tp_group),
-                   stage=int(config.zero.stage), precision=str(config.precision))
+        dp, tp = engine.dp_comm, engine.tp_comm  # tp_comm is None without a TP group
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), dp=dp.size, dp_rank=dp.rank,
+                   tp=1 if tp is None else tp.size, tp_rank=0 if tp is None else tp.rank,
+                   stage=int(engine.stage), precision=str(engine.config.precision))
 
     def as_dict(self) -> dict:
         return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "stage": self.stage,
@@ -164,6 +161,7 @@ def load(path, engine) -> Resumed:
     if same_world:
         rng.restore(state[rng_key])
     engine.optimizer_step_count = int(doc["optimizer_step_count"])
+    engine.global_step = int(doc["global_step"])
     engine.sync_params_from_master()
     log.info("rank %d: resumed from %s (step %d)", world.rank, ckpt, doc["step"])
     return Resumed(path=ckpt, step=int(doc["step"]), optimizer_step_count=int(doc["optimizer_step_count"]),
