@@ -1,0 +1,294 @@
+"""cluster.yaml: load, validate and resolve into a ``LaunchSpec``.
+
+``load_spec(path)`` reads the file with ``yaml.safe_load`` and returns a frozen ``LaunchSpec`` (cluster,
+job, parallel sections), or raises ``ConfigError`` with one sentence naming the bad field, its value and
+what is allowed. Unknown keys are errors, relative paths are resolved against the YAML file's directory,
+and ``job.entrypoint`` must be an importable ``module:function``. Nothing here contacts Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from hybrid.errors import ConfigError
+
+ADDRESS_HELP = "'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'"
+INTRA_NODE = ("nvlink", "pcie", "loopback")
+INTER_NODE = ("infiniband", "roce", "ethernet", "loopback")
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    address: str
+    nodes: int
+    gpus_per_node: int  # ranks per node
+    gpu_memory_gb: float  # used where NVML cannot measure, and by `hybrid plan`
+    intra_node: str = "unspecified"
+    inter_node: str = "unspecified"
+
+    @property
+    def is_local(self) -> bool:
+        return self.address == "local"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    dir: Optional[Path] = None  # None: no checkpoints
+    every: int = 0
+    keep_last: int = 2
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    entrypoint: str  # "module:function"
+    config: Path  # the model config YAML
+    steps: int
+    micro_batch: int = 8
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    max_failures: int = 0
+    collective_timeout_s: float = 300.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    tp: Optional[int] = None  # None: auto = gpus_per_node
+    zero_stage: Optional[int] = None  # None: auto = the planner's choice
+    precision: str = "bf16"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    cluster: ClusterSpec
+    job: JobSpec
+    parallel: ParallelSpec
+    path: Optional[Path] = None
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tp if self.parallel.tp is not None else self.cluster.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.cluster.world_size // self.tp
+
+    def with_overrides(self, steps: Optional[int] = None, stage: Optional[int] = None) -> "LaunchSpec":
+        """The spec with ``--steps`` / ``--stage`` from the command line applied (validated like the file)."""
+        job, parallel = self.job, self.parallel
+        if steps is not None:
+            job = dataclasses.replace(job, steps=_int(steps, "--steps", minimum=1))
+        if stage is not None:
+            parallel = dataclasses.replace(parallel, zero_stage=_stage(stage, "--stage"))
+        return dataclasses.replace(self, job=job, parallel=parallel)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_spec(path: str | os.PathLike) -> LaunchSpec:
+    """Read and validate a cluster.yaml; every problem is a ``ConfigError`` of one sentence."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"cluster file {path} does not exist; pass the path of a cluster.yaml.")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+        line = err.problem_mark.line + 1 if err.problem_mark is not None else "?"
+        raise ConfigError(f"{path} line {line}: YAML syntax error ({err.problem}); "
+                          "fix the indentation or quoting there.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: YAML syntax error ({err}); fix the file.") from None
+    return parse_spec(data, base_dir=path.resolve().parent, path=path)
+
+
+def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> LaunchSpec:
+    """Validate an already-parsed cluster.yaml mapping; relative paths resolve against ``base_dir``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'the cluster file'} must be a mapping with sections cluster, job "
+                          f"(and optionally parallel); it holds {type(data).__name__}.")
+    _known(data, "", ("cluster", "job", "parallel"))
+    cluster = _cluster(_section(data, "cluster", required=True))
+    job = _job(_section(data, "job", required=True), base_dir)
+    parallel = _parallel(_section(data, "parallel", required=False), cluster)
+    return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path)
+
+
+def _cluster(d: dict) -> ClusterSpec:
+    _known(d, "cluster", ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect"))
+    address = _required(d, "cluster", "address", ADDRESS_HELP)
+    if not (isinstance(address, str) and (address in ("local", "auto") or _is_ray_client(address))):
+        raise ConfigError(f"cluster.address is {address!r}; use {ADDRESS_HELP}.")
+    nodes = _int(_required(d, "cluster", "nodes", "a whole number of nodes, at least 1"), "cluster.nodes", 1)
+    gpus = _int(_required(d, "cluster", "gpus_per_node", "ranks per node, at least 1"),
+                "cluster.gpus_per_node", 1)
+    memory = _required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80")
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
+        raise ConfigError(f"cluster.gpu_memory_gb is {memory!r}; give the memory of one GPU in GB, "
+                          "a number above 0 (e.g. 80).")
+    links = d.get("interconnect") or {}
+    if not isinstance(links, dict):
+        raise ConfigError(f"cluster.interconnect is {links!r}; give a mapping like "
+                          "{intra_node: nvlink, inter_node: infiniband}.")
+    _known(links, "cluster.interconnect", ("intra_node", "inter_node"))
+    intra = _choice(links.get("intra_node", "unspecified"), "cluster.interconnect.intra_node",
+                    INTRA_NODE + ("unspecified",))
+    inter = _choice(links.get("inter_node", "unspecified"), "cluster.interconnect.inter_node",
+                    INTER_NODE + ("unspecified",))
+    return ClusterSpec(address, nodes, gpus, float(memory), intra, inter)
+
+
+def _job(d: dict, base_dir: Path) -> JobSpec:
+    _known(d, "job", ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
+                      "collective_timeout_s", "seed"))
+    entrypoint = _required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
+    check_entrypoint(entrypoint)
+    config = _required(d, "job", "config", "the path of the model config YAML")
+    if not isinstance(config, str):
+        raise ConfigError(f"job.config is {config!r}; give the path of the model config YAML.")
+    config_path = _resolve(config, base_dir)
+    if not config_path.is_file():
+        raise ConfigError(f"job.config is {config!r}, but {config_path} does not exist; "
+                          "give the path of the model config YAML (relative to the cluster file).")
+    steps = _int(_required(d, "job", "steps", "the number of training steps"), "job.steps", 1)
+    micro_batch = _int(d.get("micro_batch", 8), "job.micro_batch", 1)
+    max_failures = _int(d.get("max_failures", 0), "job.max_failures", 0)
+    seed = _int(d.get("seed", 0), "job.seed", 0)
+    timeout = d.get("collective_timeout_s", 300)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"job.collective_timeout_s is {timeout!r}; give seconds, a number above 0.")
+    return JobSpec(entrypoint, config_path, steps, micro_batch, _checkpoint(d.get("checkpoint"), base_dir),
+                   max_failures, float(timeout), seed)
+
+
+def _checkpoint(d: Any, base_dir: Path) -> CheckpointSpec:
+    if d is None:
+        return CheckpointSpec()
+    if not isinstance(d, dict):
+        raise ConfigError(f"job.checkpoint is {d!r}; give a mapping like {{dir: ./runs/demo, every: 10}}.")
+    _known(d, "job.checkpoint", ("dir", "every", "keep_last"))
+    directory = _required(d, "job.checkpoint", "dir", "the directory for checkpoints")
+    if not isinstance(directory, str) or not directory:
+        raise ConfigError(f"job.checkpoint.dir is {directory!r}; give a directory path.")
+    every = _int(d.get("every", 10), "job.checkpoint.every", 1)
+    keep_last = _int(d.get("keep_last", 2), "job.checkpoint.keep_last", 1)
+    return CheckpointSpec(_resolve(directory, base_dir), every, keep_last)
+
+
+def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
+    _known(d, "parallel", ("tp", "zero_stage", "precision"))
+    tp = d.get("tp", "auto")
+    if tp == "auto":
+        tp = None
+    else:
+        tp = _int(tp, "parallel.tp", 1, allowed="'auto' or a whole number that divides cluster.gpus_per_node")
+        if cluster.gpus_per_node % tp:
+            raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = "
+                              f"{cluster.gpus_per_node}; TP groups must lie inside one node, so use a divisor "
+                              f"of {cluster.gpus_per_node} or 'auto'.")
+    stage = d.get("zero_stage", "auto")
+    stage = None if stage == "auto" else _stage(stage, "parallel.zero_stage")
+    precision = _choice(d.get("precision", "bf16"), "parallel.precision", PRECISIONS)
+    return ParallelSpec(tp, stage, precision)
+
+
+# ------------------------------------------------------------------------------------------- entrypoint
+
+
+def check_entrypoint(entrypoint: Any) -> None:
+    """Raise ``ConfigError`` unless ``entrypoint`` names an importable ``module:function``."""
+    resolve_entrypoint(entrypoint, field_name="job.entrypoint")
+
+
+def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint") -> Callable:
+    """Import ``module:function`` and return the function (the current directory is importable, as with
+    ``python -m``)."""
+    if not isinstance(entrypoint, str) or entrypoint.count(":") != 1 or not all(entrypoint.split(":")):
+        raise ConfigError(f"{field_name} is {entrypoint!r}; give module:function, "
+                          "e.g. hybrid.models.gpt:train.")
+    module_name, fn_name = entrypoint.split(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or the module itself raising while imported
+        raise ConfigError(f"{field_name} is {entrypoint!r}, but module {module_name!r} cannot be imported "
+                          f"({type(err).__name__}: {err}); give an importable module:function.") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"{field_name} is {entrypoint!r}, but {module_name} has no function {fn_name!r}; "
+                          "give an importable module:function.")
+    return fn
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _section(data: dict, name: str, required: bool) -> dict:
+    if name not in data or data[name] is None:
+        if required:
+            raise ConfigError(f"section {name!r} is missing from the cluster file; add it "
+                              "(see clusters/local.yaml for the shape).")
+        return {}
+    if not isinstance(data[name], dict):
+        raise ConfigError(f"section {name!r} is {data[name]!r}; it must be a mapping of fields.")
+    return data[name]
+
+
+def _known(d: dict, where: str, keys: tuple) -> None:
+    """Unknown keys are errors: a typo must never silently fall back to a default."""
+    for key in d:
+        if key not in keys:
+            name = f"{where}.{key}" if where else str(key)
+            place = where or "the top level"
+            raise ConfigError(f"{name} is not a known key; allowed keys in {place}: {', '.join(keys)}.")
+
+
+def _required(d: dict, section: str, key: str, allowed: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{section}.{key} is missing; add it ({allowed}).")
+    return d[key]
+
+
+def _int(value: Any, name: str, minimum: int, allowed: Optional[str] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = allowed or f"a whole number, at least {minimum}"
+        raise ConfigError(f"{name} is {value!r}; it must be {allowed}.")
+    return value
+
+
+def _stage(value: Any, name: str) -> int:
+    if value == "auto" and name.startswith("--"):
+        raise ConfigError(f"{name} is 'auto'; omit {name} to let the planner choose, or give 0, 1, 2 or 3.")
+    if isinstance(value, bool) or value not in (0, 1, 2, 3):
+        raise ConfigError(f"{name} is {value!r}; use 'auto' or a ZeRO stage 0, 1, 2 or 3.")
+    return int(value)
+
+
+def _choice(value: Any, name: str, allowed: tuple) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{name} is {value!r}; use one of {', '.join(allowed)}.")
+    return value
+
+
+def _resolve(p: str, base_dir: Path) -> Path:
+    path = Path(os.path.expanduser(p))
+    return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+def _is_ray_client(address: str) -> bool:
+    host_port = address[len("ray://"):] if address.startswith("ray://") else ""
+    return bool(host_port) and ":" in host_port

@@ -1,0 +1,96 @@
+"""cluster.yaml validation: the shipped files load; every bad field is one sentence and exit status 2."""
+
+from pathlib import Path
+
+import pytest
+
+from hybrid.errors import ConfigError
+from launch.cli import main
+from launch.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "gpt-tiny.yaml"
+
+GOOD = f"""\
+cluster:
+  address: local
+  nodes: 2
+  gpus_per_node: 2
+  gpu_memory_gb: 80
+job:
+  entrypoint: hybrid.models.gpt:train
+  config: {TINY}
+  steps: 5
+parallel:
+  tp: auto
+  zero_stage: auto
+"""
+
+
+def test_shipped_cluster_files_load_with_paths_resolved_against_the_file():
+    local = load_spec(ROOT / "clusters" / "local.yaml")
+    assert (local.cluster.address, local.cluster.nodes, local.cluster.gpus_per_node) == ("local", 2, 2)
+    assert local.job.config == TINY  # "../configs/gpt-tiny.yaml" relative to clusters/
+    assert (local.tp, local.dp, local.parallel.zero_stage) == (2, 2, None)
+    dgx = load_spec(ROOT / "clusters" / "dgx-h100-8x8.yaml")
+    assert (dgx.cluster.address, dgx.cluster.nodes, dgx.cluster.gpus_per_node, dgx.tp, dgx.dp) == ("auto", 8, 8, 8, 8)
+    assert dgx.job.checkpoint.dir == ROOT / "runs" / "gpt-13b"
+
+
+def test_overrides_and_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(GOOD)
+    spec = load_spec(path)
+    assert spec.job.micro_batch == 8 and spec.job.max_failures == 0 and spec.job.checkpoint.dir is None
+    assert spec.parallel.precision == "bf16"
+    changed = spec.with_overrides(steps=9, stage=3)
+    assert (changed.job.steps, changed.parallel.zero_stage) == (9, 3)
+    with pytest.raises(ConfigError, match="--steps"):
+        spec.with_overrides(steps=0)
+
+
+def _replace(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new)
+
+
+BAD = {
+    "missing field": (_replace("  nodes: 2\n", ""), "cluster.nodes is missing"),
+    "tp does not divide": (_replace("tp: auto", "tp: 3"), "parallel.tp is 3"),
+    "unknown key": (_replace("  steps: 5\n", "  steps: 5\n  stpes: 7\n"), "job.stpes is not a known key"),
+    "entrypoint not importable": (_replace("hybrid.models.gpt:train", "no_such_pkg.mod:train"),
+                                  "job.entrypoint is 'no_such_pkg.mod:train'"),
+    "no such function": (_replace("hybrid.models.gpt:train", "hybrid.models.gpt:nope"), "has no function 'nope'"),
+    "nodes 0": (_replace("nodes: 2", "nodes: 0"), "cluster.nodes is 0"),
+    "yaml syntax": (_replace("  steps: 5\n", "  steps: [5\n"), "line "),
+    "bad stage": (_replace("zero_stage: auto", "zero_stage: 4"), "parallel.zero_stage is 4"),
+    "bad address": (_replace("address: local", "address: 10.0.0.1"), "cluster.address is '10.0.0.1'"),
+    "bad precision": (_replace("  zero_stage: auto\n", "  zero_stage: auto\n  precision: fp8\n"),
+                      "parallel.precision is 'fp8'"),
+    "missing model config": (_replace(str(TINY), "nothere.yaml"), "job.config is 'nothere.yaml'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_cluster_file_is_one_sentence_and_exit_2(case, tmp_path, capsys):
+    text, expected = BAD[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(_replace("  steps: 5\n", "  steps: [5\n"))
+    with pytest.raises(ConfigError, match=r"line (1[0-9]|[89])\b"):
+        load_spec(path)
+
+
+def test_launch_rejects_the_same_files_before_starting_ray(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(_replace("nodes: 2", "nodes: 0"))
+    assert main(["launch", str(path)]) == 2
+    assert "cluster.nodes is 0" in capsys.readouterr().err
