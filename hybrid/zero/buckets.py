@@ -1,0 +1,168 @@
+"""Gradient buckets: each unit's gradients are reduced across the DP group during backward, in one order.
+
+A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind of gradient storage:
+
+* ``all_reduce`` (stage 0): ``param.grad`` are views of the full flat gradient buffer, so autograd
+  accumulates into it in place. At an accumulation boundary each unit is all-reduced (averaged) in place.
+* ``scatter_full`` (stage 1): the same buffer; each unit is reduce-scattered in place, after which this
+  rank's shard of the unit holds the averaged gradient (the rest of the buffer is never read).
+* ``scatter_shard`` (stages 2, 3): the post-accumulate hook copies ``param.grad`` into a transient bucket
+  buffer (unit length, zero-filled) and drops it; the full bucket is reduce-scattered in place and this
+  rank's part added into the persistent gradient shard. This runs at every micro-step, so only the shard
+  (plus buckets in flight) is ever held.
+
+A unit is *complete* once every parameter in it has fired its post-accumulate-grad hook. Units are launched
+strictly in ``order`` (the same list on every rank), so the sequence of collectives matches across ranks
+even when some parameter gets no gradient on some rank; ``finish()`` (end of backward) launches the rest
+(missing gradients are zeros) and waits for everything. With ``overlap`` the collectives stay in flight
+while backward continues (for ``scatter_shard`` at most ``max_inflight_numel`` elements of buckets);
+without it each one is waited right after it is launched.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from hybrid.comm import Comm
+from hybrid.zero.partition import FlatLayout
+
+MODES = ("all_reduce", "scatter_full", "scatter_shard")
+
+
+class GradReducer:
+    def __init__(self, comm: Comm, layout: FlatLayout, params: list, mode: str, order: list, *,
+                 flat_grad: Optional[torch.Tensor] = None, grad_shard: Optional[torch.Tensor] = None,
+                 use_reduce_scatter: bool = True, overlap: bool = True, max_inflight_numel: int = 0,
+                 on_unit_done: Optional[Callable[[int], None]] = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.comm, self.layout, self.params, self.mode, self.order = comm, layout, params, mode, list(order)
+        self.flat_grad, self.grad_shard = flat_grad, grad_shard
+        self.use_reduce_scatter, self.overlap = use_reduce_scatter, overlap
+        self.max_inflight_numel = max_inflight_numel
+        self.on_unit_done = on_unit_done
+        self.rank = comm.rank if layout.n_shards > 1 else 0
+        self._unit_of = [layout.locate(i) for i in range(len(params))]
+        self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
+        self._inflight: deque = deque()
+        self._active = False
+        self._pending = [0] * len(layout.units)
+        self._next = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        if mode != "scatter_shard":
+            self.attach_grads()
+
+    # -- views ----------------------------------------------------------------------------------------
+    def _unit_range(self, flat: torch.Tensor, u: int) -> torch.Tensor:
+        unit = self.layout.units[u]
+        return flat[unit.full_offset:unit.full_offset + unit.numel]
+
+    def _grad_view(self, i: int) -> torch.Tensor:
+        unit, slot = self._unit_of[i]
+        start = unit.full_offset + slot.offset
+        return self.flat_grad[start:start + slot.numel].view_as(self.params[i])
+
+    def attach_grads(self) -> None:
+        """Point every ``param.grad`` at its view of the flat buffer (again, if the user replaced it)."""
+        for i, p in enumerate(self.params):
+            view = self._grad_view(i)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    # -- backward -------------------------------------------------------------------------------------
+    def begin(self, reduce: bool) -> None:
+        """Start a backward pass; ``reduce`` says whether this micro-step communicates gradients."""
+        self._active = reduce or self.mode == "scatter_shard"
+        self._pending = [len(u.slots) for u in self.layout.units]
+        self._next = 0
+        if self.mode != "scatter_shard":
+            self.attach_grads()
+
+    def _hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(i, param)
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        unit, slot = self._unit_of[i]
+        if self.mode == "scatter_shard":
+            bucket = self._buckets.get(unit.index)
+            if bucket is None:
+                bucket = self._buckets[unit.index] = self._new_bucket(unit.index)
+            bucket[slot.offset:slot.offset + slot.numel].view_as(param).copy_(param.grad)
+            param.grad = None
+        if not self._active or self._pending[unit.index] <= 0:
+            return
+        self._pending[unit.index] -= 1
+        if self._pending[unit.index] == 0:
+            if self.on_unit_done is not None:
+                self.on_unit_done(unit.index)
+            self._launch_ready()
+
+    def _new_bucket(self, u: int) -> torch.Tensor:
+        return torch.zeros(self.layout.units[u].numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order) and self._pending[self.order[self._next]] == 0:
+            self._launch(self.order[self._next])
+            self._next += 1
+
+    def _launch(self, u: int) -> None:
+        unit = self.layout.units[u]
+        lo, hi = unit.shard_range(self.rank)
+        if self.mode == "scatter_shard":
+            data = self._buckets.pop(u, None)
+            if data is None:
+                data = self._new_bucket(u)
+        else:
+            data = self._unit_range(self.flat_grad, u)
+        if self.mode == "all_reduce" or not self.use_reduce_scatter:
+            handle = self.comm.all_reduce(data, average=True, async_op=self.overlap)
+        else:
+            handle = self.comm.reduce_scatter(data[lo:hi], data, average=True, async_op=self.overlap)
+        self._inflight.append((u, handle, data))
+        if not self.overlap:
+            self._complete_oldest()
+        elif self.mode == "scatter_shard":
+            while sum(d.numel() for _, _, d in self._inflight) > self.max_inflight_numel and len(self._inflight) > 1:
+                self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        u, handle, data = self._inflight.popleft()
+        handle.wait()
+        if self.mode == "scatter_shard":
+            unit = self.layout.units[u]
+            lo, hi = unit.shard_range(self.rank)
+            self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel].add_(data[lo:hi])
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """End of backward: launch every unit not yet launched, in order, and wait for all of them."""
+        if self._active:
+            for u in range(len(self._pending)):
+                if self._pending[u] > 0:
+                    self._pending[u] = 0
+                    if self.on_unit_done is not None:
+                        self.on_unit_done(u)
+            self._launch_ready()
+        while self._inflight:
+            self._complete_oldest()
+        self._buckets.clear()
+        self._active = False
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+    def transient_tensors(self) -> list:
+        """Bucket buffers alive right now (between begin() and finish())."""
+        return list(self._buckets.values()) + [d for _, _, d in self._inflight if self.mode == "scatter_shard"]
+
+    def zero_(self) -> None:
+        (self.flat_grad if self.mode != "scatter_shard" else self.grad_shard).zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,321 @@
+"""ZeroEngine: ZeRO stages 0-3 on a data-parallel group, as policies over shared pieces.
+
+The pieces: a flat layout of the trainable parameters cut into units (``partition``), the rank's flat
+buffers with the parameters re-bound as views (``state``), gradient buckets reduced during backward
+(``buckets``), parameter gathering (``params``), AdamW on the fp32 shard (``optimizer``) and the global
+gradient norm (``clip``). A stage only chooses which buffers are sharded and which collective moves them:
+
+| stage | units                      | gradients (per optimizer step)          | after the step              |
+|-------|----------------------------|-----------------------------------------|-----------------------------|
+| 0     | buckets of reduce_bucket_size | all-reduce, in backward (2Ψ)          | -                           |
+| 1     | buckets                    | reduce-scatter, in backward (Ψ)         | all-gather of params (Ψ)    |
+| 2     | buckets                    | reduce-scatter per bucket, every micro-step (Ψ) | all-gather of params (Ψ) |
+| 3     | one per module + one for persistent params | reduce-scatter per unit, every micro-step (Ψ) plus all-gathers before each module's forward and backward (2Ψ) | all-gather of persistent params |
+
+(Ψ = bytes of the padded model-dtype parameters; all-reduce counts 2Ψ, as in ``hybrid.comm``.)
+
+Semantics, equal to single-process training on the global batch with ``torch.optim.AdamW``:
+
+* Frozen parameters (``requires_grad=False``) stay plain replicated tensors; a parameter registered twice
+  (tied weights) is one parameter. Every parameter and buffer is broadcast from DP rank 0 at
+  ``initialize``, then the traffic counters are reset.
+* ``engine.backward(loss)`` back-propagates ``loss / gradient_accumulation_steps``; gradients are summed
+  over the micro-steps and averaged over the DP ranks. So with equal per-rank micro-batches and ``loss``
+  the mean over the rank's micro-batch, the gradients are those of the mean loss over the global batch.
+  Stages 0 and 1 communicate once per optimizer step (at the last micro-step); stages 2 and 3
+  reduce-scatter at every micro-step (so only the gradient shard is kept), which multiplies their
+  gradient traffic by the number of micro-steps.
+* ``engine.step()`` counts micro-steps and, at each accumulation boundary, computes the global gradient
+  norm (``last_grad_norm``, before clipping), clips like ``clip_grad_norm_`` when ``gradient_clipping`` is
+  set, steps AdamW on this rank's shard, refreshes the parameters and zeroes the gradients; it returns
+  True then and False on the other micro-steps. A parameter that received no gradient in a step is
+  stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``).
+* bf16: the model's parameters, gradients and communication are bf16; master weights and moments fp32.
+  fp32: the fp32 parameters are the master weights (no second copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybrid.comm import Comm
+from hybrid.config import TrainConfig
+from hybrid.param_attrs import is_tensor_parallel
+from hybrid.zero.buckets import GradReducer
+from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.optimizer import ShardedAdamW
+from hybrid.zero.params import ParamGatherer, all_gather_units
+from hybrid.zero.partition import bucket_groups, build_layout
+from hybrid.zero.state import FlatState
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ALIGN_BYTES = 16
+
+
+@dataclass
+class ShardView:
+    """The part ``[start, end)`` of a parameter's flattened elements this DP rank owns, with writable views."""
+
+    shape: tuple
+    numel: int
+    start: int
+    end: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class ZeroEngine:
+    def __init__(self, module: nn.Module, config: TrainConfig, dp_group=None, tp_group=None):
+        self.module, self.config = module, config
+        zero = config.zero
+        self.stage = zero.stage
+        self.dp_comm = Comm(dp_group, "dp")
+        self.tp_comm = Comm(tp_group, "tp") if tp_group is not None else None
+        config.check_batch(self.dp_comm.size)
+        self.dtype = DTYPES[config.precision]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.device = self.params[0].device
+        if any(p.device != self.device for p in self.params):
+            raise ValueError("all trainable parameters must be on one device")
+
+        self._broadcast_from_rank0()
+        numels = [p.numel() for p in self.params]
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
+        groups, order, persistent = self._units(numels, align)
+        self.layout = build_layout(numels, groups, 1 if self.stage == 0 else self.dp_comm.size, align)
+        self.state = FlatState(self.params, self.layout, self.stage, self.dp_comm.rank, self.dtype, self.device)
+        self._cast_frozen_and_buffers()
+        self.optimizer = ShardedAdamW(self.state.segments(), self.layout.shard_numel, self.device,
+                                      config.optimizer, zero.sub_group_size)
+        self.persistent_units = persistent
+        self.gatherer = None
+        if self.stage == 3:
+            self.gatherer = ParamGatherer(self.dp_comm, self.layout, self.state.unit_full,
+                                          self.state.unit_param_shard, persistent, self._module_units(persistent),
+                                          zero.prefetch_bucket_size)
+        mode = {0: "all_reduce", 1: "scatter_full"}.get(self.stage, "scatter_shard")
+        self.reducer = GradReducer(
+            self.dp_comm, self.layout, self.params, mode, order, flat_grad=self.state.flat_grad,
+            grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
+            max_inflight_numel=2 * zero.reduce_bucket_size,
+            on_unit_done=self.gatherer.release_after_backward if self.gatherer else None)
+        self._norm_runs = self._grad_norm_runs()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        self.micro_steps = 0
+        self.global_step = 0
+        self.last_grad_norm = None
+        self.dp_comm.reset()
+
+    # -- construction ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            self.dp_comm.broadcast(t.data)
+
+    def _units(self, numels: list, align: int) -> tuple:
+        """(groups of param indices, reduce order of units, persistent unit indices) for this stage."""
+        zero = self.config.zero
+        if self.stage < 3:
+            groups = bucket_groups(numels, list(reversed(range(len(numels)))), zero.reduce_bucket_size, align)
+            return groups, list(range(len(groups))), set()
+        groups, small, seen = [], [], set()
+        for module in self.module.modules():
+            own = []
+            for p in module._parameters.values():
+                i = self._index.get(id(p)) if p is not None else None
+                if i is not None and i not in seen:
+                    seen.add(i)
+                    (small if numels[i] < zero.param_persistence_threshold else own).append(i)
+            if own:
+                groups.append(own)
+        order = list(reversed(range(len(groups))))
+        persistent = set()
+        if small:
+            groups.append(small)
+            persistent = {len(groups) - 1}
+            order.append(len(groups) - 1)
+        return groups, order, persistent
+
+    def _module_units(self, persistent: set) -> dict:
+        """Module -> the non-persistent units holding the parameters registered directly on it."""
+        out = {}
+        for module in self.module.modules():
+            units = {self.layout.locate(self._index[id(p)])[0].index
+                     for p in module._parameters.values() if p is not None and id(p) in self._index}
+            units -= persistent
+            if units:
+                out[module] = tuple(sorted(units))
+        return out
+
+    @torch.no_grad()
+    def _cast_frozen_and_buffers(self) -> None:
+        for p in self.module.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+        for m in self.module.modules():
+            for key, buf in m._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != self.dtype:
+                    m._buffers[key] = buf.to(self.dtype)
+
+    def _grad_norm_runs(self) -> list:
+        """``(grad view, is_tensor_parallel)`` covering this rank's gradient shard, split where the flag flips."""
+        tp = self.tp_comm is not None and self.tp_comm.size > 1
+        pieces_by_unit = {}
+        for piece in self.layout.owned_pieces(self.state.rank):
+            pieces_by_unit.setdefault(piece.unit, []).append(piece)
+        runs = []
+        for unit in self.layout.units:
+            grad = self.state.unit_grad_shard(unit.index)
+            pieces = pieces_by_unit.get(unit.index, [])
+            flags = {tp and is_tensor_parallel(self.params[pc.param]) for pc in pieces}
+            if len(flags) <= 1:
+                runs.append((grad, flags.pop() if flags else False))
+                continue
+            lo = unit.shard_range(self.state.rank)[0]
+            runs += [(grad[pc.unit_pos - lo:pc.unit_pos - lo + pc.numel], is_tensor_parallel(self.params[pc.param]))
+                     for pc in pieces]
+        return runs
+
+    # -- training -------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.gatherer is None:
+            return self.module(*args, **kwargs)
+        self.gatherer.begin_forward()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.gatherer.end_forward()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss / gradient_accumulation_steps`` and reduce the gradients of this stage."""
+        accum = self.config.gradient_accumulation_steps
+        boundary = (self.micro_steps + 1) % accum == 0
+        self.reducer.begin(reduce=boundary)
+        (loss / accum if accum > 1 else loss).backward()
+        self.reducer.finish()
+        if self.gatherer is not None:
+            self.gatherer.end_backward()
+
+    def step(self) -> bool:
+        """Count a micro-step; at an accumulation boundary, clip and step the optimizer and return True."""
+        self.micro_steps += 1
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            return False
+        norm = global_grad_norm(self._norm_runs, self.dp_comm if self.stage >= 1 else None, self.tp_comm,
+                                self.config.zero.sub_group_size)
+        self.last_grad_norm = float(norm)
+        clip = self.config.gradient_clipping
+        self.optimizer.step(clip_coefficient(norm, clip) if clip else None)
+        self._refresh_params()
+        self.reducer.zero_()
+        self.global_step += 1
+        return True
+
+    @torch.no_grad()
+    def _refresh_params(self) -> None:
+        """Bring the full parameters up to date with the (just updated) shards."""
+        if self.stage in (1, 2):
+            units = range(len(self.layout.units))
+        elif self.stage == 3:
+            units = sorted(self.persistent_units)
+        else:
+            return
+        all_gather_units(self.dp_comm, units, self.state.unit_params, self.state.unit_param_shard,
+                         self.config.zero.allgather_bucket_size)
+
+    # -- optimizer state access (checkpoints) ---------------------------------------------------------
+    @property
+    def optimizer_step_count(self) -> int:
+        return self.optimizer.step_count
+
+    @optimizer_step_count.setter
+    def optimizer_step_count(self, value: int) -> None:
+        self.optimizer.step_count = int(value)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.lr = float(value)
+
+    def shard_views(self) -> dict:
+        """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""
+        out = {}
+        for i, (name, p) in enumerate(zip(self.names, self.params)):
+            start, end, pos = self.layout.owned_range(i, self.state.rank)
+            unit, _ = self.layout.locate(i)
+            local, n = pos - unit.shard_offset, end - start
+            master = self.state.unit_master(unit.index)[local:local + n]
+            out[name] = ShardView(tuple(p.shape), p.numel(), start, end, master,
+                                  self.optimizer.exp_avg[pos:pos + n], self.optimizer.exp_avg_sq[pos:pos + n])
+        return out
+
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        """After writing master weights (e.g. loading a checkpoint): refresh the model's parameters."""
+        self.optimizer.copy_master_to_params()
+        self._refresh_params()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """fp32 CPU copies of every parameter by name (tied ones once), identical on all DP ranks.
+
+        A collective at stages 1-3 (the master shards are all-gathered): call it on every DP rank.
+        """
+        full_by_param = {}
+        for unit in self.layout.units:
+            master = self.state.unit_master(unit.index)
+            if self.layout.n_shards == 1:
+                full = master
+            else:
+                full = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
+                self.dp_comm.all_gather(full, master)
+            for slot in unit.slots:
+                shape = self.params[slot.param].shape
+                full_by_param[slot.param] = full[slot.offset:slot.offset + slot.numel].view(shape).cpu().clone()
+        out = {}
+        for name, p in self.module.named_parameters():
+            i = self._index.get(id(p))
+            out[name] = full_by_param[i] if i is not None else p.detach().float().cpu().clone()
+        return out
+
+    # -- reports --------------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes of the tensors this rank holds now: params, grads, optimizer (fp32 master + moments), and
+        buffers (gradient buckets in flight, stage-3 units gathered right now, the module's buffers)."""
+        kinds = self.state.tensors()
+        kinds["optimizer"] += [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
+        kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
+        kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
+        if self.stage == 3:
+            kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
+            kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
+        seen, report = set(), {}
+        for kind in ("params", "grads", "optimizer", "buffers"):
+            total = 0
+            for t in kinds[kind]:
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            report[kind] = total
+        return report
+
+    def comm_report(self) -> dict:
+        """Logical bytes moved on the DP group since the last reset, per op kind and ``total``."""
+        return self.dp_comm.report()
+
+    def reset_comm(self) -> None:
+        self.dp_comm.reset()
