@@ -10,6 +10,7 @@ ranks are terminated, never left behind.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -40,7 +41,9 @@ def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
-        queue.put((rank, True, result))
+        # Plain pickle: torch's queue would pass tensors as handles into this process's shared memory,
+        # which vanish when the rank exits.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -69,7 +72,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", 
                 raise LocalRunError(f"ranks {dead or 'unknown'} stopped without a result") from exc
             if not ok:
                 raise LocalRunError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=30)
     finally:
