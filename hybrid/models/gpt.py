@@ -145,3 +145,6 @@ def count_parameters(config: GPTConfig) -> int:
     with torch.device("meta"):
         model = GPT(config, device="meta")
     return sum(p.numel() for p in model.parameters())
+
+
+from hybrid.models.gpt_train import train  # noqa: E402,F401  (the built-in entrypoint hybrid.models.gpt:train)

@@ -7,6 +7,11 @@ from launch.commands.monitor import monitor  # noqa: E402
 
 ALL_COMMANDS += [estimate, monitor]
 
+from launch.commands.launch import launch_command  # noqa: E402
+from launch.commands.plan import plan_command  # noqa: E402
+
+ALL_COMMANDS += [plan_command, launch_command]
+
 from launch.commands.checkpoint import checkpoint_group  # noqa: E402
 
 ALL_COMMANDS += [checkpoint_group]

@@ -1,0 +1,140 @@
+"""The per-rank side of a job: the ``Context`` handed to an entrypoint, and the training-loop pieces.
+
+An entrypoint is a function ``train(ctx)``. ``ctx`` carries the rank's 2D mesh, the model config (the
+parsed YAML and its path), the job settings (steps, micro-batch, precision, ZeRO stage, checkpoint
+directory and cadence), the step counter, ``report(metrics)`` and ``should_stop()``. Reports go to an
+injected ``reporter`` callable (the launcher's; without one they are logged), so this module stays free
+of Ray and runs under torchrun or ``run_local`` just as well.
+
+The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step),
+``step_metrics`` (what a step reports) and ``run_steps`` (the loop, with a hook after every step) -- so
+checkpointing and resume slot in without rewriting it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """The job's knobs as the launcher resolved them (the ZeRO stage is the plan's, never 'auto')."""
+
+    steps: int
+    micro_batch: int
+    stage: int
+    precision: str = "bf16"
+    seed: int = 0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    checkpoint_keep_last: int = 2
+    offload: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Context:
+    """What one rank's entrypoint gets: mesh, configs, step counter, ``report`` and ``should_stop``."""
+
+    def __init__(self, mesh, model_config: dict, settings: JobSettings, *, model_config_path: Optional[str] = None,
+                 rank: int = 0, world_size: int = 1, device: str = "cpu",
+                 reporter: Optional[Callable[[dict], None]] = None,
+                 stop_requested: Optional[Callable[[], bool]] = None):
+        self.mesh = mesh
+        self.model_config = model_config
+        self.model_config_path = model_config_path
+        self.settings = settings
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.step = 0  # optimizer steps completed (a resumed run starts above 0)
+        self._reporter = reporter
+        self._stop_requested = stop_requested
+
+    @property
+    def steps(self) -> int:
+        return self.settings.steps
+
+    @property
+    def stage(self) -> int:
+        return self.settings.stage
+
+    def report(self, metrics: dict) -> None:
+        """Send ``metrics`` (plain numbers, strings, dicts) to the driver, tagged with rank, mesh and step."""
+        record = {"rank": self.rank, "step": self.step, "time": time.time(),
+                  "dp_rank": getattr(self.mesh, "dp_rank", 0), "tp_rank": getattr(self.mesh, "tp_rank", 0),
+                  **metrics}
+        if self._reporter is not None:
+            self._reporter(record)
+        else:
+            log.info("rank %d step %d: %s", self.rank, self.step, metrics)
+
+    def should_stop(self) -> bool:
+        """True once the driver asked the job to stop (Ctrl-C, another rank failed)."""
+        return bool(self._stop_requested and self._stop_requested())
+
+
+# ---------------------------------------------------------------------------------------- loop pieces
+
+
+def train_step(engine, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """One forward, backward and optimizer step on the engine; returns the rank's loss."""
+    loss = engine(inputs, targets)
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def step_metrics(engine, loss: float, seconds: float, tokens: int) -> dict:
+    """What a step reports: loss, step time, throughput (``tokens`` seen by the whole job in the step)
+    and the engine's memory report."""
+    return {"loss": loss, "step_time_s": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "memory": _plain(engine.memory_report())}
+
+
+def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int = 0,
+              tokens_per_step: int = 0,
+              after_step: Iterable[Callable[[Context, Any, int], None]] = ()) -> dict:
+    """Train from ``start_step`` to ``ctx.steps``: fetch the step's batch, step, report, then run each
+    ``after_step(ctx, engine, step)`` hook (e.g. a checkpoint save). Returns a summary of the run."""
+    first_loss = last_loss = None
+    ctx.step = start_step
+    started = time.perf_counter()
+    for step in range(start_step, ctx.steps):
+        if ctx.should_stop():
+            log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)
+            break
+        inputs, targets = batches(step)
+        t0 = time.perf_counter()
+        loss = train_step(engine, inputs, targets)
+        seconds = time.perf_counter() - t0
+        ctx.step = step + 1
+        ctx.report(step_metrics(engine, loss, seconds, tokens_per_step or inputs.numel()))
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+        for hook in after_step:
+            hook(ctx, engine, ctx.step)
+    return {"rank": ctx.rank, "steps": ctx.step, "first_loss": first_loss, "last_loss": last_loss,
+            "seconds": time.perf_counter() - started}
+
+
+def _plain(value):
+    """Make a report safe to ship to another process: tensors become numbers or lists, dataclasses dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return _plain(asdict(value))
+    return value

@@ -1,0 +1,132 @@
+"""What the driver shows while a job runs, and the table it leaves at the end.
+
+``Progress`` collects the per-step reports of every rank. A step is shown once all ranks reported it:
+on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
+step, the loss (mean over the DP ranks), the job's tokens/s, the per-rank model-state memory, and the
+latest NVML sample of each node where NVML is available. ``summary()`` renders the final per-rank table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from typing import Optional, TextIO
+
+from launch.plan import human_bytes
+
+
+def model_state_bytes(memory) -> Optional[float]:
+    """The model-state bytes (params + grads + optimizer states) in an engine memory report."""
+    if isinstance(memory, (int, float)):
+        return float(memory)
+    if not isinstance(memory, dict):
+        return None
+    for key in ("model_states", "model_state_bytes", "total"):
+        if key in memory:
+            return model_state_bytes(memory[key])
+    parts = [memory.get(k) for k in ("params", "grads", "optimizer")]
+    if all(isinstance(v, (int, float)) for v in parts):
+        return float(sum(parts))
+    return None
+
+
+class Progress:
+    def __init__(self, total_steps: int, world_size: int, stream: TextIO = sys.stdout, tty: Optional[bool] = None):
+        self.total_steps, self.world_size, self.stream = total_steps, world_size, stream
+        self.tty = stream.isatty() if tty is None else tty
+        self.every = 1 if total_steps <= 100 else total_steps // 50  # plain-line cadence
+        self.pending: dict[int, dict[int, dict]] = defaultdict(dict)  # step -> rank -> record
+        self.last: dict[int, dict] = {}  # rank -> its latest record
+        self.history: list[dict] = []  # one entry per completed step
+        self.nvml: dict[int, dict] = {}  # rank (local rank 0 of a node) -> latest sample
+        self.started = time.perf_counter()
+        self._line_open = False
+
+    # ------------------------------------------------------------------------------------------ input
+
+    def add(self, drained: dict) -> None:
+        """Take one rank's drained reports and NVML samples."""
+        for record in drained.get("reports", []):
+            if "loss" not in record:
+                continue
+            self.last[record["rank"]] = record
+            self.pending[record["step"]][record["rank"]] = record
+        if drained.get("nvml"):
+            self.nvml[drained["rank"]] = drained["nvml"][-1]
+        for step in sorted(self.pending):
+            if len(self.pending[step]) < self.world_size:
+                break
+            self._complete(step, self.pending.pop(step))
+
+    def note(self, text: str) -> None:
+        """A plain line between progress lines (attempt restarts, warnings)."""
+        self._end_line()
+        print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self._end_line()
+
+    # ------------------------------------------------------------------------------------------ output
+
+    def _complete(self, step: int, records: dict[int, dict]) -> None:
+        dp_records = [r for r in records.values() if r.get("tp_rank", 0) == 0]
+        loss = sum(r["loss"] for r in dp_records) / len(dp_records)
+        slowest = max(r["step_time_s"] for r in records.values())
+        tokens = max(r.get("tokens", 0) for r in records.values())
+        mem = [model_state_bytes(r.get("memory")) for r in records.values()]
+        entry = {"step": step, "loss": loss, "tokens_per_s": tokens / slowest if slowest > 0 else 0.0,
+                 "model_state_bytes": [m for m in mem if m is not None]}
+        self.history.append(entry)
+        if self.tty:
+            self.stream.write("\r\033[K" + self._line(entry))
+            self.stream.flush()
+            self._line_open = True
+        elif step % self.every == 0 or step == self.total_steps:
+            print(self._line(entry), file=self.stream, flush=True)
+
+    def _line(self, e: dict) -> str:
+        width = len(str(self.total_steps))
+        mem = e["model_state_bytes"]
+        mem_text = ""
+        if mem:
+            lo, hi = min(mem), max(mem)
+            mem_text = f"  model states/rank {human_bytes(hi)}" if lo == hi else \
+                f"  model states/rank {human_bytes(lo)}..{human_bytes(hi)}"
+        return (f"step {e['step']:>{width}}/{self.total_steps}  loss {e['loss']:.4f}  "
+                f"{e['tokens_per_s']:,.0f} tokens/s{mem_text}{self._nvml_text()}")
+
+    def _nvml_text(self) -> str:
+        parts = []
+        for rank, sample in sorted(self.nvml.items()):
+            gpus = sample.get("gpus", [])
+            if gpus:
+                used = sum(g["used_bytes"] for g in gpus)
+                total = sum(g["total_bytes"] for g in gpus)
+                util = [g["utilization"] for g in gpus if g.get("utilization") is not None]
+                util_text = f" {sum(util) / len(util):.0f}%" if util else ""
+                parts.append(f"node@rank{rank}{util_text} {human_bytes(used)}/{human_bytes(total)}")
+        return ("  gpu " + ", ".join(parts)) if parts else ""
+
+    def _end_line(self) -> None:
+        if self._line_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line_open = False
+
+    def summary(self, placement: list, wall_s: float) -> str:
+        """The final table: one row per rank, then loss and throughput over the run."""
+        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'tokens/s':>10}  {'model states':>12}"]
+        for p in placement:
+            r = self.last.get(p.rank, {})
+            mem = model_state_bytes(r.get("memory"))
+            loss = f"{r['loss']:.4f}" if "loss" in r else "-"
+            rows.append(f"{p.rank:>4} {p.node_index:>4} {r.get('dp_rank', '-'):>3} {r.get('tp_rank', '-'):>3}  "
+                        f"{loss:>9}  {r.get('tokens_per_s', 0):>10,.0f}  "
+                        f"{human_bytes(mem) if mem is not None else '-':>12}")
+        if self.history:
+            first, last = self.history[0], self.history[-1]
+            mean_tps = sum(e["tokens_per_s"] for e in self.history) / len(self.history)
+            rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
+                        f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean_tps:,.0f} tokens/s mean")
+        return "\n".join(rows)

@@ -1,0 +1,242 @@
+"""The rank actors: one ``RankWorker`` per rank, placed so every TP group lies inside one node.
+
+``WorkerGroup.start()`` reserves a placement group with one bundle per node (``STRICT_SPREAD``: no two
+bundles on one Ray node), starts ``ranks_per_node`` actors in each bundle, then asks every actor which
+Ray node it landed on and assigns ranks node by node (``assign_ranks``) -- bundle order is never trusted.
+``setup()`` makes rank 0's node the rendezvous (its IP and a port free there), and every actor joins the
+default process group (nccl with GPUs, gloo without) and builds the (dp, tp) mesh. ``run()`` calls the
+entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
+drains them. ``shutdown()`` kills every actor and frees the placement group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Optional
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybrid.train import JobSettings
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+NVML_SAMPLE_INTERVAL_S = 2.0
+
+
+class PlacementFailed(RuntimeError):
+    """The Ray cluster could not host the requested ranks."""
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    rank: int
+    node_id: str
+    ip: str
+    node_index: int  # position of the node in rank order: ranks node_index*ranks_per_node ...
+
+
+def assign_ranks(node_ids: list[str], ranks_per_node: int, ips: Optional[list[str]] = None) -> list[int]:
+    """Rank of each actor (by index) so that every node's actors hold consecutive ranks.
+
+    Nodes are ordered by (IP, node id) and actors inside a node by their index, so the result does not
+    depend on which bundle went where. Raises ``PlacementFailed`` unless every node holds exactly
+    ``ranks_per_node`` actors.
+    """
+    ips = ips or [""] * len(node_ids)
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for index, node in enumerate(node_ids):
+        by_node[node].append(index)
+    for node, members in by_node.items():
+        if len(members) != ranks_per_node:
+            raise PlacementFailed(f"Ray placed {len(members)} rank actors on node {node[:12]} where "
+                                  f"{ranks_per_node} were expected; TP groups would straddle nodes.")
+    first_index = {node: members[0] for node, members in by_node.items()}
+    order = sorted(by_node, key=lambda node: (ips[first_index[node]], node))
+    ranks = [0] * len(node_ids)
+    for node_index, node in enumerate(order):
+        for local, actor in enumerate(by_node[node]):
+            ranks[actor] = node_index * ranks_per_node + local
+    return ranks
+
+
+@ray.remote(max_concurrency=2, max_restarts=0)  # two threads: run() trains while drain() answers the driver
+class RankWorker:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reports: list[dict] = []
+        self._stop = threading.Event()
+        self._rank = -1
+        self._mesh = None
+        self._device = "cpu"
+        self._sampler = None
+
+    def where(self) -> dict:
+        """The Ray node id and IP this actor runs on."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        """A TCP port free on this node's address, for the rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return s.getsockname()[1]
+
+    def setup(self, rank: int, world_size: int, tp: int, master_addr: str, master_port: int, backend: str,
+              timeout_s: float, sample_nvml: bool) -> dict:
+        """Join the default process group as ``rank`` and build the (dp, tp) mesh."""
+        import torch
+        import torch.distributed as dist
+
+        from hybrid.mesh import build_mesh
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % tp))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        self._rank = rank
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes exactly the one GPU it assigned to this actor
+            self._device = "cuda"
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        self._mesh = build_mesh(tp, device_type=self._device)
+        if sample_nvml:
+            from hybrid.monitor import Sampler
+
+            self._sampler = Sampler(NVML_SAMPLE_INTERVAL_S).start()
+        return {"rank": rank, "dp_rank": self._mesh.dp_rank, "tp_rank": self._mesh.tp_rank,
+                **self.where()}
+
+    def run(self, entrypoint: str, model_config_path: str, settings: JobSettings):
+        """Run the entrypoint on this rank; returns what it returns (must be picklable)."""
+        import yaml
+
+        from hybrid.train import Context
+        from launch.spec import resolve_entrypoint
+
+        fn = resolve_entrypoint(entrypoint)
+        with open(model_config_path) as f:
+            model_config = yaml.safe_load(f)
+        ctx = Context(self._mesh, model_config, settings, model_config_path=model_config_path,
+                      rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
+                      reporter=self._report, stop_requested=self._stop.is_set)
+        return fn(ctx)
+
+    def drain(self) -> dict:
+        """Reports buffered since the last drain, and the NVML samples of this node (local rank 0 only)."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+        samples = []
+        if self._sampler is not None:
+            samples = [asdict(s) for s in self._sampler.samples[-1:]]
+        return {"rank": self._rank, "reports": reports, "nvml": samples}
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._sampler is not None:
+            self._sampler.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _report(self, record: dict) -> None:
+        with self._lock:
+            self._reports.append(record)
+
+
+class WorkerGroup:
+    """``nodes × ranks_per_node`` rank actors on a placement group; use ``start``, ``setup``, ``run``,
+    ``drain`` and always ``shutdown``."""
+
+    def __init__(self, nodes: int, ranks_per_node: int, use_gpus: bool, env: Optional[dict] = None):
+        self.nodes, self.ranks_per_node, self.use_gpus = nodes, ranks_per_node, use_gpus
+        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self.pg = None
+        self.actors: list = []  # in rank order once started
+        self.placement: list[RankPlacement] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.use_gpus else "gloo"
+
+    def start(self, timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[RankPlacement]:
+        bundle = {"CPU": self.ranks_per_node, **({"GPU": self.ranks_per_node} if self.use_gpus else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(self.nodes)], strategy="STRICT_SPREAD",
+                                  name="hybrid-ranks")
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise PlacementFailed(f"the Ray cluster could not reserve {self.nodes} separate nodes with {bundle} "
+                                  f"each within {timeout_s:.0f} s; check cluster.nodes and gpus_per_node against "
+                                  "`ray status`.")
+        actors = []
+        for node in range(self.nodes):
+            for _ in range(self.ranks_per_node):
+                actors.append(RankWorker.options(
+                    num_cpus=1, num_gpus=1 if self.use_gpus else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
+                    runtime_env={"env_vars": self.env},
+                ).remote())
+        self.actors = actors  # so shutdown() kills them even if placement checks fail below
+        where = ray.get([a.where.remote() for a in actors], timeout=timeout_s)
+        ranks = assign_ranks([w["node_id"] for w in where], self.ranks_per_node, [w["ip"] for w in where])
+        order = sorted(range(len(actors)), key=lambda i: ranks[i])
+        self.actors = [actors[i] for i in order]
+        self.placement = [RankPlacement(rank=ranks[i], node_id=where[i]["node_id"], ip=where[i]["ip"],
+                                        node_index=ranks[i] // self.ranks_per_node) for i in order]
+        return self.placement
+
+    def setup(self, tp: int, timeout_s: float, sample_nvml: bool = False) -> list[dict]:
+        """Rendezvous at rank 0's node and build every rank's mesh."""
+        master_addr = self.placement[0].ip
+        master_port = ray.get(self.actors[0].free_port.remote())
+        log.info("rendezvous at %s:%d (%s)", master_addr, master_port, self.backend)
+        refs = [actor.setup.remote(p.rank, self.world_size, tp, master_addr, master_port, self.backend, timeout_s,
+                                   sample_nvml and p.rank % self.ranks_per_node == 0)
+                for actor, p in zip(self.actors, self.placement)]
+        return ray.get(refs, timeout=timeout_s + 60)
+
+    def run(self, entrypoint: str, model_config_path: str, settings: JobSettings) -> list:
+        """Start the entrypoint on every rank; returns one object ref per rank (rank order)."""
+        return [actor.run.remote(entrypoint, model_config_path, settings) for actor in self.actors]
+
+    def drain(self, timeout_s: float = 30.0) -> list[dict]:
+        """Every rank's reports and NVML samples since the last drain (ranks that died are skipped)."""
+        drained = []
+        for ref in [actor.drain.remote() for actor in self.actors]:
+            try:
+                drained.append(ray.get(ref, timeout=timeout_s))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        return drained
+
+    def request_stop(self) -> None:
+        for actor in self.actors:
+            actor.request_stop.remote()
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Close every rank's process group (if ``graceful``), kill the actors and free the placement group."""
+        if graceful and self.actors:
+            try:
+                ray.get([a.close.remote() for a in self.actors], timeout=30)
+            except Exception:  # a dead or hung rank: killing below is enough
+                pass
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
