@@ -1,6 +1,6 @@
 """GPTConfig validation, YAML loading, and the meta-device parameter count."""
 
-import glob
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 from hybrid.errors import ConfigError
 from hybrid.models import GPT, GPTConfig, count_parameters
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = dict(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
 
 
@@ -24,14 +25,13 @@ def test_count_parameters_matches_the_allocated_model(overrides):
 
 
 def test_shipped_configs_load_and_count_near_their_names():
-    counts = {path.split("/")[-1]: count_parameters(GPTConfig.from_yaml(path))
-              for path in glob.glob("configs/gpt-*.yaml")}
+    counts = {path.name: count_parameters(GPTConfig.from_yaml(path)) for path in CONFIGS.glob("gpt-*.yaml")}
     assert counts["gpt-tiny.yaml"] == 134_912
     # Untied LM heads add vocab·hidden to the published (tied) figures.
     for name, nominal, tolerance in [("gpt-125m.yaml", 125e6, 0.35), ("gpt-1.3b.yaml", 1.3e9, 0.1),
                                      ("gpt-7b.yaml", 6.7e9, 0.05), ("gpt-13b.yaml", 13e9, 0.05)]:
         assert abs(counts[name] - nominal) / nominal < tolerance, (name, counts[name])
-        cfg = GPTConfig.from_yaml(f"configs/{name}")
+        cfg = GPTConfig.from_yaml(CONFIGS / name)
         assert counts[name] == _closed_form(cfg)
         for tp in (1, 2, 4):  # gpt-125m has 12 heads, so not tp 8
             cfg.check_tp(tp)
