@@ -13,6 +13,8 @@ TP group of size 1) it is the plain single-process model, the correctness refere
 Initialization draws every *full* parameter from a generator seeded by ``(seed, parameter name)`` and keeps
 this rank's slice, so the TP model built with seed S holds exactly the slices of the single-process model
 built with seed S. ``count_parameters(config)`` builds the model on the meta device (nothing allocated).
+``GPTConfig.check_tp`` runs first, so a TP degree that does not split the heads, the vocabulary or the MLP
+(or dropout with tp > 1) is one ConfigError before anything is allocated.
 """
 
 from __future__ import annotations

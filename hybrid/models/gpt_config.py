@@ -7,7 +7,7 @@ it::
 
 Every invalid field raises ``ConfigError`` with one sentence naming ``model.<field>`` and the fix.
 ``check_tp(tp)`` says whether a tensor-parallel degree can split this model (heads, vocabulary and MLP
-width must divide evenly); it is pure, so the planner and launcher can call it before any rank starts.
+width must divide evenly; dropout needs tp=1); it is pure, so the planner and launcher can call it before any rank starts.
 """
 
 from __future__ import annotations
@@ -75,12 +75,17 @@ class GPTConfig:
         return self.mlp_ratio * self.hidden
 
     def check_tp(self, tp: int) -> None:
-        """Raise ConfigError unless tensor-parallel degree ``tp`` splits heads, vocabulary and MLP evenly."""
+        """Raise ConfigError unless tensor-parallel degree ``tp`` can split this model."""
         for field, n in (("n_heads", self.n_heads), ("vocab_size", self.vocab_size),
                          ("mlp_ratio*hidden", self.ffn_hidden)):
             if n % tp:
                 raise ConfigError(f"model.{field}={n} is not divisible by the tensor-parallel degree tp={tp}; "
                                   f"choose a tp that divides {n} or change model.{field}.")
+        if self.dropout and tp > 1:
+            # Replicated activations would need the same dropout mask on every TP rank, and the TP layers
+            # keep no shared RNG stream for that.
+            raise ConfigError(f"model.dropout={self.dropout} is not supported with tensor parallelism (tp={tp}); "
+                              f"set model.dropout to 0 or use tp=1.")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":

@@ -62,6 +62,12 @@ def test_check_tp_rejects_a_vocab_that_does_not_split():
         GPTConfig(**{**TINY, "vocab_size": 250}).check_tp(4)
 
 
+def test_dropout_needs_tp1():
+    GPTConfig(**TINY, dropout=0.1).check_tp(1)
+    with pytest.raises(ConfigError, match="model.dropout=0.1 is not supported with tensor parallelism"):
+        GPTConfig(**TINY, dropout=0.1).check_tp(2)
+
+
 def test_from_yaml_reads_the_model_mapping(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("model:\n  vocab_size: 256\n  seq_len: 32\n  n_layers: 2\n  hidden: 64\n  n_heads: 4\n"
