@@ -21,6 +21,7 @@ without it each one is waited right after it is launched.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -82,8 +83,13 @@ class GradReducer:
             self.attach_grads()
 
     def _hook(self, i: int):
+        # A weak reference: the parameter keeps its hooks in C++, where gc cannot see a cycle back to it.
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            self._on_grad(i, param)
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_grad(i, param)
         return hook
 
     @torch.no_grad()

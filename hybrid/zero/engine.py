@@ -106,7 +106,7 @@ class ZeroEngine:
         self.reducer = GradReducer(
             self.dp_comm, self.layout, self.params, mode, order, flat_grad=self.state.flat_grad,
             grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
-            max_inflight_numel=2 * zero.reduce_bucket_size,
+            max_inflight_numel=zero.reduce_bucket_size,
             on_unit_done=self.gatherer.release_after_backward if self.gatherer else None)
         self._norm_runs = self._grad_norm_runs()
         if self.gatherer is not None:

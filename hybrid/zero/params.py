@@ -140,15 +140,19 @@ class ParamGatherer:
             self.wait(u)
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
-        for u in self.module_units[module]:
-            self._refs[u] -= 1
-            if self._refs[u] == 0 and u not in self._in_backward:
-                self.release(u)
+        units = self.module_units[module]
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            tensors = [t for t in leaves if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+            elif not leaves:  # an output we cannot see into: keep the units gathered through backward
+                self._in_backward.update(units)
+        for u in units:
+            self._refs[u] -= 1
+            if self._refs[u] == 0 and u not in self._in_backward:
+                self.release(u)
 
     # -- backward -------------------------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module) -> None:
