@@ -30,8 +30,7 @@ from bench.peers import LABELS, STAGES, deepspeed_available  # noqa: E402
 from bench.workload import Workload, count_parameters, workloads  # noqa: E402
 
 NOTES_MARKER = "<!-- notes -->"
-QUICK_RUNS = [("hybrid", 0), ("hybrid", 1), ("hybrid", 2), ("hybrid", 3), ("ddp", 0), ("fsdp2", 3),
-              ("deepspeed", 3)]
+QUICK_RUNS = [("hybrid", 0), ("hybrid", 3), ("ddp", 0), ("fsdp2", 3), ("deepspeed", 3)]
 
 
 def plan(quick: bool, only: list[str] | None, with_deepspeed: bool) -> list[tuple[str, int]]:
