@@ -95,9 +95,7 @@ def _rank_runs():
                 losses.append(loss.item())
                 norms.append(float(engine.last_grad_norm))
             full = gather_tp_state_dict(engine.full_state_dict(), engine.module, mesh.tp_comm)
-            # numpy, not tensors: a tensor result is passed by shared memory and races the rank's exit.
-            results[(tp, dp, stage)] = dict(losses=losses, norms=norms,
-                                           weights={n: t.numpy() for n, t in full.items()} if rank == 0 else None)
+            results[(tp, dp, stage)] = dict(losses=losses, norms=norms, weights=full if rank == 0 else None)
     return results
 
 
