@@ -1,0 +1,155 @@
+"""Watch which addresses a process tree talks to, from /proc (Linux), for the loopback-only tests.
+
+``NetWatch(root_pid)`` samples, on a background thread, every TCP and UDP socket held by ``root_pid`` and
+its descendants (the embedded Ray cluster's GCS, raylets, agents and workers are all descendants of the
+driver) and records every connected peer address that is not loopback. ``LoopbackAudit`` does the same
+inside this Python process through the ``socket.connect`` audit event, which also sees short-lived
+sockets a sampler could miss.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+import threading
+
+_PROC_NET = ("tcp", "tcp6", "udp", "udp6")
+
+
+def descendants(root: int) -> set[int]:
+    """``root`` and every live process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    return inodes
+
+
+def _decode(hex_addr: str) -> str:
+    host, _port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    # /proc/net prints each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw))
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback or addr.is_unspecified
+
+
+def peers(inodes: set[str]) -> list[tuple[str, str]]:
+    """(protocol, remote host) of every connected socket among ``inodes``."""
+    found = []
+    for proto in _PROC_NET:
+        try:
+            with open(f"/proc/net/{proto}") as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[9] in inodes:
+                remote = _decode(fields[2])
+                if fields[2].split(":")[1] != "0000":  # port 0: not connected
+                    found.append((proto, remote))
+    return found
+
+
+class NetWatch:
+    """Samples the sockets of ``root_pid``'s process tree every ``interval_s`` until ``stop()``."""
+
+    def __init__(self, root_pid: int, interval_s: float = 0.25):
+        self.root_pid, self.interval_s = root_pid, interval_s
+        self.violations: set[tuple[str, str]] = set()
+        self.samples = 0
+        self.connected_seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "NetWatch":
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        found = peers(socket_inodes(descendants(self.root_pid)))
+        self.samples += 1
+        self.connected_seen += len(found)
+        self.violations.update(p for p in found if not is_loopback(p[1]))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> "NetWatch":
+        self._stop.set()
+        self._thread.join()
+        return self
+
+
+class LoopbackAudit:
+    """Records every ``socket.connect`` of this process to a non-loopback address while ``active``."""
+
+    _installed: "LoopbackAudit | None" = None
+
+    def __init__(self):
+        self.active = False
+        self.violations: list = []
+        self.connects = 0
+
+    @classmethod
+    def install(cls) -> "LoopbackAudit":
+        # Audit hooks cannot be removed, so one instance serves the whole session.
+        if cls._installed is None:
+            cls._installed = cls()
+            sys.addaudithook(cls._installed._hook)
+        return cls._installed
+
+    def _hook(self, event: str, args) -> None:
+        if event != "socket.connect" or not self.active:
+            return
+        sock, address = args
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            self.connects += 1
+            if not is_loopback(str(address[0])):
+                self.violations.append(address)

@@ -1,0 +1,129 @@
+"""The launcher on a real embedded Ray cluster (2 nodes × 2 ranks, loopback only), shared by the module.
+
+Checks rank placement against what the ranks themselves see (their Ray node and their real process
+groups), training at the stage the planner picks from a small and a large declared GPU memory (3 and 1),
+a failing rank becoming one sentence, and that no socket of the driver or any Ray process reaches a
+non-loopback address. The cluster is torn down at the end and no process of it may remain.
+"""
+
+import io
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from hybrid.memory import GB
+from hybrid.planner import choose_stage
+from launch import ray_cluster
+from launch.job import JobFailed, plan_and_run
+from launch.plan import build_plan
+from launch.spec import parse_spec
+from tests.launch.netcheck import LoopbackAudit, NetWatch, descendants, is_loopback, peers, socket_inodes
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+NODES, RANKS_PER_NODE = 2, 2
+
+
+def make_spec(entrypoint="hybrid.models.gpt:train", steps=30, gpu_memory_gb=80.0, stage="auto"):
+    return parse_spec({
+        "cluster": {"address": "local", "nodes": NODES, "gpus_per_node": RANKS_PER_NODE,
+                    "gpu_memory_gb": gpu_memory_gb},
+        "job": {"entrypoint": entrypoint, "config": "configs/gpt-tiny.yaml", "steps": steps, "micro_batch": 8,
+                "collective_timeout_s": 60},
+        "parallel": {"tp": "auto", "zero_stage": stage, "precision": "fp32"},
+    }, base_dir=ROOT)
+
+
+def session_processes(pid: int) -> list[str]:
+    """Command lines of live processes of the Ray session a driver with ``pid`` started."""
+    out = subprocess.run(["pgrep", "-af", f"session_[0-9_-]*_{pid}( |/|$)"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    audit = LoopbackAudit.install()
+    watch = NetWatch(os.getpid()).start()
+    audit.active = True
+    try:
+        with ray_cluster.local_cluster(NODES, RANKS_PER_NODE):
+            yield watch, audit
+    finally:
+        audit.active = False
+        watch.stop()
+    assert session_processes(os.getpid()) == [], "Ray processes left after teardown"
+
+
+def assert_loopback_only(watch, audit):
+    watch.sample()
+    assert watch.samples > 1 and watch.connected_seen > 0, "the watcher saw no connection at all"
+    assert not watch.violations, f"non-loopback peers: {watch.violations}"
+    assert not audit.violations, f"driver connected to {audit.violations}"
+
+
+def test_the_network_watchers_can_see_a_non_loopback_peer():
+    audit = LoopbackAudit.install()
+    watch = NetWatch(os.getpid())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        audit.active = True
+        s.connect(("192.0.2.1", 9))  # UDP connect: sets the peer, sends nothing
+        audit.active = False
+        watch.sample()
+    assert ("udp", "192.0.2.1") in watch.violations
+    assert ("192.0.2.1", 9) in audit.violations
+    audit.violations.clear()
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.1")
+
+
+def test_ranks_sit_on_nodes_by_tp_group(cluster):
+    result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:where", steps=1), io.StringIO(), tty=False)
+    ranks = {r: out for r, out in result.results.items()}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    node_of = {r: out["node_id"] for r, out in ranks.items()}
+    assert len(set(node_of.values())) == NODES
+    for r, out in ranks.items():
+        assert out["rank"] == r and out["sum"] == 4.0  # all-reduce over DP then TP reached every rank
+        assert {node_of[m] for m in out["tp_group"]} == {node_of[r]}, "a TP group straddles nodes"
+        assert len({node_of[m] for m in out["dp_group"]}) == len(out["dp_group"]), "DP peers share a node"
+    assert out["tp_group"] in ([2, 3],) and ranks[0]["tp_group"] == [0, 1]
+    assert [p.node_id for p in result.placement] == [node_of[r] for r in range(4)]
+    assert_loopback_only(*cluster)
+
+
+@pytest.mark.parametrize("gpu_memory_gb, expected_stage", [(0.0016, 3), (80.0, 1)])
+def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memory_gb, expected_stage):
+    spec = make_spec(steps=30, gpu_memory_gb=gpu_memory_gb)
+    offline = build_plan(spec)  # what the planner predicts from the declared facts
+    predicted = choose_stage(offline.params, 2, 2, gpu_memory_gb * GB, precision="fp32",
+                             activation_bytes=offline.plan.activation_bytes).stage
+    assert predicted == offline.stage == expected_stage
+    out = io.StringIO()
+    result = plan_and_run(spec, out, tty=False)
+    assert result.plan.stage == expected_stage and result.plan.memory_source == "declared"
+    assert "no GPUs in the Ray cluster" in out.getvalue() and f"ZeRO-{expected_stage}" in out.getvalue()
+    assert all(r["stage"] == expected_stage for r in result.results.values())
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 1.5, losses
+    # the TP ranks of a group see the same data, so report the same loss
+    last = result.last_reports
+    assert last[0]["loss"] == pytest.approx(last[1]["loss"]) and last[2]["loss"] == pytest.approx(last[3]["loss"])
+    assert_loopback_only(*cluster)
+
+
+def test_a_failing_rank_is_one_sentence_and_frees_the_cluster(cluster):
+    with pytest.raises(JobFailed) as info:
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_on_rank_1"), io.StringIO(), tty=False)
+    message = str(info.value)
+    assert "rank 1" in message and "rank one is broken on purpose" in message and "\n" not in message
+    # actors and the placement group are released (asynchronously, so allow Ray a moment)
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU") != NODES * RANKS_PER_NODE and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == NODES * RANKS_PER_NODE
+    assert_loopback_only(*cluster)
