@@ -51,6 +51,8 @@ class GradReducer:
         self._inflight: deque = deque()
         self._active = False
         self._pending = [0] * len(layout.units)
+        self._launched = [False] * len(layout.units)
+        self._fired = [False] * len(params)
         self._next = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         if mode != "scatter_shard":
@@ -78,9 +80,14 @@ class GradReducer:
         """Start a backward pass; ``reduce`` says whether this micro-step communicates gradients."""
         self._active = reduce or self.mode == "scatter_shard"
         self._pending = [len(u.slots) for u in self.layout.units]
+        self._launched = [False] * len(self.layout.units)
+        self._fired = [False] * len(self.params)
         self._next = 0
         if self.mode != "scatter_shard":
             self.attach_grads()
+        else:  # gradients only ever live in buckets and the shard
+            for p in self.params:
+                p.grad = None
 
     def _hook(self, i: int):
         # A weak reference: the parameter keeps its hooks in C++, where gc cannot see a cycle back to it.
@@ -94,14 +101,26 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if not self._active:  # a micro-step that only accumulates (stages 0, 1)
+            return
         unit, slot = self._unit_of[i]
+        if self._launched[unit.index]:
+            raise RuntimeError("a parameter received a second gradient in one backward after its bucket was "
+                               "reduced (e.g. reentrant checkpointing around a shared parameter); this is "
+                               "not supported")
+        first = not self._fired[i]
+        self._fired[i] = True
         if self.mode == "scatter_shard":
             bucket = self._buckets.get(unit.index)
             if bucket is None:
                 bucket = self._buckets[unit.index] = self._new_bucket(unit.index)
-            bucket[slot.offset:slot.offset + slot.numel].view_as(param).copy_(param.grad)
+            view = bucket[slot.offset:slot.offset + slot.numel].view_as(param)
+            if first:
+                view.copy_(param.grad)
+            else:
+                view.add_(param.grad)
             param.grad = None
-        if not self._active or self._pending[unit.index] <= 0:
+        if not first:
             return
         self._pending[unit.index] -= 1
         if self._pending[unit.index] == 0:
@@ -118,6 +137,7 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, u: int) -> None:
+        self._launched[u] = True
         unit = self.layout.units[u]
         lo, hi = unit.shard_range(self.rank)
         if self.mode == "scatter_shard":

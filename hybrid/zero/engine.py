@@ -5,14 +5,17 @@ buffers with the parameters re-bound as views (``state``), gradient buckets redu
 (``buckets``), parameter gathering (``params``), AdamW on the fp32 shard (``optimizer``) and the global
 gradient norm (``clip``). A stage only chooses which buffers are sharded and which collective moves them:
 
-| stage | units                      | gradients (per optimizer step)          | after the step              |
-|-------|----------------------------|-----------------------------------------|-----------------------------|
-| 0     | buckets of reduce_bucket_size | all-reduce, in backward (2Ψ)          | -                           |
-| 1     | buckets                    | reduce-scatter, in backward (Ψ)         | all-gather of params (Ψ)    |
-| 2     | buckets                    | reduce-scatter per bucket, every micro-step (Ψ) | all-gather of params (Ψ) |
-| 3     | one per module + one for persistent params | reduce-scatter per unit, every micro-step (Ψ) plus all-gathers before each module's forward and backward (2Ψ) | all-gather of persistent params |
+* stage 0: units are buckets of ``reduce_bucket_size``; each is all-reduced in backward (2Ψ per step).
+* stage 1: the same buckets are reduce-scattered in backward (Ψ); after the step every rank all-gathers
+  the updated parameters (Ψ).
+* stage 2: as stage 1, but the gradients are reduce-scattered bucket by bucket at every micro-step and only
+  the shard is kept.
+* stage 3: one unit per module (plus one for the persistent parameters); parameters are all-gathered
+  before each module's forward and backward (2Ψ) and gradients reduce-scattered per unit (Ψ); only the
+  persistent parameters are all-gathered after the step (instead of twice per step).
 
-(Ψ = bytes of the padded model-dtype parameters; all-reduce counts 2Ψ, as in ``hybrid.comm``.)
+(Ψ = bytes of the padded model-dtype parameters; all-reduce counts 2Ψ, as in ``hybrid.comm``. At stages
+1-3 the two partial sums of the gradient norm add one 16-byte all-reduce per step.)
 
 Semantics, equal to single-process training on the global batch with ``torch.optim.AdamW``:
 
@@ -32,6 +35,11 @@ Semantics, equal to single-process training on the global batch with ``torch.opt
   stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``).
 * bf16: the model's parameters, gradients and communication are bf16; master weights and moments fp32.
   fp32: the fp32 parameters are the master weights (no second copy).
+
+Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
+stage 3 every DP rank must run the same modules in the same order (each gather is a collective), and the
+model's parameters have no storage outside a module's forward/backward: read weights through
+``full_state_dict()`` (a collective at stages 1-3) or ``shard_views()``.
 """
 
 from __future__ import annotations
@@ -112,6 +120,7 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release_all()
         self.micro_steps = 0
+        self._awaiting_step = False
         self.global_step = 0
         self.last_grad_norm = None
         self.dp_comm.reset()
@@ -198,6 +207,10 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss / gradient_accumulation_steps`` and reduce the gradients of this stage."""
+        if self._awaiting_step:
+            raise RuntimeError("engine.backward() was called twice without engine.step(); call step() after "
+                               "every backward (it only steps the optimizer at accumulation boundaries)")
+        self._awaiting_step = True
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
         self.reducer.begin(reduce=boundary)
@@ -208,6 +221,7 @@ class ZeroEngine:
 
     def step(self) -> bool:
         """Count a micro-step; at an accumulation boundary, clip and step the optimizer and return True."""
+        self._awaiting_step = False
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False

@@ -44,3 +44,14 @@ def test_initialize_rejects_bad_configs():
         hybrid.initialize(ParityNet(), {"zero_optimization": {"stage4_magic": 1}})
     with pytest.raises(ConfigError, match=r"^train_batch_size is 64 but micro batch 4"):
         hybrid.initialize(ParityNet(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4})
+
+
+def test_backward_twice_without_step_is_refused():
+    from tests.dist.zero_models import batch
+
+    engine = hybrid.initialize(ParityNet(), config(2))
+    x, y = batch(0, 0)
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match="call step\\(\\) after every backward"):
+        engine.backward(engine(x, y))
+    assert engine.step() is False  # first micro-step of two
