@@ -1,12 +1,20 @@
 """``hybrid.json``: what a checkpoint holds, readable without torch, and the "same model?" check.
 
 The manifest records the step counters, the world layout it was saved with (world size, dp, tp, ZeRO
-stage, precision), the model config the caller passed, every parameter's name, TP-local shape and TP
-slicing dim (None = replicated across TP), and the caller's ``extra`` state (e.g. the data position).
+stage, precision), the model config the caller passed, the TP-local shape and TP slicing dim (None =
+replicated across TP) of every trainable parameter (``params``), frozen parameter (``frozen``,
+requires_grad=False) and persistent buffer (``buffers``) under its first name in ``module.state_dict()``,
+every other name of a tied tensor (``aliases``: alias -> that first name), and the caller's ``extra``
+state (e.g. the data position).
 
-Tensor keys in the DCP checkpoint are ``{kind}/tp{r}/{param}`` for kind in ``master``, ``exp_avg``,
-``exp_avg_sq``: one flat fp32 tensor of the parameter's TP-local numel per TP rank, written in pieces by
-the DP ranks that own them. Per-rank RNG states are ``rng/rank{g}`` (pickled bytes).
+Tensor keys in the DCP checkpoint are ``{kind}/tp{r}/{name}``:
+
+* ``master``, ``exp_avg``, ``exp_avg_sq`` (trainable parameters): one flat fp32 tensor of the
+  parameter's TP-local numel per TP rank, written in pieces by the DP ranks that own them;
+* ``frozen``, ``buffer``: the TP-local tensor as the module holds it (its shape and dtype), written by
+  DP rank 0 of each TP rank (they are DP-replicated).
+
+Per-rank RNG states are ``rng/rank{g}`` (pickled bytes).
 """
 
 from __future__ import annotations
@@ -20,8 +28,13 @@ from hybrid.errors import CheckpointError
 from hybrid.checkpoint.layout import MANIFEST
 
 FORMAT = "hybrid-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: frozen parameters, buffers and tied aliases
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+FROZEN, BUFFER = "frozen", "buffer"
+# manifest section -> what an error message calls its entries
+SECTIONS = {"params": "parameter", "frozen": "frozen parameter", "buffers": "buffer"}
+# manifest section of DP-replicated tensors -> their DCP key kind
+PLAIN_KINDS = {"frozen": FROZEN, "buffers": BUFFER}
 
 
 def tensor_key(kind: str, tp_rank: int, name: str) -> str:
@@ -51,12 +64,14 @@ def numel(spec: Mapping[str, Any]) -> int:
 
 
 def build(*, step: int, optimizer_step_count: int, global_step: int, world: Mapping[str, Any],
-          params: Mapping[str, Any], model_config: Optional[Mapping[str, Any]] = None,
-          extra: Optional[Mapping[str, Any]] = None) -> dict:
+          params: Mapping[str, Any], frozen: Optional[Mapping[str, Any]] = None,
+          buffers: Optional[Mapping[str, Any]] = None, aliases: Optional[Mapping[str, str]] = None,
+          model_config: Optional[Mapping[str, Any]] = None, extra: Optional[Mapping[str, Any]] = None) -> dict:
     manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
                 "optimizer_step_count": int(optimizer_step_count), "global_step": int(global_step),
                 "world": dict(world), "model_config": dict(model_config) if model_config else None,
-                "params": dict(params), "extra": dict(extra) if extra else {}}
+                "params": dict(params), "frozen": dict(frozen or {}), "buffers": dict(buffers or {}),
+                "aliases": dict(sorted((aliases or {}).items())), "extra": dict(extra) if extra else {}}
     try:
         json.dumps(manifest)
     except (TypeError, ValueError) as exc:
@@ -91,22 +106,34 @@ def read(directory: Path) -> dict:
     return manifest
 
 
-def check_same_model(manifest: Mapping[str, Any], params: Mapping[str, Any], tp: int, where: Path) -> None:
-    """Raise CheckpointError unless ``params`` (this run's specs) and ``tp`` match the checkpoint's."""
-    saved, saved_tp = manifest["params"], manifest["world"]["tp"]
-    missing = sorted(set(params) - set(saved))
-    unknown = sorted(set(saved) - set(params))
-    if missing or unknown:
-        name, side = (missing[0], "this model has it, the checkpoint does not") if missing else \
-            (unknown[0], "the checkpoint has it, this model does not")
-        raise CheckpointError(f"{where} is a checkpoint of another model: parameter {name!r} differs ({side}); "
-                              f"resume with the model config it was trained with, or use a new run directory.")
+def check_same_model(manifest: Mapping[str, Any], params: Mapping[str, Any], tp: int, where: Path,
+                     frozen: Optional[Mapping[str, Any]] = None, buffers: Optional[Mapping[str, Any]] = None) -> None:
+    """Raise CheckpointError unless this run's specs (trainable ``params``, ``frozen`` parameters,
+    ``buffers``) and ``tp`` match the checkpoint's."""
+    here = {"params": params, "frozen": frozen or {}, "buffers": buffers or {}}
+    kind_here = {name: section for section, specs in here.items() for name in specs}
+    kind_saved = {name: section for section in SECTIONS for name in manifest[section]}
+    for name in sorted(set(kind_here) | set(kind_saved)):
+        mine, theirs = kind_here.get(name), kind_saved.get(name)
+        if mine is None or theirs is None:
+            what, side = (SECTIONS[mine], "this model has it, the checkpoint does not") if theirs is None else \
+                (SECTIONS[theirs], "the checkpoint has it, this model does not")
+            raise CheckpointError(f"{where} is a checkpoint of another model: {what} {name!r} differs ({side}); "
+                                  f"resume with the model config it was trained with, or use a new run directory.")
+        if mine != theirs:
+            raise CheckpointError(f"{where} holds {name!r} as a {SECTIONS[theirs]} but this model has it as a "
+                                  f"{SECTIONS[mine]}; resume with the requires_grad settings it was trained with, "
+                                  f"or use a new run directory.")
+    saved_tp = manifest["world"]["tp"]
     if saved_tp != tp:
         raise CheckpointError(f"{where} was saved with tensor-parallel degree tp={saved_tp} but this job runs "
                               f"tp={tp}; resume with parallel.tp: {saved_tp} (only the DP size and ZeRO stage "
                               f"may change).")
-    for name, spec in params.items():
-        if list(spec["shape"]) != list(saved[name]["shape"]) or spec["tp_dim"] != saved[name]["tp_dim"]:
-            raise CheckpointError(f"{where} is a checkpoint of another model: parameter {name!r} has shape "
-                                  f"{full_shape(saved[name], saved_tp)} there but {full_shape(spec, tp)} here; "
-                                  f"resume with the model config it was trained with, or use a new run directory.")
+    for section, specs in here.items():
+        for name, spec in specs.items():
+            saved = manifest[section][name]
+            if list(spec["shape"]) != list(saved["shape"]) or spec["tp_dim"] != saved["tp_dim"]:
+                raise CheckpointError(f"{where} is a checkpoint of another model: {SECTIONS[section]} {name!r} has "
+                                      f"shape {full_shape(saved, saved_tp)} there but {full_shape(spec, tp)} here; "
+                                      f"resume with the model config it was trained with, or use a new run "
+                                      f"directory.")

@@ -3,10 +3,14 @@
 What is saved, per parameter and TP rank: the fp32 master weights and both Adam moments, as flat tensors
 of the parameter's TP-local numel (``manifest.tensor_key``). Each DP rank contributes the piece
 ``[start, end)`` it owns (``engine.shard_views()``); pieces that several DP ranks hold identically (stage
-0) are written once. The model's own (possibly bf16) parameters are not saved: they are a function of the
-masters and are rebuilt with ``engine.sync_params_from_master()`` after a load. Beside the tensors: every
-rank's RNG state, and rank 0's manifest (step counters, world layout, parameter names and shapes, model
-config, the caller's ``extra`` such as the data position).
+0) are written once. The model's own (possibly bf16) trainable parameters are not saved: they are a
+function of the masters and are rebuilt with ``engine.sync_params_from_master()`` after a load. The rest of
+``module.state_dict()`` -- frozen parameters (requires_grad=False) and persistent buffers -- is
+DP-replicated: DP rank 0 of each TP rank writes it as the module holds it, and every rank reads it back in
+place. A tensor registered under several names (tied weights) is saved once, under its first name; the
+manifest records the other names as aliases. Beside the tensors: every rank's RNG state, and rank 0's
+manifest (step counters, world layout, names and shapes, model config, the caller's ``extra`` such as the
+data position). Non-tensor module state (``get_extra_state``) is not saved.
 
 Loading builds the *new* engine's pieces and lets DCP read the overlap of each with the saved pieces, so a
 checkpoint written at one (DP size, ZeRO stage) resumes at any other with the same TP degree. RNG states
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -79,6 +84,44 @@ def _param_specs(engine, views: Mapping[str, Any]) -> dict:
     return manifest.param_specs({name: view.shape for name, view in views.items()}, dims)
 
 
+@dataclass(frozen=True)
+class _PlainState:
+    """The module's state beside the ZeRO-managed parameters, by first ``state_dict`` name."""
+
+    frozen: dict   # name -> frozen parameter
+    buffers: dict  # name -> persistent buffer
+    aliases: dict  # every other state_dict name of a tied tensor -> its first name
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "_PlainState":
+        first = {}
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            first.setdefault(id(tensor), name)
+        param_ids = {id(p) for p in module.parameters()}
+        frozen, buffers, aliases = {}, {}, {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            canonical = first.setdefault(id(tensor), name)
+            if canonical != name:
+                aliases[name] = canonical
+            elif id(tensor) not in param_ids:
+                buffers[name] = tensor
+            elif not tensor.requires_grad:
+                frozen[name] = tensor
+        return cls(frozen, buffers, aliases)
+
+    def specs(self, section: str) -> dict:
+        tensors = getattr(self, section)
+        return manifest.param_specs({n: t.shape for n, t in tensors.items()},
+                                    {n: tensor_parallel_dim(t) for n, t in tensors.items()})
+
+    def dcp_state(self, tp_rank: int) -> dict:
+        """DCP key -> the live tensor (saving reads it, loading fills it in place)."""
+        return {manifest.tensor_key(kind, tp_rank, name): tensor.detach()
+                for section, kind in manifest.PLAIN_KINDS.items() for name, tensor in getattr(self, section).items()}
+
+
 def _pieces(views: Mapping[str, Any], tp_rank: int) -> tuple[dict, dict]:
     """``(state, where)``: this rank's non-empty pieces by DCP key, and ``(start, param numel)`` of each."""
     state, where = {}, {}
@@ -102,9 +145,12 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     """
     world = _World.of(engine)
     views = engine.shard_views()
+    plain = _PlainState.of(engine.module)
     doc = manifest.build(step=step, optimizer_step_count=engine.optimizer_step_count,
                          global_step=engine.global_step, world=world.as_dict(),
-                         params=_param_specs(engine, views), model_config=model_config, extra=extra)
+                         params=_param_specs(engine, views), frozen=plain.specs("frozen"),
+                         buffers=plain.specs("buffers"), aliases=plain.aliases, model_config=model_config,
+                         extra=extra)
     doc["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
     everyone = Comm(None, name="checkpoint")
@@ -114,6 +160,8 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
         tmp.mkdir(parents=True)
     everyone.barrier()
     state, pieces = _pieces(views, world.tp_rank)
+    if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
+        state.update(plain.dcp_state(world.tp_rank))
     state[manifest.rng_key(world.rank)] = rng.capture()
     dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=FlatSavePlanner(pieces))
     if world.rank == 0:  # dcp.save returned on the coordinator: every rank's data and .metadata are written
@@ -148,9 +196,12 @@ def load(path, engine) -> Resumed:
     ckpt = layout.resolve(path)
     doc = manifest.read(ckpt)
     views = engine.shard_views()
-    manifest.check_same_model(doc, _param_specs(engine, views), world.tp, ckpt)
+    plain = _PlainState.of(engine.module)
+    manifest.check_same_model(doc, _param_specs(engine, views), world.tp, ckpt,
+                              frozen=plain.specs("frozen"), buffers=plain.specs("buffers"))
 
     state, pieces = _pieces(views, world.tp_rank)
+    state.update(plain.dcp_state(world.tp_rank))
     saved = doc["world"]
     same_world = all(saved.get(k) == v for k, v in (("world_size", world.world_size), ("dp", world.dp),
                                                      ("tp", world.tp)))

@@ -8,13 +8,30 @@ next 3 steps' losses match the uninterrupted run. The same world checks stage-0 
 everything: written once), a checkpoint of another model and one of another TP degree (one sentence, on
 every rank, no hang). In this process: consolidation → torch.load(weights_only=True) → load_state_dict
 into the single-process GPT, equal to the engine's full state dict.
+
+The world of 2 also covers any model, not only the GPT: one with a frozen parameter, persistent and
+non-persistent buffers (one changed by every forward), tied weights and parameters not divisible by DP,
+saved at stage 1 and resumed at stage 3 (its consolidation strict-loads into the single-process model); and
+bf16, saved at stage 2 and resumed at stage 1 (fp32 masters and moments bit-identical, bf16 parameters the
+masters' cast, the next losses exactly those of the uninterrupted run).
+
+A separate process saving a ~20M-parameter checkpoint is SIGKILLed mid-write: the previous checkpoint
+stays the latest, resume loads it, and the next save replaces the torn directory.
 """
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 import hybrid
@@ -32,12 +49,12 @@ CONFIG = "configs/gpt-tiny.yaml"
 GLOBAL_BATCH, SEED, SAVE_AT, MORE = 8, 0, 3, 3
 
 
-def _train_config(stage: int) -> TrainConfig:
+def _train_config(stage: int, precision: str = "fp32", bucket: int = 20_000, persist: int = 100) -> TrainConfig:
     # Small buckets and persistence threshold: parameters straddle shard edges and stage 3 partitions them.
     return TrainConfig.from_dict({
-        "zero": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000,
-                 "prefetch_bucket_size": 20_000, "param_persistence_threshold": 100},
-        "precision": "fp32",
+        "zero": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                 "prefetch_bucket_size": bucket, "param_persistence_threshold": persist},
+        "precision": precision,
         "optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
         "gradient_clipping": 0.5,
     })
@@ -50,10 +67,11 @@ def _batch(step: int, cfg: GPTConfig) -> torch.Tensor:
     return (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
 
 
-def _engine(cfg: GPTConfig, tp: int, dp: int, stage: int):
+def _engine(cfg: GPTConfig, tp: int, dp: int, stage: int, precision: str = "fp32", seed: int = SEED):
     mesh = build_mesh(tp=tp, dp=dp)
-    model = GPT(cfg, tp_comm=mesh.tp_comm, seed=SEED)
-    return mesh, hybrid.initialize(model, _train_config(stage), dp_group=mesh.dp_group, tp_group=mesh.tp_group)
+    model = GPT(cfg, tp_comm=mesh.tp_comm, seed=seed)
+    return mesh, hybrid.initialize(model, _train_config(stage, precision), dp_group=mesh.dp_group,
+                                   tp_group=mesh.tp_group)
 
 
 def _train(mesh, engine, cfg: GPTConfig, first: int, count: int) -> list:
@@ -106,7 +124,8 @@ def _save_runs(cfg_dict: dict, run_a: str, run_b: str) -> dict:
     return out
 
 
-def _resume_runs(cfg_dict: dict, other_dict: dict, run_a: str, run_b: str, run_c: str) -> dict:
+def _resume_runs(cfg_dict: dict, other_dict: dict, run_a: str, run_b: str, run_c: str, run_d: str,
+                 run_e: str) -> dict:
     cfg = GPTConfig.from_dict(cfg_dict)
     out = {}
     for name, run_dir, (tp, dp, stage) in (("a", run_a, (1, 2, 3)), ("b", run_b, (2, 1, 0))):
@@ -131,7 +150,107 @@ def _resume_runs(cfg_dict: dict, other_dict: dict, run_a: str, run_b: str, run_c
         except CheckpointError as err:
             errors.append(str(err))
     out["errors"] = errors
+    out["any_model"] = _any_model_runs(run_d)
+    out["bf16"] = _bf16_runs(cfg, run_e)
     return out
+
+
+class _Tied(nn.Module):
+    """Not the GPT: a frozen parameter, a persistent buffer, a counter buffer every forward changes, a
+    non-persistent buffer (absent from state_dict), a head tied to the embedding, and parameters whose
+    sizes (7, 42, 66) do not fill whole DP-2 shards of the 4-element alignment."""
+
+    VOCAB, WIDTH, INNER = 11, 6, 7
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.scale = nn.Parameter(torch.rand(self.INNER) + 0.5, requires_grad=False)
+        self.register_buffer("shift", torch.randn(self.WIDTH))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+        self.embed = nn.Embedding(self.VOCAB, self.WIDTH)
+        self.proj = nn.Linear(self.WIDTH, self.INNER)
+        self.out = nn.Linear(self.INNER, self.WIDTH)
+        self.head = nn.Linear(self.WIDTH, self.VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx, targets):
+        self.calls += 1
+        h = self.out(torch.tanh(self.proj(self.embed(idx))) * self.scale) + self.shift
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def _tied_engine(stage: int, seed: int):
+    mesh = build_mesh(tp=1, dp=2)
+    config = _train_config(stage, bucket=40, persist=10)  # units of a few params; stage 3 partitions most
+    return mesh, hybrid.initialize(_Tied(seed), config, dp_group=mesh.dp_group)
+
+
+def _train_tied(mesh, engine, first: int, count: int) -> list:
+    micro = GLOBAL_BATCH // mesh.dp
+    losses = []
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(2000 + step)
+        idx, targets = torch.randint(0, _Tied.VOCAB, (2, GLOBAL_BATCH, 5), generator=g)
+        rows = slice(mesh.dp_rank * micro, (mesh.dp_rank + 1) * micro)
+        loss = engine(idx[rows], targets[rows])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        mesh.dp_comm.all_reduce(mean, average=True)
+        losses.append(mean.item())
+    return losses
+
+
+def _tied_state(engine) -> dict:
+    """The engine's full parameters (each once) and the module's persistent buffers."""
+    module = engine.module
+    persistent = set(module.state_dict(keep_vars=True)) & set(dict(module.named_buffers()))
+    return {**engine.full_state_dict(), **{n: b.clone() for n, b in module.named_buffers() if n in persistent}}
+
+
+def _any_model_runs(run_dir: str) -> dict:
+    """_Tied: save at stage 1 (DP 2), keep going; resume a differently seeded model at stage 3 (DP 2)."""
+    mesh, engine = _tied_engine(1, seed=0)
+    _train_tied(mesh, engine, 0, SAVE_AT)
+    checkpoint.save(run_dir, engine, SAVE_AT)
+    saved = _tied_state(engine)
+    reference = _train_tied(mesh, engine, SAVE_AT, MORE)
+
+    mesh, engine = _tied_engine(3, seed=1)
+    resumed = checkpoint.resume_if_available(run_dir, engine)
+    loaded = _tied_state(engine)
+    return {"saved": saved, "reference": reference, "step": resumed.step, "loaded": loaded,
+            "losses": _train_tied(mesh, engine, SAVE_AT, MORE)}
+
+
+def _views(engine) -> dict:
+    return {name: (v.start, v.end, v.master.clone(), v.exp_avg.clone(), v.exp_avg_sq.clone())
+            for name, v in engine.shard_views().items()}
+
+
+def _same_views(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(
+        a[k][:2] == b[k][:2] and all(torch.equal(x, y) for x, y in zip(a[k][2:], b[k][2:])) for k in a)
+
+
+def _bf16_runs(cfg: GPTConfig, run_dir: str) -> dict:
+    """gpt-tiny in bf16: save at stage 2 (DP 2), keep going; load a differently seeded model at stage 1."""
+    mesh, engine = _engine(cfg, 1, 2, 2, "bf16")
+    _train(mesh, engine, cfg, 0, SAVE_AT)
+    checkpoint.save(run_dir, engine, SAVE_AT)
+    saved_views, saved_full = _views(engine), engine.full_state_dict()
+    reference = _train(mesh, engine, cfg, SAVE_AT, MORE)
+
+    mesh, engine = _engine(cfg, 1, 2, 1, "bf16", seed=SEED + 1)
+    checkpoint.load(run_dir, engine)
+    full = engine.full_state_dict()
+    params = dict(engine.module.named_parameters())
+    return {"views": _same_views(_views(engine), saved_views), "full": _equal(full, saved_full),
+            "bf16_params": all(p.dtype == torch.bfloat16 for p in params.values()),
+            "cast": all(torch.equal(params[n].detach(), full[n].to(torch.bfloat16)) for n in params),
+            "reference": reference, "losses": _train(mesh, engine, cfg, SAVE_AT, MORE)}
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -145,7 +264,7 @@ def _close(losses, reference) -> None:
 
 def test_checkpoint_round_trip_across_layouts(tmp_path):
     cfg = GPTConfig.from_yaml(CONFIG)
-    runs = {k: str(tmp_path / k) for k in "abc"}
+    runs = {k: str(tmp_path / k) for k in "abcde"}
     saved = run_local(_save_runs, 4, cfg.to_dict(), runs["a"], runs["b"], timeout_s=180)[0]
     for k in "ab":
         saved[k]["saved"] = _tensors(saved[k]["saved"])
@@ -171,8 +290,9 @@ def test_checkpoint_round_trip_across_layouts(tmp_path):
     unmarked = good.parent / "step-000009"
     shutil.copytree(partial, unmarked)
 
-    resumed = run_local(_resume_runs, 2, cfg.to_dict(), {**cfg.to_dict(), "hidden": 32}, runs["a"], runs["b"],
-                        runs["c"], timeout_s=180)[0]
+    ranks = run_local(_resume_runs, 2, cfg.to_dict(), {**cfg.to_dict(), "hidden": 32}, runs["a"], runs["b"],
+                      runs["c"], runs["d"], runs["e"], timeout_s=180)
+    resumed = ranks[0]
     for k in "ab":
         resumed[k]["loaded"] = _tensors(resumed[k]["loaded"])
     resumed["c"]["full"] = _tensors(resumed["c"]["full"])
@@ -194,3 +314,29 @@ def test_checkpoint_round_trip_across_layouts(tmp_path):
     assert "tp=1 but this job runs tp=2" in tp
     assert json.loads((checkpoint.latest(runs["a"]) / "hybrid.json").read_text())["world"] == \
         {"world_size": 4, "dp": 4, "tp": 1, "stage": 2, "precision": "fp32"}
+
+    _check_any_model(resumed["any_model"], runs["d"], tmp_path / "tied.pt")
+    _check_bf16([rank["bf16"] for rank in ranks])
+
+
+def _check_any_model(got: dict, run_dir: str, out_file) -> None:
+    assert got["step"] == SAVE_AT
+    assert got["saved"]["calls"] == SAVE_AT and got["saved"]["calls"].dtype == torch.long
+    assert _equal(got["loaded"], got["saved"])  # frozen parameter and buffers restored too
+    _close(got["losses"], got["reference"])
+
+    state, _, doc = checkpoint.consolidate(run_dir)
+    assert doc["aliases"] == {"head.weight": "embed.weight"}
+    assert set(doc["frozen"]) == {"scale"} and set(doc["buffers"]) == {"shift", "calls"}
+    torch.save(state, out_file)
+    model = _Tied(seed=7)
+    model.load_state_dict(torch.load(out_file, weights_only=True))  # strict: every name, nothing extra
+    assert model.head.weight is model.embed.weight
+    assert _equal(model.state_dict(), {**got["saved"], "head.weight": got["saved"]["embed.weight"]})
+
+
+def _check_bf16(ranks: list) -> None:
+    for got in ranks:
+        assert got["views"] and got["full"], "fp32 masters and Adam moments restore bit-identically"
+        assert got["bf16_params"] and got["cast"], "the bf16 parameters are the masters cast to bf16"
+        assert got["losses"] == got["reference"]
