@@ -208,7 +208,8 @@ def load(path, engine) -> Resumed:
     rng_key = manifest.rng_key(world.rank)
     if same_world:
         state[rng_key] = b""
-    dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner({k: start for k, (start, _) in pieces.items()}))
+    offsets = {key: start for key, (start, _) in pieces.items()}
+    dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner(offsets))
     if same_world:
         rng.restore(state[rng_key])
     engine.optimizer_step_count = int(doc["optimizer_step_count"])

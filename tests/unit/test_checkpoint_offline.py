@@ -18,20 +18,32 @@ from hybrid.checkpoint.flat_planner import FlatSavePlanner
 from hybrid.errors import CheckpointError
 from launch.cli import main
 
-# A two-parameter "model" saved at TP 2: w is sliced along dim 1, b is replicated.
-FULL = {"w": torch.arange(24, dtype=torch.float32).view(4, 6), "b": torch.tensor([0.5, -1.5, 2.0])}
+# A small "model" saved at TP 2. Trainable: w (sliced along dim 1), b (replicated). Frozen: f (bf16,
+# sliced along dim 0). Buffer: count (int64, 0-dim). w is tied: its other name is w_tied.
+FULL = {"w": torch.arange(24, dtype=torch.float32).view(4, 6), "b": torch.tensor([0.5, -1.5, 2.0]),
+        "f": torch.tensor([[1.0, 2.0, 3.0], [-0.5, 0.25, 8.0]]), "count": torch.tensor(7)}
 SPECS = {"b": {"shape": [3], "tp_dim": None}, "w": {"shape": [4, 3], "tp_dim": 1}}
+FROZEN = {"f": {"shape": [1, 3], "tp_dim": 0}}
+BUFFERS = {"count": {"shape": [], "tp_dim": None}}
+ALIASES = {"w_tied": "w"}
+
+
+def _local(name: str, spec: dict, tp_rank: int) -> torch.Tensor:
+    dim = spec["tp_dim"]
+    return FULL[name] if dim is None else FULL[name].chunk(2, dim=dim)[tp_rank].contiguous()
 
 
 def _write_checkpoint(run_dir: Path, step: int, publish: bool = True, marker: bool = True) -> Path:
     state, pieces = {}, {}
     for tp_rank in range(2):
         for name, spec in SPECS.items():
-            local = FULL[name] if spec["tp_dim"] is None else FULL[name].chunk(2, dim=1)[tp_rank]
+            local = _local(name, spec, tp_rank)
             for kind in manifest.KINDS:
                 key = manifest.tensor_key(kind, tp_rank, name)
                 state[key] = (local + (0 if kind == "master" else 100)).contiguous().view(-1).clone()
                 pieces[key] = (0, local.numel())
+        state[manifest.tensor_key(manifest.FROZEN, tp_rank, "f")] = _local("f", FROZEN["f"], tp_rank).bfloat16()
+        state[manifest.tensor_key(manifest.BUFFER, tp_rank, "count")] = FULL["count"].clone()
     tmp = layout.temporary_dir(run_dir, step)
     tmp.mkdir(parents=True)
     with warnings.catch_warnings():
@@ -39,7 +51,8 @@ def _write_checkpoint(run_dir: Path, step: int, publish: bool = True, marker: bo
         dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=FlatSavePlanner(pieces), no_dist=True)
     doc = manifest.build(step=step, optimizer_step_count=step, global_step=step,
                          world={"world_size": 4, "dp": 2, "tp": 2, "stage": 2, "precision": "fp32"},
-                         params=SPECS, model_config={"hidden": 6}, extra={"data_step": step})
+                         params=SPECS, frozen=FROZEN, buffers=BUFFERS, aliases=ALIASES,
+                         model_config={"hidden": 6}, extra={"data_step": step})
     manifest.write(tmp, doc)
     if not publish:
         return tmp
@@ -75,9 +88,11 @@ def test_consolidate_merges_tp_slices(tmp_path):
     _write_checkpoint(tmp_path, 5)
     state, ckpt, doc = consolidate(tmp_path)
     assert ckpt.name == "step-000005" and doc["extra"] == {"data_step": 5}
-    assert set(state) == {"w", "b"}
+    assert set(state) == {"w", "b", "f", "count", "w_tied"}
     for name in FULL:
         assert torch.equal(state[name], FULL[name])
+    assert state["f"].dtype == torch.float32 and state["count"].dtype == torch.int64
+    assert state["w_tied"] is state["w"]
 
 
 def test_resolve_and_manifest_errors_are_one_sentence(tmp_path):
@@ -113,6 +128,18 @@ def test_another_model_or_tp_is_refused():
                                 (SPECS, 1, "tp=2 but this job runs tp=1")]:
         with pytest.raises(CheckpointError, match=pattern):
             manifest.check_same_model(doc, params, tp, where)
+
+    doc = manifest.build(step=1, optimizer_step_count=1, global_step=1, params=SPECS, frozen=FROZEN,
+                         buffers=BUFFERS, world={"world_size": 2, "dp": 1, "tp": 2, "stage": 0, "precision": "fp32"})
+    manifest.check_same_model(doc, SPECS, 2, where, frozen=FROZEN, buffers=BUFFERS)
+    thawed = {**SPECS, "f": FROZEN["f"]}
+    for args, pattern in [((SPECS, 2, where), "another model: buffer 'count' differs"),
+                          ((thawed, 2, where, None, BUFFERS),
+                           "holds 'f' as a frozen parameter but this model has it as a parameter"),
+                          ((SPECS, 2, where, FROZEN, {"count": {"shape": [2], "tp_dim": None}}),
+                           r"buffer 'count' has shape \[\] there but \[2\] here")]:
+        with pytest.raises(CheckpointError, match=pattern):
+            manifest.check_same_model(doc, *args)
     with pytest.raises(ValueError, match="JSON-serializable"):
         manifest.build(step=1, optimizer_step_count=1, global_step=1, world={}, params={}, extra={"x": object()})
 
@@ -131,7 +158,7 @@ def test_cli_inspect_and_consolidate(tmp_path, capsys):
     assert main(["checkpoint", "consolidate", str(tmp_path), "--out", str(out_file)]) == 0
     assert "step 7" in capsys.readouterr().out
     loaded = torch.load(out_file, weights_only=True)
-    assert set(loaded) == set(FULL) and all(torch.equal(loaded[k], FULL[k]) for k in FULL)
+    assert set(loaded) == set(FULL) | set(ALIASES) and all(torch.equal(loaded[k], FULL[k]) for k in FULL)
 
     for argv in (["checkpoint", "consolidate", str(tmp_path / "nope"), "--out", str(out_file)],
                  ["checkpoint", "inspect", str(tmp_path / "checkpoints" / ".tmp-step-000008" / "x")]):
