@@ -43,17 +43,22 @@ def plan(quick: bool, only: list[str] | None, with_deepspeed: bool) -> list[tupl
     return runs
 
 
-def run_one(impl: str, stage: int, w: Workload, timeout_s: float) -> report.Row:
+def run_one(impl: str, stage: int, w: Workload, timeout_s: float, profile_dir: str | None = None) -> report.Row:
     from bench.measure import run_rank
     from hybrid.local_launch import LocalRunError, run_local
 
     t0 = time.perf_counter()
     try:
-        per_rank = run_local(run_rank, w.world_size, impl, stage, w, timeout_s=timeout_s, threads=1)
+        per_rank = run_local(run_rank, w.world_size, impl, stage, w, bool(profile_dir), timeout_s=timeout_s,
+                             threads=1)
     except LocalRunError as exc:
         print(f"  {impl}:{stage} FAILED\n{exc}", file=sys.stderr, flush=True)
         last = [line for line in str(exc).strip().splitlines() if line.strip()][-1]
         return report.Row(impl, stage, w.name, w.precision, error=last[:160])
+    if profile_dir:
+        path = Path(profile_dir) / f"{w.name}-{w.precision}-{impl}-{stage}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(f"rank {r['rank']}\n{r['profile']}" for r in per_rank))
     return report.summarize(impl, stage, w.name, w.precision, per_rank, time.perf_counter() - t0)
 
 
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", nargs="*", help="fp32 and/or bf16 (default: both; --quick: fp32)")
     ap.add_argument("--only", nargs="*", help="implementations or impl:stage to run, e.g. hybrid ddp fsdp2:3")
     ap.add_argument("--out", help="Markdown file to write (default: bench/RESULTS.md; --quick: none)")
+    ap.add_argument("--profile", metavar="DIR", help="run the timed steps under torch.profiler (slower; the "
+                    "times are then not comparable) and write each run's op table to DIR")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per implementation run")
     args = ap.parse_args(argv)
 
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             rows = []
             for impl, stage in runs:
-                row = run_one(impl, stage, w, args.timeout)
+                row = run_one(impl, stage, w, args.timeout, args.profile)
                 rows.append(row)
                 if row.error:
                     failures.append(f"{w.name} {precision} {row.key}: {row.error}")

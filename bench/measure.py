@@ -7,6 +7,7 @@ peak RSS of the process, the model-state bytes held, and (hybrid only) the traff
 Each step is framed by barriers, so its time on every rank is the time of the slowest rank. Model-state
 bytes are read between backward and optimizer step of the last warm-up step: gradients are alive and the
 optimizer state has been allocated by the earlier steps, and no timed step pays for the counting.
+With ``profile=True`` the timed steps run under ``torch.profiler`` and the op table comes back too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bench import peers
 from bench.workload import Workload, batch, build_model
 
 
-def run_rank(impl: str, stage: int, w: Workload) -> dict:
+def run_rank(impl: str, stage: int, w: Workload, profile: bool = False) -> dict:
     if w.warmup < 2:
         raise ValueError("warmup must be >= 2: the optimizer state exists only after the first step")
     rank = dist.get_rank()
@@ -32,8 +33,11 @@ def run_rank(impl: str, stage: int, w: Workload) -> dict:
     model = build_model(w)
     runner = peers.setup(impl, stage, model, w)
 
-    losses, times, state_bytes = [], [], None
+    losses, times, state_bytes, profiler = [], [], None, None
     for step in range(w.warmup + w.steps):
+        if profile and step == w.warmup:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         idx, targets = batch(w, step, rank)
         dist.barrier()
         t0 = time.perf_counter()
@@ -47,11 +51,15 @@ def run_rank(impl: str, stage: int, w: Workload) -> dict:
         if step == w.warmup - 1:
             runner.reset_traffic()
 
+    profile_table = None
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profile_table = profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40)
     traffic = runner.traffic()
     if traffic is not None:
         traffic = {k: v / w.steps for k, v in traffic.items()}
     return dict(rank=rank, losses=losses, times=times[w.warmup:], rss_before=rss_before,
-                peak_rss=peak_rss_bytes(), state_bytes=state_bytes, traffic=traffic)
+                peak_rss=peak_rss_bytes(), state_bytes=state_bytes, traffic=traffic, profile=profile_table)
 
 
 def current_rss_bytes() -> int:

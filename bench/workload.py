@@ -44,7 +44,7 @@ class Workload:
 
 
 # ~4M parameters: per-step overhead (hooks, launches, bookkeeping) dominates.
-SMALL = dict(vocab_size=2048, seq_len=128, n_layers=4, hidden=256, n_heads=4)
+SMALL = dict(vocab_size=2048, seq_len=64, n_layers=4, hidden=256, n_heads=4)
 # ~100M parameters: compute and traffic dominate. Short sequences keep `make bench` under 30 min on 2 cores.
 LARGE = dict(vocab_size=8192, seq_len=64, n_layers=12, hidden=768, n_heads=12)
 # Smoke test: seconds per implementation.
@@ -54,7 +54,7 @@ TINY = dict(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
 def workloads(quick: bool) -> list[Workload]:
     if quick:
         return [Workload("quick", TINY, micro_batch=2, warmup=2, steps=1)]
-    return [Workload("4M", SMALL, micro_batch=4, warmup=3, steps=12),
+    return [Workload("4M", SMALL, micro_batch=2, warmup=3, steps=20),
             Workload("100M", LARGE, micro_batch=2, warmup=3, steps=10, lr=3e-4)]
 
 
