@@ -37,9 +37,10 @@ Semantics, equal to single-process training on the global batch with ``torch.opt
   fp32: the fp32 parameters are the master weights (no second copy).
 
 Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
-stage 3 every DP rank must run the same modules in the same order (each gather is a collective), and the
-model's parameters have no storage outside a module's forward/backward: read weights through
-``full_state_dict()`` (a collective at stages 1-3) or ``shard_views()``.
+stage 3 every DP rank must run the same modules in the same order (each gather is a collective), and a
+module's forward may read only its own parameters (and its submodules' inside their forward): outside
+them a released parameter is an empty tensor. Read weights through ``full_state_dict()`` (a collective
+at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' shapes.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class ZeroEngine:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = self.params[0].device
         if any(p.device != self.device for p in self.params):
@@ -109,7 +111,7 @@ class ZeroEngine:
         if self.stage == 3:
             self.gatherer = ParamGatherer(self.dp_comm, self.layout, self.state.unit_full,
                                           self.state.unit_param_shard, persistent, self._module_units(persistent),
-                                          zero.prefetch_bucket_size)
+                                          zero.prefetch_bucket_size, self.params)
         mode = {0: "all_reduce", 1: "scatter_full"}.get(self.stage, "scatter_shard")
         self.reducer = GradReducer(
             self.dp_comm, self.layout, self.params, mode, order, flat_grad=self.state.flat_grad,
@@ -267,12 +269,12 @@ class ZeroEngine:
     def shard_views(self) -> dict:
         """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""
         out = {}
-        for i, (name, p) in enumerate(zip(self.names, self.params)):
+        for i, name in enumerate(self.names):
             start, end, pos = self.layout.owned_range(i, self.state.rank)
             unit, _ = self.layout.locate(i)
             local, n = pos - unit.shard_offset, end - start
             master = self.state.unit_master(unit.index)[local:local + n]
-            out[name] = ShardView(tuple(p.shape), p.numel(), start, end, master,
+            out[name] = ShardView(self.shapes[i], self.layout.numels[i], start, end, master,
                                   self.optimizer.exp_avg[pos:pos + n], self.optimizer.exp_avg_sq[pos:pos + n])
         return out
 
@@ -297,7 +299,7 @@ class ZeroEngine:
                 full = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
                 self.dp_comm.all_gather(full, master)
             for slot in unit.slots:
-                shape = self.params[slot.param].shape
+                shape = self.shapes[slot.param]
                 full_by_param[slot.param] = full[slot.offset:slot.offset + slot.numel].view(shape).cpu().clone()
         out = {}
         for name, p in self.module.named_parameters():

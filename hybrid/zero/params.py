@@ -4,9 +4,10 @@
 with at most ``max_inflight_numel`` elements in flight.
 
 ``ParamGatherer`` (stage 3). Each unit owns a full-length buffer whose *storage* is freed (resized to 0
-bytes) while the unit is released; the model's parameters are permanent views of these buffers, so a
-gather (resize + all-gather from the shards) brings every view, including the ones autograd saved in
-forward, back to life without touching the parameters themselves. Units of persistent parameters
+bytes) while the unit is released, so a gather (resize + all-gather from the shards) brings every view of
+it back to life in place, including views autograd saved in forward. While released, a parameter's
+``.data`` is an empty tensor (shape ``(0,)``, as in DeepSpeed), so a stray read fails loudly instead of
+touching freed memory; a gather points it back at its view of the unit. Units of persistent parameters
 (``numel < param_persistence_threshold``) are never released and never gathered in forward/backward.
 
 * Forward: a pre-forward hook on every module that directly owns sharded parameters gathers its units and
@@ -52,12 +53,15 @@ def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Calla
 
 class ParamGatherer:
     def __init__(self, comm: Comm, layout: FlatLayout, full: list, shard_of: Callable, persistent: set,
-                 module_units: dict, prefetch_numel: int):
+                 module_units: dict, prefetch_numel: int, params: list):
         self.comm, self.layout, self.full, self.shard_of = comm, layout, full, shard_of
+        # unit -> (parameter, its view of the unit's buffer); taken while every unit is still gathered
+        self._views = [[(params[s.param], params[s.param].data) for s in unit.slots] for unit in layout.units]
+        self._empty = torch.empty(0, dtype=full[0].dtype, device=full[0].device)
         self.persistent = set(persistent)
         self.module_units = module_units  # module -> tuple of non-persistent unit indices it reads
         self.prefetch_numel = prefetch_numel
-        self._ready: set = set(self.persistent)
+        self._ready: set = set(range(len(layout.units)))  # built gathered; the engine releases them
         self._pending: dict = {}          # unit -> async handle
         self._refs = defaultdict(int)     # forward references
         self._in_backward: set = set()    # units gathered for backward, not yet done
@@ -80,6 +84,8 @@ class ParamGatherer:
         full = self.full[u]
         full.untyped_storage().resize_(self._nbytes(u))
         self._pending[u] = self.comm.all_gather(full, self.shard_of(u), async_op=True)
+        for param, view in self._views[u]:
+            param.data = view
 
     def wait(self, u: int) -> None:
         handle = self._pending.pop(u, None)
@@ -96,6 +102,8 @@ class ParamGatherer:
             return
         self.wait(u)
         self._ready.discard(u)
+        for param, _ in self._views[u]:
+            param.data = self._empty
         self.full[u].untyped_storage().resize_(0)
 
     def gathered_units(self) -> list:

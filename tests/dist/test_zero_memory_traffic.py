@@ -64,6 +64,7 @@ def _measure():
     out = {}
     for name, (stage, precision, zero) in CASES.items():
         engine = hybrid.initialize(WideNet(), _config(stage, precision, zero))
+        at_init = engine.memory_report()
         seen = []
         probe = engine.module.blocks[1].fc1
         probe.register_forward_pre_hook(lambda m, a: seen.append(engine.memory_report()["buffers"]))
@@ -76,10 +77,13 @@ def _measure():
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        persistent = sum(p.numel() for p in engine.module.parameters() if p.numel() < engine.config.zero.param_persistence_threshold) if stage == 3 else 0
-        out[name] = dict(traffic=engine.comm_report(), memory=engine.memory_report(), live=_live_tensor_bytes(),
-                         gathered_in_forward=seen[-1], psi=sum(p.numel() for p in engine.module.parameters()),
-                         padded=engine.layout.full_numel, persistent=persistent, probe=probe.weight.numel(),
+        threshold = engine.config.zero.param_persistence_threshold
+        persistent = sum(n for n in engine.layout.numels if n < threshold) if stage == 3 else 0
+        out[name] = dict(traffic=engine.comm_report(), memory=engine.memory_report(), at_init=at_init,
+                         live=_live_tensor_bytes(),
+                         gathered_in_forward=seen[-1], psi=engine.layout.param_numel,
+                         padded=engine.layout.full_numel, persistent=persistent,
+                         probe=engine.layout.numels[engine.names.index("blocks.1.fc1.weight")],
                          buffers_in_backward=in_backward[-1], max_unit=max(u.numel for u in engine.layout.units))
         del engine, probe, seen, in_backward, loss
         gc.collect()
@@ -101,6 +105,7 @@ def test_memory_and_traffic_per_stage():
             assert (mem["params"], mem["grads"], mem["optimizer"]) == (expected.params + extra, expected.grads,
                                                                        expected.optimizer), f"{case}: {mem}"
             assert mem["buffers"] == 0, f"{case}: {mem}"
+            assert r["at_init"] == mem, f"{case}: right after initialize {r['at_init']}"
             held = sum(mem.values())
             assert abs(r["live"] - held) <= 0.02 * held, f"{case}: live tensors {r['live']} vs report {held}"
 

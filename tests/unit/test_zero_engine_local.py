@@ -55,3 +55,19 @@ def test_backward_twice_without_step_is_refused():
     with pytest.raises(RuntimeError, match="call step\\(\\) after every backward"):
         engine.backward(engine(x, y))
     assert engine.step() is False  # first micro-step of two
+
+
+def test_stage3_parameters_are_empty_outside_forward():
+    engine = hybrid.initialize(ParityNet(), config(3, stage3_param_persistence_threshold=0))
+    weight = engine.module.blocks[0].fc1.weight
+    assert weight.shape == (0,) and engine.shapes[engine.names.index("blocks.0.fc1.weight")] == (45, 22)
+    with pytest.raises(RuntimeError):  # a stray read outside the module's forward fails loudly
+        torch.nn.functional.linear(torch.ones(2, 22), weight)
+    seen = []
+    engine.module.blocks[0].fc1.register_forward_pre_hook(lambda m, a: seen.append(tuple(m.weight.shape)))
+    from tests.dist.zero_models import batch
+
+    x, y = batch(0, 0)
+    engine(x, y)
+    assert seen == [(45, 22)] and weight.shape == (0,)
+    assert engine.memory_report()["buffers"] == 0
