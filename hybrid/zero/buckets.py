@@ -54,7 +54,8 @@ class GradReducer:
         self._launched = [False] * len(layout.units)
         self._fired = [False] * len(params)
         self._next = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._hook(i))
         if mode != "scatter_shard":
             self.attach_grads()
 
@@ -187,8 +188,3 @@ class GradReducer:
 
     def zero_(self) -> None:
         (self.flat_grad if self.mode != "scatter_shard" else self.grad_shard).zero_()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []

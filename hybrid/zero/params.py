@@ -68,10 +68,9 @@ class ParamGatherer:
         self._trace: list = []            # modules in the order the current forward ran them
         self._prev_trace: list = []
         self._cursor = 0                  # backward position in _trace
-        self._handles = []
         for module in module_units:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
 
     # -- gather / release -----------------------------------------------------------------------------
     def _nbytes(self, u: int) -> int:
@@ -92,10 +91,6 @@ class ParamGatherer:
         if handle is not None:
             handle.wait()
             self._ready.add(u)
-
-    def gather(self, u: int) -> None:
-        self.issue(u)
-        self.wait(u)
 
     def release(self, u: int) -> None:
         if u in self.persistent:
@@ -129,6 +124,7 @@ class ParamGatherer:
 
     def end_forward(self) -> None:
         """Release what was gathered (or prefetched) in forward and is not held for backward."""
+        self._refs.clear()  # every module's forward has returned (or raised)
         for u in self.gathered_units():
             if self._refs[u] == 0 and u not in self._in_backward:
                 self.release(u)
@@ -188,8 +184,3 @@ class ParamGatherer:
             if self._refs[u] == 0:
                 self.release(u)
         self._cursor = len(self._trace)
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
