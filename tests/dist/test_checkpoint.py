@@ -340,3 +340,74 @@ def _check_bf16(ranks: list) -> None:
         assert got["views"] and got["full"], "fp32 masters and Adam moments restore bit-identically"
         assert got["bf16_params"] and got["cast"], "the bf16 parameters are the masters cast to bf16"
         assert got["losses"] == got["reference"]
+
+
+# -- a writer killed mid-save ----------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+BIG_LAYERS, BIG_WIDTH = 5, 2000  # ~20M parameters: each checkpoint is ~240 MB (master + both moments)
+
+
+def _big_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(BIG_WIDTH, BIG_WIDTH) for _ in range(BIG_LAYERS)])
+
+
+def _big_engine(seed: int):
+    return hybrid.initialize(_big_model(seed), _train_config(0, bucket=50_000_000))
+
+
+def _killable_writer(run_dir: str) -> None:
+    """Run in its own process (a one-rank gloo world): publish step 1, then start saving step 2 with
+    different weights; the test kills this process while step 2 is being written."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}.store", rank=0, world_size=1)
+    engine = _big_engine(SEED)
+    checkpoint.save(run_dir, engine, 1)
+    with torch.no_grad():
+        for view in engine.shard_views().values():
+            view.master.add_(1.0)
+    print("saving step 2", flush=True)
+    checkpoint.save(run_dir, engine, 2)
+    print("saved step 2", flush=True)
+
+
+def _resume_after_kill(run_dir: str) -> dict:
+    engine = _big_engine(SEED + 1)
+    resumed = checkpoint.resume_if_available(run_dir, engine)
+    full = engine.full_state_dict()
+    restored = all(torch.equal(full[n], p) for n, p in _big_model(SEED).state_dict().items())
+    del full
+    again = checkpoint.save(run_dir, engine, 2)  # the torn step-2 directory must not get in the way
+    return {"step": resumed.step, "path": resumed.path.name, "restored": restored, "again": again.name}
+
+
+def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    torn = run_dir / "checkpoints" / ".tmp-step-000002"
+    code = "import sys; from tests.dist.test_checkpoint import _killable_writer; _killable_writer(sys.argv[1])"
+    log = tmp_path / "writer.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line == "saving step 2\n", f"the writer failed before its second save: {log.read_text()}"
+        written = 0
+        while proc.poll() is None and written == 0:
+            written = sum(f.stat().st_size for f in torn.glob("*.distcp")) if torn.is_dir() else 0
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL, "the writer finished its save before it could be killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert written > 0 and torn.is_dir() and not (run_dir / "checkpoints" / "step-000002").exists()
+    assert checkpoint.latest(run_dir) == run_dir / "checkpoints" / "step-000001"
+    assert checkpoint.describe(run_dir)["latest"] == "step-000001"
+
+    got = run_local(_resume_after_kill, 1, str(run_dir), timeout_s=180)[0]
+    assert got == {"step": 1, "path": "step-000001", "restored": True, "again": "step-000002"}
+    assert not torn.exists() and checkpoint.latest(run_dir).name == "step-000002"
