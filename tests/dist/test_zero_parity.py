@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid.local_launch import run_local
-from tests.dist.zero_models import (ACCUM, STEPS, ParityNet, batch, config, rank_rows, reference,
+from tests.dist.zero_models import (ACCUM, CLIP, STEPS, ParityNet, batch, config, rank_rows, reference,
                                     train_engine)
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def _rel(actual, expected) -> float:
 
 def _check(world, names):
     ref_losses, ref_norms, ref_state = reference()
-    assert min(ref_norms) > 0.5 * 1.5, "the clip must trigger in every step"
+    assert min(ref_norms) > 1.5 * CLIP, "the clip must trigger in every step"
     out = [pickle.loads(r) for r in run_local(_run_cases, world, names, timeout_s=240)]
     for name in names:
         runs = [res[name] for res in out]
@@ -92,7 +92,8 @@ def _check(world, names):
                 assert torch.equal(value, runs[0]["state"][key]), f"{case}: {key} differs across ranks"
             if "stage3" in name:
                 persistent = 0 if "no-persistence" in name else 30
-                expect = sorted(n for n, p in ParityNet().named_parameters() if p.requires_grad and p.numel() >= persistent)
+                expect = sorted(n for n, p in ParityNet().named_parameters()
+                                if p.requires_grad and p.numel() >= persistent)
                 assert sorted(run["released"]) == expect, case
             if bf16:
                 continue
