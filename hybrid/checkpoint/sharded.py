@@ -107,7 +107,7 @@ class _PlainState:
                 aliases[name] = canonical
             elif id(tensor) not in param_ids:
                 buffers[name] = tensor
-            elif not tensor.requires_grad:
+            elif not tensor.requires_grad:  # a trainable parameter is saved as the engine's master
                 frozen[name] = tensor
         return cls(frozen, buffers, aliases)
 
@@ -119,7 +119,8 @@ class _PlainState:
     def dcp_state(self, tp_rank: int) -> dict:
         """DCP key -> the live tensor (saving reads it, loading fills it in place)."""
         return {manifest.tensor_key(kind, tp_rank, name): tensor.detach()
-                for section, kind in manifest.PLAIN_KINDS.items() for name, tensor in getattr(self, section).items()}
+                for section, kind in manifest.PLAIN_KINDS.items()
+                for name, tensor in getattr(self, section).items()}
 
 
 def _pieces(views: Mapping[str, Any], tp_rank: int) -> tuple[dict, dict]:

@@ -140,7 +140,8 @@ def _resume_runs(cfg_dict: dict, other_dict: dict, run_a: str, run_b: str, run_c
     mesh, engine = _engine(cfg, 1, 2, 0)
     checkpoint.load(run_a, engine)
     checkpoint.save(run_c, engine, SAVE_AT)
-    out["c"] = {"full": _by_value(_full(mesh, engine)), "fresh": checkpoint.resume_if_available(run_c + "-none", engine)}
+    out["c"] = {"full": _by_value(_full(mesh, engine)),
+                "fresh": checkpoint.resume_if_available(run_c + "-none", engine)}
 
     errors = []
     for model_dict, tp, run_dir in ((other_dict, 1, run_a), (cfg_dict, 2, run_a)):
