@@ -41,6 +41,8 @@ def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
+        # Rank 0 hosts the rendezvous store: no rank may tear down while a peer still talks to it.
+        dist.barrier()
         # Plain pickle: torch's queue would pass tensors as handles into this process's shared memory,
         # which vanish when the rank exits.
         queue.put((rank, True, pickle.dumps(result)))

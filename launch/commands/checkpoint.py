@@ -4,8 +4,9 @@
   interrupted, published without its marker), its step, the world layout it was saved with
   (world size, dp, tp, ZeRO stage, precision), its size on disk, and which one a resume would use.
 * ``hybrid checkpoint consolidate PATH --out model.pt``: PATH is a run directory (its latest complete
-  checkpoint) or one checkpoint directory; writes one fp32 ``state_dict`` by parameter name, loadable with
-  ``torch.load(path, weights_only=True)`` into the single-process model.
+  checkpoint) or one checkpoint directory; writes the single-process ``state_dict`` (every name of
+  ``module.state_dict()``: parameters and float buffers as fp32, tied aliases included), loadable with
+  ``torch.load(path, weights_only=True)`` and a strict ``load_state_dict`` into the single-process model.
 
 Both run in one process with no process group. A path that is not a checkpoint, or a damaged one, ends
 with one ``error: ...`` line and exit status 2.
@@ -68,7 +69,7 @@ def inspect_command(run_dir: Path, as_json: bool) -> None:
 @click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="Where to write the single-process state dict (torch.save format).")
 def consolidate_command(path: Path, out: Path) -> None:
-    """Write the fp32 single-process state dict of PATH's latest (or the given) checkpoint to --out."""
+    """Write the single-process state dict (fp32 params, buffers, tied aliases) of PATH's latest (or the given) checkpoint to --out."""
     import torch
 
     from hybrid.checkpoint import consolidate
