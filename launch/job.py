@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
@@ -111,7 +113,11 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
 def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
     """Start every rank, run the entrypoint, poll reports until all ranks return or one fails."""
     spec = plan.spec
-    group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus), env=_rank_env(spec))
+    # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
+    # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
+    shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
+    group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus), env=_rank_env(spec),
+                        shared_dir=shared_dir)
     graceful = False
     try:
         try:
@@ -128,6 +134,8 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
         return outcome
     finally:
         group.shutdown(graceful=graceful)
+        if shared_dir is not None:
+            shutil.rmtree(shared_dir, ignore_errors=True)
 
 
 def _collect(group: WorkerGroup, refs: list, progress: Progress) -> AttemptOutcome:

@@ -27,6 +27,9 @@ LOOPBACK = "127.0.0.1"
 _LOCAL_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray pick the loopback address as the node IP
     "RAY_USAGE_STATS_ENABLED": "0",
+    # With stats off, Ray's dashboard still posts a "usage stats disabled" notice to usage-stats.ray.io
+    # for clusters not started by ray.init(); send it to the discard port on loopback instead.
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
 }
 # An embedded node needs little shared memory: only metrics and small results travel through it.
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024
@@ -66,18 +69,19 @@ def local_cluster(nodes: int, ranks_per_node: int) -> Iterator[object]:
     enable_cluster = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     cluster = None
-    try:
-        log.info("starting embedded Ray: %d nodes x %d CPUs on %s", nodes, ranks_per_node, LOOPBACK)
-        cluster = Cluster(initialize_head=True, head_node_args=_node_args(0, ranks_per_node, head=True))
-        for i in range(1, nodes):
-            cluster.add_node(**_node_args(i, ranks_per_node, head=False))
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
-        with _sigterm_as_interrupt():  # after ray.init, which installs a handler of its own
-            yield cluster
-    finally:
-        _shutdown(ray, cluster)
-        ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
+    with _signals_as_interrupt():
+        try:
+            log.info("starting embedded Ray: %d nodes x %d CPUs on %s", nodes, ranks_per_node, LOOPBACK)
+            cluster = Cluster(initialize_head=True, head_node_args=_node_args(0, ranks_per_node, head=True))
+            for i in range(1, nodes):
+                cluster.add_node(**_node_args(i, ranks_per_node, head=False))
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
+            with _signals_as_interrupt():  # again: starting Ray installed SIGTERM handlers of its own
+                yield cluster
+        finally:
+            _shutdown(ray, cluster)
+            ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
 
 
 @contextlib.contextmanager
@@ -87,7 +91,7 @@ def remote_cluster(address: str) -> Iterator[None]:
 
     try:
         ray.init(address=address, logging_level=logging.WARNING)
-        with _sigterm_as_interrupt():
+        with _signals_as_interrupt():
             yield
     finally:
         ray.shutdown()
@@ -115,17 +119,22 @@ def _shutdown(ray, cluster) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt inside the block so the ``finally`` teardown runs."""
+def _signals_as_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGINT raise KeyboardInterrupt, so the ``finally`` teardown runs.
+
+    SIGINT is set explicitly because a launcher started in the background of a non-interactive shell
+    inherits it ignored, and then even ``kill -INT`` would leave the cluster running.
+    """
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)

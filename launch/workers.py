@@ -3,8 +3,8 @@
 ``WorkerGroup.start()`` reserves a placement group with one bundle per node (``STRICT_SPREAD``: no two
 bundles on one Ray node), starts ``ranks_per_node`` actors in each bundle, then asks every actor which
 Ray node it landed on and assigns ranks node by node (``assign_ranks``) -- bundle order is never trusted.
-``setup()`` makes rank 0's node the rendezvous (its IP and a port free there), and every actor joins the
-default process group (nccl with GPUs, gloo without) and builds the (dp, tp) mesh. ``run()`` calls the
+``setup()`` makes rank 0's node the rendezvous (its IP and a port free there; on the embedded cluster a
+file instead, see ``Rendezvous``), and every actor joins the default process group (nccl with GPUs, gloo without) and builds the (dp, tp) mesh. ``run()`` calls the
 entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
 drains them. ``shutdown()`` kills every actor and frees the placement group.
 """
@@ -34,6 +34,16 @@ NVML_SAMPLE_INTERVAL_S = 2.0
 
 class PlacementFailed(RuntimeError):
     """The Ray cluster could not host the requested ranks."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: rank 0's node address and a port free there (a TCPStore), or a file every rank
+    can reach (a FileStore: the embedded cluster, whose nodes all share this machine's disk)."""
+
+    address: Optional[str] = None
+    port: Optional[int] = None
+    store_file: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,7 @@ class RankWorker:
             s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
-    def setup(self, rank: int, world_size: int, tp: int, master_addr: str, master_port: int, backend: str,
+    def setup(self, rank: int, world_size: int, tp: int, rendezvous: "Rendezvous", backend: str,
               timeout_s: float, sample_nvml: bool) -> dict:
         """Join the default process group as ``rank`` and build the (dp, tp) mesh."""
         import torch
@@ -98,14 +108,19 @@ class RankWorker:
 
         from hybrid.mesh import build_mesh
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % tp))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % tp))
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self._rank = rank
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes exactly the one GPU it assigned to this actor
             self._device = "cuda"
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if rendezvous.store_file:
+            store = dist.FileStore(rendezvous.store_file, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            os.environ.update(MASTER_ADDR=rendezvous.address, MASTER_PORT=str(rendezvous.port))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         self._mesh = build_mesh(tp, device_type=self._device)
         if sample_nvml:
             from hybrid.monitor import Sampler
@@ -158,8 +173,10 @@ class WorkerGroup:
     """``nodes × ranks_per_node`` rank actors on a placement group; use ``start``, ``setup``, ``run``,
     ``drain`` and always ``shutdown``."""
 
-    def __init__(self, nodes: int, ranks_per_node: int, use_gpus: bool, env: Optional[dict] = None):
+    def __init__(self, nodes: int, ranks_per_node: int, use_gpus: bool, env: Optional[dict] = None,
+                 shared_dir: Optional[str] = None):
         self.nodes, self.ranks_per_node, self.use_gpus = nodes, ranks_per_node, use_gpus
+        self.shared_dir = shared_dir  # when set, rendezvous through a FileStore there
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self.pg = None
         self.actors: list = []  # in rank order once started
@@ -199,12 +216,16 @@ class WorkerGroup:
                                         node_index=ranks[i] // self.ranks_per_node) for i in order]
         return self.placement
 
+    def rendezvous(self) -> Rendezvous:
+        if self.shared_dir is not None:
+            return Rendezvous(store_file=os.path.join(self.shared_dir, "store"))
+        return Rendezvous(address=self.placement[0].ip, port=ray.get(self.actors[0].free_port.remote()))
+
     def setup(self, tp: int, timeout_s: float, sample_nvml: bool = False) -> list[dict]:
-        """Rendezvous at rank 0's node and build every rank's mesh."""
-        master_addr = self.placement[0].ip
-        master_port = ray.get(self.actors[0].free_port.remote())
-        log.info("rendezvous at %s:%d (%s)", master_addr, master_port, self.backend)
-        refs = [actor.setup.remote(p.rank, self.world_size, tp, master_addr, master_port, self.backend, timeout_s,
+        """Rendezvous (at rank 0's node, or in the shared directory) and build every rank's mesh."""
+        rendezvous = self.rendezvous()
+        log.info("rendezvous %s (%s)", rendezvous, self.backend)
+        refs = [actor.setup.remote(p.rank, self.world_size, tp, rendezvous, self.backend, timeout_s,
                                    sample_nvml and p.rank % self.ranks_per_node == 0)
                 for actor, p in zip(self.actors, self.placement)]
         return ray.get(refs, timeout=timeout_s + 60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import sys
 import threading
@@ -40,8 +41,9 @@ def descendants(root: int) -> set[int]:
     return found
 
 
-def socket_inodes(pids: set[int]) -> set[str]:
-    inodes = set()
+def socket_inodes(pids: set[int]) -> dict[str, int]:
+    """Socket inode -> the pid holding it."""
+    inodes = {}
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -53,7 +55,7 @@ def socket_inodes(pids: set[int]) -> set[str]:
             except OSError:
                 continue
             if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+                inodes[target[8:-1]] = pid
     return inodes
 
 
@@ -77,8 +79,8 @@ def is_loopback(host: str) -> bool:
     return addr.is_loopback or addr.is_unspecified
 
 
-def peers(inodes: set[str]) -> list[tuple[str, str]]:
-    """(protocol, remote host) of every connected socket among ``inodes``."""
+def peers(inodes) -> list[tuple[str, str, str]]:
+    """(protocol, remote host, inode) of every connected socket among ``inodes``."""
     found = []
     for proto in _PROC_NET:
         try:
@@ -88,11 +90,17 @@ def peers(inodes: set[str]) -> list[tuple[str, str]]:
             continue
         for line in lines:
             fields = line.split()
-            if fields[9] in inodes:
-                remote = _decode(fields[2])
-                if fields[2].split(":")[1] != "0000":  # port 0: not connected
-                    found.append((proto, remote))
+            if fields[9] in inodes and fields[2].split(":")[1] != "0000":  # port 0: not connected
+                found.append((proto, _decode(fields[2]), fields[9]))
     return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        return f"pid {pid}"
 
 
 class NetWatch:
@@ -100,7 +108,8 @@ class NetWatch:
 
     def __init__(self, root_pid: int, interval_s: float = 0.25):
         self.root_pid, self.interval_s = root_pid, interval_s
-        self.violations: set[tuple[str, str]] = set()
+        self.violations: set[tuple[str, str]] = set()  # (protocol, remote host)
+        self.culprits: set[str] = set()  # command lines of the processes that held them
         self.samples = 0
         self.connected_seen = 0
         self._stop = threading.Event()
@@ -111,10 +120,14 @@ class NetWatch:
         return self
 
     def sample(self) -> None:
-        found = peers(socket_inodes(descendants(self.root_pid)))
+        inodes = socket_inodes(descendants(self.root_pid))
+        found = peers(inodes)
         self.samples += 1
         self.connected_seen += len(found)
-        self.violations.update(p for p in found if not is_loopback(p[1]))
+        for proto, host, inode in found:
+            if not is_loopback(host):
+                self.violations.add((proto, host))
+                self.culprits.add(_cmdline(inodes[inode]))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -153,3 +166,23 @@ class LoopbackAudit:
             self.connects += 1
             if not is_loopback(str(address[0])):
                 self.violations.append(address)
+
+
+STRACE_CALLS = "trace=connect,sendto,sendmsg,sendmmsg"  # every way a socket can address a peer
+_STRACE_ADDR = re.compile(r'inet_addr\("([^"]+)"\)|inet_pton\(AF_INET6, "([^"]+)"')
+_STRACE_CALL = re.compile(r"^\d+\s+(connect|sendto|sendmsg|sendmmsg)\(")
+
+
+def strace_peers(log_path: str) -> set[str]:
+    """Every non-loopback peer address in an ``strace -f -e {STRACE_CALLS}`` log: catches sockets too
+    short-lived for ``NetWatch`` (a DNS query lasts milliseconds)."""
+    bad = set()
+    with open(log_path) as f:
+        for line in f:
+            if not _STRACE_CALL.match(line):
+                continue
+            for v4, v6 in _STRACE_ADDR.findall(line):
+                host = v4 or v6
+                if not is_loopback(host):
+                    bad.add(host)
+    return bad

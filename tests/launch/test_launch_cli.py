@@ -6,6 +6,7 @@ and leave no process of its Ray session behind either way.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.netcheck import NetWatch
+from tests.launch.netcheck import STRACE_CALLS, NetWatch, strace_peers
 from tests.launch.test_launch_ray import session_processes
 
 pytestmark = pytest.mark.slow
@@ -33,11 +34,26 @@ parallel: {{precision: fp32}}
     return path
 
 
-def start(path: Path) -> subprocess.Popen:
+def start(path: Path, trace_to: Path | None = None) -> subprocess.Popen:
+    """``hybrid launch path`` in a subprocess; under ``strace`` (network calls only) when ``trace_to``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
-    return subprocess.Popen(HYBRID + ["launch", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    tracer = ["strace", "-f", "-qq", "-e", STRACE_CALLS, "-o", str(trace_to)] if trace_to else []
+    return subprocess.Popen(tracer + HYBRID + ["launch", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def strace_works() -> bool:
+    if not shutil.which("strace"):
+        return False
+    return subprocess.run(["strace", "-f", "-qq", "-o", os.devnull, "true"], capture_output=True).returncode == 0
+
+
+def launcher_pid(proc: subprocess.Popen, trace: Path | None) -> int:
+    """The pid of the Python launcher (under strace, the traced child named in the log's first line)."""
+    if trace is None:
+        return proc.pid
+    return int(trace.read_text().split(None, 1)[0])
 
 
 def wait_gone(pid: int, timeout_s: float = 20.0) -> list[str]:
@@ -48,7 +64,9 @@ def wait_gone(pid: int, timeout_s: float = 20.0) -> list[str]:
 
 
 def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
-    proc = start(cluster_file(tmp_path, steps=12))
+    """Every socket call of the launcher and all its Ray processes goes through strace where it can."""
+    trace = tmp_path / "network.strace" if strace_works() else None
+    proc = start(cluster_file(tmp_path, steps=12), trace_to=trace)
     watch = NetWatch(proc.pid).start()
     try:
         out, _ = proc.communicate(timeout=240)
@@ -57,12 +75,14 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
         proc.kill()
     assert proc.returncode == 0, out
     assert "step 12/12" in out and "steps 12/12" in out and "ZeRO-1" in out
-    assert watch.connected_seen > 0 and not watch.violations, watch.violations
-    assert wait_gone(proc.pid) == []
+    assert watch.connected_seen > 0 and not watch.violations, (watch.violations, watch.culprits)
+    if trace is not None:
+        assert trace.stat().st_size > 0 and strace_peers(str(trace)) == set()
+    assert wait_gone(launcher_pid(proc, trace)) == []
 
 
 def test_ctrl_c_tears_everything_down(tmp_path):
-    proc = start(cluster_file(tmp_path, steps=100_000))
+    proc = start(cluster_file(tmp_path, steps=5000))
     watch = NetWatch(proc.pid).start()
     lines = []
     try:
@@ -77,5 +97,5 @@ def test_ctrl_c_tears_everything_down(tmp_path):
         proc.kill()
     assert any(l.startswith("step ") for l in lines), "".join(lines)
     assert proc.returncode == 130, "".join(lines) + out
-    assert not watch.violations, watch.violations
+    assert not watch.violations, (watch.violations, watch.culprits)
     assert wait_gone(proc.pid) == []

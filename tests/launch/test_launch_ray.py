@@ -63,7 +63,7 @@ def cluster():
 def assert_loopback_only(watch, audit):
     watch.sample()
     assert watch.samples > 1 and watch.connected_seen > 0, "the watcher saw no connection at all"
-    assert not watch.violations, f"non-loopback peers: {watch.violations}"
+    assert not watch.violations, f"non-loopback peers: {watch.violations} from {watch.culprits}"
     assert not audit.violations, f"driver connected to {audit.violations}"
 
 

@@ -128,13 +128,16 @@ def test_plan_json_needs_no_ray(monkeypatch, capsys):
     assert not ray.is_initialized()
 
 
-def test_plan_json_cli_subprocess():
+def test_plan_json_cli_subprocess(capsys):
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "plan", "clusters/dgx-h100-8x8.yaml", "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["model"]["params"] == 13_111_183_360
-    text = subprocess.run([sys.executable, "-m", "launch.cli", "plan", "clusters/local.yaml"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120).stdout
+
+    from launch.cli import main
+
+    assert main(["plan", str(ROOT / "clusters" / "local.yaml")]) == 0
+    text = capsys.readouterr().out
     assert "TP groups: [0,1] [2,3]" in text and "DP groups: [0,2] [1,3]" in text and "<- chosen" in text
 
 
