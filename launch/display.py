@@ -79,11 +79,15 @@ class Progress:
                  "model_state_bytes": [m for m in mem if m is not None]}
         self.history.append(entry)
         if self.tty:
-            self.stream.write("\r\033[K" + self._line(entry))
+            self.stream.write("\r\033[K" + self._bar(step) + self._line(entry))
             self.stream.flush()
             self._line_open = True
         elif step % self.every == 0 or step == self.total_steps:
             print(self._line(entry), file=self.stream, flush=True)
+
+    def _bar(self, step: int, width: int = 20) -> str:
+        done = width * min(step, self.total_steps) // max(self.total_steps, 1)
+        return "[" + "#" * done + "." * (width - done) + "] "
 
     def _line(self, e: dict) -> str:
         width = len(str(self.total_steps))
@@ -116,7 +120,7 @@ class Progress:
 
     def summary(self, placement: list, wall_s: float) -> str:
         """The final table: one row per rank, then loss and throughput over the run."""
-        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'tokens/s':>10}  {'model states':>12}"]
+        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'job tok/s':>10}  {'model states':>12}"]
         for p in placement:
             r = self.last.get(p.rank, {})
             mem = model_state_bytes(r.get("memory"))

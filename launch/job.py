@@ -64,6 +64,9 @@ class JobResult:
 
 def launch(spec: LaunchSpec, stream: TextIO = sys.stdout) -> JobResult:
     """Run the job of ``spec`` end to end on the cluster it names."""
+    where = (f"starting an embedded Ray cluster: {spec.cluster.nodes} nodes x {spec.cluster.gpus_per_node} ranks "
+             f"on {ray_cluster.LOOPBACK}" if spec.cluster.is_local else f"connecting to Ray at {spec.cluster.address}")
+    print(where, file=stream, flush=True)
     with ray_cluster.connect(spec.cluster):
         return plan_and_run(spec, stream)
 
@@ -123,6 +126,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
         try:
             placement = group.start()
             group.setup(plan.layout.tp, spec.job.collective_timeout_s, sample_nvml=bool(plan.use_gpus))
+            progress.note(describe_placement(placement))
         except PlacementFailed as err:
             return AttemptOutcome(False, failure=str(err), retryable=False)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
@@ -136,6 +140,16 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
         group.shutdown(graceful=graceful)
         if shared_dir is not None:
             shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def describe_placement(placement: list[RankPlacement]) -> str:
+    """One line: which ranks landed on which Ray node."""
+    nodes: dict[int, list[RankPlacement]] = {}
+    for p in placement:
+        nodes.setdefault(p.node_index, []).append(p)
+    parts = [f"ranks {','.join(str(p.rank) for p in ps)} on Ray node {ps[0].node_id[:8]} ({ps[0].ip})"
+             for _, ps in sorted(nodes.items())]
+    return "placed  " + "; ".join(parts)
 
 
 def _collect(group: WorkerGroup, refs: list, progress: Progress) -> AttemptOutcome:

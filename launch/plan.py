@@ -143,8 +143,8 @@ def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, floa
                         "lower cluster.nodes or gpus_per_node, or add nodes.")
     reason = reports[0].probe.reason if reports else "no nodes"
     return False, declared, "declared", (
-        f"no GPUs in the Ray cluster (NVML: {reason}); ranks run on CPU with gloo and the plan uses the "
-        f"declared cluster.gpu_memory_gb = {cluster.gpu_memory_gb:g} GB")
+        f"no GPUs in the Ray cluster (NVML on the first node: {reason}); ranks run on CPU with gloo and the plan "
+        f"uses the declared cluster.gpu_memory_gb = {cluster.gpu_memory_gb:g} GB")
 
 
 # ------------------------------------------------------------------------------------------ rendering

@@ -18,6 +18,7 @@ import os
 import signal
 from typing import Iterator
 
+from hybrid.errors import ConfigError
 from launch.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,12 @@ def remote_cluster(address: str) -> Iterator[None]:
     import ray
 
     try:
-        ray.init(address=address, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"cluster.address is {address!r}, but no Ray cluster answers there ({first}); "
+                              "start one with `ray start --head` on every node, or use address: local.") from None
         with _signals_as_interrupt():
             yield
     finally:

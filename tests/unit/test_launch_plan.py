@@ -188,7 +188,7 @@ def test_progress_plain_lines_and_tty_line():
     progress = Progress(total_steps=1, world_size=1, stream=tty, tty=True)
     progress.add({"rank": 0, "reports": _records(1, [2.0])})
     progress.close()
-    assert tty.getvalue().startswith("\r\033[K") and tty.getvalue().endswith("\n")
+    assert tty.getvalue().startswith("\r\033[K[" + "#" * 20 + "] step 1/1") and tty.getvalue().endswith("\n")
     assert model_state_bytes({"params": 1, "grads": 2, "optimizer": 3, "buffers": 100}) == 6.0
 
 
