@@ -38,7 +38,7 @@ def start(path: Path, trace_to: Path | None = None) -> subprocess.Popen:
     """``hybrid launch path`` in a subprocess; under ``strace`` (network calls only) when ``trace_to``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
-    tracer = ["strace", "-f", "-qq", "-e", STRACE_CALLS, "-o", str(trace_to)] if trace_to else []
+    tracer = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", STRACE_CALLS, "-o", str(trace_to)] if trace_to else []
     return subprocess.Popen(tracer + HYBRID + ["launch", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -46,7 +46,7 @@ def start(path: Path, trace_to: Path | None = None) -> subprocess.Popen:
 def strace_works() -> bool:
     if not shutil.which("strace"):
         return False
-    return subprocess.run(["strace", "-f", "-qq", "-o", os.devnull, "true"], capture_output=True).returncode == 0
+    return subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-o", os.devnull, "true"], capture_output=True).returncode == 0
 
 
 def launcher_pid(proc: subprocess.Popen, trace: Path | None) -> int:
@@ -99,3 +99,12 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     assert proc.returncode == 130, "".join(lines) + out
     assert not watch.violations, (watch.violations, watch.culprits)
     assert wait_gone(proc.pid) == []
+
+
+@pytest.mark.skipif(not strace_works(), reason="strace cannot trace here")
+def test_the_strace_check_sees_a_child_process_sending_off_the_machine(tmp_path):
+    log = tmp_path / "probe.strace"
+    child = "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.sendto(b'x', ('192.0.2.7', 9))"
+    subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-e", STRACE_CALLS, "-o", str(log), sys.executable, "-c",
+                    f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"], check=True)
+    assert strace_peers(str(log)) == {"192.0.2.7"}  # UDP, unconnected, from a grandchild: still seen

@@ -91,7 +91,8 @@ def test_ranks_sit_on_nodes_by_tp_group(cluster):
         assert out["rank"] == r and out["sum"] == 4.0  # all-reduce over DP then TP reached every rank
         assert {node_of[m] for m in out["tp_group"]} == {node_of[r]}, "a TP group straddles nodes"
         assert len({node_of[m] for m in out["dp_group"]}) == len(out["dp_group"]), "DP peers share a node"
-    assert out["tp_group"] in ([2, 3],) and ranks[0]["tp_group"] == [0, 1]
+    assert [ranks[r]["tp_group"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [ranks[r]["dp_group"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [p.node_id for p in result.placement] == [node_of[r] for r in range(4)]
     assert_loopback_only(*cluster)
 
