@@ -21,3 +21,14 @@ def fail_on_rank_1(ctx):
     if ctx.rank == 1:
         raise RuntimeError("rank one is broken on purpose")
     return {"rank": ctx.rank}
+
+
+def fail_first_attempt(ctx):
+    """Rank 1 fails the first time (it leaves a marker in the checkpoint directory), then all succeed."""
+    import os
+
+    marker = os.path.join(ctx.settings.checkpoint_dir, "rank1-failed-once")
+    if ctx.rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("transient failure")
+    return {"rank": ctx.rank}

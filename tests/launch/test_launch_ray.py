@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 NODES, RANKS_PER_NODE = 2, 2
 
 
-def make_spec(entrypoint="hybrid.models.gpt:train", steps=30, gpu_memory_gb=80.0, stage="auto"):
+def make_spec(entrypoint="hybrid.models.gpt:train", steps=30, gpu_memory_gb=80.0, stage="auto", **job):
     return parse_spec({
         "cluster": {"address": "local", "nodes": NODES, "gpus_per_node": RANKS_PER_NODE,
                     "gpu_memory_gb": gpu_memory_gb},
         "job": {"entrypoint": entrypoint, "config": "configs/gpt-tiny.yaml", "steps": steps, "micro_batch": 8,
-                "collective_timeout_s": 60},
+                "collective_timeout_s": 60, **job},
         "parallel": {"tp": "auto", "zero_stage": stage, "precision": "fp32"},
     }, base_dir=ROOT)
 
@@ -127,4 +127,14 @@ def test_a_failing_rank_is_one_sentence_and_frees_the_cluster(cluster):
     while ray.available_resources().get("CPU") != NODES * RANKS_PER_NODE and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == NODES * RANKS_PER_NODE
+    assert_loopback_only(*cluster)
+
+
+def test_a_failed_attempt_restarts_every_rank_up_to_max_failures(cluster, tmp_path):
+    spec = make_spec(entrypoint="tests.launch.entrypoints:fail_first_attempt", max_failures=1,
+                     checkpoint={"dir": str(tmp_path)})
+    out = io.StringIO()
+    result = plan_and_run(spec, out, tty=False)
+    assert result.attempts == 2 and sorted(result.results) == [0, 1, 2, 3]
+    assert "attempt 1 of 2 failed: rank 1 failed with RuntimeError: transient failure" in out.getvalue()
     assert_loopback_only(*cluster)
