@@ -57,6 +57,9 @@ def cluster():
     finally:
         audit.active = False
         watch.stop()
+    deadline = time.monotonic() + 20
+    while session_processes(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert session_processes(os.getpid()) == [], "Ray processes left after teardown"
 
 
