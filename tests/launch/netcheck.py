@@ -15,6 +15,8 @@ import re
 import socket
 import sys
 import threading
+import time
+from typing import Optional
 
 _PROC_NET = ("tcp", "tcp6", "udp", "udp6")
 
@@ -95,6 +97,17 @@ def peers(inodes) -> list[tuple[str, str, str]]:
     return found
 
 
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time (to tell it from a later one with the same pid); None once it is gone or
+    a zombie (exited, only waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -112,6 +125,7 @@ class NetWatch:
         self.culprits: set[str] = set()  # command lines of the processes that held them
         self.samples = 0
         self.connected_seen = 0
+        self.seen: dict[int, Optional[str]] = {}  # every descendant process seen: pid -> its start time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -120,7 +134,10 @@ class NetWatch:
         return self
 
     def sample(self) -> None:
-        inodes = socket_inodes(descendants(self.root_pid))
+        pids = descendants(self.root_pid)
+        for pid in pids - {self.root_pid}:
+            self.seen.setdefault(pid, _start_time(pid))
+        inodes = socket_inodes(pids)
         found = peers(inodes)
         self.samples += 1
         self.connected_seen += len(found)
@@ -138,6 +155,17 @@ class NetWatch:
         self._stop.set()
         self._thread.join()
         return self
+
+    def survivors(self) -> list[str]:
+        """Command lines of processes seen below the root that still run (the same process, not a reused pid)."""
+        return [_cmdline(pid) for pid, started in self.seen.items()
+                if started is not None and _start_time(pid) == started]
+
+    def wait_survivors(self, timeout_s: float = 20.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while self.survivors() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return self.survivors()
 
 
 class LoopbackAudit:

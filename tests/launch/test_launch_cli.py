@@ -78,7 +78,7 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
     assert watch.connected_seen > 0 and not watch.violations, (watch.violations, watch.culprits)
     if trace is not None:
         assert trace.stat().st_size > 0 and strace_peers(str(trace)) == set()
-    assert wait_gone(launcher_pid(proc, trace)) == []
+    assert wait_gone(launcher_pid(proc, trace)) == [] and watch.wait_survivors() == []
 
 
 def test_ctrl_c_tears_everything_down(tmp_path):
@@ -98,7 +98,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     assert any(l.startswith("step ") for l in lines), "".join(lines)
     assert proc.returncode == 130, "".join(lines) + out
     assert not watch.violations, (watch.violations, watch.culprits)
-    assert wait_gone(proc.pid) == []
+    assert wait_gone(proc.pid) == [] and watch.wait_survivors() == []
 
 
 @pytest.mark.skipif(not strace_works(), reason="strace cannot trace here")

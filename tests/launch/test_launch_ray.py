@@ -57,10 +57,9 @@ def cluster():
     finally:
         audit.active = False
         watch.stop()
-    deadline = time.monotonic() + 20
-    while session_processes(os.getpid()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert session_processes(os.getpid()) == [], "Ray processes left after teardown"
+    assert len(watch.seen) >= 10, "the watcher saw too few Ray processes to mean anything"
+    assert watch.wait_survivors() == [], "Ray processes left after teardown"
+    assert session_processes(os.getpid()) == []
 
 
 def assert_loopback_only(watch, audit):
