@@ -61,8 +61,16 @@ class Plan:
 
 
 def _gb(value) -> str:
-    text = f"{float(Fraction(value) / 10**9):.3f}".rstrip("0").rstrip(".")
-    return f"{text} GB"
+    """Decimal units as the seed writes them (208 GB, 71.5 GB), stepping down for small models so two
+    different sizes never print alike."""
+    exact = Fraction(value)
+    for scale, unit in ((10**9, "GB"), (10**6, "MB"), (10**3, "KB")):
+        if abs(exact) >= scale:
+            break
+    else:
+        scale, unit = 1, "B"
+    text = f"{float(exact / scale):.3f}".rstrip("0").rstrip(".")
+    return f"{text} {unit}"
 
 
 def _usable(gpu_memory_bytes, headroom) -> Fraction:
