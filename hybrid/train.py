@@ -7,8 +7,15 @@ injected ``reporter`` callable (the launcher's; without one they are logged), so
 of Ray and runs under torchrun or ``run_local`` just as well.
 
 The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step),
-``step_metrics`` (what a step reports) and ``run_steps`` (the loop, with a hook after every step) -- so
-checkpointing and resume slot in without rewriting it.
+``step_metrics`` (what a step reports), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
+job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step).
+
+Checkpoints: when the job has a checkpoint directory, ``run_steps`` first has every rank load the latest
+complete checkpoint there (reported as ``resumed_from``) and continues from its step; after every step it
+saves every ``checkpoint_every`` steps and at the last step (rank 0 reports ``checkpoint_saved``). The
+data position saved is the step itself: ``batches(step)`` must yield the same batch for the same step on
+every run, so a resumed run continues exactly as an uninterrupted one would. Each step is assumed to end
+at a gradient-accumulation boundary (the built-in GPT accumulates nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+
+from hybrid import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +110,43 @@ def step_metrics(engine, loss: float, seconds: float, tokens: int) -> dict:
             "memory": _plain(engine.memory_report())}
 
 
+def resume(ctx: Context, engine) -> int:
+    """Load the latest complete checkpoint of the job's checkpoint directory into ``engine`` (every rank,
+    together) and report it; returns the step to continue from (0 without a checkpoint)."""
+    resumed = checkpoint.resume_if_available(ctx.settings.checkpoint_dir, engine)
+    if resumed is None:
+        return 0
+    ctx.step = resumed.step
+    ctx.report({"resumed_from": resumed.step, "checkpoint": str(resumed.path),
+                "saved_world": resumed.saved_world})
+    return resumed.step
+
+
+def save_checkpoint(ctx: Context, engine, step: int) -> Optional[str]:
+    """After optimizer step ``step``: save on the job's cadence and at the last step (every rank, together);
+    rank 0 reports ``checkpoint_saved``. Returns the checkpoint's path when one was written."""
+    s = ctx.settings
+    path = checkpoint.maybe_save(s.checkpoint_dir, engine, step, s.checkpoint_every, s.checkpoint_keep_last,
+                                 extra={"data_position": step}, model_config=ctx.model_config,
+                                 force=(step == ctx.steps))
+    if path is None:
+        return None
+    if ctx.rank == 0:
+        ctx.report({"checkpoint_saved": step, "checkpoint": str(path)})
+    return str(path)
+
+
 def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int = 0,
               tokens_per_step: int = 0,
               after_step: Iterable[Callable[[Context, Any, int], None]] = ()) -> dict:
-    """Train from ``start_step`` to ``ctx.steps``: fetch the step's batch, step, report, then run each
-    ``after_step(ctx, engine, step)`` hook (e.g. a checkpoint save). Returns a summary of the run."""
+    """Train from ``start_step`` (or the job's latest checkpoint) to ``ctx.steps``: fetch the step's batch,
+    step, report, save a checkpoint when due, then run each ``after_step(ctx, engine, step)`` hook.
+
+    ``batches(step)`` is called with the 0-based step index, which is also the data position a checkpoint
+    records. Returns a summary of the run.
+    """
+    if ctx.settings.checkpoint_dir:
+        start_step = resume(ctx, engine) or start_step
     first_loss = last_loss = None
     ctx.step = start_step
     started = time.perf_counter()
@@ -121,10 +162,11 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
         ctx.report(step_metrics(engine, loss, seconds, tokens_per_step or inputs.numel()))
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
+        save_checkpoint(ctx, engine, ctx.step)
         for hook in after_step:
             hook(ctx, engine, ctx.step)
-    return {"rank": ctx.rank, "steps": ctx.step, "first_loss": first_loss, "last_loss": last_loss,
-            "seconds": time.perf_counter() - started}
+    return {"rank": ctx.rank, "start_step": start_step, "steps": ctx.step, "first_loss": first_loss,
+            "last_loss": last_loss, "seconds": time.perf_counter() - started}
 
 
 def _plain(value):

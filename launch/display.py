@@ -4,6 +4,11 @@
 on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
 step, the loss (mean over the DP ranks), the job's tokens/s, the per-rank model-state memory, and the
 latest NVML sample of each node where NVML is available. ``summary()`` renders the final per-rank table.
+
+One ``Progress`` spans every attempt of a job. Checkpoint events become plain lines: rank 0's
+``checkpoint_saved`` once its step's line is out, rank 0's ``resumed_from`` at once. A resume (and
+``restart(step)``, which the driver calls between attempts) forgets the steps after the checkpoint, so
+the history holds each step once, as the attempt that finished the job ran it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class Progress:
         self.last: dict[int, dict] = {}  # rank -> its latest record
         self.history: list[dict] = []  # one entry per completed step
         self.nvml: dict[int, dict] = {}  # rank (local rank 0 of a node) -> latest sample
+        self.checkpoint_step: Optional[int] = None  # the newest checkpoint a rank reported saving or loading
+        self.resumed_from: Optional[int] = None  # the checkpoint step the latest attempt started from
+        self._done = 0  # the last step whose line is out
+        self._notes: list[tuple[int, str]] = []  # (step, text): waiting for that step's line
         self.started = time.perf_counter()
         self._line_open = False
 
@@ -48,16 +57,27 @@ class Progress:
     def add(self, drained: dict) -> None:
         """Take one rank's drained reports and NVML samples."""
         for record in drained.get("reports", []):
-            if "loss" not in record:
-                continue
-            self.last[record["rank"]] = record
-            self.pending[record["step"]][record["rank"]] = record
+            if "resumed_from" in record:
+                self._resumed(record)
+            elif "checkpoint_saved" in record:
+                self._saved(record)
+            elif "loss" in record:
+                self.last[record["rank"]] = record
+                self.pending[record["step"]][record["rank"]] = record
         if drained.get("nvml"):
             self.nvml[drained["rank"]] = drained["nvml"][-1]
         for step in sorted(self.pending):
             if len(self.pending[step]) < self.world_size:
                 break
             self._complete(step, self.pending.pop(step))
+        self._flush_notes()
+
+    def restart(self, step: int) -> None:
+        """A new attempt starts from checkpoint ``step``: drop what the failed attempt left half-reported and
+        every step after ``step``."""
+        self._flush_notes(everything=True)  # a checkpoint rank 0 reported saving was published
+        self.pending.clear()
+        self._rewind(step)
 
     def note(self, text: str) -> None:
         """A plain line between progress lines (attempt restarts, warnings)."""
@@ -65,7 +85,33 @@ class Progress:
         print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
+        self._flush_notes(everything=True)
         self._end_line()
+
+    def _resumed(self, record: dict) -> None:
+        step = int(record["resumed_from"])
+        self.checkpoint_step = max(step, self.checkpoint_step or 0)
+        if record["rank"] != 0:
+            return
+        self.resumed_from = step
+        self._rewind(step)
+        left = "nothing left to train" if step >= self.total_steps else f"continuing at step {step + 1}"
+        self.note(f"resumed from checkpoint step {step} ({record.get('checkpoint', '?')}); {left}")
+
+    def _saved(self, record: dict) -> None:
+        step = int(record["checkpoint_saved"])
+        self.checkpoint_step = max(step, self.checkpoint_step or 0)
+        self._notes.append((step, f"checkpoint step {step} saved: {record.get('checkpoint', '?')}"))
+
+    def _rewind(self, step: int) -> None:
+        self.history = [e for e in self.history if e["step"] <= step]
+        self._done = step
+
+    def _flush_notes(self, everything: bool = False) -> None:
+        ready = [n for n in self._notes if everything or n[0] <= self._done]
+        self._notes = [n for n in self._notes if n not in ready]
+        for _, text in sorted(ready, key=lambda n: n[0]):
+            self.note(text)
 
     # ------------------------------------------------------------------------------------------ output
 
@@ -78,6 +124,7 @@ class Progress:
         entry = {"step": step, "loss": loss, "tokens_per_s": tokens / slowest if slowest > 0 else 0.0,
                  "model_state_bytes": [m for m in mem if m is not None]}
         self.history.append(entry)
+        self._done = step
         if self.tty:
             self.stream.write("\r\033[K" + self._bar(step) + self._line(entry))
             self.stream.flush()

@@ -4,16 +4,22 @@
 and runs the job; whatever happens, every actor is killed and an embedded cluster torn down. ``run_job``
 runs attempts until one succeeds or ``job.max_failures`` restarts are used up; ``run_attempt`` is one
 start of all ranks: placement, rendezvous, the entrypoint on every rank, reports polled into the
-progress display. A rank that fails stops the attempt at once (the other ranks are killed, not left to
-hang in a collective). A ``UserError`` raised on a rank (a bad model config, say) is not retried.
+progress display. A rank whose actor dies or raises stops the attempt at once: the whole worker group is
+killed (no rank is left to hang in a collective), a new one is started, and every rank resumes from the
+latest complete checkpoint (``hybrid.train.run_steps`` does the resuming); the display says which rank on
+which node failed, why, and from which step the ranks restart. The failure blamed is the root cause: a
+dead process before a rank's own exception before a collective that failed because of its peer. A
+``UserError`` raised on a rank (a bad model config, say) is not retried.
 
-Failures reach the user as ``JobFailed`` (one sentence; the CLI exits 1); the rank's traceback is logged.
+Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
+exits 1); the rank's traceback is logged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -23,6 +29,7 @@ from typing import Any, Optional, TextIO
 
 import ray
 
+from hybrid.checkpoint import layout
 from hybrid.errors import PlanError, UserError
 from hybrid.train import JobSettings
 from launch import ray_cluster
@@ -35,17 +42,32 @@ from launch.workers import PlacementFailed, RankPlacement, WorkerGroup
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+GRACE_S = 5.0  # after a rank's collective failed, how long to wait for the failure that caused it
 
 
 class JobFailed(Exception):
     """The job did not finish; the message is one sentence saying which rank failed and how."""
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why an attempt failed: the rank and node it started on (None when it was no one rank's), and how."""
+
+    rank: Optional[int]
+    node: Optional[int]
+    cause: str
+
+    def sentence(self) -> str:
+        if self.rank is None:
+            return self.cause
+        return f"rank {self.rank} on node {self.node} failed ({self.cause})"
+
+
 @dataclass
 class AttemptOutcome:
     ok: bool
     results: dict[int, Any] = field(default_factory=dict)  # rank -> what the entrypoint returned
-    failure: str = ""  # one sentence when not ok
+    failure: Optional[Failure] = None  # set when not ok
     retryable: bool = True
     user_error: Optional[UserError] = None
     placement: list[RankPlacement] = field(default_factory=list)
@@ -60,6 +82,8 @@ class JobResult:
     last_reports: dict[int, dict]  # rank -> its final report
     attempts: int
     wall_s: float
+    failures: list[str] = field(default_factory=list)  # one sentence per failed attempt
+    resumed_from: Optional[int] = None  # the checkpoint step the final attempt started from
 
 
 def launch(spec: LaunchSpec, stream: TextIO = sys.stdout) -> JobResult:
@@ -92,25 +116,62 @@ def settings_for(plan: LaunchPlan) -> JobSettings:
 
 
 def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
-    """Attempts until one succeeds; at most ``1 + job.max_failures`` of them."""
+    """Attempts until one succeeds; at most ``1 + job.max_failures`` of them, each resuming every rank from
+    the latest checkpoint."""
     spec = plan.spec
     attempts = 1 + spec.job.max_failures
     started = time.perf_counter()
-    for attempt in range(1, attempts + 1):
-        progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty)
-        outcome = run_attempt(plan, progress)
+    progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty)
+    failures: list[str] = []
+    try:
+        for attempt in range(1, attempts + 1):
+            outcome = run_attempt(plan, progress)
+            if outcome.ok:
+                progress.close()
+                wall = time.perf_counter() - started
+                print(progress.summary(outcome.placement, wall), file=stream, flush=True)
+                return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
+                                 attempt, wall, failures, progress.resumed_from)
+            if outcome.user_error is not None:
+                raise outcome.user_error
+            failure = outcome.failure.sentence()
+            failures.append(failure)
+            if not outcome.retryable:
+                raise JobFailed(failure)
+            if attempt == attempts:
+                raise JobFailed(out_of_restarts(failure, attempt, spec.job.max_failures))
+            step = latest_checkpoint_step(spec.job.checkpoint.dir, progress.checkpoint_step)
+            progress.restart(step or 0)
+            progress.note(restart_line(failure, step, spec.job.checkpoint.dir is not None, attempt + 1, attempts))
+    finally:
         progress.close()
-        if outcome.ok:
-            wall = time.perf_counter() - started
-            print(progress.summary(outcome.placement, wall), file=stream, flush=True)
-            return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last, attempt, wall)
-        if outcome.user_error is not None:
-            raise outcome.user_error
-        if not outcome.retryable or attempt == attempts:
-            tried = f" after {attempt} attempts" if attempt > 1 else ""
-            raise JobFailed(f"{outcome.failure}{tried}")
-        progress.note(f"attempt {attempt} of {attempts} failed: {outcome.failure}; restarting all ranks")
     raise AssertionError("unreachable")
+
+
+def restart_line(failure: str, step: Optional[int], checkpoints: bool, attempt: int, attempts: int) -> str:
+    """What the progress display says when a failed attempt is followed by another."""
+    if step is not None:
+        origin = f"checkpoint step {step}"
+    else:
+        origin = "step 0 (no checkpoint yet)" if checkpoints else "step 0 (job.checkpoint is not set)"
+    return f"{failure}; restarting all ranks from {origin} (attempt {attempt} of {attempts})"
+
+
+def out_of_restarts(failure: str, attempt: int, max_failures: int) -> str:
+    """The one sentence a job ends with when its last allowed attempt failed."""
+    if max_failures == 0:
+        return f"{failure}; job.max_failures is 0, so the job was not restarted"
+    return (f"{failure} on attempt {attempt} of {attempt}, and job.max_failures ({max_failures}) allows no "
+            f"more restarts")
+
+
+def latest_checkpoint_step(run_dir, reported: Optional[int]) -> Optional[int]:
+    """The step the next attempt resumes from: the newest complete checkpoint in ``run_dir`` as the driver
+    sees it (one machine, or a shared filesystem), or the newest a rank reported, whichever is later."""
+    seen = [] if reported is None else [reported]
+    if run_dir is not None:
+        seen += [entry.step for entry in layout.scan(run_dir) if entry.complete]
+    return max(seen) if seen else None
 
 
 def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
@@ -128,9 +189,10 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
             group.setup(plan.layout.tp, spec.job.collective_timeout_s, sample_nvml=bool(plan.use_gpus))
             progress.note(describe_placement(placement))
         except PlacementFailed as err:
-            return AttemptOutcome(False, failure=str(err), retryable=False)
+            return AttemptOutcome(False, failure=Failure(None, None, str(err)), retryable=False)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-            return AttemptOutcome(False, failure=_describe(err, "setting up the ranks"), placement=group.placement)
+            return AttemptOutcome(False, failure=Failure(None, None, f"setting up the ranks failed: {cause_of(err)}"),
+                                  placement=group.placement)
         refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan))
         outcome = _collect(group, refs, progress)
         outcome.placement = placement
@@ -153,40 +215,105 @@ def describe_placement(placement: list[RankPlacement]) -> str:
 
 
 def _collect(group: WorkerGroup, refs: list, progress: Progress) -> AttemptOutcome:
+    """Poll the ranks' results and reports until every rank returned or one failed.
+
+    When one fails, the others are asked to stop; failures arriving within ``GRACE_S`` are weighed too,
+    because a rank whose process died is often reported after the peers it left stuck in a collective.
+    """
     pending = {ref: rank for rank, ref in enumerate(refs)}
     results: dict[int, Any] = {}
-    while pending:
+    failures: list[tuple[int, Exception]] = []  # (rank, error) in the order they arrived
+    while pending and not failures:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
-        for drained in group.drain():
-            progress.add(drained)
-        for ref in ready:
-            rank = pending.pop(ref)
-            try:
-                results[rank] = ray.get(ref)
-            except ray.exceptions.RayError as err:
-                group.request_stop()
-                cause = getattr(err, "cause", None)
-                log.error("rank %d failed:\n%s", rank, err)
-                if isinstance(cause, UserError):
-                    return AttemptOutcome(False, failure=f"rank {rank}: {cause}",
-                                          user_error=type(cause)(f"rank {rank}: {cause}"))
-                return AttemptOutcome(False, failure=_describe(err, f"rank {rank}"))
+        _drain(group, progress)
+        failures = _take(ready, pending, results)
+    if not failures:
+        _drain(group, progress)
+        return AttemptOutcome(True, results=results)
+    group.request_stop()
+    deadline = time.monotonic() + GRACE_S
+    while pending and min(failure_order(e) for _, e in failures) == PEER and time.monotonic() < deadline:
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+        failures += _take(ready, pending, results)
+    _drain(group, progress)
+    rank, err = root_cause(failures)
+    log.error("rank %d failed:\n%s", rank, err)
+    where = {p.rank: p for p in group.placement}.get(rank)
+    failure = Failure(rank, where.node_index if where else None, cause_of(err, where.pid if where else None))
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, UserError):
+        return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
+    return AttemptOutcome(False, failure=failure)
+
+
+def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exception]]:
+    """Move the ``ready`` refs out of ``pending``: results into ``results``; returns the failures."""
+    failures = []
+    for ref in ready:
+        rank = pending.pop(ref)
+        try:
+            results[rank] = ray.get(ref)
+        except ray.exceptions.RayError as err:
+            failures.append((rank, err))
+    return failures
+
+
+def _drain(group: WorkerGroup, progress: Progress) -> None:
     for drained in group.drain():
         progress.add(drained)
-    return AttemptOutcome(True, results=results)
 
 
-def _describe(err: Exception, where: str) -> str:
-    """One sentence for a Ray error: what failed and the original exception's message."""
+# How telling a rank's failure is about the root cause: its process died, it raised, or one of its
+# collectives failed (a dead or stuck peer's doing, most likely).
+DIED, RAISED, PEER = 0, 1, 2
+# Messages of gloo and NCCL when the other end of a collective vanished or never came.
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                 "Application timeout caused pair closure", "Watchdog caught collective operation timeout",
+                 "NCCL communicator was aborted")
+
+
+def failure_order(err: Exception) -> int:
     if isinstance(err, ray.exceptions.RayActorError):
-        return f"{where}: its worker process died ({str(err).splitlines()[0][:200]}); see the Ray logs above"
+        return DIED
+    cause = getattr(err, "cause", None)
+    if cause is not None and any(marker in str(cause) for marker in PEER_SYMPTOMS):
+        return PEER
+    return RAISED
+
+
+def root_cause(failures: list[tuple[int, Exception]]) -> tuple[int, Exception]:
+    """The failure that most likely started it all: a dead process, else a rank's own exception, else the
+    first failed collective; ties go to the earliest."""
+    return min(failures, key=lambda f: failure_order(f[1]))
+
+
+def cause_of(err: Exception, pid: Optional[int] = None) -> str:
+    """A short cause for a Ray error: how the process (``pid``) died, or the original exception and its
+    first line."""
+    if isinstance(err, ray.exceptions.RayActorError):
+        return f"its process{f' (pid {pid})' if pid else ''} died: {_death_detail(str(err))}"
     if isinstance(err, ray.exceptions.GetTimeoutError):
-        return f"{where}: timed out waiting for the ranks; check the Ray logs above"
+        return "timed out waiting for the ranks; check the Ray logs above"
     cause = getattr(err, "cause", None)
     if cause is not None:
-        first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
-        return f"{where} failed with {type(cause).__name__}: {first} (traceback above)"
-    return f"{where} failed: {str(err).strip().splitlines()[0][:300]}"
+        return f"{type(cause).__name__}: {_first_line(cause)}"
+    return _first_line(err)
+
+
+def _first_line(err: Exception, limit: int = 300) -> str:
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else "no message"
+    return _SOURCE_PREFIX.sub("", first)[:limit]  # gloo prefixes its messages with [file.cc:line]
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _death_detail(text: str) -> str:
+    match = re.search(r"Worker exit detail: (.*?)(?:\.\s|$)", text, re.S)
+    if match:
+        return match.group(1).strip().replace("\n", " ")[:200]
+    return text.strip().splitlines()[0][:200] if text.strip() else "no detail"
 
 
 def _rank_env(spec: LaunchSpec) -> dict:

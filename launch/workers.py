@@ -4,7 +4,9 @@
 bundles on one Ray node), starts ``ranks_per_node`` actors in each bundle, then asks every actor which
 Ray node it landed on and assigns ranks node by node (``assign_ranks``) -- bundle order is never trusted.
 ``setup()`` makes rank 0's node the rendezvous (its IP and a port free there; on the embedded cluster a
-file instead, see ``Rendezvous``), and every actor joins the default process group (nccl with GPUs, gloo without) and builds the (dp, tp) mesh. ``run()`` calls the
+file instead, see ``Rendezvous``), and every actor joins the default process group (nccl with GPUs, gloo
+without) and builds the (dp, tp) mesh; every group gets the job's collective timeout, so a hung or dead
+peer turns into an error on the ranks waiting for it instead of a hang. ``run()`` calls the
 entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
 drains them. ``shutdown()`` kills every actor and frees the placement group.
 """
@@ -52,6 +54,7 @@ class RankPlacement:
     node_id: str
     ip: str
     node_index: int  # position of the node in rank order: ranks node_index*ranks_per_node ...
+    pid: int = 0  # the actor's process id on its node
 
 
 def assign_ranks(node_ids: list[str], ranks_per_node: int, ips: Optional[list[str]] = None) -> list[int]:
@@ -122,6 +125,7 @@ class RankWorker:
             os.environ.update(MASTER_ADDR=rendezvous.address, MASTER_PORT=str(rendezvous.port))
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         self._mesh = build_mesh(tp, device_type=self._device)
+        set_collective_timeout(self._mesh, timeout)
         if sample_nvml:
             from hybrid.monitor import Sampler
 
@@ -169,6 +173,16 @@ class RankWorker:
             self._reports.append(record)
 
 
+def set_collective_timeout(mesh, timeout: timedelta) -> None:
+    """Give the mesh's dp and tp groups ``timeout``. ``init_process_group(timeout=...)`` covers only the
+    default group; DeviceMesh creates its sub-groups with torch's default (30 minutes for gloo), so a dead
+    peer would otherwise stall every TP or DP collective for half an hour."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in {id(g): g for g in (mesh.dp_group, mesh.tp_group)}.values():
+        _set_pg_timeout(timeout, group)
+
+
 class WorkerGroup:
     """``nodes × ranks_per_node`` rank actors on a placement group; use ``start``, ``setup``, ``run``,
     ``drain`` and always ``shutdown``."""
@@ -213,7 +227,8 @@ class WorkerGroup:
         order = sorted(range(len(actors)), key=lambda i: ranks[i])
         self.actors = [actors[i] for i in order]
         self.placement = [RankPlacement(rank=ranks[i], node_id=where[i]["node_id"], ip=where[i]["ip"],
-                                        node_index=ranks[i] // self.ranks_per_node) for i in order]
+                                        node_index=ranks[i] // self.ranks_per_node, pid=where[i]["pid"])
+                          for i in order]
         return self.placement
 
     def rendezvous(self) -> Rendezvous:

@@ -3,7 +3,10 @@
 ``train(ctx)`` builds the GPT of the model config (TP-sliced over ``ctx.mesh.tp_comm``), wraps it in the
 ZeRO engine at the planned stage on the mesh's DP group, and trains it on ``hybrid.data.MarkovTokens``:
 each DP rank takes its own slice of the step's global batch, the TP ranks of a group take the same one.
-Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``.
+Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. With a checkpoint
+directory in the job, every rank resumes from its latest checkpoint and saves on the job's cadence
+(``hybrid.train.run_steps``); the stream yields the same batch for the same step, so the data position
+is the step.
 
 The model config may carry an optional ``train:`` mapping beside ``model:`` with ``lr``,
 ``weight_decay``, ``gradient_clipping`` and ``branching`` (successors per token in the synthetic chain).
@@ -36,7 +39,7 @@ def train(ctx: Context) -> dict:
         return inputs.to(ctx.device), targets.to(ctx.device)
 
     tokens_per_step = micro_batch * mesh.dp * model_config.seq_len
-    summary = run_steps(ctx, engine, batches, start_step=0, tokens_per_step=tokens_per_step)
+    summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step)
     return {**summary, "loss_floor": stream.loss_floor, "stage": ctx.stage, "memory": engine.memory_report()}
 
 

@@ -1,8 +1,14 @@
 """Entrypoints the launcher tests run on the rank actors (importable as tests.launch.entrypoints:NAME)."""
 
+import os
+import time
+from pathlib import Path
+
 import ray
 import torch
 import torch.distributed as dist
+
+from hybrid.models.gpt import train
 
 
 def where(ctx):
@@ -14,7 +20,12 @@ def where(ctx):
     return {"rank": dist.get_rank(), "node_id": ray.get_runtime_context().get_node_id(),
             "tp_group": dist.get_process_group_ranks(ctx.mesh.tp_group),
             "dp_group": dist.get_process_group_ranks(ctx.mesh.dp_group),
-            "sum": t.item(), "stage": ctx.stage, "steps": ctx.steps}
+            "sum": t.item(), "stage": ctx.stage, "steps": ctx.steps,
+            "timeouts_s": [_timeout_s(g) for g in (dist.group.WORLD, ctx.mesh.dp_group, ctx.mesh.tp_group)]}
+
+
+def _timeout_s(group) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
 def fail_on_rank_1(ctx):
@@ -23,12 +34,22 @@ def fail_on_rank_1(ctx):
     return {"rank": ctx.rank}
 
 
-def fail_first_attempt(ctx):
-    """Rank 1 fails the first time (it leaves a marker in the checkpoint directory), then all succeed."""
-    import os
+def train_recording_pid(ctx):
+    """The built-in GPT training, after leaving this rank's process id in RUN_DIR/pids/rank{R} for the test
+    that kills it."""
+    pids = Path(ctx.settings.checkpoint_dir) / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+    (pids / f"rank{ctx.rank}").write_text(str(os.getpid()))
+    return train(ctx)
 
-    marker = os.path.join(ctx.settings.checkpoint_dir, "rank1-failed-once")
-    if ctx.rank == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
-        raise RuntimeError("transient failure")
+
+def hang_on_rank_1(ctx):
+    """Rank 1 never joins a collective (until the driver stops it); the others all-reduce over TP, then DP."""
+    if ctx.rank == 1:
+        while not ctx.should_stop():
+            time.sleep(0.05)
+        return {"rank": 1}
+    t = torch.ones(1)
+    ctx.mesh.tp_comm.all_reduce(t)
+    ctx.mesh.dp_comm.all_reduce(t)
     return {"rank": ctx.rank}

@@ -1,21 +1,30 @@
 """The launcher on a real embedded Ray cluster (2 nodes × 2 ranks, loopback only), shared by the module.
 
-Checks rank placement against what the ranks themselves see (their Ray node and their real process
-groups), training at the stage the planner picks from a small and a large declared GPU memory (3 and 1),
-a failing rank becoming one sentence, and that no socket of the driver or any Ray process reaches a
-non-loopback address. The cluster is torn down at the end and no process of it may remain.
+Checks rank placement against what the ranks themselves see (their Ray node, their real process groups
+and those groups' collective timeout), training at the stage the planner picks from a small and a large
+declared GPU memory (3 and 1), and that no socket of the driver or any Ray process reaches a non-loopback
+address. Fault tolerance: a worker process SIGKILLed mid-run (after its first checkpoint) is restarted
+with every other rank from the latest checkpoint, and the job ends with weights bit-identical to an
+uninterrupted run's; a rank that keeps failing uses up max_failures and ends as one sentence naming rank,
+node and cause; a rank that never joins a collective becomes a timeout error, not a hang. The cluster is
+torn down at the end and no process of it may remain.
 """
 
 import io
 import os
+import re
+import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import ray
+import torch
 
+from hybrid import checkpoint
 from hybrid.memory import GB
 from hybrid.planner import choose_stage
 from launch import ray_cluster
@@ -96,6 +105,8 @@ def test_ranks_sit_on_nodes_by_tp_group(cluster):
     assert [ranks[r]["tp_group"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [ranks[r]["dp_group"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [p.node_id for p in result.placement] == [node_of[r] for r in range(4)]
+    # job.collective_timeout_s reaches the default group and the mesh's dp and tp groups alike
+    assert all(out["timeouts_s"] == [60.0, 60.0, 60.0] for out in ranks.values())
     assert_loopback_only(*cluster)
 
 
@@ -119,11 +130,13 @@ def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memo
     assert_loopback_only(*cluster)
 
 
-def test_a_failing_rank_is_one_sentence_and_frees_the_cluster(cluster):
+def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_cause(cluster):
+    out = io.StringIO()
     with pytest.raises(JobFailed) as info:
-        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_on_rank_1"), io.StringIO(), tty=False)
-    message = str(info.value)
-    assert "rank 1" in message and "rank one is broken on purpose" in message and "\n" not in message
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_on_rank_1", max_failures=1), out, tty=False)
+    failure = "rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)"
+    assert f"{failure}; restarting all ranks from step 0 (job.checkpoint is not set) (attempt 2 of 2)" in out.getvalue()
+    assert str(info.value) == f"{failure} on attempt 2 of 2, and job.max_failures (1) allows no more restarts"
     # actors and the placement group are released (asynchronously, so allow Ray a moment)
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU") != NODES * RANKS_PER_NODE and time.monotonic() < deadline:
@@ -132,11 +145,66 @@ def test_a_failing_rank_is_one_sentence_and_frees_the_cluster(cluster):
     assert_loopback_only(*cluster)
 
 
-def test_a_failed_attempt_restarts_every_rank_up_to_max_failures(cluster, tmp_path):
-    spec = make_spec(entrypoint="tests.launch.entrypoints:fail_first_attempt", max_failures=1,
-                     checkpoint={"dir": str(tmp_path)})
+def test_a_rank_that_never_joins_a_collective_is_a_timeout_not_a_hang(cluster):
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:hang_on_rank_1", collective_timeout_s=2),
+                     io.StringIO(), tty=False)
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert re.fullmatch(r"rank [023] on node [01] failed \(RuntimeError: Timed out waiting 2000ms .*\); "
+                        r"job.max_failures is 0, so the job was not restarted", message), message
+
+
+def _kill_after_first_checkpoint(run_dir: Path, rank: int, done: threading.Event, killed: dict) -> None:
+    """Wait for the first complete checkpoint of ``run_dir``, then SIGKILL ``rank``'s worker process."""
+    while not done.is_set():
+        if checkpoint.latest(run_dir) is not None:
+            pid = int((run_dir / "pids" / f"rank{rank}").read_text())
+            killed.update(pid=pid, after=checkpoint.latest(run_dir).name, at=time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
+def test_a_killed_worker_restarts_all_ranks_from_the_checkpoint_and_ends_bit_identical(cluster, tmp_path):
+    steps, every = 40, 5
+    job = dict(steps=steps, checkpoint={"dir": str(tmp_path / "killed"), "every": every, "keep_last": 2})
+    reference = plan_and_run(make_spec(**{**job, "checkpoint": {**job["checkpoint"], "dir": str(tmp_path / "ref")}}),
+                             io.StringIO(), tty=False)
+
+    done, killed = threading.Event(), {}
+    killer = threading.Thread(target=_kill_after_first_checkpoint, args=(tmp_path / "killed", 2, done, killed))
+    killer.start()
     out = io.StringIO()
-    result = plan_and_run(spec, out, tty=False)
-    assert result.attempts == 2 and sorted(result.results) == [0, 1, 2, 3]
-    assert "attempt 1 of 2 failed: rank 1 failed with RuntimeError: transient failure" in out.getvalue()
+    started = time.monotonic()
+    try:
+        result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:train_recording_pid", max_failures=1,
+                                        **job), out, tty=False)
+    finally:
+        done.set()
+        killer.join()
+    text = out.getvalue()
+    assert killed, "the job finished before its first checkpoint was seen"
+    assert result.attempts == 2, text
+    restart = re.search(rf"rank 2 on node 1 failed \(its process \(pid {killed['pid']}\) died: [^\n]*\); "
+                        r"restarting all ranks from checkpoint step (\d+) \(attempt 2 of 2\)", text)
+    assert restart, text
+    resumed = int(restart.group(1))
+    assert resumed % every == 0 and every <= resumed < steps and result.resumed_from == resumed
+    assert f"resumed from checkpoint step {resumed} " in text and f"checkpoint step {steps} saved" in text
+
+    # the same losses for every step both runs showed, and every step after the resume shown
+    losses = {h["step"]: h["loss"] for h in reference.history}
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert all(h["loss"] == losses[h["step"]] for h in result.history)
+    assert [h["step"] for h in result.history if h["step"] > resumed] == list(range(resumed + 1, steps + 1))
+    # final consolidated weights bit-identical to the uninterrupted run's
+    got, got_dir, got_doc = checkpoint.consolidate(tmp_path / "killed")
+    want, _, _ = checkpoint.consolidate(tmp_path / "ref")
+    assert got_doc["step"] == steps and got_dir.name == f"step-{steps:06d}"
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    print(f"kill test: reference run {reference.wall_s:.1f} s; killed run {result.wall_s:.1f} s "
+          f"(killed pid {killed['pid']} after {killed['after']}, {killed['at'] - started:.1f} s in; resumed "
+          f"from step {resumed})")
     assert_loopback_only(*cluster)

@@ -1,0 +1,90 @@
+"""The driver's fault-tolerance decisions without Ray running: which failure is blamed, what the restart
+and final lines say, which checkpoint step a restart resumes from, and how the progress display handles
+checkpoint events and restarts."""
+
+import io
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from hybrid.errors import ConfigError
+from launch.display import Progress
+from launch.job import (DIED, PEER, RAISED, Failure, cause_of, failure_order, latest_checkpoint_step,
+                        out_of_restarts, restart_line, root_cause)
+
+
+def _task_error(exc: Exception) -> RayTaskError:
+    return RayTaskError("run", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
+
+
+def test_the_dead_process_is_blamed_before_its_own_exception_before_its_peers_symptoms():
+    peer = _task_error(RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    timeout = _task_error(RuntimeError("[/gloo/unbound_buffer.cc:78] Timed out waiting 2000ms for recv"))
+    own = _task_error(ValueError("bad batch"))
+    died = RayActorError()
+    assert [failure_order(e) for e in (peer, timeout, own, died)] == [PEER, PEER, RAISED, DIED]
+    assert root_cause([(0, peer), (3, own), (2, died)]) == (2, died)
+    assert root_cause([(0, peer), (3, own), (1, own)]) == (3, own)  # ties: the earliest
+    assert root_cause([(1, timeout), (0, peer)]) == (1, timeout)
+    assert cause_of(peer) == "RuntimeError: Connection closed by peer [127.0.0.1]:1"  # gloo's [file:line] dropped
+    assert cause_of(own) == "ValueError: bad batch"
+    assert cause_of(_task_error(ConfigError("model.hidden is -1; give a positive integer."))).startswith(
+        "ConfigError: model.hidden is -1")
+    assert cause_of(died, pid=42).startswith("its process (pid 42) died: ")
+
+
+def test_failure_restart_and_final_sentences():
+    failure = Failure(2, 1, "its process (pid 42) died: Worker unexpectedly exits").sentence()
+    assert failure == "rank 2 on node 1 failed (its process (pid 42) died: Worker unexpectedly exits)"
+    assert Failure(None, None, "setting up the ranks failed: x").sentence() == "setting up the ranks failed: x"
+    assert restart_line(failure, 20, True, 2, 3) == f"{failure}; restarting all ranks from checkpoint step 20 (attempt 2 of 3)"
+    assert restart_line(failure, None, True, 2, 2).endswith("from step 0 (no checkpoint yet) (attempt 2 of 2)")
+    assert restart_line(failure, None, False, 2, 2).endswith("from step 0 (job.checkpoint is not set) (attempt 2 of 2)")
+    assert out_of_restarts(failure, 3, 2) == f"{failure} on attempt 3 of 3, and job.max_failures (2) allows no more restarts"
+    assert out_of_restarts(failure, 1, 0) == f"{failure}; job.max_failures is 0, so the job was not restarted"
+    for sentence in (restart_line(failure, 5, True, 2, 2), out_of_restarts(failure, 2, 1)):
+        assert "\n" not in sentence
+
+
+def test_the_restart_step_is_the_newest_complete_checkpoint_seen_or_reported(tmp_path):
+    assert latest_checkpoint_step(None, None) is None and latest_checkpoint_step(None, 15) == 15
+    assert latest_checkpoint_step(tmp_path, None) is None  # no checkpoints/ yet
+    for name, complete in (("step-000010", True), ("step-000020", False), (".tmp-step-000030", False)):
+        d = tmp_path / "checkpoints" / name
+        d.mkdir(parents=True)
+        if complete:
+            for f in ("COMPLETE", "hybrid.json", ".metadata"):
+                (d / f).write_text("x")
+    assert latest_checkpoint_step(tmp_path, None) == 10  # an unmarked or temporary directory never counts
+    assert latest_checkpoint_step(tmp_path, 5) == 10 and latest_checkpoint_step(tmp_path, 15) == 15
+
+
+def _step(step, rank, loss):
+    return {"rank": rank, "step": step, "loss": loss, "step_time_s": 0.1, "tokens": 100, "tp_rank": 0,
+            "memory": {"params": 1, "grads": 1, "optimizer": 1}}
+
+
+def test_progress_orders_checkpoint_lines_after_their_step_and_forgets_steps_after_a_resume():
+    out = io.StringIO()
+    progress = Progress(total_steps=4, world_size=2, stream=out, tty=False)
+    progress.add({"rank": 0, "reports": [_step(1, 0, 3.0), _step(2, 0, 2.0),
+                                         {"rank": 0, "step": 2, "checkpoint_saved": 2, "checkpoint": "ck/step-2"},
+                                         _step(3, 0, 1.5)]})
+    assert out.getvalue() == ""  # rank 1 has reported nothing yet
+    progress.add({"rank": 1, "reports": [_step(1, 1, 3.0), _step(2, 1, 2.0)]})
+    assert out.getvalue().splitlines()[-1] == "checkpoint step 2 saved: ck/step-2"
+    assert progress.checkpoint_step == 2 and [h["step"] for h in progress.history] == [1, 2]
+
+    progress.restart(2)  # the attempt died during step 3; its half-reported step is dropped
+    progress.add({"rank": 1, "reports": [{"rank": 1, "step": 2, "resumed_from": 2, "checkpoint": "ck/step-2"}]})
+    progress.add({"rank": 0, "reports": [{"rank": 0, "step": 2, "resumed_from": 2, "checkpoint": "ck/step-2"},
+                                         _step(3, 0, 1.25)]})
+    progress.add({"rank": 1, "reports": [_step(3, 1, 1.25)]})
+    lines = out.getvalue().splitlines()
+    assert "resumed from checkpoint step 2 (ck/step-2); continuing at step 3" in lines
+    assert lines[-1].startswith("step 3/4  loss 1.2500")
+    assert [(h["step"], h["loss"]) for h in progress.history] == [(1, 3.0), (2, 2.0), (3, 1.25)]
+    assert progress.resumed_from == 2
+
+    done = Progress(total_steps=4, world_size=1, stream=io.StringIO(), tty=False)
+    done.add({"rank": 0, "reports": [{"rank": 0, "step": 4, "resumed_from": 4, "checkpoint": "ck/step-4"}]})
+    assert "resumed from checkpoint step 4 (ck/step-4); nothing left to train" in done.stream.getvalue()
