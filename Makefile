@@ -31,6 +31,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 demo: $(STAMP)
+	rm -rf runs/demo  # the demo trains from scratch; `hybrid launch` alone resumes
 	$(BIN)/hybrid launch clusters/local.yaml
 
 $(VENV)/.bench-installed: $(STAMP)
