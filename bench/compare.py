@@ -13,7 +13,9 @@ off the seed's ratios. The full run writes the tables to bench/RESULTS.md, keepi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -26,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report  # noqa: E402
-from bench.peers import LABELS, STAGES, deepspeed_available  # noqa: E402
+from bench.peers import LABELS, STAGES, deepspeed_available, math_note  # noqa: E402
 from bench.workload import Workload, count_parameters, workloads  # noqa: E402
 
 NOTES_MARKER = "<!-- notes -->"
@@ -59,7 +61,9 @@ def run_one(impl: str, stage: int, w: Workload, timeout_s: float, profile_dir: s
         path = Path(profile_dir) / f"{w.name}-{w.precision}-{impl}-{stage}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n\n".join(f"rank {r['rank']}\n{r['profile']}" for r in per_rank))
-    return report.summarize(impl, stage, w.name, w.precision, per_rank, time.perf_counter() - t0)
+    row = report.summarize(impl, stage, w.name, w.precision, per_rank, time.perf_counter() - t0)
+    row.math_note = math_note(impl, stage, w.precision)
+    return row
 
 
 def machine() -> str:
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", nargs="*", help="fp32 and/or bf16 (default: both; --quick: fp32)")
     ap.add_argument("--only", nargs="*", help="implementations or impl:stage to run, e.g. hybrid ddp fsdp2:3")
     ap.add_argument("--out", help="Markdown file to write (default: bench/RESULTS.md; --quick: none)")
+    ap.add_argument("--json", metavar="PATH", help="also write every row (per-step losses included) as JSON")
     ap.add_argument("--profile", metavar="DIR", help="run the timed steps under torch.profiler (slower; the "
                     "times are then not comparable) and write each run's op table to DIR")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per implementation run")
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             failures += [f"{w.name} {precision} traffic: {m}" for m in report.traffic_mismatches(ratios)]
             sections.append((w, rows, bad))
 
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for _, rows, _ in sections for r in rows],
+                                              indent=1))
     text = render(sections, command, time.perf_counter() - started)
     print("\n" + text)
     out = args.out or (None if args.quick else str(Path(__file__).with_name("RESULTS.md")))
@@ -179,6 +187,8 @@ def render(sections, command: str, elapsed_s: float) -> str:
             parts += ["**LOSSES DISAGREE -- the times below are not comparable:**", ""]
             parts += [f"- {b}" for b in bad] + [""]
         parts += [report.render_rows(rows, LABELS), ""]
+        parts += [f"(*) {r.key}: {r.math_note}." for r in rows if r.math_note and not r.error]
+        parts += [""] if any(r.math_note for r in rows) else []
         summary = report.stage_summary(rows)
         if summary:
             parts += [report.render_summary(summary), ""]

@@ -54,7 +54,7 @@ TINY = dict(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
 def workloads(quick: bool) -> list[Workload]:
     if quick:
         return [Workload("quick", TINY, micro_batch=2, warmup=2, steps=1)]
-    return [Workload("4M", SMALL, micro_batch=2, warmup=3, steps=20),
+    return [Workload("4M", SMALL, micro_batch=2, warmup=3, steps=30),
             Workload("100M", LARGE, micro_batch=2, warmup=3, steps=10, lr=3e-4)]
 
 
