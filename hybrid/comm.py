@@ -131,12 +131,6 @@ class Comm:
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
-    def all_reduce_max(self, tensor: torch.Tensor):
-        """In-place max across the group; uncounted bookkeeping (a scalar flag, not model traffic)."""
-        if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        return tensor
-
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)
