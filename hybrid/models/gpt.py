@@ -10,9 +10,10 @@ TP group of size 1) it is the plain single-process model, the correctness refere
 * LM head: column-parallel over the vocabulary; the loss is the vocab-parallel cross-entropy, so the
   full logits are never gathered in training.
 
-Initialization draws every *full* parameter from a generator seeded by ``(seed, parameter name)`` and keeps
-this rank's slice, so the TP model built with seed S holds exactly the slices of the single-process model
-built with seed S. ``count_parameters(config)`` builds the model on the meta device (nothing allocated).
+Every parameter carries a ``hybrid.param_init`` initializer keyed by its name in the GPT; its values are a
+function of ``(seed, name)`` only, so the TP model built with seed S holds exactly the slices of the
+single-process model built with seed S, and ``GPT(config, device="meta")`` handed to ``hybrid.initialize``
+becomes the same model with each rank drawing only what it keeps. ``count_parameters(config)`` builds the model on the meta device (nothing allocated).
 ``GPTConfig.check_tp`` runs first, so a TP degree that does not split the heads, the vocabulary or the MLP
 (or dropout with tp > 1) is one ConfigError before anything is allocated.
 """
@@ -30,9 +31,10 @@ from hybrid.comm import Comm
 from hybrid.models.gpt_config import GPTConfig
 from hybrid.param_attrs import tensor_parallel_dim
 from hybrid.tp.collectives import gather_from_tp_region
-from hybrid.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TensorParallelModule
+from hybrid.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hybrid.tp.loss import vocab_parallel_cross_entropy
-from hybrid.tp.sharding import init_normal_, tp_rank_size, tp_slice
+from hybrid.param_init import Constant, Normal, set_initializer, stamp_keys
+from hybrid.tp.sharding import init_param_, tp_rank_size, tp_slice
 
 __all__ = ["GPT", "GPTConfig", "count_parameters"]
 
@@ -99,19 +101,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps, bias=config.bias, device=device)
         self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, bias=False, tp_comm=tp_comm,
                                             init_std=config.init_std, seed=None, device=device)
+        set_initializer(self.pos_emb.weight, Normal(std=config.init_std))
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                set_initializer(module.weight, Constant(1.0))
+                if module.bias is not None:
+                    set_initializer(module.bias, Constant(0.0))
+        stamp_keys(self)  # values follow the GPT's own parameter names, even inside a wrapper
         if self.pos_emb.weight.device.type != "meta":
             self.reset_parameters(seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Seeded full-then-slice init of every parameter, by its qualified name."""
-        for name, module in self.named_modules():
-            prefix = name + "." if name else ""
-            if isinstance(module, TensorParallelModule):
-                module.reset_parameters(seed, prefix)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-        init_normal_(self.pos_emb.weight, self.config.init_std, seed, "pos_emb.weight", self.tp_rank, self.tp)
+        """Every parameter from its initializer, seeded by ``seed`` and its name: on meta, ``hybrid.initialize``
+        draws exactly these values, only the part each rank keeps."""
+        for name, param in self.named_parameters():
+            init_param_(param, seed, name, self.tp_rank, self.tp)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` when ``targets`` is None, else the mean next-token loss (a scalar)."""

@@ -1,6 +1,7 @@
 """The built-in entrypoint ``hybrid.models.gpt:train``: train the built-in GPT on a synthetic stream.
 
-``train(ctx)`` builds the GPT of the model config (TP-sliced over ``ctx.mesh.tp_comm``), wraps it in the
+``train(ctx)`` builds the GPT of the model config (TP-sliced over ``ctx.mesh.tp_comm``) on the meta device,
+so the engine materializes it straight into each rank's shard (``hybrid.materialize``), wraps it in the
 ZeRO engine at the planned stage on the mesh's DP group, and trains it on ``hybrid.data.MarkovTokens``:
 each DP rank takes its own slice of the step's global batch, the TP ranks of a group take the same one.
 Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. With a checkpoint
@@ -62,8 +63,10 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     import hybrid
     from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
 
-    model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, seed=ctx.settings.seed, device=ctx.device)
+    # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
+    model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = TrainConfig(zero=ZeroConfig(stage=ctx.stage), precision=ctx.settings.precision,
                          optimizer=OptimizerConfig(lr=float(options["lr"]), weight_decay=float(options["weight_decay"])),
                          gradient_clipping=options["gradient_clipping"])
-    return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group)
+    return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
+                             seed=ctx.settings.seed, device=ctx.device)

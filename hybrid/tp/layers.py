@@ -10,8 +10,8 @@
   zeros and the partial embeddings are summed.
 
 ``tp_comm=None`` (or a group of size 1) gives the plain single-process layer. Parameters are created on
-``device``; with ``seed`` set (the default) they are initialized from the full-then-slice rule of
-``hybrid.tp.sharding`` (weights N(0, init_std²), biases zero). Pass ``seed=None`` when an owner
+``device``; with ``seed`` set (the default) they are initialized from their ``hybrid.param_init``
+initializers (weights N(0, init_std²), biases zero; each TP rank draws only its slice of the full tensor). Pass ``seed=None`` when an owner
 initializes them by their qualified names (``reset_parameters(seed, prefix)``), as ``hybrid.models.gpt``
 does.
 """
@@ -26,9 +26,10 @@ from torch import nn
 
 from hybrid.comm import Comm
 from hybrid.param_attrs import mark_tensor_parallel
+from hybrid.param_init import Constant, Normal, set_initializer
 from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
-from hybrid.tp.sharding import divide, init_normal_, tp_rank_size
+from hybrid.tp.sharding import divide, init_param_, tp_rank_size
 
 
 class TensorParallelModule(nn.Module):
@@ -41,14 +42,17 @@ class TensorParallelModule(nn.Module):
         self.init_std = init_std
 
     def _maybe_init(self, seed: Optional[int]) -> None:
+        set_initializer(self.weight, Normal(std=self.init_std))
+        if getattr(self, "bias", None) is not None:
+            set_initializer(self.bias, Constant(0.0))
         if seed is not None and self.weight.device.type != "meta":
             self.reset_parameters(seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
-        init_normal_(self.weight, self.init_std, seed, prefix + "weight", self.tp_rank, self.tp)
-        if getattr(self, "bias", None) is not None:
-            self.bias.zero_()
+        for key, param in self._parameters.items():
+            if param is not None:
+                init_param_(param, seed, prefix + key, self.tp_rank, self.tp)
 
 
 class ColumnParallelLinear(TensorParallelModule):

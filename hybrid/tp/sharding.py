@@ -3,13 +3,12 @@
 A parameter marked with ``hybrid.param_attrs.mark_tensor_parallel(p, dim)`` holds, on TP rank ``r`` of
 ``t``, the ``r``-th of ``t`` equal contiguous chunks of the full tensor along ``dim``. Everything here is
 that one rule: slicing a full tensor, the full shape of a slice, gathering slices back (checkpoints,
-tests), and the seeded full-then-slice initialization that makes a TP model built with seed S hold
-exactly the slices of the single-process model built with seed S.
+tests), and the seeded initialization (``init_param_``, from ``hybrid.param_init``) that makes a TP model
+built with seed S hold exactly the slices of the single-process model built with seed S.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Mapping, Optional
 
 import torch
@@ -86,15 +85,15 @@ def slice_tp_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Modul
     return {name: tp_slice(t, dims.get(name), tp_rank, tp).clone() for name, t in state.items()}
 
 
-def param_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded from ``(seed, name)`` alone, so the draw does not depend on the TP degree."""
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2 ** 63 - 1))
-
-
 @torch.no_grad()
-def init_normal_(param: torch.Tensor, std: float, seed: int, name: str, tp_rank: int, tp: int) -> None:
-    """Draw the full tensor from N(0, std²) with the ``(seed, name)`` generator, keep this rank's slice."""
-    full = torch.empty(full_shape(param, tp), dtype=torch.float32)
-    full.normal_(0.0, std, generator=param_generator(seed, name))
-    param.copy_(tp_slice(full, tensor_parallel_dim(param), tp_rank, tp))
+def init_param_(param: torch.Tensor, seed: int, name: str, tp_rank: int, tp: int) -> None:
+    """Fill ``param`` (this TP rank's slice) from its ``hybrid.param_init`` initializer, seeded by ``seed`` and
+    the initializer's key (``name`` when it has none): the slice of the same full tensor at every TP degree."""
+    from hybrid.param_init import get_initializer, local_values
+
+    init = get_initializer(param)
+    if init is None:
+        raise ValueError(f"parameter {name!r} has no hybrid.param_init initializer")
+    values = local_values(init, seed, init.key or name, full_shape(param, tp), tensor_parallel_dim(param),
+                          tp_rank, tp, 0, param.numel())
+    param.copy_(values.view(param.shape))

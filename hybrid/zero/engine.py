@@ -52,12 +52,14 @@ from torch import nn
 
 from hybrid.comm import Comm
 from hybrid.config import TrainConfig
+from hybrid.materialize import ValueSources, has_meta, new_parameter, references, replace_tensor
 from hybrid.param_attrs import is_tensor_parallel
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.optimizer import ShardedAdamW
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.partition import bucket_groups, build_layout
+from hybrid.zero.policy import policy_for
 from hybrid.zero.state import FlatState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -78,10 +80,12 @@ class ShardView:
 
 
 class ZeroEngine:
-    def __init__(self, module: nn.Module, config: TrainConfig, dp_group=None, tp_group=None):
+    def __init__(self, module: nn.Module, config: TrainConfig, dp_group=None, tp_group=None, *, seed: int = 0,
+                 init_fn=None, weights=None, device=None):
         self.module, self.config = module, config
         zero = config.zero
         self.stage = zero.stage
+        self.policy = policy_for(self.stage)
         self.dp_comm = Comm(dp_group, "dp")
         self.tp_comm = Comm(tp_group, "tp") if tp_group is not None else None
         config.check_batch(self.dp_comm.size)
@@ -93,34 +97,38 @@ class ZeroEngine:
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.device = self.params[0].device
-        if any(p.device != self.device for p in self.params):
-            raise ValueError("all trainable parameters must be on one device")
-
-        self._broadcast_from_rank0()
-        numels = [p.numel() for p in self.params]
-        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
-        groups, order, persistent = self._units(numels, align)
-        self.layout = build_layout(numels, groups, 1 if self.stage == 0 else self.dp_comm.size, align)
-        self.state = FlatState(self.params, self.layout, self.stage, self.dp_comm.rank, self.dtype, self.device)
+        self.device = self._resolve_device(device)
+        tp_rank, tp = (self.tp_comm.rank, self.tp_comm.size) if self.tp_comm is not None else (0, 1)
+        # Weights are checked (names, shapes) before anything is allocated.
+        sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
+        try:
+            if sources.weights is None and not has_meta(module):
+                self._broadcast_from_rank0()
+            numels = [p.numel() for p in self.params]
+            align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
+            groups, order, persistent = self._units(numels, align)
+            self.layout = build_layout(numels, groups, self.policy.n_shards(self.dp_comm.size), align)
+            self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
+                                   frozenset(persistent))
+            views = self._materialize(sources)
+        finally:
+            sources.close()
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._cast_frozen_and_buffers()
         self.optimizer = ShardedAdamW(self.state.segments(), self.layout.shard_numel, self.device,
                                       config.optimizer, zero.sub_group_size)
         self.persistent_units = persistent
         self.gatherer = None
-        if self.stage == 3:
+        if self.policy.shard_params:
             self.gatherer = ParamGatherer(self.dp_comm, self.layout, self.state.unit_full,
                                           self.state.unit_param_shard, persistent, self._module_units(persistent),
-                                          zero.prefetch_bucket_size, self.params)
-        mode = {0: "all_reduce", 1: "scatter_full"}.get(self.stage, "scatter_shard")
+                                          zero.prefetch_bucket_size, views)
         self.reducer = GradReducer(
-            self.dp_comm, self.layout, self.params, mode, order, flat_grad=self.state.flat_grad,
+            self.dp_comm, self.layout, self.params, self.policy.grad_mode, order, flat_grad=self.state.flat_grad,
             grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
             max_inflight_numel=zero.reduce_bucket_size,
             on_unit_done=self.gatherer.release_after_backward if self.gatherer else None)
         self._norm_runs = self._grad_norm_runs()
-        if self.gatherer is not None:
-            self.gatherer.release_all()
         self.micro_steps = 0
         self._awaiting_step = False
         self.global_step = 0
@@ -128,6 +136,66 @@ class ZeroEngine:
         self.dp_comm.reset()
 
     # -- construction ---------------------------------------------------------------------------------
+    def _resolve_device(self, device) -> torch.device:
+        """Where the model states live: ``device``, else the parameters' device, else (a meta-built model)
+        the rank's CUDA device under NCCL, or the CPU."""
+        if device is not None:
+            return torch.device(device)
+        devices = {p.device for p in self.params if not p.is_meta}
+        if len(devices) > 1:
+            raise ValueError("all trainable parameters must be on one device")
+        if devices:
+            return devices.pop()
+        dist = torch.distributed
+        if torch.cuda.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @torch.no_grad()
+    def _materialize(self, sources: ValueSources) -> list:
+        """Fill the state with every parameter's values, module by module, then bind the parameters to their
+        views (meta parameters are replaced by real ones); frozen meta tensors are materialized in place.
+        Records ``init_report``. Returns, per unit, ``[(parameter, view)]``."""
+        refs = references(self.module)
+        source = "weights" if sources.weights is not None else "init" if has_meta(self.module) else "model"
+        state_bytes = sum(t.untyped_storage().nbytes() for ts in self.state.tensors().values() for t in ts)
+        state_bytes += sum(t.untyped_storage().nbytes() for t in self.state.unit_full if t is not None)
+        largest = 0
+        for group in sources.modules():
+            for e in group.entries:
+                i = self._index.get(id(e.tensor)) if e.is_param else None
+                if i is not None:
+                    lo, hi = self.state.needed_range(i)
+                    if hi > lo:
+                        values = group.values(e, lo, hi)
+                        largest = max(largest, values.numel() * 4)
+                        self.state.write(i, lo, values)
+                elif e.tensor.is_meta or (sources.weights is not None and e.persistent):
+                    data = group.values(e, 0, e.tensor.numel()).view(e.tensor.shape)
+                    data = data.to(device=self.device, dtype=e.tensor.dtype)
+                    replace_tensor(refs, e.tensor, new_parameter(e.tensor, data) if e.is_param else data)
+            if group._fallback is not None:
+                largest = max(largest, sum(t.numel() * t.element_size() for t in group._fallback.values()))
+
+        def bind(i: int, view: torch.Tensor) -> None:
+            old = self.params[i]
+            if old.is_meta:
+                new = new_parameter(old, view)
+                replace_tensor(refs, old, new)
+                self.params[i] = new
+            else:
+                old.data = view
+
+        views = []
+        for unit in self.layout.units:
+            pairs = self.state.bind_unit(unit.index, self.shapes, bind)
+            views.append([(self.params[i], view) for i, view in pairs])
+            if self.policy.shard_params and unit.index not in self.state.persistent:
+                largest = max(largest, unit.numel * self.state.dtype.itemsize)
+        self.init_report = {"source": source, "model_state_bytes": state_bytes,
+                            "largest_transient_bytes": largest, "peak_bytes": state_bytes + largest}
+        return views
+
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         for t in list(self.module.parameters()) + list(self.module.buffers()):
@@ -136,7 +204,7 @@ class ZeroEngine:
     def _units(self, numels: list, align: int) -> tuple:
         """(groups of param indices, reduce order of units, persistent unit indices) for this stage."""
         zero = self.config.zero
-        if self.stage < 3:
+        if not self.policy.module_units:
             groups = bucket_groups(numels, list(reversed(range(len(numels)))), zero.reduce_bucket_size, align)
             return groups, list(range(len(groups))), set()
         groups, small, seen = [], [], set()
@@ -227,7 +295,7 @@ class ZeroEngine:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
-        norm = global_grad_norm(self._norm_runs, self.dp_comm if self.stage >= 1 else None, self.tp_comm,
+        norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
                                 self.config.zero.sub_group_size)
         self.last_grad_norm = float(norm)
         clip = self.config.gradient_clipping
@@ -240,9 +308,9 @@ class ZeroEngine:
     @torch.no_grad()
     def _refresh_params(self) -> None:
         """Bring the full parameters up to date with the (just updated) shards."""
-        if self.stage in (1, 2):
+        if self.policy.refresh == "all":
             units = range(len(self.layout.units))
-        elif self.stage == 3:
+        elif self.policy.refresh == "persistent":
             units = sorted(self.persistent_units)
         else:
             return
@@ -315,7 +383,7 @@ class ZeroEngine:
         kinds["optimizer"] += [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
         kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
         kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
-        if self.stage == 3:
+        if self.policy.shard_params:
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
         seen, report = set(), {}

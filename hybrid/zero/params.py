@@ -53,15 +53,18 @@ def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Calla
 
 class ParamGatherer:
     def __init__(self, comm: Comm, layout: FlatLayout, full: list, shard_of: Callable, persistent: set,
-                 module_units: dict, prefetch_numel: int, params: list):
+                 module_units: dict, prefetch_numel: int, views: list):
         self.comm, self.layout, self.full, self.shard_of = comm, layout, full, shard_of
-        # unit -> (parameter, its view of the unit's buffer); taken while every unit is still gathered
-        self._views = [[(params[s.param], params[s.param].data) for s in unit.slots] for unit in layout.units]
+        self._views = views  # unit -> [(parameter, its view of the unit's buffer)]
         self._empty = torch.empty(0, dtype=full[0].dtype, device=full[0].device)
         self.persistent = set(persistent)
         self.module_units = module_units  # module -> tuple of non-persistent unit indices it reads
         self.prefetch_numel = prefetch_numel
-        self._ready: set = set(range(len(layout.units)))  # built gathered; the engine releases them
+        self._ready: set = set(self.persistent)  # every other unit starts released (storage freed)
+        for u in range(len(layout.units)):
+            if u not in self.persistent:
+                for param, _ in views[u]:
+                    param.data = self._empty
         self._pending: dict = {}          # unit -> async handle
         self._refs = defaultdict(int)     # forward references
         self._in_backward: set = set()    # units gathered for backward, not yet done

@@ -13,38 +13,48 @@ With ``dtype == float32`` the master *is* the parameter storage (the owned part 
 stage-3 shard), so no copy is kept. The Adam moments live in ``ShardedAdamW``. Every trainable parameter's
 ``.data`` becomes a view of the full flat buffer (stages 0-2) or of its unit's full buffer (stage 3); its
 original storage is dropped. Padding stays zero everywhere.
+
+Values arrive parameter by parameter (``needed_range`` says which elements of a parameter this rank
+stores, ``write`` puts fp32 values there), so a model built on the meta device is materialized straight
+into the buffers: no rank ever holds a full copy of a unit it does not keep. ``bind_unit`` then points the
+parameters at their views; at stage 3 the unit's full buffer exists only while the views are made, then
+its storage is freed (the gatherer brings it back).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from hybrid.zero.optimizer import Segment
 from hybrid.zero.partition import FlatLayout
+from hybrid.zero.policy import StagePolicy
 
 
 class FlatState:
-    def __init__(self, params: list, layout: FlatLayout, stage: int, rank: int, dtype: torch.dtype, device):
-        self.params, self.layout, self.stage, self.dtype, self.device = params, layout, stage, dtype, device
+    def __init__(self, layout: FlatLayout, policy: StagePolicy, rank: int, dtype: torch.dtype, device,
+                 persistent: frozenset = frozenset()):
+        self.layout, self.policy, self.dtype, self.device = layout, policy, dtype, device
         self.rank = rank if layout.n_shards > 1 else 0
+        self.persistent = frozenset(persistent)
         self.separate_master = dtype != torch.float32
         kw = dict(dtype=dtype, device=device)
-        self.flat_params: Optional[torch.Tensor] = None   # stages 0-2
-        self.param_shard: Optional[torch.Tensor] = None   # stage 3
-        self.unit_full: list = []                          # stage 3
-        if stage < 3:
-            self.flat_params = torch.zeros(layout.full_numel, **kw)
-        else:
+        self.flat_params: Optional[torch.Tensor] = None   # full parameters (stages 0-2)
+        self.param_shard: Optional[torch.Tensor] = None   # sharded parameters (stage 3)
+        self.unit_full: list = []                          # stage 3: one gather buffer per unit
+        if policy.shard_params:
             self.param_shard = torch.zeros(layout.shard_numel, **kw)
+            self.unit_full = [torch.zeros(u.numel, **kw) if u.index in self.persistent else None
+                              for u in layout.units]
+        else:
+            self.flat_params = torch.zeros(layout.full_numel, **kw)
         self.master = (torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
                        if self.separate_master else None)
-        if stage < 2:
-            self.flat_grad, self.grad_shard = torch.zeros(layout.full_numel, **kw), None
-        else:
+        if policy.shard_grads:
             self.flat_grad, self.grad_shard = None, torch.zeros(layout.shard_numel, **kw)
-        self._bind()
+        else:
+            self.flat_grad, self.grad_shard = torch.zeros(layout.full_numel, **kw), None
 
     # -- views by unit --------------------------------------------------------------------------------
     def _own(self, u: int) -> tuple:
@@ -54,7 +64,7 @@ class FlatState:
 
     def unit_params(self, u: int) -> torch.Tensor:
         """The full parameters of unit ``u`` (stage 3: its gather buffer)."""
-        if self.stage == 3:
+        if self.policy.shard_params:
             return self.unit_full[u]
         unit = self.layout.units[u]
         return self.flat_params[unit.full_offset:unit.full_offset + unit.numel]
@@ -62,7 +72,7 @@ class FlatState:
     def unit_param_shard(self, u: int) -> torch.Tensor:
         """This rank's part of unit ``u``'s parameters, in the model dtype."""
         unit, lo, hi = self._own(u)
-        if self.stage == 3:
+        if self.policy.shard_params:
             return self.param_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel]
         return self.flat_params[unit.full_offset + lo:unit.full_offset + hi]
 
@@ -76,7 +86,7 @@ class FlatState:
     def unit_grad_shard(self, u: int) -> torch.Tensor:
         """This rank's (reduced, once backward is done) gradients of unit ``u``."""
         unit, lo, hi = self._own(u)
-        if self.stage >= 2:
+        if self.policy.shard_grads:
             return self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel]
         return self.flat_grad[unit.full_offset + lo:unit.full_offset + hi]
 
@@ -85,31 +95,56 @@ class FlatState:
                         self.unit_param_shard(u) if self.separate_master else None)
                 for u, unit in enumerate(self.layout.units)]
 
+    # -- filling --------------------------------------------------------------------------------------
+    def _keeps_full(self, u: int) -> bool:
+        return not self.policy.shard_params or u in self.persistent
+
+    def needed_range(self, i: int) -> tuple:
+        """``[lo, hi)`` of parameter ``i``'s flattened elements this rank stores (its owned range at stage 3)."""
+        unit, _ = self.layout.locate(i)
+        if self._keeps_full(unit.index):
+            return 0, self.layout.numels[i]
+        start, end, _ = self.layout.owned_range(i, self.rank)
+        return start, end
+
+    @torch.no_grad()
+    def write(self, i: int, lo: int, values: torch.Tensor) -> None:
+        """Store fp32 ``values`` as elements ``[lo, lo + len)`` of parameter ``i`` wherever this rank keeps them."""
+        hi = lo + values.numel()
+        unit, slot = self.layout.locate(i)
+        if self._keeps_full(unit.index):
+            full = self.unit_params(unit.index)
+            full[slot.offset + lo:slot.offset + hi].copy_(values)
+        start, end, pos = self.layout.owned_range(i, self.rank)
+        a, b = max(start, lo), min(end, hi)
+        if a >= b:
+            return
+        at = pos + a - start
+        if self.param_shard is not None:
+            self.param_shard[at:at + b - a].copy_(values[a - lo:b - lo])
+        if self.master is not None:
+            self.master[at:at + b - a].copy_(values[a - lo:b - lo])
+
     # -- binding --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _bind(self) -> None:
-        for unit in self.layout.units:
-            full32 = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-            for slot in unit.slots:
-                full32[slot.offset:slot.offset + slot.numel].copy_(self.params[slot.param].detach().reshape(-1))
-            lo, hi = unit.shard_range(self.rank)
-            if self.separate_master:
-                self.unit_master(unit.index).copy_(full32[lo:hi])
-            if self.stage == 3:
-                full = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
-                self.unit_full.append(full)
-                self.unit_param_shard(unit.index).copy_(full[lo:hi])
-            else:
-                full = self.unit_params(unit.index)
-                full.copy_(full32)
-            for slot in unit.slots:
-                p = self.params[slot.param]
-                p.data = full[slot.offset:slot.offset + slot.numel].view(p.shape)
+    def bind_unit(self, u: int, shapes: list, bind: Callable[[int, torch.Tensor], None]) -> list:
+        """Call ``bind(param index, view)`` for every parameter of unit ``u``; returns the ``(index, view)``
+        pairs. At stage 3 a released unit's buffer is allocated only for this and freed right after."""
+        unit = self.layout.units[u]
+        if self.policy.shard_params and self.unit_full[u] is None:
+            self.unit_full[u] = torch.empty(unit.numel, dtype=self.dtype, device=self.device)
+        full = self.unit_params(u)
+        views = [(s.param, full[s.offset:s.offset + s.numel].view(shapes[s.param])) for s in unit.slots]
+        for i, view in views:
+            bind(i, view)
+        if not self._keeps_full(u):
+            full.untyped_storage().resize_(0)
+        return views
 
     # -- accounting -----------------------------------------------------------------------------------
     def tensors(self) -> dict:
         """The tensors behind each memory category (deduplicated by storage by the caller)."""
-        params = [self.flat_params] if self.stage < 3 else [self.param_shard]
-        grads = [self.flat_grad if self.stage < 2 else self.grad_shard]
+        params = [self.param_shard] if self.policy.shard_params else [self.flat_params]
+        grads = [self.grad_shard if self.policy.shard_grads else self.flat_grad]
         optimizer = [self.master] if self.separate_master else []
         return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -1,4 +1,4 @@
-"""Pure pieces of tensor parallelism: slicing rules, seeded full-then-slice init, mesh degrees, the loss at tp 1."""
+"""Pure pieces of tensor parallelism: slicing rules, seeded layout-independent init, mesh degrees, the loss at tp 1."""
 
 import pytest
 import torch
@@ -8,28 +8,34 @@ from hybrid.errors import ConfigError
 from hybrid.mesh import mesh_degrees
 from hybrid.param_attrs import mark_tensor_parallel
 from hybrid.tp import vocab_parallel_cross_entropy
-from hybrid.tp.sharding import full_shape, init_normal_, param_generator, tp_slice
+from hybrid.param_init import Normal, set_initializer
+from hybrid.tp.sharding import full_shape, init_param_, tp_slice
 
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_seeded_slices_concatenate_to_the_full_draw(dim):
     tp = 4
-    full = torch.nn.Parameter(torch.empty(8, 12))
-    init_normal_(full, 0.02, seed=7, name="w", tp_rank=0, tp=1)
+    full = set_initializer(torch.nn.Parameter(torch.empty(8, 12)), Normal(std=0.02))
+    init_param_(full, seed=7, name="w", tp_rank=0, tp=1)
     slices = []
     for rank in range(tp):
         shape = [8, 12]
         shape[dim] //= tp
         p = mark_tensor_parallel(torch.nn.Parameter(torch.empty(shape)), dim)
+        set_initializer(p, Normal(std=0.02))
         assert full_shape(p, tp) == torch.Size([8, 12])
-        init_normal_(p, 0.02, seed=7, name="w", tp_rank=rank, tp=tp)
+        init_param_(p, seed=7, name="w", tp_rank=rank, tp=tp)
         assert torch.equal(p, tp_slice(full.detach(), dim, rank, tp))
         slices.append(p.detach())
     assert torch.equal(torch.cat(slices, dim=dim), full.detach())
 
 
-def test_generator_depends_on_seed_and_name():
-    draw = lambda seed, name: torch.randn(4, generator=param_generator(seed, name))  # noqa: E731
+def test_values_depend_on_seed_and_name():
+    def draw(seed, name):
+        p = set_initializer(torch.nn.Parameter(torch.empty(4)), Normal(std=1.0))
+        init_param_(p, seed=seed, name=name, tp_rank=0, tp=1)
+        return p.detach()
+
     assert torch.equal(draw(1, "a"), draw(1, "a"))
     assert not torch.equal(draw(1, "a"), draw(2, "a"))
     assert not torch.equal(draw(1, "a"), draw(1, "b"))

@@ -1,0 +1,221 @@
+"""Where every parameter's and buffer's values come from, one module at a time.
+
+A model may be built on the ``meta`` device (``with torch.device("meta"): model = MyModel()``): nothing is
+allocated, and the values are produced later, only where and when a rank needs them. ``ValueSources``
+walks the model's modules in order (each tensor once, tied ones under their first name) and, for each
+tensor, answers ``values(entry, lo, hi)``: elements ``[lo, hi)`` of this TP rank's flattened tensor, fp32
+on the CPU. In order of precedence, the values are
+
+1. the pretrained tensor of the same name in ``weights`` (``hybrid.weights``; the file holds full,
+   TP-unsharded tensors and the rank reads only its range of its slice),
+2. the tensor's own values when it is not on ``meta`` (a model built the ordinary way),
+3. the parameter's layout-independent initializer (``hybrid.param_init``; the built-in layers and GPT
+   attach one to every parameter): only the chunks holding ``[lo, hi)`` are drawn,
+4. otherwise the module's own initialization, as torch does it: ``init_fn(module)`` when given, else
+   ``module.reset_parameters()`` (or ``_reset_parameters()``), run on CPU copies of the module's *direct*
+   tensors under a CPU generator seeded from ``(seed, module name)``. Each module initializes its own
+   tensors (a parent's init of a child's tensor is superseded by the child's own).
+
+So the values depend on ``seed`` and the names only, never on the DP size, ZeRO stage or TP degree: every
+layout builds the same model. ``materialize(model, seed=...)`` applies the same rules to a whole model
+in one process (the reference for tests, and the way to get an ordinary model from a meta-built one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from hybrid.errors import ConfigError
+from hybrid.param_attrs import tensor_parallel_dim
+from hybrid.param_init import get_initializer, local_values, read_local_range
+from hybrid.tp.sharding import full_shape
+from hybrid.weights import WeightsFile, open_weights
+
+
+@dataclass
+class TensorEntry:
+    """One parameter or buffer of the model, under the name it is first reached by."""
+
+    name: str
+    module: nn.Module
+    key: str
+    kind: str  # "param" | "buffer"
+    tensor: torch.Tensor
+    persistent: bool = True  # buffers: part of the state dict
+
+    @property
+    def is_param(self) -> bool:
+        return self.kind == "param"
+
+
+def module_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}:module:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2 ** 63 - 1)
+
+
+def has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def module_entries(model: nn.Module) -> Iterator[tuple[str, nn.Module, list]]:
+    """``(module name, module, its direct tensors not seen before)`` in ``named_modules`` order."""
+    seen: set = set()
+    for mod_name, module in model.named_modules():
+        entries = []
+        for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
+            for key, t in tensors.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                persistent = kind == "param" or key not in module._non_persistent_buffers_set
+                entries.append(TensorEntry(f"{mod_name}.{key}" if mod_name else key, module, key, kind, t,
+                                           persistent))
+        if entries:
+            yield mod_name, module, entries
+
+
+def references(model: nn.Module) -> dict:
+    """id(tensor) -> every ``(module, kind, key)`` holding it (tied weights are held twice)."""
+    out: dict = {}
+    for module in model.modules():
+        for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
+            for key, t in tensors.items():
+                if t is not None:
+                    out.setdefault(id(t), []).append((module, kind, key))
+    return out
+
+
+def replace_tensor(refs: dict, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Put ``new`` wherever ``old`` is registered."""
+    for module, kind, key in refs.get(id(old), ()):
+        (module._parameters if kind == "param" else module._buffers)[key] = new
+
+
+def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter over ``data`` that keeps ``old``'s marks (TP slicing, initializer) and requires_grad."""
+    p = nn.Parameter(data, requires_grad=old.requires_grad)
+    p.__dict__.update({k: v for k, v in old.__dict__.items() if k.startswith("_hybrid")})
+    return p
+
+
+@dataclass
+class ModuleValues:
+    """The value sources of one module's direct tensors (see the module docstring for the precedence)."""
+
+    sources: "ValueSources"
+    name: str
+    module: nn.Module
+    entries: list
+    _fallback: Optional[dict] = field(default=None, repr=False)
+
+    def values(self, entry: TensorEntry, lo: int, hi: int) -> torch.Tensor:
+        src = self.sources
+        t = entry.tensor
+        dim = tensor_parallel_dim(t) if entry.is_param else None
+        shape = full_shape(t, src.tp) if entry.is_param else t.shape
+        if src.weights is not None and entry.persistent:
+            return read_local_range(lambda a, b: src.weights.read(entry.name, a, b), shape, dim, src.tp_rank,
+                                    src.tp, lo, hi)
+        if not t.is_meta:
+            return t.detach().reshape(-1)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
+        init = get_initializer(t) if entry.is_param else None
+        if init is not None:
+            return local_values(init, src.seed, init.key or entry.name, shape, dim, src.tp_rank, src.tp, lo, hi)
+        if dim is not None and src.tp > 1:
+            raise ConfigError(f"tensor-parallel parameter {entry.name!r} is on the meta device without a "
+                              "hybrid.param_init initializer, so its TP slices cannot match the full tensor; "
+                              "attach one with set_initializer or build the model off meta.")
+        return self._fallback_values()[entry.name].reshape(-1)[lo:hi].float()
+
+    def _fallback_values(self) -> dict:
+        if self._fallback is None:
+            self._fallback = self._run_module_init()
+        return self._fallback
+
+    @torch.no_grad()
+    def _run_module_init(self) -> dict:
+        """Run the module's own init on CPU copies of its direct tensors; returns name -> values."""
+        module, init_fn = self.module, self.sources.init_fn
+        init = init_fn or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if init is None:
+            entry = next(e for e in self.entries if e.tensor.is_meta)
+            raise ConfigError(f"{entry.kind} {entry.name!r} is on the meta device and its module "
+                              f"({type(module).__name__}) has no reset_parameters() to initialize it; pass "
+                              "init_fn=, attach a hybrid.param_init initializer, or build it off meta.")
+        own = {e.key: e for e in self.entries}
+        saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+        try:
+            for key, e in own.items():
+                cpu = torch.zeros(e.tensor.shape, dtype=e.tensor.dtype, device="cpu")
+                if e.is_param:
+                    module._parameters[key] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad)
+                else:
+                    module._buffers[key] = cpu
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(self.sources.seed, self.name))
+                init(module) if init_fn is not None else init()
+            return {e.name: (module._parameters if e.is_param else module._buffers)[key].detach()
+                    for key, e in own.items()}
+        finally:
+            module._parameters.clear()
+            module._parameters.update(saved_params)
+            module._buffers.clear()
+            module._buffers.update(saved_buffers)
+
+
+class ValueSources:
+    """Value sources for every tensor of ``model``, walked one module at a time (``modules()``)."""
+
+    def __init__(self, model: nn.Module, *, seed: int = 0, init_fn: Optional[Callable] = None, weights=None,
+                 tp_rank: int = 0, tp: int = 1):
+        self.model, self.seed, self.init_fn = model, int(seed), init_fn
+        self.tp_rank, self.tp = tp_rank, tp
+        self.weights: Optional[WeightsFile] = None
+        if weights is not None:
+            self.weights = weights if isinstance(weights, WeightsFile) else open_weights(weights)
+            self.weights.check(*self.expected_shapes())
+
+    def expected_shapes(self) -> tuple[dict, set]:
+        """(name -> full shape of every parameter and persistent buffer, names of tied aliases)."""
+        expected = {}
+        for _, _, entries in module_entries(self.model):
+            for e in entries:
+                if e.persistent:
+                    expected[e.name] = tuple(full_shape(e.tensor, self.tp) if e.is_param else e.tensor.shape)
+        aliases = set(self.model.state_dict(keep_vars=True)) - set(expected)
+        return expected, aliases
+
+    def modules(self) -> Iterator[ModuleValues]:
+        for name, module, entries in module_entries(self.model):
+            yield ModuleValues(self, name, module, entries)
+
+    def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, seed: int = 0, *, init_fn: Optional[Callable] = None, weights=None,
+                device="cpu", tp_rank: int = 0, tp: int = 1) -> nn.Module:
+    """Give every ``meta`` tensor of ``model`` (every tensor, with ``weights``) its values on ``device``, in
+    place, exactly as ``hybrid.initialize`` would for any layout; returns ``model``."""
+    sources = ValueSources(model, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
+    refs = references(model)
+    try:
+        for group in sources.modules():
+            for e in group.entries:
+                if not e.tensor.is_meta and sources.weights is None:
+                    continue
+                if not e.persistent and not e.tensor.is_meta:
+                    continue
+                values = group.values(e, 0, e.tensor.numel()).view(e.tensor.shape)
+                data = values.to(device=device, dtype=e.tensor.dtype)
+                replace_tensor(refs, e.tensor, new_parameter(e.tensor, data) if e.is_param else data)
+    finally:
+        sources.close()
+    return model
