@@ -18,7 +18,7 @@ def initialize(model, config, dp_group=None, tp_group=None, **kwargs):
 def materialize(model, seed=0, **kwargs):
     """``hybrid.materialize.materialize``: give a meta-built model the values ``initialize`` would, in one
     process (keyword arguments ``init_fn``, ``weights``, ``device``, ``tp_rank``, ``tp``)."""
-    from hybrid.materialize import materialize as _materialize
+    from hybrid.value_sources import materialize as _materialize
 
     return _materialize(model, seed, **kwargs)
 

@@ -52,7 +52,7 @@ from torch import nn
 
 from hybrid.comm import Comm
 from hybrid.config import TrainConfig
-from hybrid.materialize import ValueSources, has_meta, new_parameter, references, replace_tensor
+from hybrid.value_sources import ValueSources, has_meta, new_parameter, references, replace_tensor
 from hybrid.param_attrs import is_tensor_parallel
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import clip_coefficient, global_grad_norm

@@ -144,7 +144,8 @@ class ModuleValues:
         init = init_fn or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         if init is None:
             entry = next(e for e in self.entries if e.tensor.is_meta)
-            raise ConfigError(f"{entry.kind} {entry.name!r} is on the meta device and its module "
+            kind = "parameter" if entry.is_param else "buffer"
+            raise ConfigError(f"{kind} {entry.name!r} is on the meta device and its module "
                               f"({type(module).__name__}) has no reset_parameters() to initialize it; pass "
                               "init_fn=, attach a hybrid.param_init initializer, or build it off meta.")
         own = {e.key: e for e in self.entries}

@@ -1,0 +1,138 @@
+"""Meta-device construction and weights files in one process: values, precedence, and one-sentence errors.
+
+The multi-rank guarantees (every stage, DP and TP layout gives the same model; peak memory) are in
+tests/dist/test_meta_init.py.
+"""
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import hybrid
+from hybrid.errors import CheckpointError, ConfigError
+from hybrid.models.gpt import GPT, GPTConfig
+from safetensors.torch import save_file
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, hidden=32, n_layers=2, n_heads=4)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(12, 20), nn.LayerNorm(20), nn.ReLU(), nn.Linear(20, 5))
+
+
+def _equal_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_meta_gpt_materializes_to_the_ordinary_gpt():
+    with torch.device("meta"):
+        meta = GPT(TINY)
+    hybrid.materialize(meta, seed=5)
+    assert not any(p.is_meta for p in meta.parameters())
+    assert _equal_state(meta, GPT(TINY, seed=5))
+    assert not _equal_state(meta, GPT(TINY, seed=6))
+
+
+def test_gpt_values_do_not_depend_on_a_wrapper():
+    wrapped = nn.Sequential(GPT(TINY, device="meta"))
+    hybrid.materialize(wrapped, seed=1)
+    assert _equal_state(wrapped[0], GPT(TINY, seed=1))
+
+
+def test_plain_modules_use_their_reset_parameters_seeded_by_name():
+    with torch.device("meta"):
+        a, b = _mlp(), _mlp()
+    hybrid.materialize(a, seed=3)
+    hybrid.materialize(b, seed=3)
+    assert _equal_state(a, b)
+    assert torch.equal(a[1].weight, torch.ones(20)) and a[0].weight.std() > 0
+    c = hybrid.materialize(_mlp().to("meta"), seed=4)
+    assert not torch.equal(a[0].weight, c[0].weight)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_on_meta_equals_materialize(stage):
+    ref = hybrid.materialize(_mlp().to("meta"), seed=2)
+    engine = hybrid.initialize(_mlp().to("meta"), {"zero_optimization": {"stage": stage}, "precision": "fp32"}, seed=2)
+    state = engine.full_state_dict()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name
+    report = engine.init_report
+    assert report["source"] == "init" and report["peak_bytes"] >= report["model_state_bytes"] > 0
+    x = torch.randn(3, 12)
+    engine.backward(engine(x).square().mean())
+    assert engine.step()
+
+
+def test_init_fn_overrides_reset_parameters():
+    def init_fn(module):
+        for p in module._parameters.values():
+            nn.init.constant_(p, 0.25)
+
+    model = hybrid.materialize(_mlp().to("meta"), init_fn=init_fn)
+    assert all(torch.all(p == 0.25) for p in model.parameters())
+
+
+def test_a_meta_parameter_without_any_init_is_one_sentence():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3, device="meta"))
+
+    with pytest.raises(ConfigError, match=r"parameter 'w' is on the meta device .* no reset_parameters"):
+        hybrid.materialize(Bare())
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_weights_file_round_trip(tmp_path, suffix):
+    source = GPT(TINY, seed=9)
+    path = tmp_path / f"w{suffix}"
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    torch.save(state, path) if suffix == ".pt" else save_file(state, str(path))
+    loaded = hybrid.materialize(GPT(TINY, device="meta"), weights=path)
+    assert _equal_state(loaded, source)
+    for stage in (0, 3):
+        engine = hybrid.initialize(GPT(TINY, device="meta"), {"zero_optimization": {"stage": stage}, "precision": "fp32"},
+                                   weights=path)
+        full = engine.full_state_dict()
+        assert all(torch.equal(full[k], v) for k, v in state.items())
+        assert engine.init_report["source"] == "weights"
+
+
+def _write(path, state):
+    torch.save(state, path)
+    return path
+
+
+def test_weights_file_errors_are_one_sentence(tmp_path):
+    good = {k: v.clone() for k, v in GPT(TINY).state_dict().items()}
+    missing = dict(good)
+    del missing["blocks.0.mlp.fc.weight"]
+    extra = {**good, "head.extra": torch.zeros(2)}
+    wrong = {**good, "ln_f.weight": torch.zeros(7)}
+    cases = {
+        "missing": (_write(tmp_path / "m.pt", missing), r"has no tensor 'blocks\.0\.mlp\.fc\.weight'"),
+        "extra": (_write(tmp_path / "e.pt", extra), r"has a tensor 'head\.extra' that the model does not have"),
+        "shape": (_write(tmp_path / "s.pt", wrong), r"holds 'ln_f\.weight' with shape \[7\] but the model's is \[32\]"),
+        "not a dict": (_write(tmp_path / "l.pt", [torch.zeros(1)]), r"holds a list, not a state dict"),
+        "non-tensor": (_write(tmp_path / "n.pt", {**good, "note": "hello"}), r"holds a str under 'note'"),
+        "directory": (tmp_path, r"is a directory"),
+        "absent": (tmp_path / "nope.pt", r"does not exist"),
+    }
+    full = _write(tmp_path / "full.pt", good)
+    (tmp_path / "t.pt").write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    cases["truncated"] = (tmp_path / "t.pt", r"cannot be read as a torch state dict")
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps(Exception("not a tensor")))
+    cases["unsafe pickle"] = (tmp_path / "evil.pt", r"cannot be read as a torch state dict")
+    save_file({k: v.contiguous() for k, v in good.items()}, str(tmp_path / "full.safetensors"))
+    data = (tmp_path / "full.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[: len(data) // 2])
+    cases["truncated safetensors"] = (tmp_path / "t.safetensors", r"safetensors|damaged")
+    for what, (path, pattern) in cases.items():
+        with pytest.raises(CheckpointError, match=pattern) as info:
+            hybrid.materialize(GPT(TINY, device="meta"), weights=path)
+        message = str(info.value)
+        assert "\n" not in message and len(message) < 400, (what, message)
