@@ -101,8 +101,9 @@ class ZeroEngine:
         tp_rank, tp = (self.tp_comm.rank, self.tp_comm.size) if self.tp_comm is not None else (0, 1)
         # Weights are checked (names, shapes) before anything is allocated.
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
+        meta = has_meta(module)
         try:
-            if sources.weights is None and not has_meta(module):
+            if sources.weights is None and not meta:
                 self._broadcast_from_rank0()
             numels = [p.numel() for p in self.params]
             align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
@@ -110,7 +111,7 @@ class ZeroEngine:
             self.layout = build_layout(numels, groups, self.policy.n_shards(self.dp_comm.size), align)
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
                                    frozenset(persistent))
-            views = self._materialize(sources)
+            views, transient = self._materialize(sources)
         finally:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -129,6 +130,12 @@ class ZeroEngine:
             max_inflight_numel=zero.reduce_bucket_size,
             on_unit_done=self.gatherer.release_after_backward if self.gatherer else None)
         self._norm_runs = self._grad_norm_runs()
+        held = self.memory_report()
+        states = held["params"] + held["grads"] + held["optimizer"]
+        # What construction held at its peak: the final states plus the largest transient on the way.
+        self.init_report = {"source": "weights" if weights is not None else "init" if meta else "model",
+                            "model_state_bytes": states, "largest_transient_bytes": transient,
+                            "peak_bytes": states + transient}
         self.micro_steps = 0
         self._awaiting_step = False
         self.global_step = 0
@@ -152,14 +159,11 @@ class ZeroEngine:
         return torch.device("cpu")
 
     @torch.no_grad()
-    def _materialize(self, sources: ValueSources) -> list:
+    def _materialize(self, sources: ValueSources) -> tuple:
         """Fill the state with every parameter's values, module by module, then bind the parameters to their
         views (meta parameters are replaced by real ones); frozen meta tensors are materialized in place.
-        Records ``init_report``. Returns, per unit, ``[(parameter, view)]``."""
+        Returns (per unit ``[(parameter, view)]``, the largest transient bytes held on the way)."""
         refs = references(self.module)
-        source = "weights" if sources.weights is not None else "init" if has_meta(self.module) else "model"
-        state_bytes = sum(t.untyped_storage().nbytes() for ts in self.state.tensors().values() for t in ts)
-        state_bytes += sum(t.untyped_storage().nbytes() for t in self.state.unit_full if t is not None)
         largest = 0
         for group in sources.modules():
             for e in group.entries:
@@ -192,9 +196,7 @@ class ZeroEngine:
             views.append([(self.params[i], view) for i, view in pairs])
             if self.policy.shard_params and unit.index not in self.state.persistent:
                 largest = max(largest, unit.numel * self.state.dtype.itemsize)
-        self.init_report = {"source": source, "model_state_bytes": state_bytes,
-                            "largest_transient_bytes": largest, "peak_bytes": state_bytes + largest}
-        return views
+        return views, largest
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:

@@ -6,7 +6,8 @@ single-process model trained with ``torch.optim.AdamW`` and ``clip_grad_norm_`` 
 < 1e-5). The clip value is below every step's gradient norm, so clipping is active in every step and a
 norm that counted TP-replicated parameters t times would show up in the norms and the weights.
 
-All twelve runs share one spawned world of 4 ranks; the reference runs here, in the test process.
+Every rank builds the GPT on the meta device (the engine materializes its shard), the reference the
+ordinary way. All twelve runs share one spawned world of 4 ranks; the reference runs here, in the test process.
 """
 
 from pathlib import Path
@@ -83,9 +84,10 @@ def _rank_runs():
         micro = GLOBAL_BATCH // dp
         rows = slice(mesh.dp_rank * micro, (mesh.dp_rank + 1) * micro)
         for stage in STAGES:
-            model = GPT(cfg, tp_comm=mesh.tp_comm, seed=SEED)
+            # Built on meta: the engine draws only what each rank keeps; the reference is built the ordinary way.
+            model = GPT(cfg, tp_comm=mesh.tp_comm, device="meta")
             engine = hybrid.initialize(model, _train_config(stage), dp_group=mesh.dp_group,
-                                       tp_group=mesh.tp_group)
+                                       tp_group=mesh.tp_group, seed=SEED)
             losses, norms = [], []
             for step in range(STEPS):
                 seq = _batch(step, cfg.seq_len, cfg.vocab_size)[rows]
