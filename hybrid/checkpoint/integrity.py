@@ -123,7 +123,7 @@ def _read_seal(directory: Path) -> Optional[dict]:
     return seal
 
 
-FIX = "resume or consolidate an older checkpoint (hybrid checkpoint inspect lists them), or delete this one"
+FIX = "resume or consolidate an older checkpoint (hybrid checkpoint inspect lists them), or delete this one."
 
 
 # -- what a checkpoint must hold ----------------------------------------------------------------------------
