@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -197,7 +197,3 @@ def _error_elsewhere(path: Path, ckpt: Optional[Path]) -> CheckpointError:
     return CheckpointError(f"rank 0 cannot use {path} as a checkpoint although this rank can; make the "
                            f"checkpoint directory one shared filesystem that every rank sees alike.")
 
-
-def skipped_text(skipped: Iterable) -> str:
-    """``step-000020 (corrupt: __1_0.distcp), .tmp-step-000030 (missing: COMPLETE)``."""
-    return ", ".join(f"{Path(p).name} ({problem})" for p, problem in skipped)
