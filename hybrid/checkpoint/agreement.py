@@ -80,7 +80,8 @@ def _candidates(path: Path, fallback: bool) -> list:
         ckpt = layout.resolve(path)
         given = layout.is_checkpoint_dir(path)
         return [(ckpt, _GIVEN if given else _FINAL, layout.step_of(ckpt))]
-    return [(e.path, _TEMPORARY if e.temporary else _FINAL, e.step) for e in reversed(layout.scan(layout.run_dir_of(path)))]
+    entries = reversed(layout.scan(layout.run_dir_of(path)))
+    return [(e.path, _TEMPORARY if e.temporary else _FINAL, e.step) for e in entries]
 
 
 def _where(path: Path, where: int, step: int) -> Path:
@@ -151,7 +152,7 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
 def _verify_together(ckpt: Path, inv: Optional[Inventory], n_files: int, comm: Comm,
                      device) -> tuple[Optional[Inventory], Optional[Problem]]:
     """Every rank checks its share of ``ckpt``'s files; ``(inventory, the first problem or None)``."""
-    verdict = torch.zeros(2 + n_files, dtype=torch.int64)  # [rank disagrees, kind, per-file kinds...]
+    verdict = torch.zeros(1 + n_files, dtype=torch.int64)  # [a rank disagrees, each file's problem kind]
     names = []
     try:
         inv = inv or integrity.inventory(ckpt)
@@ -165,11 +166,11 @@ def _verify_together(ckpt: Path, inv: Optional[Inventory], n_files: int, comm: C
         owners = integrity.assign(inv.files, comm.size)
         mine = [n for n in names if owners[n] == comm.rank]
         for problem in integrity.check_files(ckpt, inv.files, mine):
-            verdict[2 + names.index(problem.file)] = integrity.KINDS.index(problem.kind) + 1
+            verdict[1 + names.index(problem.file)] = integrity.KINDS.index(problem.kind) + 1
     verdict = _all_reduce_max(verdict, comm, device)
     if verdict[0]:
         return None, Problem(integrity.CORRUPT, f"{layout.MANIFEST} (another rank read it differently)")
-    for i, kind in enumerate(verdict[2:].tolist()):
+    for i, kind in enumerate(verdict[1:].tolist()):
         if kind:
             return None, _decode(kind, i, names)
     return inv, None

@@ -141,6 +141,8 @@ def inventory(directory) -> Inventory:
             size, crc = digest(path)
         except FileNotFoundError:
             raise CheckpointDamaged(directory, Problem(MISSING, MANIFEST), FIX) from None
+        except OSError:
+            raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX) from None
         if size < seal["manifest_bytes"]:
             raise CheckpointDamaged(directory, Problem(TRUNCATED, MANIFEST), FIX)
         if (size, crc) != (seal["manifest_bytes"], seal["manifest_crc32"]):
