@@ -1,8 +1,8 @@
 """Typed training configuration for the ZeRO engine, built from our dict or a DeepSpeed-style dict.
 
 ``TrainConfig(zero=ZeroConfig(...), precision="bf16"|"fp32", optimizer=OptimizerConfig(...),
-gradient_clipping=None|float, gradient_accumulation_steps=1, max_nonfinite_skips=5)``. Every field is checked on construction;
-a bad value raises ``ConfigError`` naming the field and the fix.
+gradient_clipping=None|float, gradient_accumulation_steps=1, max_nonfinite_skips=5)``. Every field is checked
+on construction; a bad value raises ``ConfigError`` naming the field and the fix.
 
 ``TrainConfig.from_dict(d)`` accepts both spellings, mixed freely:
 

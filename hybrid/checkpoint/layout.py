@@ -133,7 +133,8 @@ def run_dir_of(path: PathLike) -> Path:
 def is_checkpoint_dir(path: PathLike) -> bool:
     """True when ``path`` is one checkpoint directory (named like one, holding its marker or manifest)."""
     path = Path(path)
-    return path.is_dir() and bool(_STEP_RE.match(path.name)) and any((path / n).exists() for n in (MANIFEST, MARKER))
+    named = path.is_dir() and bool(_STEP_RE.match(path.name))
+    return named and any((path / n).exists() for n in (MANIFEST, MARKER))
 
 
 def publish(tmp: Path, final: Path, marker: Optional[str] = None) -> None:

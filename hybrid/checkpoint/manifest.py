@@ -104,8 +104,8 @@ def read(directory: Path) -> dict:
                               f"its checkpoints/step-NNNNNN directories.")
     if manifest.get("version") not in READABLE:
         raise CheckpointError(f"{directory} is checkpoint format version {manifest.get('version')}, but this "
-                              f"hybrid reads versions {READABLE[0]}-{READABLE[-1]}; load it with the hybrid version "
-                              f"that wrote it.")
+                              f"hybrid reads versions {READABLE[0]}-{READABLE[-1]}; load it with the hybrid "
+                              f"version that wrote it.")
     return manifest
 
 

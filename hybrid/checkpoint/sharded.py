@@ -216,9 +216,8 @@ def resume_if_available(run_dir, engine,
     if not run_dir:
         return None
     choice = agreement.choose(run_dir, _everyone(), engine.device, fallback=True)
-    for ckpt, problem in choice.skipped:
-        if on_skip is not None:
-            on_skip(ckpt, problem)
+    for ckpt, problem in choice.skipped if on_skip is not None else ():
+        on_skip(ckpt, problem)
     return _load(choice, engine) if choice.path is not None else None
 
 

@@ -99,7 +99,8 @@ def _writable(out: Path, tmp: Path):
         out.parent.mkdir(parents=True, exist_ok=True)
         f = open(tmp, "wb")
     except OSError as exc:
-        raise CheckpointError(f"cannot write --out {out}: {exc.strerror or exc}; choose a writable path.") from None
+        raise CheckpointError(f"cannot write --out {out}: {exc.strerror or exc}; "
+                              f"choose a writable path.") from None
     try:
         with f:
             yield f

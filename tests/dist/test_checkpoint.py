@@ -416,35 +416,65 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path):
 
 # -- damaged checkpoints on real ranks --------------------------------------------------------------------
 
-def _save_every_other_step(cfg_dict: dict, run_dir: str) -> dict:
-    """Stage 1, DP 2: train 4 steps, checkpoint steps 2 and 4; the full weights at each."""
-    cfg = GPTConfig.from_dict(cfg_dict)
+def _flip_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _damage_plan(pristine: Path, root: Path) -> dict:
+    """label -> (a copy of ``pristine``, the file of its newest checkpoint (step 4) to damage, how, and the
+    problem a verification must name)."""
+    files = sorted(p.name for p in (pristine / "checkpoints" / "step-000004").iterdir())
+    assert {"COMPLETE", "hybrid.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files)
+    damages = [(f"flip {name}", name, _flip_middle, f"corrupt: {name}") for name in files]
+    damages += [("truncate __1_0.distcp", "__1_0.distcp", _truncate, "truncated: __1_0.distcp"),
+                ("delete __0_0.distcp", "__0_0.distcp", Path.unlink, "missing: __0_0.distcp"),
+                ("delete .metadata", ".metadata", Path.unlink, "missing: .metadata")]
+    return {label: (root / f"run{i}", name, damage, problem)
+            for i, (label, name, damage, problem) in enumerate(damages)}
+
+
+def _damaged_world(cfg_dict: dict, root: str) -> dict:
+    """Stage 1, DP 2: train 4 steps, checkpoint steps 2 and 4. Rank 0 damages copies of the run; then at
+    stage 3 (another seed) every copy is resumed, one with no good checkpoint through hybrid.train.resume,
+    a damaged checkpoint is loaded explicitly, and a run is resumed with rank 1's directory listing stale."""
+    from hybrid.checkpoint import layout
+    from hybrid.train import Context, JobSettings, resume
+
+    cfg, root = GPTConfig.from_dict(cfg_dict), Path(root)
+    pristine, none_good, stale = root / "pristine", root / "none-good", root / "stale"
     mesh, engine = _engine(cfg, 1, 2, 1)
     saved = {}
     for step in range(1, 5):
         _train(mesh, engine, cfg, step - 1, 1)
-        if checkpoint.maybe_save(run_dir, engine, step, every=2) is not None:
+        if checkpoint.maybe_save(pristine, engine, step, every=2) is not None:
             saved[step] = _by_value(_full(mesh, engine))
-    return saved
+    plan = _damage_plan(pristine, root)
+    if dist.get_rank() == 0:
+        for run, name, damage, _ in plan.values():
+            shutil.copytree(pristine, run)
+            damage(run / "checkpoints" / "step-000004" / name)
+        shutil.copytree(pristine, none_good)
+        for step in (2, 4):
+            _flip_middle(none_good / "checkpoints" / f"step-{step:06d}" / "__1_0.distcp")
+        shutil.copytree(pristine, stale)
+    dist.barrier()
 
-
-def _resume_damaged(cfg_dict: dict, runs: dict, none_good: str, stale: str) -> dict:
-    """Stage 3, DP 2, another seed: resume each damaged run; then a run with no good checkpoint (through
-    hybrid.train.resume), an explicit load of a damaged checkpoint, and a rank whose listing is stale."""
-    from hybrid.checkpoint import layout
-    from hybrid.train import Context, JobSettings, resume
-
-    cfg = GPTConfig.from_dict(cfg_dict)
-    out = {}
+    out = {"saved": saved, "expected": {label: problem for label, (*_, problem) in plan.items()}, "runs": {}}
     mesh, engine = _engine(cfg, 1, 2, 3, seed=SEED + 1)  # each load below overwrites every value it holds
-    for label, run_dir in runs.items():
+    for label, (run, *_) in plan.items():
         skipped = []
-        resumed = checkpoint.resume_if_available(run_dir, engine,
+        resumed = checkpoint.resume_if_available(run, engine,
                                                  on_skip=lambda p, problem: skipped.append((p.name, str(problem))))
-        out[label] = {"step": resumed.step, "skipped": skipped, "full": _by_value(_full(mesh, engine))}
+        out["runs"][label] = {"step": resumed.step, "skipped": skipped, "full": _by_value(_full(mesh, engine))}
 
     records = []
-    ctx = Context(mesh, {}, JobSettings(steps=4, micro_batch=4, stage=3, checkpoint_dir=none_good),
+    ctx = Context(mesh, {}, JobSettings(steps=4, micro_batch=4, stage=3, checkpoint_dir=str(none_good)),
                   rank=dist.get_rank(), world_size=2, reporter=records.append)
     out["none_good"] = {"start": resume(ctx, engine), "records": records}
     try:
@@ -464,44 +494,16 @@ def _resume_damaged(cfg_dict: dict, runs: dict, none_good: str, stale: str) -> d
     return out
 
 
-def _flip_middle(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
 def test_resume_skips_damaged_checkpoints_on_every_rank(tmp_path):
     cfg = GPTConfig.from_yaml(CONFIG)
-    pristine = tmp_path / "pristine"
-    saved = run_local(_save_every_other_step, 2, cfg.to_dict(), str(pristine), timeout_s=180)[0]
-    newest = pristine / "checkpoints" / "step-000004"
-    files = sorted(p.name for p in newest.iterdir())
-    assert {"COMPLETE", "hybrid.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files)
-
-    runs, expected = {}, {}
-    damages = [(f"flip {name}", name, _flip_middle, f"corrupt: {name}") for name in files]
-    damages += [("truncate __1_0.distcp", "__1_0.distcp", lambda p: p.write_bytes(p.read_bytes()[:100]),
-                 "truncated: __1_0.distcp"),
-                ("delete __0_0.distcp", "__0_0.distcp", Path.unlink, "missing: __0_0.distcp"),
-                ("delete .metadata", ".metadata", Path.unlink, "missing: .metadata")]
-    for i, (label, name, damage, problem) in enumerate(damages):
-        run = tmp_path / f"run{i}"
-        shutil.copytree(pristine, run)
-        damage(run / "checkpoints" / "step-000004" / name)
-        runs[label], expected[label] = str(run), problem
-    none_good = tmp_path / "none-good"
-    shutil.copytree(pristine, none_good)
-    for step in (2, 4):
-        _flip_middle(none_good / "checkpoints" / f"step-{step:06d}" / "__1_0.distcp")
-    stale = tmp_path / "stale"
-    shutil.copytree(pristine, stale)
-
-    ranks = run_local(_resume_damaged, 2, cfg.to_dict(), runs, str(none_good), str(stale), timeout_s=240)
+    ranks = run_local(_damaged_world, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)
     for rank, got in enumerate(ranks):
-        for label, problem in expected.items():
-            assert got[label]["step"] == 2, (rank, label)
-            assert got[label]["skipped"] == [("step-000004", problem)], (rank, label)
-            assert _equal(_tensors(got[label]["full"]), _tensors(saved[2])), (rank, label)
+        at_2 = _tensors(got["saved"][2])
+        for label, problem in got["expected"].items():
+            run = got["runs"][label]
+            assert run["step"] == 2, (rank, label)
+            assert run["skipped"] == [("step-000004", problem)], (rank, label)
+            assert _equal(_tensors(run["full"]), at_2), (rank, label)
 
         assert got["none_good"]["start"] == 0
         warnings = [r for r in got["none_good"]["records"] if "checkpoint_warning" in r]

@@ -116,7 +116,7 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank():
             assert run["stepped"] == [s != POISONED for s in range(STEPS)], (rank, stage)
             assert run["skipped"] == 1
             assert run["state"]["optimizer_steps"] == STEPS - 1
-            assert _same(run["state"], run["reference"]), f"stage {stage}, rank {rank}: not the run without the batch"
+            assert _same(run["state"], run["reference"]), f"stage {stage}, rank {rank}: not the batch-less run"
 
         message, skipped, steps = got["fails"]
         assert (skipped, steps) == (3, 2)  # steps 0 and 2 were taken; 1, 3 and 4 skipped, failing at 4
@@ -138,3 +138,14 @@ def test_the_guard_counts_consecutive_non_finite_norms():
     with pytest.raises(NonFiniteError):
         NonFiniteGuard(1).skip(float("nan"))
     assert NonFiniteGuard(1).skip(0.0) is False
+
+
+def test_max_nonfinite_skips_is_a_checked_config_field():
+    from hybrid.config import TrainConfig
+    from hybrid.errors import ConfigError
+
+    assert TrainConfig().max_nonfinite_skips == 5
+    assert TrainConfig.from_dict({"max_nonfinite_skips": 2}).max_nonfinite_skips == 2
+    for bad in (0, -1, 1.5, "3", True):
+        with pytest.raises(ConfigError, match="max_nonfinite_skips must be a positive integer"):
+            TrainConfig.from_dict({"max_nonfinite_skips": bad})
