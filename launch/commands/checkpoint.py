@@ -21,6 +21,7 @@ Both run in one process with no process group. A path that is not a checkpoint, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 from pathlib import Path
 
@@ -99,8 +100,8 @@ def _writable(out: Path, tmp: Path):
         out.parent.mkdir(parents=True, exist_ok=True)
         f = open(tmp, "wb")
     except OSError as exc:
-        raise CheckpointError(f"cannot write --out {out}: {exc.strerror or exc}; "
-                              f"choose a writable path.") from None
+        why = "a parent is not a directory" if exc.errno in (errno.EEXIST, errno.ENOTDIR) else exc.strerror or exc
+        raise CheckpointError(f"cannot write --out {out}: {why}; choose a writable path.") from None
     try:
         with f:
             yield f

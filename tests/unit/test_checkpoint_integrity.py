@@ -172,9 +172,11 @@ def test_a_non_finite_weight_is_not_consolidated(tmp_path, capsys, monkeypatch):
 
 
 def test_an_unwritable_out_is_one_sentence(pristine, capsys):
-    for out in ("/proc/x.pt", "/proc/nope/x.pt"):
+    under_a_file = layout.final_dir(pristine, GOOD) / layout.MARKER / "x.pt"
+    for out in ("/proc/x.pt", "/proc/nope/x.pt", str(under_a_file)):
         err = _refused(["checkpoint", "consolidate", str(pristine), "--out", out], capsys)
         assert f"cannot write --out {out}" in err
+    assert "a parent is not a directory" in err
 
 
 def test_the_seal_tells_marker_from_manifest(pristine, tmp_path):
