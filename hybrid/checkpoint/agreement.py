@@ -51,10 +51,9 @@ class Choice:
 
 
 def record_checksums(directory: Path, metadata, written, comm: Comm, device) -> dict:
-    """The manifest's ``files`` section for a save whose DCP files are all written (collective).
-
-    ``metadata`` is what ``dcp.save`` returned; ``written`` the write items of this rank's final plan.
-    """
+    """The manifest's ``files`` section (complete on rank 0) for a save whose DCP files are all written
+    (collective). ``metadata`` is what ``dcp.save`` returned; ``written`` the write items of this rank's final
+    plan."""
     storage = metadata.storage_data
     names = sorted({info.relative_path for info in storage.values()} | {layout.DCP_METADATA})
     mine = {storage[item.index].relative_path for item in written if item.index in storage}
@@ -70,7 +69,10 @@ def record_checksums(directory: Path, metadata, written, comm: Comm, device) -> 
     sums = {}
     for i, name in enumerate(names):
         claimed, size, crc = (int(v) for v in table[i])
-        sums[name] = (size, crc) if claimed else integrity.digest(directory / name)  # only rank 0 uses these
+        if claimed:
+            sums[name] = (size, crc)
+        elif comm.rank == 0:  # no rank's plan named it (not expected of DCP): rank 0, which writes the manifest
+            sums[name] = integrity.digest(directory / name)
     return integrity.files_section(sums)
 
 
