@@ -38,6 +38,8 @@ UNVERIFIED = "unverified: saved by an older hybrid without checksums, only the f
 MISSING, TRUNCATED, CORRUPT = "missing", "truncated", "corrupt"
 KINDS = (MISSING, TRUNCATED, CORRUPT)  # a problem's code in a collective verdict is its index + 1
 _LEGACY_MARKER = re.compile(r"^step-\d+\s*$")
+# the fix in every CheckpointDamaged sentence
+FIX = "resume or consolidate an older checkpoint (hybrid checkpoint inspect lists them), or delete this one."
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,6 @@ def _read_seal(directory: Path) -> Optional[dict]:
     if not good:
         raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX)
     return seal
-
-
-FIX = "resume or consolidate an older checkpoint (hybrid checkpoint inspect lists them), or delete this one."
 
 
 # -- what a checkpoint must hold ----------------------------------------------------------------------------
