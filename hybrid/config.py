@@ -1,8 +1,8 @@
 """Typed training configuration for the ZeRO engine, built from our dict or a DeepSpeed-style dict.
 
 ``TrainConfig(zero=ZeroConfig(...), precision="bf16"|"fp32", optimizer=OptimizerConfig(...),
-gradient_clipping=None|float, gradient_accumulation_steps=1)``. Every field is checked on construction;
-a bad value raises ``ConfigError`` naming the field and the fix.
+gradient_clipping=None|float, gradient_accumulation_steps=1, max_nonfinite_skips=5)``. Every field is checked
+on construction; a bad value raises ``ConfigError`` naming the field and the fix.
 
 ``TrainConfig.from_dict(d)`` accepts both spellings, mixed freely:
 
@@ -139,6 +139,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     micro_batch_size: Optional[int] = None      # per rank; informational, checked against train_batch_size
     train_batch_size: Optional[int] = None      # = micro_batch_size * accumulation * dp when all are given
+    max_nonfinite_skips: int = 5                # a NaN/inf gradient norm skips the step; this many in a row fail
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -153,6 +154,7 @@ class TrainConfig:
             clip = _float(clip, "gradient_clipping") or None  # DeepSpeed writes 0.0 for "off"
         set_("gradient_clipping", clip)
         set_("gradient_accumulation_steps", _int(self.gradient_accumulation_steps, "gradient_accumulation_steps", 1))
+        set_("max_nonfinite_skips", _int(self.max_nonfinite_skips, "max_nonfinite_skips", 1))
         for name in ("micro_batch_size", "train_batch_size"):
             if getattr(self, name) is not None:
                 set_(name, _int(getattr(self, name), name, 1))
@@ -181,7 +183,7 @@ _ZERO_KEYS = {f.name for f in fields(ZeroConfig)} | set(_ZERO_ALIASES)
 _OPT_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "decoupled_weight_decay"}
 _TOP_KEYS = {"zero", "zero_optimization", "precision", "bf16", "fp16", "optimizer", "gradient_clipping",
              "gradient_accumulation_steps", "micro_batch_size", "train_micro_batch_size_per_gpu",
-             "train_batch_size"}
+             "train_batch_size", "max_nonfinite_skips"}
 
 
 def _from_dict(d: dict) -> TrainConfig:
@@ -190,7 +192,7 @@ def _from_dict(d: dict) -> TrainConfig:
     kwargs["zero"] = _zero_from(d)
     kwargs["precision"] = _precision_from(d)
     kwargs["optimizer"] = _optimizer_from(d.get("optimizer"))
-    for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size"):
+    for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "max_nonfinite_skips"):
         if key in d:
             kwargs[key] = d[key]
     micro = [k for k in ("micro_batch_size", "train_micro_batch_size_per_gpu") if k in d]

@@ -20,3 +20,7 @@ class PlanError(UserError):
 
 class CheckpointError(UserError):
     """A path is not a usable checkpoint for this model."""
+
+
+class NonFiniteError(UserError):
+    """Training diverged: the global gradient norm stayed NaN or inf for too many consecutive steps."""

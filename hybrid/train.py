@@ -10,8 +10,9 @@ The loop is split into one function per concern -- ``train_step`` (forward, back
 ``step_metrics`` (what a step reports), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
 job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step).
 
-Checkpoints: when the job has a checkpoint directory, ``run_steps`` first has every rank load the latest
-complete checkpoint there (reported as ``resumed_from``) and continues from its step; after every step it
+Checkpoints: when the job has a checkpoint directory, ``run_steps`` first has every rank load the newest
+good checkpoint there (rank 0 chooses, the ranks verify its checksums; reported as ``resumed_from``, with
+the damaged or interrupted ones skipped) and continues from its step; after every step it
 saves every ``checkpoint_every`` steps and at the last step (rank 0 reports ``checkpoint_saved``). The
 data position saved is the step itself: ``batches(step)`` must yield the same batch for the same step on
 every run, so a resumed run continues exactly as an uninterrupted one would. Each step is assumed to end
@@ -103,22 +104,38 @@ def train_step(engine, inputs: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 def step_metrics(engine, loss: float, seconds: float, tokens: int) -> dict:
-    """What a step reports: loss, step time, throughput (``tokens`` seen by the whole job in the step)
-    and the engine's memory report."""
+    """What a step reports: loss, step time, throughput (``tokens`` seen by the whole job in the step),
+    the engine's memory report, and the non-finite guard: ``nonfinite`` (True when this step's global
+    gradient norm was NaN/inf, so its update was skipped on every rank) and ``skipped_steps`` (how many
+    steps this engine skipped so far)."""
+    guard = engine.nonfinite
     return {"loss": loss, "step_time_s": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "memory": _plain(engine.memory_report())}
+            "memory": _plain(engine.memory_report()),
+            "nonfinite": guard.consecutive > 0, "skipped_steps": guard.skipped}
 
 
 def resume(ctx: Context, engine) -> int:
-    """Load the latest complete checkpoint of the job's checkpoint directory into ``engine`` (every rank,
-    together) and report it; returns the step to continue from (0 without a checkpoint)."""
-    resumed = checkpoint.resume_if_available(ctx.settings.checkpoint_dir, engine)
+    """Load the newest good checkpoint of the job's checkpoint directory into ``engine`` (every rank,
+    together) and report it; returns the step to continue from (0 without a checkpoint).
+
+    Newer checkpoints skipped on the way (interrupted, or a file missing, truncated or corrupt) are listed
+    in the ``resumed_from`` report as ``skipped_checkpoints`` (``"step-000020 (corrupt: __1_0.distcp)"``);
+    when none is good, rank 0 reports ``checkpoint_warning`` (one sentence) and the run starts fresh."""
+    skipped = []
+    run_dir = ctx.settings.checkpoint_dir
+    resumed = checkpoint.resume_if_available(run_dir, engine, on_skip=lambda p, problem: skipped.append(
+        f"{p.name} ({problem})"))
     if resumed is None:
+        if skipped and ctx.rank == 0:
+            warning = (f"no good checkpoint in {run_dir} (skipped {', '.join(skipped)}); "
+                       f"starting fresh from step 0")
+            log.warning("%s", warning)
+            ctx.report({"checkpoint_warning": warning, "skipped_checkpoints": skipped})
         return 0
     ctx.step = resumed.step
     ctx.report({"resumed_from": resumed.step, "checkpoint": str(resumed.path),
-                "saved_world": resumed.saved_world})
+                "saved_world": resumed.saved_world, "skipped_checkpoints": skipped})
     return resumed.step
 
 

@@ -2,24 +2,31 @@
 
 The per-rank training loop calls, on every rank::
 
-    resumed = checkpoint.resume_if_available(run_dir, engine)     # None on a fresh run
+    resumed = checkpoint.resume_if_available(run_dir, engine)     # None on a fresh run (or none good)
     start = resumed.step if resumed else 0                        # data position: resumed.extra
     for step in range(start + 1, steps + 1):
         ...train one step...
         checkpoint.maybe_save(run_dir, engine, step, every, keep_last, extra={...},
                               model_config=cfg, force=(step == steps))
 
-Offline (one process, no process group): ``consolidate(path)`` → the single-process fp32 state dict;
-``describe(run_dir)`` → every checkpoint with its status, step, layout and size. Errors a user can fix
-(not a checkpoint, another model, another TP degree) are ``hybrid.errors.CheckpointError``.
+Every file of a checkpoint is checksummed at save; a resume verifies the newest checkpoint first and falls
+back to the newest good one (``on_skip`` hears about each one skipped), rank 0 choosing for every rank.
+
+Offline (one process, no process group): ``consolidate(path)`` → the single-process fp32 state dict (a
+damaged checkpoint or a non-finite tensor is refused); ``describe(run_dir)`` → every checkpoint with its
+status (verified), step, layout and size. Errors a user can fix (not a checkpoint, a damaged one, another
+model, another TP degree) are ``hybrid.errors.CheckpointError``.
 
 Modules: ``layout`` (directories, atomic publish, pruning), ``manifest`` (hybrid.json and the same-model
-check), ``flat_planner`` (DCP planners for ZeRO's flat pieces), ``sharded`` (save/load on the engine),
-``offline`` (consolidate/describe), ``rng`` (per-rank RNG states).
+check), ``integrity`` (checksums, the marker's seal, verification), ``agreement`` (the ranks' collective
+checksums and choice of checkpoint), ``flat_planner`` (DCP planners for ZeRO's flat pieces), ``sharded``
+(save/load on the engine), ``offline`` (consolidate/describe), ``rng`` (per-rank RNG states).
 """
 
+from hybrid.checkpoint.integrity import CheckpointDamaged, Problem
 from hybrid.checkpoint.layout import latest
 from hybrid.checkpoint.offline import consolidate, describe
 from hybrid.checkpoint.sharded import Resumed, load, maybe_save, resume_if_available, save
 
-__all__ = ["Resumed", "consolidate", "describe", "latest", "load", "maybe_save", "resume_if_available", "save"]
+__all__ = ["CheckpointDamaged", "Problem", "Resumed", "consolidate", "describe", "latest", "load", "maybe_save",
+           "resume_if_available", "save"]

@@ -8,6 +8,7 @@ non-overlapping layout) describe it directly. These planners teach the stock DCP
   1-D tensor under ``key``. Each piece becomes one SHARD write item of the global tensor. Identical
   pieces on several ranks (DP-replicated state, ZeRO stage 0) share one ``(key, offset)`` index, so DCP's
   own de-duplication writes them once; DCP's global-plan validation rejects pieces that overlap otherwise.
+  After the save, ``final_plan`` holds the items this rank wrote.
 * ``FlatLoadPlanner(offsets)``: the state dict holds the local 1-D tensor to fill under ``key``;
   DCP reads exactly the overlap of ``[offset, offset + n)`` with every saved piece, so any new layout
   (another DP size, another stage) loads from any saved one.
@@ -51,6 +52,10 @@ class FlatSavePlanner(DefaultSavePlanner):
             ))
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
+
+    def finish_plan(self, new_plan):
+        self.final_plan = super().finish_plan(new_plan)  # what this rank writes (its files' checksums)
+        return self.final_plan
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.pieces:

@@ -13,6 +13,8 @@ A checkpoint is written under ``.tmp-step-NNNNNN``; only when every rank has fin
 file, then ``os.replace``). A directory without its marker is never loaded, whatever its name, so a crash
 at any point leaves the previous good checkpoint in charge. ``latest(run_dir)`` is the complete checkpoint
 with the highest step; the pointer file is what a human or another tool reads, and is verified, not trusted.
+"Complete" means published with its marker; whether its files are intact is ``integrity``'s question (the
+marker seals the manifest, the manifest lists every file's checksum).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def step_name(step: int) -> str:
     return f"step-{int(step):06d}"
 
 
+def step_of(path: PathLike) -> int:
+    """The step in a checkpoint directory's name (``step-000010`` or ``.tmp-step-000010``)."""
+    match = _STEP_RE.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint directory")
+    return int(match.group(2))
+
+
 def checkpoints_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
@@ -64,9 +74,9 @@ def final_dir(run_dir: PathLike, step: int) -> Path:
 
 
 def is_complete(path: PathLike) -> bool:
-    """True for a published checkpoint: marker, manifest and DCP metadata all present."""
-    path = Path(path)
-    return all((path / name).is_file() for name in (MARKER, MANIFEST, DCP_METADATA))
+    """True for a published checkpoint: its marker is present (a missing manifest or DCP metadata behind
+    it is damage, which ``integrity`` names)."""
+    return (Path(path) / MARKER).is_file()
 
 
 def scan(run_dir: PathLike) -> list[Entry]:
@@ -98,12 +108,12 @@ def resolve(path: PathLike) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a run directory or one of its "
                               f"{CHECKPOINTS}/step-NNNNNN directories.")
-    if path.is_dir() and _STEP_RE.match(path.name) and (path / MANIFEST).exists():
+    if is_checkpoint_dir(path):
         if not is_complete(path):
             raise CheckpointError(f"{path} is an incomplete checkpoint (no {MARKER} marker: its save was "
                                   f"interrupted); pass the run directory to use its latest complete checkpoint.")
         return path
-    run_dir = path.parent if path.name == CHECKPOINTS else path
+    run_dir = run_dir_of(path)
     if path.is_dir() and checkpoints_dir(run_dir).is_dir():
         found = latest(run_dir)
         if found is None:
@@ -114,14 +124,28 @@ def resolve(path: PathLike) -> Path:
                           f"pass a run directory or one of its {CHECKPOINTS}/step-NNNNNN directories.")
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Mark ``tmp`` complete, rename it to ``final`` and point ``latest`` at it (rank 0, after all wrote).
+def run_dir_of(path: PathLike) -> Path:
+    """The run directory a path names: itself, or the parent of its ``checkpoints/`` directory."""
+    path = Path(path)
+    return path.parent if path.name == CHECKPOINTS else path
+
+
+def is_checkpoint_dir(path: PathLike) -> bool:
+    """True when ``path`` is one checkpoint directory (named like one, holding its marker or manifest)."""
+    path = Path(path)
+    named = path.is_dir() and bool(_STEP_RE.match(path.name))
+    return named and any((path / n).exists() for n in (MANIFEST, MARKER))
+
+
+def publish(tmp: Path, final: Path, marker: Optional[str] = None) -> None:
+    """Mark ``tmp`` complete (the marker holds ``marker``, by default the checkpoint's name), rename it to
+    ``final`` and point ``latest`` at it (rank 0, after all wrote).
 
     Each step is durable before the next: the marker is fsynced before the rename, the rename before the
     pointer. A complete checkpoint already at ``final`` (the same step saved again) is replaced only after
     the new one is in place under its temporary name.
     """
-    _write_durably(tmp / MARKER, final.name + "\n")
+    _write_durably(tmp / MARKER, marker if marker is not None else final.name + "\n")
     _fsync_dir(tmp)
     old = None
     if final.exists():

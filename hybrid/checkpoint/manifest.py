@@ -4,8 +4,9 @@ The manifest records the step counters, the world layout it was saved with (worl
 stage, precision), the model config the caller passed, the TP-local shape and TP slicing dim (None =
 replicated across TP) of every trainable parameter (``params``), frozen parameter (``frozen``,
 requires_grad=False) and persistent buffer (``buffers``) under its first name in ``module.state_dict()``,
-every other name of a tied tensor (``aliases``: alias -> that first name), and the caller's ``extra``
-state (e.g. the data position).
+every other name of a tied tensor (``aliases``: alias -> that first name), the caller's ``extra``
+state (e.g. the data position) and, from format 3 on, the size and crc32 of every file DCP wrote
+(``files``, see ``hybrid.checkpoint.integrity``; format 2 checkpoints, which have none, still load).
 
 Tensor keys in the DCP checkpoint are ``{kind}/tp{r}/{name}``:
 
@@ -28,7 +29,8 @@ from hybrid.errors import CheckpointError
 from hybrid.checkpoint.layout import MANIFEST
 
 FORMAT = "hybrid-checkpoint"
-VERSION = 2  # 2: frozen parameters, buffers and tied aliases
+VERSION = 3  # 2: frozen parameters, buffers and tied aliases; 3: per-file checksums, a sealed marker
+READABLE = (2, 3)
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 FROZEN, BUFFER = "frozen", "buffer"
 # manifest section -> what an error message calls its entries
@@ -100,9 +102,10 @@ def read(directory: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a hybrid checkpoint manifest; pass a run directory or one of "
                               f"its checkpoints/step-NNNNNN directories.")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE:
         raise CheckpointError(f"{directory} is checkpoint format version {manifest.get('version')}, but this "
-                              f"hybrid reads version {VERSION}; load it with the hybrid version that wrote it.")
+                              f"hybrid reads versions {READABLE[0]}-{READABLE[-1]}; load it with the hybrid "
+                              f"version that wrote it.")
     return manifest
 
 

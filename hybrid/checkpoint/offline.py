@@ -6,7 +6,9 @@ reshaped), every frozen parameter and persistent buffer as saved (floating point
 alias of a tied tensor as the same tensor under its other name. TP slices are concatenated along the dim
 recorded in the manifest (replicated tensors come from TP rank 0). ``torch.save`` of it loads with
 ``torch.load(weights_only=True)`` into ``model.load_state_dict`` (strict) of the single-process model.
-``describe(run_dir)`` lists a run's checkpoints for ``hybrid checkpoint inspect``.
+Both verify the checkpoint's files first (``integrity``): consolidation refuses a damaged checkpoint and
+a non-finite result, naming the file or tensor. ``describe(run_dir)`` lists a run's checkpoints, each
+verified, for ``hybrid checkpoint inspect``.
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from hybrid.checkpoint import layout, manifest
+from hybrid.checkpoint import integrity, layout, manifest
 from hybrid.errors import CheckpointError
 
 
 def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, dict]:
-    """``(state_dict, checkpoint_dir, manifest)`` for a run directory (its latest) or a checkpoint dir."""
+    """``(state_dict, checkpoint_dir, manifest)`` for a run directory (its latest) or a checkpoint dir.
+
+    Refuses (``CheckpointError``, one sentence) a checkpoint with a missing, truncated or corrupt file,
+    and a result with a non-finite value, naming the file or the tensor.
+    """
     ckpt = layout.resolve(path)
-    doc = manifest.read(ckpt)
+    inv, problems = integrity.verify(ckpt)
+    if problems:
+        raise integrity.CheckpointDamaged(ckpt, problems[0], integrity.FIX)
+    doc = inv.manifest
     tp = doc["world"]["tp"]
     reader = FileSystemReader(ckpt)
     # (manifest section, DCP key kind) for every tensor of the single-process state dict
@@ -54,37 +63,67 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
             slices = [buffers[parts[name, r]].view(spec["shape"]) for r in range(tp) if (name, r) in parts]
             full = slices[0] if len(slices) == 1 else torch.cat(slices, dim=spec["tp_dim"])
             state[name] = full.float() if full.is_floating_point() else full
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{ckpt} holds non-finite values (NaN or inf) in {name!r}, so it is not "
+                                  f"consolidated; consolidate an older checkpoint (hybrid checkpoint inspect "
+                                  f"lists them).")
     for alias, name in doc["aliases"].items():
         state[alias] = state[name]
     return state, ckpt, doc
 
 
-def describe(run_dir: layout.PathLike) -> dict[str, Any]:
-    """Every checkpoint directory of ``run_dir`` with its status, step, world layout and size on disk."""
+def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]:
+    """Every checkpoint directory of ``run_dir`` with its status, step, world layout and size on disk.
+
+    Each complete one is verified (every byte read; ``checksums=False`` checks the file sizes only) and its
+    status names its first problem (``corrupt: FILE``, ``truncated: FILE``, ``missing: FILE``); ``latest``
+    is the newest good one, the one a resume uses.
+    """
     run_dir = Path(run_dir)
     if not layout.checkpoints_dir(run_dir).is_dir():
-        if (run_dir / layout.MANIFEST).is_file():  # a checkpoint directory: describe its run
-            return describe(run_dir.parent.parent)
+        if layout.is_checkpoint_dir(run_dir):  # a checkpoint directory: describe its run
+            return describe(run_dir.parent.parent, checksums)
         raise CheckpointError(f"{run_dir} is not a run directory (it has no {layout.CHECKPOINTS}/ directory); "
                               f"pass the job's checkpoint.dir.")
-    rows = []
+    rows, good = [], None
     for entry in layout.scan(run_dir):
         row = {"name": entry.path.name, "step": entry.step, "bytes": layout.disk_bytes(entry.path),
-               "status": "complete" if entry.complete else "writing or interrupted" if entry.temporary
-               else "incomplete (no marker)"}
-        try:
-            doc = manifest.read(entry.path)
-        except CheckpointError:
-            doc = None
+               "status": "writing or interrupted" if entry.temporary else "incomplete (no marker)"}
+        doc = None
+        if entry.complete:
+            row["status"], doc = _verified_status(entry.path, checksums)
+            if row["status"].startswith("complete"):
+                good = entry.path
+        if doc is None:
+            try:
+                doc = manifest.read(entry.path)
+            except CheckpointError:
+                pass
         if doc is not None:
             row.update(world=doc["world"], optimizer_step_count=doc["optimizer_step_count"],
                        saved_at=doc.get("saved_at"), parameters=sum(
                            _full_numel(spec, doc["world"]["tp"]) for section in ("params", "frozen")
                            for spec in doc[section].values()))
         rows.append(row)
-    found = layout.latest(run_dir)
-    return {"run_dir": str(run_dir), "latest": found.name if found else None,
+    return {"run_dir": str(run_dir), "latest": good.name if good else None,
             "pointer": layout.read_pointer(run_dir), "checkpoints": rows}
+
+
+def _verified_status(ckpt: Path, checksums: bool) -> tuple[str, Any]:
+    """``(status, manifest or None)`` of a published checkpoint after checking its files."""
+    try:
+        inv = integrity.inventory(ckpt)
+    except integrity.CheckpointDamaged as exc:
+        return str(exc.problem), None
+    except CheckpointError as exc:  # intact, but not a format this hybrid reads
+        return f"unreadable: {exc}", None
+    problems = integrity.check_files(ckpt, inv.files, checksums=checksums)
+    if problems:
+        return str(problems[0]), inv.manifest
+    if not inv.checksummed:
+        return f"complete ({integrity.UNVERIFIED})", inv.manifest
+    return "complete" if checksums else "complete (sizes checked, checksums not read)", inv.manifest
 
 
 def _full_numel(spec: dict, tp: int) -> int:

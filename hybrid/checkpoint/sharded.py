@@ -10,12 +10,15 @@ DP-replicated: DP rank 0 of each TP rank writes it as the module holds it, and e
 place. A tensor registered under several names (tied weights) is saved once, under its first name; the
 manifest records the other names as aliases. Beside the tensors: every rank's RNG state, and rank 0's
 manifest (step counters, world layout, names and shapes, model config, the caller's ``extra`` such as the
-data position). Non-tensor module state (``get_extra_state``) is not saved.
+data position) with the size and crc32 of every file written (each rank digests its own files; the marker
+seals the manifest: ``integrity``). Non-tensor module state (``get_extra_state``) is not saved.
 
 Loading builds the *new* engine's pieces and lets DCP read the overlap of each with the saved pieces, so a
 checkpoint written at one (DP size, ZeRO stage) resumes at any other with the same TP degree. RNG states
 are restored only when the world layout is unchanged (a restart); under a new layout a rank's old stream
-has no meaning.
+has no meaning. Rank 0 picks the checkpoint and the ranks verify its files together before any tensor is
+read (``agreement.choose``): ``resume_if_available`` falls back to the newest good one, ``load`` refuses a
+damaged one.
 
 All ranks must call ``save`` / ``load`` / ``maybe_save`` / ``resume_if_available`` together, and
 ``run_dir`` must be one directory that every rank sees (a shared filesystem across nodes).
@@ -28,14 +31,14 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from hybrid.checkpoint import layout, manifest, rng
+from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
 from hybrid.comm import Comm
 from hybrid.param_attrs import tensor_parallel_dim
@@ -154,7 +157,7 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
                          extra=extra)
     doc["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
-    everyone = Comm(None, name="checkpoint")
+    everyone = _everyone()
 
     if world.rank == 0:  # a crash may have left this step half-written; start it afresh
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,10 +167,14 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
         state.update(plain.dcp_state(world.tp_rank))
     state[manifest.rng_key(world.rank)] = rng.capture()
-    dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=FlatSavePlanner(pieces))
-    if world.rank == 0:  # dcp.save returned on the coordinator: every rank's data and .metadata are written
+    planner = FlatSavePlanner(pieces)
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
+    # dcp.save returned: every rank's data and .metadata are written
+    files = agreement.record_checksums(tmp, metadata, planner.final_plan.items, everyone, engine.device)
+    if world.rank == 0:
+        doc["files"] = files
         manifest.write(tmp, doc)
-        layout.publish(tmp, final)
+        layout.publish(tmp, final, integrity.seal_text(tmp, final.name))
         for gone in layout.prune(run_dir, keep_last, keep=final):
             log.info("pruned checkpoint %s", gone)
     everyone.barrier()
@@ -190,12 +197,37 @@ def maybe_save(run_dir, engine, step: int, every: int, keep_last: Optional[int] 
 def load(path, engine) -> Resumed:
     """Fill ``engine`` from a checkpoint (a run directory's latest, or a checkpoint directory); collective.
 
-    Raises CheckpointError (one sentence, the same on every rank, before any communication) when ``path``
-    is not a complete checkpoint or holds another model or TP degree.
+    Rank 0 resolves ``path`` and every rank loads its choice, after the ranks verified its files together
+    (``agreement.choose``). Raises CheckpointError (one sentence, the same on every rank, before any rank
+    reads a tensor) when ``path`` is not a complete checkpoint, is damaged (``CheckpointDamaged``: a file
+    missing, truncated or corrupt) or holds another model or TP degree.
     """
+    return _load(agreement.choose(path, _everyone(), engine.device, fallback=False), engine)
+
+
+def resume_if_available(run_dir, engine,
+                        on_skip: Optional[Callable[[Path, integrity.Problem], None]] = None) -> Optional[Resumed]:
+    """``load`` the newest good checkpoint of ``run_dir``, or return None when it has none (collective).
+
+    Newer directories that are not good -- interrupted saves (no marker), a missing, truncated or corrupt
+    file -- are skipped: each is logged (rank 0) and passed to ``on_skip(directory, problem)`` on every rank,
+    newest first, so the caller can say so.
+    """
+    if not run_dir:
+        return None
+    choice = agreement.choose(run_dir, _everyone(), engine.device, fallback=True)
+    for ckpt, problem in choice.skipped if on_skip is not None else ():
+        on_skip(ckpt, problem)
+    return _load(choice, engine) if choice.path is not None else None
+
+
+def _everyone() -> Comm:
+    return Comm(None, name="checkpoint")
+
+
+def _load(choice: "agreement.Choice", engine) -> Resumed:
     world = _World.of(engine)
-    ckpt = layout.resolve(path)
-    doc = manifest.read(ckpt)
+    ckpt, doc = choice.path, choice.inventory.manifest
     views = engine.shard_views()
     plain = _PlainState.of(engine.module)
     manifest.check_same_model(doc, _param_specs(engine, views), world.tp, ckpt,
@@ -220,13 +252,3 @@ def load(path, engine) -> Resumed:
     return Resumed(path=ckpt, step=int(doc["step"]), optimizer_step_count=int(doc["optimizer_step_count"]),
                    global_step=int(doc["global_step"]), extra=dict(doc.get("extra") or {}),
                    saved_world=dict(saved), rng_restored=same_world)
-
-
-def resume_if_available(run_dir, engine) -> Optional[Resumed]:
-    """``load`` the latest complete checkpoint of ``run_dir``, or return None when it has none (collective).
-
-    Interrupted saves (temporary directories, directories without their marker) are skipped.
-    """
-    if not run_dir or layout.latest(run_dir) is None:
-        return None
-    return load(run_dir, engine)

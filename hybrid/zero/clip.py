@@ -4,16 +4,24 @@ Each rank sums the squares of the gradient elements it owns, split into two sums
 tensor-parallel parameters (``hybrid.param_attrs``: each TP rank holds a different slice) and of replicated
 ones. Both sums are added over the DP group when the gradients are sharded (stages 1-3; at stage 0 every
 rank already holds every element). The TP sum is then added over the TP group, the replicated sum is not
-(every TP rank holds the same values), so the norm is that of the full single-process model.
+(every TP rank holds the same values), so the norm is that of the full single-process model. A non-finite
+replicated sum still reaches every TP rank (it turns the TP sum NaN before that is reduced), so every rank
+of the job sees a finite norm or every rank sees a non-finite one, and they agree on skipping a step.
+
+``NonFiniteGuard`` is that decision: a step whose norm is NaN or inf is skipped (the engine leaves weights,
+moments and the optimizer's step count untouched and zeroes the gradients); ``max_consecutive`` such steps
+in a row end the job with ``NonFiniteError`` (one sentence, raised on every rank alike).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from hybrid.comm import Comm
+from hybrid.errors import NonFiniteError
 
 
 def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm], chunk: int) -> torch.Tensor:
@@ -27,7 +35,7 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
     if dp_comm is not None:
         dp_comm.all_reduce(sums)
     if tp_comm is not None and tp_comm.size > 1:
-        tp_part = sums[:1].clone()
+        tp_part = sums[:1] + (sums[1:] - sums[1:])  # + 0 exactly, or NaN when the replicated sum is not finite
         tp_comm.all_reduce(tp_part)
         sums[0] = tp_part[0]
     return sums.sum().sqrt().float()
@@ -36,3 +44,27 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(max_norm / (norm + 1e-6), 1)`` computed as ``torch.nn.utils.clip_grad_norm_`` does."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+class NonFiniteGuard:
+    """Whether to skip a step for its global gradient norm, and when to give up."""
+
+    def __init__(self, max_consecutive: int):
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0  # non-finite norms in a row, up to the latest step
+        self.skipped = 0      # steps skipped so far by this engine
+
+    def skip(self, norm: float) -> bool:
+        """True when the step with this norm must be skipped; raises NonFiniteError at the
+        ``max_consecutive``-th non-finite norm in a row."""
+        if math.isfinite(norm):
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        self.skipped += 1
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(
+                f"the global gradient norm was {norm} for {self.consecutive} consecutive steps "
+                f"(max_nonfinite_skips = {self.max_consecutive}), so training has diverged; lower the learning "
+                f"rate, set gradient_clipping, check the data, or resume from an earlier checkpoint.")
+        return True

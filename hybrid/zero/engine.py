@@ -55,7 +55,7 @@ from hybrid.config import TrainConfig
 from hybrid.value_sources import ValueSources, has_meta, new_parameter, references, replace_tensor
 from hybrid.param_attrs import is_tensor_parallel
 from hybrid.zero.buckets import GradReducer
-from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.optimizer import ShardedAdamW
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.partition import bucket_groups, build_layout
@@ -140,6 +140,7 @@ class ZeroEngine:
         self._awaiting_step = False
         self.global_step = 0
         self.last_grad_norm = None
+        self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
         self.dp_comm.reset()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -292,7 +293,12 @@ class ZeroEngine:
             self.gatherer.end_backward()
 
     def step(self) -> bool:
-        """Count a micro-step; at an accumulation boundary, clip and step the optimizer and return True."""
+        """Count a micro-step; at an accumulation boundary, clip and step the optimizer and return True.
+
+        A NaN/inf global norm skips the update on every rank instead (weights, moments, optimizer_step_count
+        and global_step untouched, gradients zeroed; returns False; ``nonfinite.skipped`` counts it), and
+        ``max_nonfinite_skips`` of them in a row raise ``NonFiniteError`` (``zero.clip.NonFiniteGuard``).
+        """
         self._awaiting_step = False
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
@@ -300,6 +306,9 @@ class ZeroEngine:
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
                                 self.config.zero.sub_group_size)
         self.last_grad_norm = float(norm)
+        if self.nonfinite.skip(self.last_grad_norm):  # every rank sees the same norm: all skip together
+            self.reducer.zero_()
+            return False
         clip = self.config.gradient_clipping
         self.optimizer.step(clip_coefficient(norm, clip) if clip else None)
         self._refresh_params()

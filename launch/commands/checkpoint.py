@@ -1,19 +1,27 @@
 """``hybrid checkpoint``: look at a run's checkpoints and turn one into a plain state dict, offline.
 
-* ``hybrid checkpoint inspect RUN_DIR [--json]``: every checkpoint directory (complete, being written or
-  interrupted, published without its marker), its step, the world layout it was saved with
-  (world size, dp, tp, ZeRO stage, precision), its size on disk, and which one a resume would use.
+* ``hybrid checkpoint inspect RUN_DIR [--json] [--sizes-only]``: every checkpoint directory (complete,
+  being written or interrupted, published without its marker), its step, the world layout it was saved
+  with (world size, dp, tp, ZeRO stage, precision), its size on disk, and which one a resume would use.
+  Every published checkpoint is verified against the checksums of its manifest (every byte is read;
+  ``--sizes-only`` checks file sizes alone) and a damaged one shows its first problem as its status:
+  ``corrupt: FILE``, ``truncated: FILE`` or ``missing: FILE``. Listing damaged checkpoints is a success
+  (exit 0); the answer is the table.
 * ``hybrid checkpoint consolidate PATH --out model.pt``: PATH is a run directory (its latest complete
   checkpoint) or one checkpoint directory; writes the single-process ``state_dict`` (every name of
   ``module.state_dict()``: parameters and float buffers as fp32, tied aliases included), loadable with
   ``torch.load(path, weights_only=True)`` and a strict ``load_state_dict`` into the single-process model.
+  It refuses a damaged checkpoint and one whose weights are not finite, and checks that ``--out`` can be
+  written before it reads anything.
 
-Both run in one process with no process group. A path that is not a checkpoint, or a damaged one, ends
-with one ``error: ...`` line and exit status 2.
+Both run in one process with no process group. A path that is not a checkpoint, a damaged one, or an
+``--out`` that cannot be written ends with one ``error: ...`` line and exit status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 from pathlib import Path
 
@@ -43,11 +51,12 @@ def checkpoint_group() -> None:
 @checkpoint_group.command("inspect")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def inspect_command(run_dir: Path, as_json: bool) -> None:
-    """List the checkpoints of RUN_DIR: status, step, world layout, size on disk."""
+@click.option("--sizes-only", is_flag=True, help="Check file sizes only, not checksums (reads no data).")
+def inspect_command(run_dir: Path, as_json: bool, sizes_only: bool) -> None:
+    """List the checkpoints of RUN_DIR: status (verified), step, world layout, size on disk."""
     from hybrid.checkpoint import describe
 
-    info = describe(run_dir)
+    info = describe(run_dir, checksums=not sizes_only)
     if as_json:
         click.echo(json.dumps(info))
         return
@@ -74,14 +83,32 @@ def consolidate_command(path: Path, out: Path) -> None:
 
     from hybrid.checkpoint import consolidate
 
-    state, ckpt, doc = consolidate(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(out)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write --out {out}: {exc.strerror}; choose a writable path.") from None
+    tmp = out.with_name(out.name + ".tmp")
+    with _writable(out, tmp) as f:
+        state, ckpt, doc = consolidate(path)
+        torch.save(state, f)
+    tmp.replace(out)
     params = sum(t.numel() for t in state.values())
     click.echo(f"wrote {out}: {len(state)} tensors, {params:,} parameters (fp32) from {ckpt} "
                f"(step {doc['step']}, saved at {_layout_text(doc['world'])})")
+
+
+@contextlib.contextmanager
+def _writable(out: Path, tmp: Path):
+    """``tmp`` opened for writing (checked before the checkpoint is read), removed unless the body succeeds."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f = open(tmp, "wb")
+    except OSError as exc:
+        why = "a parent is not a directory" if exc.errno in (errno.EEXIST, errno.ENOTDIR) else exc.strerror or exc
+        raise CheckpointError(f"cannot write --out {out}: {why}; choose a writable path.") from None
+    try:
+        with f:
+            yield f
+    except OSError as exc:  # disk full, quota, I/O error while writing
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write --out {out}: {exc.strerror or exc}; choose a writable path "
+                              f"with room for the state dict.") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -412,3 +412,108 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     got = run_local(_resume_after_kill, 1, str(run_dir), timeout_s=180)[0]
     assert got == {"step": 1, "path": "step-000001", "restored": True, "again": "step-000002"}
     assert not torn.exists() and checkpoint.latest(run_dir).name == "step-000002"
+
+
+# -- damaged checkpoints on real ranks --------------------------------------------------------------------
+
+def _flip_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _damage_plan(pristine: Path, root: Path) -> dict:
+    """label -> (a copy of ``pristine``, the file of its newest checkpoint (step 4) to damage, how, and the
+    problem a verification must name)."""
+    files = sorted(p.name for p in (pristine / "checkpoints" / "step-000004").iterdir())
+    assert {"COMPLETE", "hybrid.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files)
+    damages = [(f"flip {name}", name, _flip_middle, f"corrupt: {name}") for name in files]
+    damages += [("truncate __1_0.distcp", "__1_0.distcp", _truncate, "truncated: __1_0.distcp"),
+                ("delete __0_0.distcp", "__0_0.distcp", Path.unlink, "missing: __0_0.distcp"),
+                ("delete .metadata", ".metadata", Path.unlink, "missing: .metadata")]
+    return {label: (root / f"run{i}", name, damage, problem)
+            for i, (label, name, damage, problem) in enumerate(damages)}
+
+
+def _damaged_world(cfg_dict: dict, root: str) -> dict:
+    """Stage 1, DP 2: train 4 steps, checkpoint steps 2 and 4. Rank 0 damages copies of the run; then at
+    stage 3 (another seed) every copy is resumed, one with no good checkpoint through hybrid.train.resume,
+    a damaged checkpoint is loaded explicitly, and a run is resumed with rank 1's directory listing stale."""
+    from hybrid.checkpoint import layout
+    from hybrid.train import Context, JobSettings, resume
+
+    cfg, root = GPTConfig.from_dict(cfg_dict), Path(root)
+    pristine, none_good, stale = root / "pristine", root / "none-good", root / "stale"
+    mesh, engine = _engine(cfg, 1, 2, 1)
+    saved = {}
+    for step in range(1, 5):
+        _train(mesh, engine, cfg, step - 1, 1)
+        if checkpoint.maybe_save(pristine, engine, step, every=2) is not None:
+            saved[step] = _by_value(_full(mesh, engine))
+    plan = _damage_plan(pristine, root)
+    if dist.get_rank() == 0:
+        for run, name, damage, _ in plan.values():
+            shutil.copytree(pristine, run)
+            damage(run / "checkpoints" / "step-000004" / name)
+        shutil.copytree(pristine, none_good)
+        for step in (2, 4):
+            _flip_middle(none_good / "checkpoints" / f"step-{step:06d}" / "__1_0.distcp")
+        shutil.copytree(pristine, stale)
+    dist.barrier()
+
+    out = {"saved": saved, "expected": {label: problem for label, (*_, problem) in plan.items()}, "runs": {}}
+    mesh, engine = _engine(cfg, 1, 2, 3, seed=SEED + 1)  # each load below overwrites every value it holds
+    for label, (run, *_) in plan.items():
+        skipped = []
+        resumed = checkpoint.resume_if_available(run, engine,
+                                                 on_skip=lambda p, problem: skipped.append((p.name, str(problem))))
+        out["runs"][label] = {"step": resumed.step, "skipped": skipped, "full": _by_value(_full(mesh, engine))}
+
+    records = []
+    ctx = Context(mesh, {}, JobSettings(steps=4, micro_batch=4, stage=3, checkpoint_dir=str(none_good)),
+                  rank=dist.get_rank(), world_size=2, reporter=records.append)
+    out["none_good"] = {"start": resume(ctx, engine), "records": records}
+    try:
+        checkpoint.load(layout.final_dir(none_good, 4), engine)
+        out["explicit"] = None
+    except CheckpointError as err:
+        out["explicit"] = str(err)
+
+    real_scan = layout.scan
+    if dist.get_rank() == 1:  # this rank's view of the directory is stale: it sees no checkpoint at all
+        layout.scan = lambda run_dir: []
+    try:
+        resumed = checkpoint.resume_if_available(stale, engine)
+    finally:
+        layout.scan = real_scan
+    out["stale"] = resumed.step if resumed else None
+    return out
+
+
+def test_resume_skips_damaged_checkpoints_on_every_rank(tmp_path):
+    cfg = GPTConfig.from_yaml(CONFIG)
+    ranks = run_local(_damaged_world, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)
+    for rank, got in enumerate(ranks):
+        at_2 = _tensors(got["saved"][2])
+        for label, problem in got["expected"].items():
+            run = got["runs"][label]
+            assert run["step"] == 2, (rank, label)
+            assert run["skipped"] == [("step-000004", problem)], (rank, label)
+            assert _equal(_tensors(run["full"]), at_2), (rank, label)
+
+        assert got["none_good"]["start"] == 0
+        warnings = [r for r in got["none_good"]["records"] if "checkpoint_warning" in r]
+        if rank == 0:
+            (record,) = warnings
+            assert record["skipped_checkpoints"] == ["step-000004 (corrupt: __1_0.distcp)",
+                                                     "step-000002 (corrupt: __1_0.distcp)"]
+            assert "starting fresh" in record["checkpoint_warning"]
+        else:
+            assert warnings == []
+        assert "is damaged (corrupt: __1_0.distcp)" in got["explicit"] and "\n" not in got["explicit"]
+        assert got["explicit"] == ranks[0]["explicit"]
+        assert got["stale"] == 4  # rank 0 chose; rank 1 loaded its choice although it saw nothing

@@ -13,8 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from hybrid.checkpoint import consolidate, describe, latest, layout, manifest
+from hybrid.checkpoint import consolidate, describe, integrity, latest, layout, manifest
+from hybrid.checkpoint.agreement import record_checksums
 from hybrid.checkpoint.flat_planner import FlatSavePlanner
+from hybrid.comm import Comm
 from hybrid.errors import CheckpointError
 from launch.cli import main
 
@@ -33,7 +35,9 @@ def _local(name: str, spec: dict, tp_rank: int) -> torch.Tensor:
     return FULL[name] if dim is None else FULL[name].chunk(2, dim=dim)[tp_rank].contiguous()
 
 
-def _write_checkpoint(run_dir: Path, step: int, publish: bool = True, marker: bool = True) -> Path:
+def _write_checkpoint(run_dir: Path, step: int, publish: bool = True, marker: bool = True,
+                      legacy: bool = False) -> Path:
+    """A checkpoint as ``sharded.save`` writes it (checksums, sealed marker); ``legacy``: as format 2 did."""
     state, pieces = {}, {}
     for tp_rank in range(2):
         for name, spec in SPECS.items():
@@ -46,19 +50,24 @@ def _write_checkpoint(run_dir: Path, step: int, publish: bool = True, marker: bo
         state[manifest.tensor_key(manifest.BUFFER, tp_rank, "count")] = FULL["count"].clone()
     tmp = layout.temporary_dir(run_dir, step)
     tmp.mkdir(parents=True)
+    planner = FlatSavePlanner(pieces)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=FlatSavePlanner(pieces), no_dist=True)
+        metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
     doc = manifest.build(step=step, optimizer_step_count=step, global_step=step,
                          world={"world_size": 4, "dp": 2, "tp": 2, "stage": 2, "precision": "fp32"},
                          params=SPECS, frozen=FROZEN, buffers=BUFFERS, aliases=ALIASES,
                          model_config={"hidden": 6}, extra={"data_step": step})
+    if legacy:
+        doc["version"] = 2
+    else:  # one writer: the world's collective is a no-op
+        doc["files"] = record_checksums(tmp, metadata, planner.final_plan.items, Comm(None), "cpu")
     manifest.write(tmp, doc)
     if not publish:
         return tmp
     final = layout.final_dir(run_dir, step)
     if marker:
-        layout.publish(tmp, final)
+        layout.publish(tmp, final, None if legacy else integrity.seal_text(tmp, final.name))
     else:
         tmp.rename(final)
     return final

@@ -1,0 +1,198 @@
+"""Damaged checkpoints, in one process: every file of a checkpoint bit-flipped, truncated or deleted in
+turn. ``hybrid checkpoint inspect`` names the file, the ranks' choice of a checkpoint (``agreement.choose``
+on a one-rank world, where its collectives are no-ops) falls back to the previous good one, and
+``hybrid checkpoint consolidate`` refuses in one ``error:`` line, exit 2. Also: format-2 checkpoints (no
+checksums), a non-finite weight, an unwritable ``--out``, and who verifies which file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid.checkpoint import agreement, integrity, layout
+from hybrid.comm import Comm
+from hybrid.errors import CheckpointError
+from launch.cli import main
+from tests.unit import test_checkpoint_offline as offline
+from tests.unit.test_checkpoint_offline import _write_checkpoint
+
+GOOD, NEWEST = 5, 7
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """A run with two good checkpoints; each test damages a copy of the newest."""
+    run = tmp_path_factory.mktemp("pristine")
+    _write_checkpoint(run, GOOD)
+    _write_checkpoint(run, NEWEST)
+    return run
+
+
+def _files(run: Path) -> list:
+    return sorted(p.name for p in layout.final_dir(run, NEWEST).iterdir())
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01  # one bit of one byte
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _status(run: Path, capsys) -> tuple:
+    """(status of the newest checkpoint, the "resume uses" line) from ``hybrid checkpoint inspect``."""
+    assert main(["checkpoint", "inspect", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith(layout.step_name(NEWEST)))
+    return row, lines[-1]
+
+
+def _refused(argv: list, capsys) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return captured.err
+
+
+def _chosen(run: Path, capsys=None) -> agreement.Choice:
+    choice = agreement.choose(run, Comm(None), "cpu", fallback=True)
+    if capsys is not None:
+        assert all(f"skipping checkpoint {p}" in capsys.readouterr().err for p, _ in choice.skipped[:1])
+    return choice
+
+
+def test_the_pristine_run_verifies(pristine, capsys):
+    row, uses = _status(pristine, capsys)
+    assert row.split()[2] == "complete" and uses == f"resume uses: {layout.step_name(NEWEST)}"
+    choice = _chosen(pristine)
+    assert choice.path == layout.final_dir(pristine, NEWEST) and choice.skipped == []
+    names = set(_files(pristine))
+    assert {"COMPLETE", "hybrid.json", ".metadata"} < names and any(n.endswith(".distcp") for n in names)
+    assert set(choice.inventory.files) == names - {"COMPLETE", "hybrid.json"}  # the DCP files
+
+
+@pytest.mark.parametrize("damage", ["flip-middle", "flip-last", "truncate", "delete"])
+def test_each_damaged_file_is_named_skipped_and_refused(pristine, tmp_path, capsys, damage):
+    for name in _files(pristine):
+        run = tmp_path / f"{damage}-{name}"
+        shutil.copytree(pristine, run)
+        path = layout.final_dir(run, NEWEST) / name
+        size = path.stat().st_size
+        if damage == "delete":
+            path.unlink()
+        elif damage == "truncate":
+            _truncate(path)
+        else:
+            _flip(path, size // 2 if damage == "flip-middle" else size - 1)
+
+        if damage == "delete" and name == layout.MARKER:
+            expected = "incomplete (no marker)"  # unpublished, as a save that never finished
+        elif damage == "delete":
+            expected = f"missing: {name}"
+        elif damage == "truncate" and name != layout.MARKER:
+            expected = f"truncated: {name}"
+        else:
+            expected = f"corrupt: {name}"  # a halved marker no longer parses: it is corrupt, not short
+        row, uses = _status(run, capsys)
+        assert expected in row, (damage, name, row)
+        assert uses == f"resume uses: {layout.step_name(GOOD)}"
+
+        choice = _chosen(run, capsys)
+        assert choice.path == layout.final_dir(run, GOOD), (damage, name)
+        if expected.startswith(("missing", "truncated", "corrupt")):
+            assert [(p.name, str(problem)) for p, problem in choice.skipped] == \
+                [(layout.step_name(NEWEST), expected)]
+        else:
+            assert [(p.name, str(problem)) for p, problem in choice.skipped] == \
+                [(layout.step_name(NEWEST), "missing: COMPLETE")]
+
+        newest = layout.final_dir(run, NEWEST)
+        err = _refused(["checkpoint", "consolidate", str(newest), "--out", str(tmp_path / "x.pt")], capsys)
+        assert (expected if expected.startswith(("missing", "truncated", "corrupt")) else "incomplete") in err
+        assert str(newest) in err
+        if name != layout.MARKER:  # the run's latest is the damaged one: refused, not replaced by another
+            _refused(["checkpoint", "consolidate", str(run), "--out", str(tmp_path / "x.pt")], capsys)
+        assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.pt.tmp").exists()
+
+
+def test_no_good_checkpoint_means_a_fresh_start(pristine, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    for step in (GOOD, NEWEST):
+        data = next(layout.final_dir(run, step).glob("*.distcp"))
+        _flip(data, 10)
+    choice = _chosen(run, capsys)
+    assert choice.path is None and [p.name for p, _ in choice.skipped] == \
+        [layout.step_name(NEWEST), layout.step_name(GOOD)]
+    _, uses = _status(run, capsys)
+    assert uses == "resume uses: nothing (no complete checkpoint)"
+    with pytest.raises(integrity.CheckpointDamaged, match="corrupt: __"):
+        agreement.choose(run, Comm(None), "cpu", fallback=False)  # load() of a run directory: no fallback
+
+
+def test_format_2_checkpoints_are_unverified_but_sizes_are_checked(tmp_path, capsys):
+    _write_checkpoint(tmp_path, NEWEST, legacy=True)
+    row, uses = _status(tmp_path, capsys)
+    assert "complete (unverified" in row and uses == f"resume uses: {layout.step_name(NEWEST)}"
+    assert _chosen(tmp_path, capsys).path == layout.final_dir(tmp_path, NEWEST)
+    state, _, _ = offline.consolidate(tmp_path)
+    assert torch.equal(state["w"], offline.FULL["w"])
+
+    data = next(layout.final_dir(tmp_path, NEWEST).glob("*.distcp"))
+    _truncate(data)
+    row, uses = _status(tmp_path, capsys)
+    assert f"truncated: {data.name}" in row and uses.endswith("nothing (no complete checkpoint)")
+    _refused(["checkpoint", "consolidate", str(tmp_path), "--out", str(tmp_path / "x.pt")], capsys)
+
+
+def test_sizes_only_inspection_reads_no_data(pristine, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    data = next(layout.final_dir(run, NEWEST).glob("*.distcp"))
+    _flip(data, 3)
+    assert main(["checkpoint", "inspect", str(run), "--sizes-only"]) == 0
+    assert "complete (sizes checked, checksums not read)" in capsys.readouterr().out
+    row, _ = _status(run, capsys)
+    assert f"corrupt: {data.name}" in row
+
+
+def test_a_non_finite_weight_is_not_consolidated(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(offline.FULL, "b", torch.tensor([0.5, float("nan"), 2.0]))
+    _write_checkpoint(tmp_path, NEWEST)  # intact files (the checksums match), but a NaN in a weight
+    err = _refused(["checkpoint", "consolidate", str(tmp_path), "--out", str(tmp_path / "x.pt")], capsys)
+    assert "non-finite values (NaN or inf) in 'b'" in err
+    assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.pt.tmp").exists()
+
+
+def test_an_unwritable_out_is_one_sentence(pristine, capsys):
+    under_a_file = layout.final_dir(pristine, GOOD) / layout.MARKER / "x.pt"
+    for out in ("/proc/x.pt", "/proc/nope/x.pt", str(under_a_file)):
+        err = _refused(["checkpoint", "consolidate", str(pristine), "--out", out], capsys)
+        assert f"cannot write --out {out}" in err
+    assert "a parent is not a directory" in err
+
+
+def test_the_seal_tells_marker_from_manifest(pristine, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    ckpt = layout.final_dir(run, NEWEST)
+    (ckpt / layout.MARKER).write_text(layout.step_name(NEWEST) + "\n")  # a format-2 marker on a format-3 one
+    with pytest.raises(integrity.CheckpointDamaged, match="corrupt: COMPLETE"):
+        integrity.inventory(ckpt)
+    assert isinstance(integrity.CheckpointDamaged(ckpt, integrity.Problem("missing", "x"), "fix"), CheckpointError)
+
+
+def test_verification_is_spread_over_the_ranks_by_bytes():
+    files = {name: integrity.Expected(size, 0) for name, size in
+             (("a", 100), ("b", 60), ("c", 50), ("d", 10), ("e", 0))}
+    owners = integrity.assign(files, 2)
+    assert owners == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
+    assert integrity.assign(files, 1) == dict.fromkeys(files, 0)
+    assert set(integrity.assign(files, 8).values()) == {0, 1, 2, 3, 4}
