@@ -6,7 +6,9 @@ checksums), a non-finite weight, an unwritable ``--out``, and who verifies which
 
 from __future__ import annotations
 
+import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,9 +64,17 @@ def _refused(argv: list, capsys) -> str:
 
 
 def _chosen(run: Path, capsys=None) -> agreement.Choice:
-    choice = agreement.choose(run, Comm(None), "cpu", fallback=True)
+    """The ranks' choice; with ``capsys``, also check that the first skip was logged (to stderr)."""
+    logger = logging.getLogger(agreement.__name__)
+    handler = logging.StreamHandler(sys.stderr)  # whatever pytest's logging plugin does with records
+    logger.addHandler(handler)
+    try:
+        choice = agreement.choose(run, Comm(None), "cpu", fallback=True)
+    finally:
+        logger.removeHandler(handler)
     if capsys is not None:
-        assert all(f"skipping checkpoint {p}" in capsys.readouterr().err for p, _ in choice.skipped[:1])
+        err = capsys.readouterr().err
+        assert all(f"skipping checkpoint {p}" in err for p, _ in choice.skipped[:1]), err
     return choice
 
 
