@@ -7,10 +7,12 @@
   ``--sizes-only`` checks file sizes alone) and a damaged one shows its first problem as its status:
   ``corrupt: FILE``, ``truncated: FILE`` or ``missing: FILE``. Listing damaged checkpoints is a success
   (exit 0); the answer is the table.
-* ``hybrid checkpoint consolidate PATH --out model.pt``: PATH is a run directory (its latest complete
-  checkpoint) or one checkpoint directory; writes the single-process ``state_dict`` (every name of
-  ``module.state_dict()``: parameters and float buffers as fp32, tied aliases included), loadable with
-  ``torch.load(path, weights_only=True)`` and a strict ``load_state_dict`` into the single-process model.
+* ``hybrid checkpoint consolidate PATH --out model.pt [--format pt|safetensors]``: PATH is a run directory
+  (its latest complete checkpoint) or one checkpoint directory; writes the single-process ``state_dict``
+  (every name of ``module.state_dict()``: parameters and float buffers as fp32, tied aliases included),
+  loadable with ``torch.load(path, weights_only=True)`` and a strict ``load_state_dict`` into the
+  single-process model; or a ``.safetensors`` file (tied aliases left out: safetensors shares no
+  storage). Either loads with ``hybrid.initialize(..., weights=PATH)``.
   It refuses a damaged checkpoint and one whose weights are not finite, and checks that ``--out`` can be
   written before it reads anything.
 
@@ -76,17 +78,29 @@ def inspect_command(run_dir: Path, as_json: bool, sizes_only: bool) -> None:
 @checkpoint_group.command("consolidate")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), required=True,
-              help="Where to write the single-process state dict (torch.save format).")
-def consolidate_command(path: Path, out: Path) -> None:
+              help="Where to write the single-process state dict.")
+@click.option("--format", "fmt", type=click.Choice(["pt", "safetensors"]), default=None,
+              help="torch.save (pt) or safetensors; default: from the --out suffix (.safetensors), else pt.")
+def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
     """Write the single-process state dict (fp32 params, buffers, tied aliases) of PATH's latest (or the given) checkpoint to --out."""
     import torch
 
     from hybrid.checkpoint import consolidate
 
+    fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
     tmp = out.with_name(out.name + ".tmp")
     with _writable(out, tmp) as f:
         state, ckpt, doc = consolidate(path)
-        torch.save(state, f)
+        if fmt == "pt":
+            torch.save(state, f)
+        else:
+            # safetensors stores no shared tensors: a tied alias is left out (hybrid's loader accepts that).
+            from safetensors.torch import save_file
+
+            f.close()
+            tensors = {k: v.contiguous() for k, v in state.items() if k not in doc["aliases"]}
+            save_file(tensors, str(tmp), metadata={"format": "pt", "step": str(doc["step"])})
+            state = tensors
     tmp.replace(out)
     params = sum(t.numel() for t in state.values())
     click.echo(f"wrote {out}: {len(state)} tensors, {params:,} parameters (fp32) from {ckpt} "

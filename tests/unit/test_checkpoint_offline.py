@@ -168,6 +168,12 @@ def test_cli_inspect_and_consolidate(tmp_path, capsys):
     assert "step 7" in capsys.readouterr().out
     loaded = torch.load(out_file, weights_only=True)
     assert set(loaded) == set(FULL) | set(ALIASES) and all(torch.equal(loaded[k], FULL[k]) for k in FULL)
+    safe = tmp_path / "model.safetensors"  # the format follows the suffix; tied aliases are left out
+    assert main(["checkpoint", "consolidate", str(tmp_path), "--out", str(safe)]) == 0
+    capsys.readouterr()
+    from safetensors.torch import load_file
+    loaded = load_file(str(safe))
+    assert set(loaded) == set(FULL) and all(torch.equal(loaded[k], FULL[k]) for k in FULL)
 
     for argv in (["checkpoint", "consolidate", str(tmp_path / "nope"), "--out", str(out_file)],
                  ["checkpoint", "inspect", str(tmp_path / "checkpoints" / ".tmp-step-000008" / "x")]):
