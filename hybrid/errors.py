@@ -20,3 +20,7 @@ class PlanError(UserError):
 
 class CheckpointError(UserError):
     """A path is not a usable checkpoint for this model."""
+
+
+class DataError(UserError):
+    """A data file (token file, text to tokenise, tokenizer) is missing, empty or malformed."""
