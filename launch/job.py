@@ -36,7 +36,7 @@ from launch.display import Progress
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
 from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
-from launch.runtime_env import runtime_env
+from launch.runtime_env import runtime_env, ship
 from launch.spec import LaunchSpec
 from launch.workers import PlacementFailed, RankPlacement, WorkerGroup
 
@@ -185,7 +185,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
     # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
     shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
-    env = runtime_env(spec)
+    env = ship(runtime_env(spec))
     group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus),
                         env=env.pop("env_vars"), shared_dir=shared_dir, runtime_env=env)
     graceful = False

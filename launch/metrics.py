@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+FINAL_STEPS = 10  # the summary's final loss is the mean of this many last steps (one step's loss is noisy)
 
 
 def model_state_bytes(memory) -> Optional[float]:
@@ -165,9 +166,11 @@ def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsW
     reference = next((r.get("reference_loss") for _, r in sorted(results.items()) if isinstance(r, dict)
                       and isinstance(r.get("reference_loss"), dict)), None)
     if reference and history:
-        loss, nats = history[-1]["loss"], float(reference["nats"])
+        last = history[-FINAL_STEPS:]
+        loss, nats = sum(e["loss"] for e in last) / len(last), float(reference["nats"])
         verdict = "below" if loss < nats else "not yet below"
-        lines.append(f"final loss {loss:.4f} nats, {verdict} the {reference['name']} ({nats:.4f} nats)")
+        lines.append(f"final loss {loss:.4f} nats (mean of the last {len(last)} steps), {verdict} the "
+                     f"{reference['name']} ({nats:.4f} nats)")
     where = f"metrics {writer.path}"
     if writer.tensorboard_dir is not None:
         where += f" (TensorBoard: tensorboard --logdir {writer.tensorboard_dir})"

@@ -8,14 +8,22 @@ path, so the user's entrypoint module and files beside it exist on every node. `
 ``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH``, gloo on loopback for the embedded
 cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
 the rank's node.
+
+Ray accepts a local ``working_dir`` only in ``ray.init``'s job-wide ``runtime_env``; one launcher driver may
+run several jobs on one connection, so ``ship`` does what ``ray.init`` does -- zip, upload to the GCS
+(content-addressed: an unchanged directory is not uploaded again) -- and gives the actors the package URI.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
+from hybrid.errors import ConfigError
 from launch import ray_cluster
 from launch.spec import LaunchSpec
 
@@ -56,6 +64,30 @@ def runtime_env(spec: LaunchSpec) -> dict:
     env = {"env_vars": rank_env(spec)}
     if spec.job.working_dir is not None:
         env.update(working_dir=str(spec.job.working_dir), excludes=working_dir_excludes(spec))
+    return env
+
+
+def ship(env: dict) -> dict:
+    """``env`` with its local ``working_dir`` uploaded to the connected Ray cluster and replaced by the
+    package's URI (the ``excludes`` are applied and dropped); ``env`` without one is returned as it is."""
+    if "working_dir" not in env:
+        return env
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    env = dict(env)
+    options = {}
+    if "include_gitignore" in inspect.signature(upload_working_dir_if_needed).parameters:
+        options["include_gitignore"] = True  # as ray.init does: what git ignores is not shipped either
+    directory = env["working_dir"]
+    try:
+        env = upload_working_dir_if_needed(env, scratch_dir=tempfile.gettempdir(),
+                                           logger=logging.getLogger(__name__), **options)
+    except Exception as err:  # Ray's RuntimeEnvSetupError, ValueError: too large, unreadable, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"job.working_dir {directory} could not be shipped to the ranks ({first}); keep only "
+                          "code and small files there (data and runs elsewhere) or point job.working_dir at "
+                          "the code's directory.") from None
+    env.pop("excludes", None)
     return env
 
 
