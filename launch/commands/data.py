@@ -9,6 +9,7 @@ Bad input is one ``error:`` sentence and exit status 2.
 from __future__ import annotations
 
 import math
+import sys
 
 import click
 
@@ -30,8 +31,11 @@ def prepare_command(text: tuple, out: str, tokenizer: str | None) -> None:
     """Tokenise the TEXT files into the token file --out and its metadata (--out + .json)."""
     paths = check_sources(text)
     total = sum(p.stat().st_size for p in paths)
-    with click.progressbar(length=total, label="tokenising", file=click.get_text_stream("stderr")) as bar:
-        meta = prepare(paths, out, tokenizer=tokenizer, progress=bar.update)
+    if sys.stderr.isatty():
+        with click.progressbar(length=total, label="tokenising", file=sys.stderr) as bar:
+            meta = prepare(paths, out, tokenizer=tokenizer, progress=bar.update)
+    else:  # a log or a pipe: the closing line is enough
+        meta = prepare(paths, out, tokenizer=tokenizer)
     click.echo(f"wrote {out}: {meta.tokens:,} tokens ({meta.dtype}, vocabulary {meta.vocab_size}, tokenizer "
                f"{meta.tokenizer}) from {len(paths)} file(s); unigram entropy {meta.unigram_entropy_nats:.3f} nats "
                f"({meta.unigram_entropy_nats / math.log(2):.3f} bits) per token; metadata {metadata_path(out)}")
