@@ -61,9 +61,11 @@ class Progress:
         self._flush_notes()
 
     def restart(self, step: int) -> None:
-        """A new attempt starts from checkpoint ``step``: drop what the failed attempt left half-reported and
-        every step after ``step``."""
+        """A new attempt starts from checkpoint ``step``: complete the steps up to ``step`` from the ranks that
+        reported them (a dead rank's last reports die with it), drop the rest and every step after ``step``."""
         self._flush_notes(everything=True)  # a checkpoint rank 0 reported saving was published
+        for done in sorted(pending for pending in self.pending if pending <= step):  # a dead rank's last reports were lost
+            self._complete(done, self.pending[done])
         self.pending.clear()
         self._rewind(step)
 

@@ -3,7 +3,10 @@
 ``step_entry(step, records)`` turns every rank's report of one step into the job's view of it (pure): the
 loss (mean over the DP ranks; the TP ranks of a group agree), the learning rate and gradient norm (rank
 0's: the norm is global), the slowest rank's step time, the throughput in the unit the entrypoint
-declared (``throughput_unit``: tokens, samples, ...) and the model-state bytes per rank.
+declared (``throughput_unit``: tokens, samples, ...), the model-state bytes per rank and how many ranks
+reported. A step some rank never reported -- it died with the reports still buffered, and the job restarts
+from a checkpoint at or after that step -- is built from the ranks that did: its loss stays exact as long as
+every DP group kept one rank, since the TP ranks of a group agree.
 
 ``MetricsWriter(run_dir)`` appends each entry to ``run_dir/metrics.jsonl`` as one JSON object per line and,
 when the ``tensorboard`` package is installed, to event files under ``run_dir/tensorboard``. A line for
@@ -48,7 +51,10 @@ def model_state_bytes(memory) -> Optional[float]:
 
 def step_entry(step: int, records: dict[int, dict]) -> dict:
     """The job's metrics of ``step`` from each rank's report (rank -> record)."""
-    dp_records = [r for r in records.values() if r.get("tp_rank", 0) == 0] or list(records.values())
+    by_dp: dict = {}
+    for rank in sorted(records):  # the TP ranks of a DP group report the same loss: any one of them will do
+        by_dp.setdefault(records[rank].get("dp_rank", rank), records[rank])
+    dp_records = list(by_dp.values())
     first = records[min(records)]
     slowest = max(r["step_time_s"] for r in records.values())
     unit = first.get("throughput_unit", "tokens")
@@ -57,7 +63,7 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     return {"step": step, "loss": sum(r["loss"] for r in dp_records) / len(dp_records),
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
             "throughput": count / slowest if slowest > 0 else 0.0, "throughput_unit": f"{unit}/s",
-            "model_state_bytes": [m for m in mem if m is not None]}
+            "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}
 
 
 def lines_before(lines: Iterable[str], step: int) -> list[str]:
