@@ -4,14 +4,18 @@ metrics.jsonl across restarts, TensorBoard events, the runtime_env, and the new 
 import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import hybrid
 from hybrid.errors import ConfigError
 from launch.display import Progress
 from launch.metrics import METRICS_FILE, MetricsWriter, lines_before, read_metrics, step_entry, summary_lines
 from launch.runtime_env import localize, rank_env, runtime_env, working_dir_excludes
+from hybrid.train import Context, JobSettings, run_steps
 from launch.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +131,7 @@ def test_the_entrypoint_is_found_in_the_working_dir_from_any_current_directory(t
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", os.getcwd())])
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", os.getcwd())])
     spec = _spec(tmp_path, entrypoint="records_user_module:train", working_dir="code")
     assert spec.job.entrypoint == "records_user_module:train"
     with pytest.raises(ConfigError, match="cannot be imported"):
@@ -151,3 +155,26 @@ def test_the_runtime_env_ships_the_working_dir_without_runs_and_sets_job_env(tmp
 def test_localize_maps_paths_inside_the_working_dir_to_the_ranks_copy(tmp_path):
     assert localize(str(tmp_path / "cfg" / "m.yaml"), str(tmp_path), "/copy") == "/copy/cfg/m.yaml"
     assert localize("/data/corpus.bin", str(tmp_path), "/copy") == "/data/corpus.bin"
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return ((self.linear(x) - y) ** 2).mean()
+
+
+def test_run_steps_reports_lr_grad_norm_and_samples_for_a_model_without_tokens():
+    torch.manual_seed(0)
+    engine = hybrid.initialize(Regression(), {"zero_optimization": {"stage": 1},
+                                              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
+    records = []
+    ctx = Context(None, {}, JobSettings(steps=3, micro_batch=5, stage=1, precision="fp32"), reporter=records.append)
+    x = torch.randn(5, 4)
+    run_steps(ctx, engine, lambda step: (x, x.sum(1, keepdim=True)))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["throughput_unit"] == "samples" and r["samples"] == 5 and "tokens" not in r for r in records)
+    assert all(r["lr"] == 0.01 and r["grad_norm"] > 0 for r in records)
+    assert step_entry(1, {0: records[0]})["throughput_unit"] == "samples/s"
