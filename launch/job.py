@@ -11,6 +11,10 @@ which node failed, why, and from which step the ranks restart. The failure blame
 dead process before a rank's own exception before a collective that failed because of its peer. A
 ``UserError`` raised on a rank (a bad model config, say) is not retried.
 
+Every rank starts with ``launch.runtime_env`` (job.working_dir shipped, job.env set); every completed step
+goes to ``launch.metrics.MetricsWriter`` (run_dir/metrics.jsonl), and the summary ends with the loss against
+the entrypoint's reference and where the metrics and the ranks' full logs are.
+
 Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
 exits 1); the rank's traceback is logged.
 """

@@ -72,7 +72,7 @@ def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
                           "`hybrid data prepare`.")
     path = Path(value).expanduser()
     if not path.is_absolute() and model_config_path:
-        path = Path(model_config_path).resolve().parent / path
+        path = (Path(model_config_path).resolve().parent / path).resolve()
     return path
 
 

@@ -47,6 +47,8 @@ def test_the_readme_example_runs_from_another_directory_with_its_code_shipped(tm
                         "--out", str(byo / "corpus.bin")], cwd=elsewhere)
     assert proc.returncode == 0 and "tokens (uint16, vocabulary 256, tokenizer bytes)" in out, out
 
+    (byo / "runs" / "byo").mkdir(parents=True)
+    (byo / "runs" / "byo" / "left-from-before.txt").write_text("the run directory is never shipped")
     proc, out = hybrid(["launch", str(byo / "cluster.yaml")], cwd=elsewhere)
     assert proc.returncode == 0, out
     assert "steps 20/20" in out and "tokens/s" in out
@@ -56,7 +58,9 @@ def test_the_readme_example_runs_from_another_directory_with_its_code_shipped(tm
     # what a rank prints reaches the terminal named by its rank; all of it is in the session logs
     greetings = re.findall(r"^\(rank ([01]) pid=\d+[^)]*\) hello from rank ([01]) of 2 in (\S+)$", out, re.M)
     assert greetings and all(prefix == rank for prefix, rank, _ in greetings), out
-    assert all(Path(cwd) != byo for _, _, cwd in greetings), "the rank did not run in the shipped copy"
+    for _, _, cwd in greetings:  # the rank ran in the shipped copy, which left the run directory out
+        assert Path(cwd) != byo and (Path(cwd) / "my_train.py").is_file() and (Path(cwd) / "corpus.bin").is_file()
+        assert not (Path(cwd) / "runs").exists()
     logs = Path(re.search(r"^full rank logs \(stdout/stderr of every worker\): (\S+)$", out, re.M).group(1))
     logged = "".join(p.read_text(errors="replace") for p in logs.glob("worker-*.out"))
     assert all(f"hello from rank {r} of 2" in logged for r in (0, 1))
