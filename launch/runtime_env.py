@@ -5,8 +5,9 @@ Ray Jobs do: Ray zips it (less ``working_dir_excludes``: virtual environments, g
 job's run and checkpoint directories when they lie inside it), uploads it through the cluster's GCS once,
 unpacks it on each node and starts the actor there with it as current directory and first on the import
 path, so the user's entrypoint module and files beside it exist on every node. ``env_vars`` are
-``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH``, gloo on loopback for the embedded
-cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
+``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH`` (and, on the embedded cluster, which
+shares this machine, its current directory, after the working directory), gloo on loopback for the
+embedded cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
 the rank's node.
 
 Ray accepts a local ``working_dir`` only in ``ray.init``'s job-wide ``runtime_env``; one launcher driver may
@@ -35,6 +36,8 @@ ALWAYS_EXCLUDED = (".venv/", "venv/", ".git", "__pycache__/", "*.pyc", ".pytest_
 def rank_env(spec: LaunchSpec) -> dict:
     """Environment variables of every rank actor."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if spec.cluster.is_local:  # the embedded cluster's ranks share this machine: what ran from here still does
+        paths.append(os.getcwd())
     env = {"OMP_NUM_THREADS": "1",
            # torch's deprecation notices from every rank would bury the progress lines
            "PYTHONWARNINGS": "ignore::FutureWarning"}

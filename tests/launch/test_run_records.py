@@ -146,7 +146,7 @@ def test_the_runtime_env_ships_the_working_dir_without_runs_and_sets_job_env(tmp
     assert env["working_dir"] == str(tmp_path)
     assert "/runs/a/" in env["excludes"] and ".venv/" in env["excludes"] and ".git" in env["excludes"]
     assert env["env_vars"]["MY_FLAG"] == "1" and env["env_vars"]["OMP_NUM_THREADS"] == "2"  # job.env wins
-    assert env["env_vars"]["PYTHONPATH"] == "/opt/x" and env["env_vars"]["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env["env_vars"]["PYTHONPATH"] == f"/opt/x:{os.getcwd()}" and env["env_vars"]["GLOO_SOCKET_IFNAME"] == "lo"
     outside = _spec(tmp_path, checkpoint={"dir": str(tmp_path.parent / "elsewhere")})
     assert not any("elsewhere" in e for e in working_dir_excludes(outside))
     assert rank_env(outside)["MASTER_ADDR"] == "127.0.0.1"
