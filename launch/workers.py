@@ -8,7 +8,9 @@ file instead, see ``Rendezvous``), and every actor joins the default process gro
 without) and builds the (dp, tp) mesh; every group gets the job's collective timeout, so a hung or dead
 peer turns into an error on the ranks waiting for it instead of a hang. ``run()`` calls the
 entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
-drains them. ``shutdown()`` kills every actor and frees the placement group.
+drains them. ``shutdown()`` kills every actor and frees the placement group. Each actor starts with the
+job's ``runtime_env`` (``launch.runtime_env``) and, once it knows its rank, names it in Ray's log prefix:
+what a rank prints reaches the driver as ``(rank N pid=...) ...``.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ class WorkerGroup:
         self.nodes, self.ranks_per_node, self.use_gpus = nodes, ranks_per_node, use_gpus
         self.shared_dir = shared_dir  # when set, rendezvous through a FileStore there
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        self.runtime_env = dict(runtime_env or {})  # beside env_vars: working_dir, excludes        self.pg = None
+        self.runtime_env = dict(runtime_env or {})  # beside env_vars: working_dir, excludes
+        self.pg = None
         self.actors: list = []  # in rank order once started
         self.placement: list[RankPlacement] = []
 
