@@ -2,8 +2,9 @@
 
 ``Progress`` collects the per-step reports of every rank. A step is shown once all ranks reported it:
 on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
-step, the loss (mean over the DP ranks), the job's throughput in the entrypoint's unit (tokens/s, samples/s), the per-rank model-state memory, and the
-latest NVML sample of each node where NVML is available. ``summary()`` renders the final per-rank table.
+step, the loss (mean over the DP ranks), the job's throughput in the entrypoint's unit (tokens/s,
+samples/s), the per-rank model-state memory, and the latest NVML sample of each node where NVML is
+available. ``summary()`` renders the final per-rank table.
 
 One ``Progress`` spans every attempt of a job. Checkpoint events become plain lines: rank 0's
 ``checkpoint_saved`` once its step's line is out, rank 0's ``resumed_from`` at once. A resume (and
@@ -64,7 +65,7 @@ class Progress:
         """A new attempt starts from checkpoint ``step``: complete the steps up to ``step`` from the ranks that
         reported them (a dead rank's last reports die with it), drop the rest and every step after ``step``."""
         self._flush_notes(everything=True)  # a checkpoint rank 0 reported saving was published
-        for done in sorted(pending for pending in self.pending if pending <= step):  # a dead rank's last reports were lost
+        for done in sorted(s for s in self.pending if s <= step):
             self._complete(done, self.pending[done])
         self.pending.clear()
         self._rewind(step)
@@ -154,7 +155,8 @@ class Progress:
     def summary(self, placement: list, wall_s: float) -> str:
         """The final table: one row per rank, then loss and throughput over the run."""
         unit = self.history[-1]["throughput_unit"] if self.history else "tokens/s"
-        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'job ' + unit:>14}  {'model states':>12}"]
+        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'job ' + unit:>14}  "
+                f"{'model states':>12}"]
         for p in placement:
             r = self.last.get(p.rank, {})
             mem = model_state_bytes(r.get("memory"))
