@@ -137,3 +137,10 @@ def test_bad_files_are_one_sentence_each(tmp_path, counting):
     cases.append((info, "fewer than the 400 one step needs"))
     for info, expected in cases:
         assert expected in _one_sentence(info)
+
+
+def test_the_dtype_is_the_smallest_that_holds_the_vocabulary():
+    from hybrid.data.tokens import dtype_for
+
+    assert (dtype_for(256), dtype_for(65_536), dtype_for(65_537), dtype_for(200_000)) == \
+        ("uint16", "uint16", "uint32", "uint32")
