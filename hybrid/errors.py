@@ -24,3 +24,7 @@ class CheckpointError(UserError):
 
 class NonFiniteError(UserError):
     """Training diverged: the global gradient norm stayed NaN or inf for too many consecutive steps."""
+
+
+class DataError(UserError):
+    """A data file (token file, text to tokenise, tokenizer) is missing, empty or malformed."""

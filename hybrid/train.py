@@ -103,16 +103,21 @@ def train_step(engine, inputs: torch.Tensor, targets: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def step_metrics(engine, loss: float, seconds: float, tokens: int) -> dict:
-    """What a step reports: loss, step time, throughput (``tokens`` seen by the whole job in the step),
-    the engine's memory report, and the non-finite guard: ``nonfinite`` (True when this step's global
-    gradient norm was NaN/inf, so its update was skipped on every rank) and ``skipped_steps`` (how many
-    steps this engine skipped so far)."""
-    guard = engine.nonfinite
-    return {"loss": loss, "step_time_s": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "memory": _plain(engine.memory_report()),
-            "nonfinite": guard.consecutive > 0, "skipped_steps": guard.skipped}
+def step_metrics(engine, loss: float, seconds: float, count: int, unit: str = "tokens") -> dict:
+    """What a step reports: loss, learning rate, gradient norm (before clipping), step time, throughput --
+    ``count`` items of ``unit`` ("tokens", "samples", ...) seen by the whole job in the step, reported under
+    the unit's own key with ``throughput_unit`` --, the engine's memory report, and the non-finite guard:
+    ``nonfinite`` (True when this step's global gradient norm was NaN/inf, so its update was skipped on
+    every rank) and ``skipped_steps`` (how many steps this engine skipped so far)."""
+    grad_norm = getattr(engine, "last_grad_norm", None)
+    guard = getattr(engine, "nonfinite", None)
+    metrics = {"loss": loss, "lr": getattr(engine, "lr", None),
+               "grad_norm": None if grad_norm is None else float(grad_norm), "step_time_s": seconds,
+               "throughput_unit": unit, unit: count, f"{unit}_per_s": count / seconds if seconds > 0 else 0.0,
+               "memory": _plain(engine.memory_report())}
+    if guard is not None:
+        metrics.update(nonfinite=guard.consecutive > 0, skipped_steps=guard.skipped)
+    return metrics
 
 
 def resume(ctx: Context, engine) -> int:
@@ -154,13 +159,14 @@ def save_checkpoint(ctx: Context, engine, step: int) -> Optional[str]:
 
 
 def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int = 0,
-              tokens_per_step: int = 0,
+              tokens_per_step: int = 0, samples_per_step: int = 0,
               after_step: Iterable[Callable[[Context, Any, int], None]] = ()) -> dict:
     """Train from ``start_step`` (or the job's latest checkpoint) to ``ctx.steps``: fetch the step's batch,
     step, report, save a checkpoint when due, then run each ``after_step(ctx, engine, step)`` hook.
 
     ``batches(step)`` is called with the 0-based step index, which is also the data position a checkpoint
-    records. Returns a summary of the run.
+    records. Throughput is counted in tokens when ``tokens_per_step`` (the whole job's) is given, else in
+    samples: ``samples_per_step``, or the batch's rows times the DP degree. Returns a summary of the run.
     """
     if ctx.settings.checkpoint_dir:
         start_step = resume(ctx, engine) or start_step
@@ -176,7 +182,11 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
         loss = train_step(engine, inputs, targets)
         seconds = time.perf_counter() - t0
         ctx.step = step + 1
-        ctx.report(step_metrics(engine, loss, seconds, tokens_per_step or inputs.numel()))
+        if tokens_per_step:
+            count, unit = tokens_per_step, "tokens"
+        else:
+            count, unit = samples_per_step or len(inputs) * getattr(ctx.mesh, "dp", 1), "samples"
+        ctx.report(step_metrics(engine, loss, seconds, count, unit))
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
         save_checkpoint(ctx, engine, ctx.step)

@@ -1,4 +1,4 @@
-"""The ``hybrid`` command line: ``estimate``, ``plan``, ``launch``, ``monitor``, ``checkpoint``.
+"""The ``hybrid`` command line: ``estimate``, ``plan``, ``launch``, ``monitor``, ``checkpoint``, ``data``.
 
 Each command lives in its own module under ``launch/commands/`` and is registered here. A ``UserError``
 from anywhere below becomes one line on stderr and exit status 2, never a traceback.

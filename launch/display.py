@@ -2,8 +2,9 @@
 
 ``Progress`` collects the per-step reports of every rank. A step is shown once all ranks reported it:
 on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
-step, the loss (mean over the DP ranks), the job's tokens/s, the per-rank model-state memory, and the
-latest NVML sample of each node where NVML is available. ``summary()`` renders the final per-rank table.
+step, the loss (mean over the DP ranks), the job's throughput in the entrypoint's unit (tokens/s,
+samples/s), the per-rank model-state memory, and the latest NVML sample of each node where NVML is
+available. ``summary()`` renders the final per-rank table.
 
 One ``Progress`` spans every attempt of a job. Checkpoint events become plain lines: rank 0's
 ``checkpoint_saved`` once its step's line is out, rank 0's ``resumed_from`` at once. A resume (and
@@ -16,29 +17,17 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
+from launch.metrics import model_state_bytes, step_entry  # noqa: F401  (model_state_bytes: re-exported)
 from launch.plan import human_bytes
 
 
-def model_state_bytes(memory) -> Optional[float]:
-    """The model-state bytes (params + grads + optimizer states) in an engine memory report."""
-    if isinstance(memory, (int, float)):
-        return float(memory)
-    if not isinstance(memory, dict):
-        return None
-    for key in ("model_states", "model_state_bytes", "total"):
-        if key in memory:
-            return model_state_bytes(memory[key])
-    parts = [memory.get(k) for k in ("params", "grads", "optimizer")]
-    if all(isinstance(v, (int, float)) for v in parts):
-        return float(sum(parts))
-    return None
-
-
 class Progress:
-    def __init__(self, total_steps: int, world_size: int, stream: TextIO = sys.stdout, tty: Optional[bool] = None):
+    def __init__(self, total_steps: int, world_size: int, stream: TextIO = sys.stdout, tty: Optional[bool] = None,
+                 on_step: Optional[Callable[[dict], None]] = None):
         self.total_steps, self.world_size, self.stream = total_steps, world_size, stream
+        self.on_step = on_step  # called with each completed step's entry (the metrics writer)
         self.tty = stream.isatty() if tty is None else tty
         self.every = 1 if total_steps <= 100 else total_steps // 50  # plain-line cadence
         self.pending: dict[int, dict[int, dict]] = defaultdict(dict)  # step -> rank -> record
@@ -73,9 +62,11 @@ class Progress:
         self._flush_notes()
 
     def restart(self, step: int) -> None:
-        """A new attempt starts from checkpoint ``step``: drop what the failed attempt left half-reported and
-        every step after ``step``."""
+        """A new attempt starts from checkpoint ``step``: complete the steps up to ``step`` from the ranks that
+        reported them (a dead rank's last reports die with it), drop the rest and every step after ``step``."""
         self._flush_notes(everything=True)  # a checkpoint rank 0 reported saving was published
+        for done in sorted(s for s in self.pending if s <= step):
+            self._complete(done, self.pending[done])
         self.pending.clear()
         self._rewind(step)
 
@@ -116,15 +107,11 @@ class Progress:
     # ------------------------------------------------------------------------------------------ output
 
     def _complete(self, step: int, records: dict[int, dict]) -> None:
-        dp_records = [r for r in records.values() if r.get("tp_rank", 0) == 0]
-        loss = sum(r["loss"] for r in dp_records) / len(dp_records)
-        slowest = max(r["step_time_s"] for r in records.values())
-        tokens = max(r.get("tokens", 0) for r in records.values())
-        mem = [model_state_bytes(r.get("memory")) for r in records.values()]
-        entry = {"step": step, "loss": loss, "tokens_per_s": tokens / slowest if slowest > 0 else 0.0,
-                 "model_state_bytes": [m for m in mem if m is not None]}
+        entry = step_entry(step, records)
         self.history.append(entry)
         self._done = step
+        if self.on_step is not None:
+            self.on_step(entry)
         if self.tty:
             self.stream.write("\r\033[K" + self._bar(step) + self._line(entry))
             self.stream.flush()
@@ -145,7 +132,7 @@ class Progress:
             mem_text = f"  model states/rank {human_bytes(hi)}" if lo == hi else \
                 f"  model states/rank {human_bytes(lo)}..{human_bytes(hi)}"
         return (f"step {e['step']:>{width}}/{self.total_steps}  loss {e['loss']:.4f}  "
-                f"{e['tokens_per_s']:,.0f} tokens/s{mem_text}{self._nvml_text()}")
+                f"{e['throughput']:,.0f} {e['throughput_unit']}{mem_text}{self._nvml_text()}")
 
     def _nvml_text(self) -> str:
         parts = []
@@ -167,17 +154,19 @@ class Progress:
 
     def summary(self, placement: list, wall_s: float) -> str:
         """The final table: one row per rank, then loss and throughput over the run."""
-        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'job tok/s':>10}  {'model states':>12}"]
+        unit = self.history[-1]["throughput_unit"] if self.history else "tokens/s"
+        rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'job ' + unit:>14}  "
+                f"{'model states':>12}"]
         for p in placement:
             r = self.last.get(p.rank, {})
             mem = model_state_bytes(r.get("memory"))
             loss = f"{r['loss']:.4f}" if "loss" in r else "-"
             rows.append(f"{p.rank:>4} {p.node_index:>4} {r.get('dp_rank', '-'):>3} {r.get('tp_rank', '-'):>3}  "
-                        f"{loss:>9}  {r.get('tokens_per_s', 0):>10,.0f}  "
+                        f"{loss:>9}  {r.get(r.get('throughput_unit', 'tokens') + '_per_s', 0):>14,.0f}  "
                         f"{human_bytes(mem) if mem is not None else '-':>12}")
         if self.history:
             first, last = self.history[0], self.history[-1]
-            mean_tps = sum(e["tokens_per_s"] for e in self.history) / len(self.history)
+            mean = sum(e["throughput"] for e in self.history) / len(self.history)
             rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
-                        f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean_tps:,.0f} tokens/s mean")
+                        f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean:,.0f} {unit} mean")
         return "\n".join(rows)

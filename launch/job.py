@@ -11,6 +11,10 @@ which node failed, why, and from which step the ranks restart. The failure blame
 dead process before a rank's own exception before a collective that failed because of its peer. A
 ``UserError`` raised on a rank (a bad model config, say) is not retried.
 
+Every rank starts with ``launch.runtime_env`` (job.working_dir shipped, job.env set); every completed step
+goes to ``launch.metrics.MetricsWriter`` (run_dir/metrics.jsonl), and the summary ends with the loss against
+the entrypoint's reference and where the metrics and the ranks' full logs are.
+
 Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
 exits 1); the rank's traceback is logged.
 """
@@ -18,7 +22,6 @@ exits 1); the rank's traceback is logged.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import sys
@@ -34,8 +37,10 @@ from hybrid.errors import PlanError, UserError
 from hybrid.train import JobSettings
 from launch import ray_cluster
 from launch.display import Progress
+from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
 from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
+from launch.runtime_env import runtime_env, ship
 from launch.spec import LaunchSpec
 from launch.workers import PlacementFailed, RankPlacement, WorkerGroup
 
@@ -78,7 +83,7 @@ class JobResult:
     plan: LaunchPlan
     results: dict[int, Any]
     placement: list[RankPlacement]
-    history: list[dict]  # per completed step: step, loss, tokens_per_s, model_state_bytes
+    history: list[dict]  # per completed step: launch.metrics.step_entry (also in run_dir/metrics.jsonl)
     last_reports: dict[int, dict]  # rank -> its final report
     attempts: int
     wall_s: float
@@ -121,7 +126,8 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
     spec = plan.spec
     attempts = 1 + spec.job.max_failures
     started = time.perf_counter()
-    progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty)
+    metrics = MetricsWriter(spec.job.run_dir)
+    progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty, on_step=metrics.write)
     failures: list[str] = []
     try:
         for attempt in range(1, attempts + 1):
@@ -130,6 +136,8 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 progress.close()
                 wall = time.perf_counter() - started
                 print(progress.summary(outcome.placement, wall), file=stream, flush=True)
+                for line in summary_lines(outcome.results, progress.history, metrics, ray_log_dir()):
+                    print(line, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
                                  attempt, wall, failures, progress.resumed_from)
             if outcome.user_error is not None:
@@ -145,6 +153,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
             progress.note(restart_line(failure, step, spec.job.checkpoint.dir is not None, attempt + 1, attempts))
     finally:
         progress.close()
+        metrics.close()
     raise AssertionError("unreachable")
 
 
@@ -180,8 +189,9 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
     # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
     shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
-    group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus), env=_rank_env(spec),
-                        shared_dir=shared_dir)
+    env = ship(runtime_env(spec))
+    group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus),
+                        env=env.pop("env_vars"), shared_dir=shared_dir, runtime_env=env)
     graceful = False
     try:
         try:
@@ -193,7 +203,8 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             return AttemptOutcome(False, failure=Failure(None, None, f"setting up the ranks failed: {cause_of(err)}"),
                                   placement=group.placement)
-        refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan))
+        refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan),
+                         working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
         outcome = _collect(group, refs, progress)
         outcome.placement = placement
         graceful = outcome.ok
@@ -314,15 +325,3 @@ def _death_detail(text: str) -> str:
     if match:
         return match.group(1).strip().replace("\n", " ")[:200]
     return text.strip().splitlines()[0][:200] if text.strip() else "no detail"
-
-
-def _rank_env(spec: LaunchSpec) -> dict:
-    """Environment for every rank actor: one BLAS thread per rank, the driver's import path, and on the
-    embedded cluster gloo bound to the loopback interface."""
-    paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-           # torch's deprecation notices from every rank would bury the progress lines
-           "PYTHONWARNINGS": "ignore::FutureWarning"}
-    if spec.cluster.is_local:
-        env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR=ray_cluster.LOOPBACK)
-    return env

@@ -3,7 +3,11 @@
 ``load_spec(path)`` reads the file with ``yaml.safe_load`` and returns a frozen ``LaunchSpec`` (cluster,
 job, parallel sections), or raises ``ConfigError`` with one sentence naming the bad field, its value and
 what is allowed. Unknown keys are errors, relative paths are resolved against the YAML file's directory,
-and ``job.entrypoint`` must be an importable ``module:function``. Nothing here contacts Ray.
+and ``job.entrypoint`` must be a ``module:function`` importable from ``job.working_dir`` (default: the
+cluster file's directory, which the launcher ships to every node) or an installed package, from any
+current directory. ``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>``
+under the current directory) receives metrics.jsonl; ``job.env`` holds environment variables for the
+ranks. Nothing here contacts Ray.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class JobSpec:
     max_failures: int = 0
     collective_timeout_s: float = 300.0
     seed: int = 0
+    run_dir: Optional[Path] = None  # metrics.jsonl, TensorBoard events (resolved default: see _run_dir)
+    working_dir: Optional[Path] = None  # shipped to every rank; the entrypoint's module is found here
+    env: dict = field(default_factory=dict)  # environment variables for the ranks
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
                           f"(and optionally parallel); it holds {type(data).__name__}.")
     _known(data, "", ("cluster", "job", "parallel"))
     cluster = _cluster(_section(data, "cluster", required=True))
-    job = _job(_section(data, "job", required=True), base_dir)
+    job = _job(_section(data, "job", required=True), base_dir, path.stem if path else "job")
     parallel = _parallel(_section(data, "parallel", required=False), cluster)
     return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path)
 
@@ -151,11 +158,12 @@ def _cluster(d: dict) -> ClusterSpec:
     return ClusterSpec(address, nodes, gpus, float(memory), intra, inter)
 
 
-def _job(d: dict, base_dir: Path) -> JobSpec:
+def _job(d: dict, base_dir: Path, name: str = "job") -> JobSpec:
     _known(d, "job", ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
-                      "collective_timeout_s", "seed"))
+                      "collective_timeout_s", "seed", "run_dir", "working_dir", "env"))
+    working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
     entrypoint = _required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
-    check_entrypoint(entrypoint)
+    check_entrypoint(entrypoint, working_dir)
     config = _required(d, "job", "config", "the path of the model config YAML")
     if not isinstance(config, str):
         raise ConfigError(f"job.config is {config!r}; give the path of the model config YAML.")
@@ -170,8 +178,39 @@ def _job(d: dict, base_dir: Path) -> JobSpec:
     timeout = d.get("collective_timeout_s", 300)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"job.collective_timeout_s is {timeout!r}; give seconds, a number above 0.")
-    return JobSpec(entrypoint, config_path, steps, micro_batch, _checkpoint(d.get("checkpoint"), base_dir),
-                   max_failures, float(timeout), seed)
+    checkpoint = _checkpoint(d.get("checkpoint"), base_dir)
+    run_dir = d.get("run_dir")
+    if run_dir is not None and (not isinstance(run_dir, str) or not run_dir):
+        raise ConfigError(f"job.run_dir is {run_dir!r}; give a directory path for metrics and logs.")
+    run_dir = _resolve(run_dir, base_dir) if run_dir else (checkpoint.dir or Path.cwd() / "runs" / name)
+    return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, float(timeout), seed,
+                   run_dir, working_dir, _env(d.get("env")))
+
+
+def _directory(value: Any, name: str, base_dir: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} is {value!r}; give a directory path (relative to the cluster file).")
+    path = _resolve(value, base_dir)
+    if not path.is_dir():
+        raise ConfigError(f"{name} is {value!r}, but {path} is not a directory; give an existing directory "
+                          "(relative to the cluster file).")
+    return path
+
+
+def _env(d: Any) -> dict:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"job.env is {d!r}; give a mapping of environment variables like {{MY_FLAG: '1'}}.")
+    env = {}
+    for key, value in d.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise ConfigError(f"job.env has the key {key!r}; environment variable names are non-empty strings "
+                              "without '='.")
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"job.env.{key} is {value!r}; give a string or a number.")
+        env[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
 
 
 def _checkpoint(d: Any, base_dir: Path) -> CheckpointSpec:
@@ -208,25 +247,28 @@ def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
 # ------------------------------------------------------------------------------------------- entrypoint
 
 
-def check_entrypoint(entrypoint: Any) -> None:
-    """Raise ``ConfigError`` unless ``entrypoint`` names an importable ``module:function``."""
-    resolve_entrypoint(entrypoint, field_name="job.entrypoint")
+def check_entrypoint(entrypoint: Any, working_dir: Optional[Path] = None) -> None:
+    """Raise ``ConfigError`` unless ``entrypoint`` names a ``module:function`` importable from
+    ``working_dir`` or an installed package."""
+    resolve_entrypoint(entrypoint, field_name="job.entrypoint", working_dir=working_dir)
 
 
-def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint") -> Callable:
-    """Import ``module:function`` and return the function (the current directory is importable, as with
-    ``python -m``)."""
+def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
+                       working_dir: Optional[str | os.PathLike] = None) -> Callable:
+    """Import ``module:function`` and return the function; ``working_dir`` goes first on ``sys.path``
+    (as Ray puts a job's working_dir first on its workers)."""
     if not isinstance(entrypoint, str) or entrypoint.count(":") != 1 or not all(entrypoint.split(":")):
         raise ConfigError(f"{field_name} is {entrypoint!r}; give module:function, "
                           "e.g. hybrid.models.gpt:train.")
     module_name, fn_name = entrypoint.split(":")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    if working_dir is not None and str(working_dir) not in sys.path:
+        sys.path.insert(0, str(working_dir))
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or the module itself raising while imported
         raise ConfigError(f"{field_name} is {entrypoint!r}, but module {module_name!r} cannot be imported "
-                          f"({type(err).__name__}: {err}); give an importable module:function.") from None
+                          f"({type(err).__name__}: {err}) from job.working_dir {working_dir}; give a module:function "
+                          "importable from there or installed.") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"{field_name} is {entrypoint!r}, but {module_name} has no function {fn_name!r}; "

@@ -8,7 +8,9 @@ file instead, see ``Rendezvous``), and every actor joins the default process gro
 without) and builds the (dp, tp) mesh; every group gets the job's collective timeout, so a hung or dead
 peer turns into an error on the ranks waiting for it instead of a hang. ``run()`` calls the
 entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
-drains them. ``shutdown()`` kills every actor and frees the placement group.
+drains them. ``shutdown()`` kills every actor and frees the placement group. Each actor starts with the
+job's ``runtime_env`` (``launch.runtime_env``) and, once it knows its rank, names it in Ray's log prefix:
+what a rank prints reaches the driver as ``(rank N pid=...) ...``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -92,6 +95,10 @@ class RankWorker:
         self._device = "cpu"
         self._sampler = None
 
+    def __repr__(self) -> str:
+        # Ray prefixes the lines this actor prints with its repr: "(rank 3 pid=..., ip=...)".
+        return f"rank {self._rank}" if self._rank >= 0 else "RankWorker"
+
     def where(self) -> dict:
         """The Ray node id and IP this actor runs on."""
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -114,6 +121,7 @@ class RankWorker:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % tp))
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self._rank = rank
+        name_rank_in_logs(rank)
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes exactly the one GPU it assigned to this actor
             self._device = "cuda"
@@ -133,14 +141,17 @@ class RankWorker:
         return {"rank": rank, "dp_rank": self._mesh.dp_rank, "tp_rank": self._mesh.tp_rank,
                 **self.where()}
 
-    def run(self, entrypoint: str, model_config_path: str, settings: JobSettings):
+    def run(self, entrypoint: str, model_config_path: str, settings: JobSettings, working_dir: Optional[str] = None):
         """Run the entrypoint on this rank; returns what it returns (must be picklable)."""
         import yaml
 
         from hybrid.train import Context
+        from launch.runtime_env import localize
         from launch.spec import resolve_entrypoint
 
-        fn = resolve_entrypoint(entrypoint)
+        here = os.getcwd()  # the copy of the job's working_dir on this node, when one was shipped
+        model_config_path = localize(model_config_path, working_dir, here) if working_dir else model_config_path
+        fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None)
         with open(model_config_path) as f:
             model_config = yaml.safe_load(f)
         ctx = Context(self._mesh, model_config, settings, model_config_path=model_config_path,
@@ -163,6 +174,8 @@ class RankWorker:
     def close(self) -> None:
         import torch.distributed as dist
 
+        for stream in (sys.stdout, sys.stderr):  # so the log monitor forwards all of it before the kill
+            stream.flush()
         if self._sampler is not None:
             self._sampler.stop()
         if dist.is_initialized():
@@ -171,6 +184,21 @@ class RankWorker:
     def _report(self, record: dict) -> None:
         with self._lock:
             self._reports.append(record)
+
+
+def name_rank_in_logs(rank: int) -> None:
+    """Make Ray's log monitor prefix this process's stdout and stderr lines with ``(rank N ...)``.
+
+    Ray takes an actor's prefix from its ``__repr__`` once, when the actor is created -- before the rank is
+    known -- and from a marker line the worker writes to its output files; writing that marker again
+    renames the actor for every line after it (the monitor drops the marker itself).
+    """
+    try:
+        from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
+    except ImportError:  # a Ray without the marker: lines keep the generic prefix
+        return
+    for stream in (sys.stdout, sys.stderr):
+        print(f"{LOG_PREFIX_ACTOR_NAME}rank {rank}", file=stream, flush=True)
 
 
 def set_collective_timeout(mesh, timeout: timedelta) -> None:
@@ -188,10 +216,11 @@ class WorkerGroup:
     ``drain`` and always ``shutdown``."""
 
     def __init__(self, nodes: int, ranks_per_node: int, use_gpus: bool, env: Optional[dict] = None,
-                 shared_dir: Optional[str] = None):
+                 shared_dir: Optional[str] = None, runtime_env: Optional[dict] = None):
         self.nodes, self.ranks_per_node, self.use_gpus = nodes, ranks_per_node, use_gpus
         self.shared_dir = shared_dir  # when set, rendezvous through a FileStore there
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self.runtime_env = dict(runtime_env or {})  # beside env_vars: working_dir, excludes
         self.pg = None
         self.actors: list = []  # in rank order once started
         self.placement: list[RankPlacement] = []
@@ -219,7 +248,7 @@ class WorkerGroup:
                 actors.append(RankWorker.options(
                     num_cpus=1, num_gpus=1 if self.use_gpus else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
-                    runtime_env={"env_vars": self.env},
+                    runtime_env={"env_vars": self.env, **self.runtime_env},
                 ).remote())
         self.actors = actors  # so shutdown() kills them even if placement checks fail below
         where = ray.get([a.where.remote() for a in actors], timeout=timeout_s)
@@ -245,9 +274,11 @@ class WorkerGroup:
                 for actor, p in zip(self.actors, self.placement)]
         return ray.get(refs, timeout=timeout_s + 60)
 
-    def run(self, entrypoint: str, model_config_path: str, settings: JobSettings) -> list:
-        """Start the entrypoint on every rank; returns one object ref per rank (rank order)."""
-        return [actor.run.remote(entrypoint, model_config_path, settings) for actor in self.actors]
+    def run(self, entrypoint: str, model_config_path: str, settings: JobSettings,
+            working_dir: Optional[str] = None) -> list:
+        """Start the entrypoint on every rank; returns one object ref per rank (rank order). ``working_dir``
+        is the driver's path of the shipped directory (paths inside it map to each rank's copy)."""
+        return [actor.run.remote(entrypoint, model_config_path, settings, working_dir) for actor in self.actors]
 
     def drain(self, timeout_s: float = 30.0) -> list[dict]:
         """Every rank's reports and NVML samples since the last drain (ranks that died are skipped)."""

@@ -1,13 +1,18 @@
-"""The built-in entrypoint ``hybrid.models.gpt:train``: train the built-in GPT on a synthetic stream.
+"""The built-in entrypoint ``hybrid.models.gpt:train``: train the built-in GPT on a token file or a synthetic stream.
 
 ``train(ctx)`` builds the GPT of the model config (TP-sliced over ``ctx.mesh.tp_comm``) on the meta device,
 so the engine materializes it straight into each rank's shard (``hybrid.materialize``), wraps it in the
-ZeRO engine at the planned stage on the mesh's DP group, and trains it on ``hybrid.data.MarkovTokens``:
+ZeRO engine at the planned stage on the mesh's DP group, and trains it on the token file the model config
+names under ``data:`` (a ``hybrid.data.TokenFile``; a relative path is relative to the model config file;
+``model.vocab_size`` must be at least the file's vocabulary), else on ``hybrid.data.MarkovTokens``:
 each DP rank takes its own slice of the step's global batch, the TP ranks of a group take the same one.
 Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. With a checkpoint
 directory in the job, every rank resumes from its latest checkpoint and saves on the job's cadence
 (``hybrid.train.run_steps``); the stream yields the same batch for the same step, so the data position
 is the step.
+
+The summary names the loss to beat: ``reference_loss`` with the unigram entropy of the token file (a model
+below it learned more than token frequencies) or the synthetic chain's floor.
 
 The model config may carry an optional ``train:`` mapping beside ``model:`` with ``lr``,
 ``weight_decay``, ``gradient_clipping`` and ``branching`` (successors per token in the synthetic chain).
@@ -15,9 +20,10 @@ The model config may carry an optional ``train:`` mapping beside ``model:`` with
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
-from hybrid.data import MarkovTokens
+from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError
 from hybrid.models.gpt import GPT
 from hybrid.models.gpt_config import GPTConfig
@@ -31,8 +37,7 @@ def train(ctx: Context) -> dict:
     model_config = GPTConfig.from_dict(ctx.model_config.get("model", {}))
     options = train_options(ctx.model_config.get("train"))
     engine = build_engine(ctx, model_config, options)
-    stream = MarkovTokens(model_config.vocab_size, model_config.seq_len, seed=ctx.settings.seed,
-                          branching=options["branching"])
+    stream, reference = data_source(ctx, model_config, options)
     micro_batch, mesh = ctx.settings.micro_batch, ctx.mesh
 
     def batches(step: int):
@@ -41,7 +46,35 @@ def train(ctx: Context) -> dict:
 
     tokens_per_step = micro_batch * mesh.dp * model_config.seq_len
     summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step)
-    return {**summary, "loss_floor": stream.loss_floor, "stage": ctx.stage, "memory": engine.memory_report()}
+    return {**summary, "reference_loss": reference, "stage": ctx.stage, "memory": engine.memory_report()}
+
+
+def data_source(ctx: Context, model_config: GPTConfig, options: dict) -> tuple[Any, dict]:
+    """The batches to train on and the loss to compare with: the model config's ``data:`` token file (and
+    its unigram entropy), else the synthetic chain (and its floor)."""
+    seed = ctx.settings.seed
+    path = data_path(ctx.model_config.get("data"), ctx.model_config_path)
+    if path is None:
+        stream = MarkovTokens(model_config.vocab_size, model_config.seq_len, seed=seed, branching=options["branching"])
+        return stream, {"name": "synthetic chain floor", "nats": stream.loss_floor}
+    tokens = TokenFile(path, model_config.seq_len, seed=seed)
+    if model_config.vocab_size < tokens.vocab_size:
+        raise ConfigError(f"model.vocab_size is {model_config.vocab_size}, below the vocabulary of the data file "
+                          f"{path} ({tokens.vocab_size}); set model.vocab_size to at least {tokens.vocab_size}.")
+    return tokens, {"name": "unigram entropy of the data", "nats": tokens.unigram_entropy}
+
+
+def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
+    """The ``data:`` entry of the model config as a path (relative ones against the config's directory)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"data is {value!r} in the model config; give the path of a token file made by "
+                          "`hybrid data prepare`.")
+    path = Path(value).expanduser()
+    if not path.is_absolute() and model_config_path:
+        path = (Path(model_config_path).resolve().parent / path).resolve()
+    return path
 
 
 def train_options(section: Any) -> dict:

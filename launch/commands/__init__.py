@@ -1,9 +1,10 @@
 """One module per ``hybrid`` sub-command; ``ALL_COMMANDS`` is what ``launch.cli`` registers."""
 
 from launch.commands.checkpoint import checkpoint_group
+from launch.commands.data import data_group
 from launch.commands.estimate import estimate
 from launch.commands.launch import launch_command
 from launch.commands.monitor import monitor
 from launch.commands.plan import plan_command
 
-ALL_COMMANDS: list = [estimate, plan_command, launch_command, monitor, checkpoint_group]
+ALL_COMMANDS: list = [estimate, plan_command, launch_command, monitor, checkpoint_group, data_group]

@@ -30,7 +30,7 @@ parallel:
 def test_shipped_cluster_files_load_with_paths_resolved_against_the_file():
     local = load_spec(ROOT / "clusters" / "local.yaml")
     assert (local.cluster.address, local.cluster.nodes, local.cluster.gpus_per_node) == ("local", 2, 2)
-    assert local.job.config == TINY  # "../configs/gpt-tiny.yaml" relative to clusters/
+    assert local.job.config == ROOT / "configs" / "gpt-tiny-text.yaml"  # relative to clusters/
     assert (local.tp, local.dp, local.parallel.zero_stage) == (2, 2, None)
     dgx = load_spec(ROOT / "clusters" / "dgx-h100-8x8.yaml")
     assert (dgx.cluster.address, dgx.cluster.nodes, dgx.cluster.gpus_per_node, dgx.tp, dgx.dp) == ("auto", 8, 8, 8, 8)

@@ -1,0 +1,231 @@
+"""Token files: flat binary token ids on disk, memory-mapped, sampled deterministically per step.
+
+A token file is what nanoGPT and llm.c train on: token ids back to back, ``uint16`` (vocabularies up to
+65,536) or ``uint32``, little-endian, no header. Beside it, ``<file>.json`` (``metadata_path``) records
+the dtype, the vocabulary size, the token count, the tokenizer and the unigram entropy of the tokens;
+``hybrid data prepare`` writes both. ``TokenFile(path, seq_len, seed)`` opens one with ``numpy.memmap``
+(nothing is read into memory but the rows a batch needs) after checking it against its metadata: a
+missing, empty, truncated or out-of-vocabulary file is a ``DataError`` of one sentence.
+
+Sampling: the file is cut into windows of ``seq_len + 1`` tokens; a window is one row (inputs, and the
+targets shifted by one). Every epoch shifts the cut by an offset in ``[0, seq_len]`` and visits the windows
+in a fresh pseudo-random order -- a Feistel-network permutation of the window indices keyed by (seed,
+epoch), computed per index, so no permutation table is ever held. Step ``s`` takes the ``rows = micro_batch
+· dp`` consecutive positions of that order that belong to it (a step never straddles two epochs) and DP
+rank ``r`` takes rows ``r · micro_batch ...``: a batch is a pure function of (seed, step, DP rank and
+size), so a resumed job sees exactly the batches an uninterrupted one would, and the DP ranks of a step
+always read disjoint tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hybrid.errors import DataError
+
+FORMAT = "hybrid-tokens/1"
+DTYPES = {"uint16": "<u2", "uint32": "<u4"}
+SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a file for its largest id
+
+
+@dataclass(frozen=True)
+class TokenFileMeta:
+    """What ``<file>.json`` records about a token file."""
+
+    dtype: str
+    vocab_size: int
+    tokens: int
+    tokenizer: str = "bytes"
+    unigram_entropy_nats: Optional[float] = None
+    sources: tuple = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self), "sources": list(self.sources)}, indent=2) + "\n"
+
+
+def metadata_path(path: str | os.PathLike) -> Path:
+    """Where the metadata of token file ``path`` lives: ``path`` with ``.json`` appended."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest dtype that holds every id of a vocabulary of ``vocab_size`` tokens."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def unigram_entropy(counts: np.ndarray) -> float:
+    """Entropy in nats of the token distribution with the given counts: the loss of a model that knows
+    only how often each token occurs."""
+    counts = np.asarray(counts, dtype=np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def read_metadata(path: Path) -> TokenFileMeta:
+    meta_file = metadata_path(path)
+    try:
+        doc = json.loads(meta_file.read_text())
+        fields = {k: doc[k] for k in ("dtype", "vocab_size", "tokens")}
+    except FileNotFoundError:
+        raise DataError(f"token file {path} has no metadata file {meta_file.name} beside it; write both with "
+                        f"`hybrid data prepare TEXT... --out {path}`.") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise DataError(f"{meta_file} is not token-file metadata ({type(err).__name__}: {err}); write it again "
+                        "with `hybrid data prepare`.") from None
+    if fields["dtype"] not in DTYPES:
+        raise DataError(f"{meta_file} says dtype {fields['dtype']!r}; a token file is uint16 or uint32.")
+    if not isinstance(fields["vocab_size"], int) or fields["vocab_size"] < 1:
+        raise DataError(f"{meta_file} says vocab_size {fields['vocab_size']!r}; it must be a whole number >= 1.")
+    return TokenFileMeta(**fields, tokenizer=str(doc.get("tokenizer", "unknown")),
+                         unigram_entropy_nats=doc.get("unigram_entropy_nats"), sources=tuple(doc.get("sources", ())))
+
+
+# ------------------------------------------------------------------------------------------ permutation
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): a cheap, well-spread hash."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _key(seed: int, epoch: int) -> np.uint64:
+    return _mix(np.array([(seed * _GOLDEN + epoch * 0x632BE59BD9B4E019 + 1) % 2**64], dtype=np.uint64))[0]
+
+
+def permute(indices: np.ndarray, n: int, key: np.uint64, rounds: int = 4) -> np.ndarray:
+    """A bijection of ``[0, n)`` applied to ``indices``: a balanced Feistel network over the smallest
+    even number of bits covering ``n``, cycle-walking until the value falls inside ``[0, n)``."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    shift = np.uint64(half)
+    round_keys = [_key(int(key), r) for r in range(rounds)]
+
+    def once(x: np.ndarray) -> np.ndarray:
+        left, right = x >> shift, x & mask
+        for k in round_keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << shift) | right
+
+    out = once(np.asarray(indices, dtype=np.uint64))
+    outside = out >= np.uint64(n)
+    while outside.any():
+        out[outside] = once(out[outside])
+        outside = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------- the file
+
+
+class TokenFile:
+    """A token file opened for training rows of ``seq_len`` tokens (plus one for the targets)."""
+
+    def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, *, dtype: Optional[str] = None,
+                 vocab_size: Optional[int] = None, check: bool = True):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise DataError(f"data file {self.path} does not exist; create it with "
+                            f"`hybrid data prepare TEXT... --out {self.path}`.")
+        if self.path.is_dir():
+            raise DataError(f"data file {self.path} is a directory; give the path of a token file "
+                            "(made by `hybrid data prepare`).")
+        if dtype is not None and vocab_size is not None:  # a raw file without metadata (nanoGPT's .bin)
+            self.meta = TokenFileMeta(dtype=dtype, vocab_size=int(vocab_size), tokens=-1, tokenizer="unknown")
+        else:
+            self.meta = read_metadata(self.path)
+        if self.meta.dtype not in DTYPES:
+            raise DataError(f"dtype {self.meta.dtype!r} of {self.path} is not a token dtype; use uint16 or uint32.")
+        self.seq_len, self.seed = seq_len, seed
+        self.tokens = self._token_count()
+        self.window = seq_len + 1
+        self.windows_per_epoch = (self.tokens - self.window + 1) // self.window
+        if self.windows_per_epoch < 1:
+            raise DataError(f"data file {self.path} holds {self.tokens} tokens, too few for one row of seq_len "
+                            f"{seq_len}; give it at least {2 * self.window - 1} tokens or lower model.seq_len.")
+        self._data = np.memmap(self.path, dtype=DTYPES[self.meta.dtype], mode="r", shape=(self.tokens,))
+        if check:
+            self._check_ids()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta.vocab_size
+
+    @property
+    def unigram_entropy(self) -> float:
+        """The file's unigram entropy in nats (from its metadata, else counted)."""
+        if self.meta.unigram_entropy_nats is not None:
+            return float(self.meta.unigram_entropy_nats)
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for start in range(0, self.tokens, SCAN_CHUNK):
+            counts += np.bincount(self._data[start:start + SCAN_CHUNK], minlength=self.vocab_size)
+        return unigram_entropy(counts)
+
+    def _token_count(self) -> int:
+        size = self.path.stat().st_size
+        itemsize = np.dtype(DTYPES[self.meta.dtype]).itemsize
+        if size == 0:
+            raise DataError(f"data file {self.path} is empty; prepare it again from non-empty text with "
+                            "`hybrid data prepare`.")
+        if size % itemsize:
+            raise DataError(f"data file {self.path} has {size} bytes, not a whole number of {self.meta.dtype} "
+                            f"tokens ({itemsize} bytes each); it is truncated or of another dtype, so prepare it "
+                            "again.")
+        count = size // itemsize
+        if self.meta.tokens >= 0 and count != self.meta.tokens:
+            raise DataError(f"data file {self.path} holds {count} tokens but {metadata_path(self.path).name} says "
+                            f"{self.meta.tokens}; the file changed after it was prepared, so prepare it again.")
+        return count
+
+    def _check_ids(self) -> None:
+        for start in range(0, self.tokens, SCAN_CHUNK):
+            chunk = self._data[start:start + SCAN_CHUNK]
+            if int(chunk.max()) >= self.vocab_size:
+                at = start + int(np.argmax(chunk >= self.vocab_size))
+                raise DataError(f"data file {self.path} holds token id {int(self._data[at])} at position {at}, "
+                                f"not below its vocab_size {self.vocab_size}; prepare the file again with the "
+                                "tokenizer it is meant for.")
+
+    # ------------------------------------------------------------------------------------- sampling
+
+    def starts(self, step: int, rows: int) -> np.ndarray:
+        """Token offsets of the ``rows`` windows of ``step``'s global batch (distinct, non-overlapping)."""
+        n = self.windows_per_epoch
+        if rows > n:
+            raise DataError(f"data file {self.path} holds {n} rows of seq_len {self.seq_len}, fewer than the "
+                            f"{rows} one step needs (micro_batch x dp); use more text or a smaller job.micro_batch.")
+        steps_per_epoch = n // rows
+        epoch, within = divmod(step, steps_per_epoch)
+        key = _key(self.seed, epoch)
+        offset = int(_mix(np.array([int(key)], dtype=np.uint64))[0] % np.uint64(self.window))
+        positions = within * rows + np.arange(rows, dtype=np.int64)
+        return offset + permute(positions, n, key) * self.window
+
+    def global_batch(self, step: int, rows: int) -> torch.Tensor:
+        """``rows`` windows of ``seq_len + 1`` tokens for ``step``, the same on every call."""
+        return self._rows(self.starts(step, rows))
+
+    def batch(self, step: int, micro_batch: int, dp_rank: int = 0, dp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of DP rank ``dp_rank``: its ``micro_batch`` rows of the step's global batch of
+        ``micro_batch · dp`` rows; targets are the inputs shifted by one token."""
+        starts = self.starts(step, micro_batch * dp)[dp_rank * micro_batch:(dp_rank + 1) * micro_batch]
+        rows = self._rows(starts)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def _rows(self, starts: np.ndarray) -> torch.Tensor:
+        windows = self._data[starts[:, None] + np.arange(self.window, dtype=np.int64)]
+        return torch.from_numpy(windows.astype(np.int64))

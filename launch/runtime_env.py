@@ -1,0 +1,110 @@
+"""What every rank actor starts with: Ray's ``runtime_env`` for the job (pure functions of the spec).
+
+``runtime_env(spec)`` ships ``job.working_dir`` (the cluster file's directory by default) to every node, as
+Ray Jobs do: Ray zips it (less ``working_dir_excludes``: virtual environments, git data, caches, and the
+job's run and checkpoint directories when they lie inside it), uploads it through the cluster's GCS once,
+unpacks it on each node and starts the actor there with it as current directory and first on the import
+path, so the user's entrypoint module and files beside it exist on every node. ``env_vars`` are
+``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH`` (and, on the embedded cluster, which
+shares this machine, its current directory, after the working directory), gloo on loopback for the
+embedded cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
+the rank's node.
+
+Ray accepts a local ``working_dir`` only in ``ray.init``'s job-wide ``runtime_env``; one launcher driver may
+run several jobs on one connection, so ``ship`` does what ``ray.init`` does -- zip, upload to the GCS
+(content-addressed: an unchanged directory is not uploaded again) -- and gives the actors the package URI.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from hybrid.errors import ConfigError
+from launch import ray_cluster
+from launch.spec import LaunchSpec
+
+# Never worth shipping: environments, VCS data, caches (gitignore-style patterns, as Ray's excludes take).
+ALWAYS_EXCLUDED = (".venv/", "venv/", ".git", "__pycache__/", "*.pyc", ".pytest_cache/", ".hypothesis/",
+                   "*.egg-info/", ".mypy_cache/")
+
+
+def rank_env(spec: LaunchSpec) -> dict:
+    """Environment variables of every rank actor."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if spec.cluster.is_local:  # the embedded cluster's ranks share this machine: what ran from here still does
+        paths.append(os.getcwd())
+    env = {"OMP_NUM_THREADS": "1",
+           # torch's deprecation notices from every rank would bury the progress lines
+           "PYTHONWARNINGS": "ignore::FutureWarning"}
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if spec.cluster.is_local:
+        env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR=ray_cluster.LOOPBACK)
+    env.update(spec.job.env)
+    return env
+
+
+def working_dir_excludes(spec: LaunchSpec) -> list[str]:
+    """Ray ``excludes`` for the shipped working directory: ``ALWAYS_EXCLUDED`` plus the job's run and
+    checkpoint directories when they lie inside it (anchored at the working directory's root)."""
+    excludes = list(ALWAYS_EXCLUDED)
+    root = spec.job.working_dir
+    for directory in (spec.job.run_dir, spec.job.checkpoint.dir):
+        if root is not None and directory is not None and _inside(Path(directory), root):
+            relative = Path(directory).resolve().relative_to(Path(root).resolve()).as_posix()
+            if relative != ".":
+                excludes.append(f"/{relative}/")
+    return list(dict.fromkeys(excludes))
+
+
+def runtime_env(spec: LaunchSpec) -> dict:
+    """The ``runtime_env`` of every rank actor: env vars, and the working directory with its excludes."""
+    env = {"env_vars": rank_env(spec)}
+    if spec.job.working_dir is not None:
+        env.update(working_dir=str(spec.job.working_dir), excludes=working_dir_excludes(spec))
+    return env
+
+
+def ship(env: dict) -> dict:
+    """``env`` with its local ``working_dir`` uploaded to the connected Ray cluster and replaced by the
+    package's URI (the ``excludes`` are applied and dropped); ``env`` without one is returned as it is."""
+    if "working_dir" not in env:
+        return env
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    env = dict(env)
+    options = {}
+    if "include_gitignore" in inspect.signature(upload_working_dir_if_needed).parameters:
+        options["include_gitignore"] = True  # as ray.init does: what git ignores is not shipped either
+    directory = env["working_dir"]
+    try:
+        env = upload_working_dir_if_needed(env, scratch_dir=tempfile.gettempdir(),
+                                           logger=logging.getLogger(__name__), **options)
+    except Exception as err:  # Ray's RuntimeEnvSetupError, ValueError: too large, unreadable, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"job.working_dir {directory} could not be shipped to the ranks ({first}); keep only "
+                          "code and small files there (data and runs elsewhere) or point job.working_dir at "
+                          "the code's directory.") from None
+    env.pop("excludes", None)
+    return env
+
+
+def localize(path: str, working_dir: Optional[str], here: str) -> str:
+    """``path`` as seen on a rank whose copy of the driver's ``working_dir`` is ``here`` (its current
+    directory): a path inside the working directory maps into the copy, any other stays as it is."""
+    if not working_dir or not _inside(Path(path), Path(working_dir)):
+        return path
+    return str(Path(here) / Path(path).resolve().relative_to(Path(working_dir).resolve()))
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True

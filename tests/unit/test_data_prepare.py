@@ -1,0 +1,119 @@
+"""``hybrid data prepare``: text → token file round trip (bytes and tokenizer.json), one sentence per bad input,
+and the built-in GPT's checks on the file its model config names."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hybrid.data import TokenFile, metadata_path
+from hybrid.data.prepare import ByteTokenizer, JsonTokenizer, prepare
+from hybrid.data.tokens import unigram_entropy
+from hybrid.errors import ConfigError, DataError
+from hybrid.models.gpt_config import GPTConfig
+from hybrid.models.gpt_train import data_path, data_source
+from hybrid.train import Context, JobSettings
+from launch.cli import main
+
+TEXT = "The quick brown fox jumps over the lazy dog.\n" * 20
+
+
+def run_cli(args, capsys):
+    code = main(["data", "prepare", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bytes_round_trip_through_the_command_including_non_utf8(tmp_path, capsys):
+    a, b = tmp_path / "a.txt", tmp_path / "b.bin"
+    a.write_text(TEXT)
+    b.write_bytes(bytes(range(256)) * 3)  # not UTF-8: fine for the byte-level tokenizer
+    code, out, err = run_cli([a, b, "--out", tmp_path / "out" / "corpus.bin"], capsys)
+    assert code == 0, err
+    path = tmp_path / "out" / "corpus.bin"
+    raw = a.read_bytes() + b.read_bytes()
+    assert f"{len(raw):,} tokens (uint16, vocabulary 256, tokenizer bytes)" in out
+    meta = json.loads(metadata_path(path).read_text())
+    assert meta["tokens"] == len(raw) and meta["dtype"] == "uint16" and meta["sources"] == ["a.txt", "b.bin"]
+    expected_entropy = unigram_entropy(np.bincount(np.frombuffer(raw, np.uint8), minlength=256))
+    assert meta["unigram_entropy_nats"] == pytest.approx(expected_entropy)
+    assert f"unigram entropy {expected_entropy:.3f} nats" in out
+    tf = TokenFile(path, seq_len=16)
+    assert ByteTokenizer().decode(np.asarray(tf._data)) == raw
+    assert not list(path.parent.glob(".*tmp*")), "temporary files left behind"
+
+
+def _tokenizer_json(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.save(str(path))
+    return path
+
+
+def test_a_tokenizer_json_round_trips_and_sets_the_vocabulary(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    tok = _tokenizer_json(tmp_path / "tokenizer.json")
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    code, out, err = run_cli([text, "--out", tmp_path / "t.bin", "--tokenizer", tok], capsys)
+    assert code == 0, err
+    loaded = JsonTokenizer(tok)
+    tf = TokenFile(tmp_path / "t.bin", seq_len=8)
+    assert tf.vocab_size == loaded.vocab_size and tf.meta.tokenizer == "tokenizer.json"
+    assert loaded.decode(np.asarray(tf._data)).split() == loaded.decode(loaded.encode(TEXT.encode(), text)).split()
+    assert "".join(loaded.decode(np.asarray(tf._data)).split()) == "".join(TEXT.split())
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    code, _, err = run_cli([bad, "--out", tmp_path / "x.bin", "--tokenizer", tok], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is not UTF-8 text (byte 3)" in err
+
+
+def test_bad_input_is_one_sentence_each(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not a tokenizer")
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    cases = [([tmp_path / "missing.txt"], "does not exist; pass existing text files."),
+             ([empty], "holds no tokens; pass non-empty files."),
+             ([tmp_path], "is a directory; pass the text files in it"),
+             ([good, "--tokenizer", junk], "does not load as a tokenizer.json"),
+             ([good, "--tokenizer", tmp_path / "none.json"], "tokenizer file"),
+             ]
+    for args, expected in cases:
+        code, out, err = run_cli([*args, "--out", tmp_path / "o.bin"], capsys)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+        assert "Traceback" not in err
+    code, _, err = run_cli([good, "--out", tmp_path], capsys)
+    assert code == 2 and "is a directory; give the path of the token file to write" in err
+    assert not (tmp_path / "o.bin").exists()
+
+
+def _ctx(tmp_path, data, vocab_size=256):
+    config_path = tmp_path / "model.yaml"
+    model = {"vocab_size": vocab_size, "seq_len": 8, "n_layers": 1, "hidden": 16, "n_heads": 2}
+    ctx = Context(None, {"model": model, "data": data}, JobSettings(steps=1, micro_batch=2, stage=0),
+                  model_config_path=str(config_path))
+    return ctx, GPTConfig.from_dict(model)
+
+
+def test_the_built_in_gpt_reads_data_relative_to_its_model_config_and_checks_the_vocabulary(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    prepare([text], tmp_path / "data" / "c.bin")
+    ctx, config = _ctx(tmp_path, "data/c.bin")
+    assert data_path("data/c.bin", ctx.model_config_path) == tmp_path / "data" / "c.bin"
+    source, reference = data_source(ctx, config, {"branching": 4})
+    assert isinstance(source, TokenFile) and reference["nats"] == pytest.approx(source.unigram_entropy)
+    ctx, config = _ctx(tmp_path, "data/c.bin", vocab_size=128)
+    with pytest.raises(ConfigError) as info:
+        data_source(ctx, config, {"branching": 4})
+    assert str(info.value) == (f"model.vocab_size is 128, below the vocabulary of the data file "
+                               f"{tmp_path / 'data' / 'c.bin'} (256); set model.vocab_size to at least 256.")
+    ctx, config = _ctx(tmp_path, "nowhere.bin")
+    with pytest.raises(DataError, match="does not exist"):
+        data_source(ctx, config, {"branching": 4})
