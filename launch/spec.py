@@ -61,6 +61,7 @@ class JobSpec:
     max_failures: int = 0
     collective_timeout_s: float = 300.0
     seed: int = 0
+    isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _cluster(d: dict) -> ClusterSpec:
 
 def _job(d: dict, base_dir: Path) -> JobSpec:
     _known(d, "job", ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
-                      "collective_timeout_s", "seed"))
+                      "collective_timeout_s", "seed", "isolate_gpus"))
     entrypoint = _required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
     check_entrypoint(entrypoint)
     config = _required(d, "job", "config", "the path of the model config YAML")
@@ -170,8 +171,12 @@ def _job(d: dict, base_dir: Path) -> JobSpec:
     timeout = d.get("collective_timeout_s", 300)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"job.collective_timeout_s is {timeout!r}; give seconds, a number above 0.")
+    isolate_gpus = d.get("isolate_gpus", False)
+    if not isinstance(isolate_gpus, bool):
+        raise ConfigError(f"job.isolate_gpus is {isolate_gpus!r}; give true (each rank sees only its own GPU) "
+                          "or false (the ranks of a node share its GPUs, the default).")
     return JobSpec(entrypoint, config_path, steps, micro_batch, _checkpoint(d.get("checkpoint"), base_dir),
-                   max_failures, float(timeout), seed)
+                   max_failures, float(timeout), seed, isolate_gpus=isolate_gpus)
 
 
 def _checkpoint(d: Any, base_dir: Path) -> CheckpointSpec:
