@@ -5,7 +5,11 @@
 ``rank % tp`` form one DP group (launchers put consecutive ranks on one node, so a TP group never
 straddles nodes). The ZeRO engine runs on ``dp_group`` over each rank's local (TP-sliced) parameters; the
 TP layers talk over ``tp_comm``. Both groups get their own ``Comm`` so the TP traffic and the DP traffic
-are counted separately. The mesh's device type follows the default group (``cuda`` when it was bound to a
+are counted separately. The dp and tp groups are created with ``new_group`` and the default group's full
+backend (``DeviceMesh.from_group`` then wraps them): ``init_device_mesh`` would split an eagerly initialized
+NCCL group with ``ncclCommSplit``, which on some torch versions yields NCCL-only groups where a CPU tensor
+has no backend. They get the ``timeout`` given, else torch's default. The mesh's device type follows the
+default group (``cuda`` when it was bound to a
 GPU or has an NCCL backend, else ``cpu``); ``node_index`` and ``local_rank`` are where the rank really
 runs, as torchrun and the Ray launcher state it (``GROUP_RANK``/``NODE_RANK``, ``LOCAL_RANK``), not
 ``rank // tp``: with tp smaller than the ranks per node those differ.
@@ -26,7 +30,7 @@ from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.comm import Comm
 from hybrid.errors import ConfigError
@@ -112,17 +116,32 @@ def default_device_type() -> str:
     return "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
 
 
-def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = None) -> HybridMesh:
+def _mesh_groups(grid: torch.Tensor, timeout: Optional[timedelta]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (dp, tp) groups of ``grid`` (dp × tp global ranks); every rank creates every group, in the
+    same order, as ``new_group`` requires."""
+    rank, backend = dist.get_rank(), dist.get_backend()
+    mine = {}
+    for name, rows in (("tp", grid.tolist()), ("dp", grid.t().tolist())):
+        for ranks in rows:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[name] = group
+    return mine["dp"], mine["tp"]
+
+
+def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = None,
+               timeout: Optional[timedelta] = None) -> HybridMesh:
     """Build the (dp, tp) mesh over the initialized default process group (every rank must call this);
-    ``device_type`` defaults to the default group's (``default_device_type``)."""
+    ``device_type`` defaults to the default group's (``default_device_type``), ``timeout`` to torch's."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialized default process group (dist.init_process_group).")
     rank, world = dist.get_rank(), dist.get_world_size()
     dp, tp = mesh_degrees(world, tp, dp)
     device_type = device_type or default_device_type()
     node_index, local_rank = placement_from_env(os.environ, rank)
-    device_mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_group, tp_group = device_mesh.get_group("dp"), device_mesh.get_group("tp")
+    grid = torch.arange(world, dtype=torch.int).view(dp, tp)
+    dp_group, tp_group = _mesh_groups(grid, timeout)
+    device_mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
     return HybridMesh(
         device_mesh=device_mesh,
         dp_group=dp_group,

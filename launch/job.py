@@ -14,9 +14,10 @@ reports) decide: a rank that stopped entering collectives well before its peers 
 all of them, is the hung rank they were waiting for and is named instead of its victims (``attribute``).
 A ``UserError`` raised on a rank (a bad model config, say) is not retried.
 
-On GPUs every rank runs with NCCL's flight recorder on (``TORCH_NCCL_TRACE_BUFFER_SIZE``) and dumps it
-when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``) into ``<checkpoint dir>/nccl-flight-recorder/
-rank_<R>`` (torch's default ``/tmp/nccl_trace_rank_<R>`` without a checkpoint directory). Each dump is a
+On GPUs every rank runs with NCCL's flight recorder on (``TORCH_FR_BUFFER_SIZE``, the current name of
+``TORCH_NCCL_TRACE_BUFFER_SIZE``) and dumps it when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
+into ``<checkpoint dir>/nccl-flight-recorder/rank_<R>`` (``TORCH_FR_DUMP_TEMP_FILE``; torch's default
+``/tmp/nccl_trace_rank_<R>`` without a checkpoint directory). Each dump is a
 pickled dict whose ``entries`` list the rank's last collectives with their ``collective_seq_id``, ``state``
 (scheduled / started / completed) and ``time_discovered_started_ns``; the rank whose last ``started``
 sequence number is below its peers' never entered the collective they hang in. Reading them needs no
@@ -367,7 +368,9 @@ def _death_detail(text: str) -> str:
 
 # NCCL hygiene on every rank: the flight recorder on and dumped when a collective times out, and the CUDA
 # caching allocator's expandable segments (less fragmentation). The driver's own values win.
-NCCL_DEFAULTS = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+# The TORCH_FR_* names replaced TORCH_NCCL_TRACE_BUFFER_SIZE / _DEBUG_INFO_TEMP_FILE (which torch still reads,
+# with a deprecation warning from every rank).
+NCCL_DEFAULTS = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                  "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 FLIGHT_RECORDER_DIR = "nccl-flight-recorder"
 PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "PYTORCH_CUDA_ALLOC_CONF")
@@ -383,8 +386,7 @@ def _rank_env(spec: LaunchSpec, driver_env: Optional[dict] = None) -> dict:
            # torch's deprecation notices from every rank would bury the progress lines
            "PYTHONWARNINGS": "ignore::FutureWarning", **NCCL_DEFAULTS}
     if spec.job.checkpoint.dir is not None:
-        prefix = os.path.join(spec.job.checkpoint.dir, FLIGHT_RECORDER_DIR, "rank_")
-        env.update(TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix, TORCH_FR_DUMP_TEMP_FILE=prefix)  # old and new name
+        env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(spec.job.checkpoint.dir, FLIGHT_RECORDER_DIR, "rank_")
     env.update({k: v for k, v in driver_env.items() if k.startswith(PASSED_THROUGH)})
     if spec.cluster.is_local:
         env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR=ray_cluster.LOOPBACK)

@@ -171,9 +171,8 @@ class RankWorker:
         timeout = timedelta(seconds=timeout_s)
         store = dist.FileStore(rendezvous.store_file, world_size) if rendezvous.store_file else None
         init_default_group(torch.device(device), rank, world_size, timeout, store=store)
-        self._mesh = build_mesh(tp)
+        self._mesh = build_mesh(tp, timeout=timeout)  # a hung or dead peer raises after timeout_s, not 30 min
         heartbeat.reset()
-        set_collective_timeout(self._mesh, timeout)
         if sample_nvml:
             from hybrid.monitor import Sampler
 
@@ -221,16 +220,6 @@ class RankWorker:
     def _report(self, record: dict) -> None:
         with self._lock:
             self._reports.append(record)
-
-
-def set_collective_timeout(mesh, timeout: timedelta) -> None:
-    """Give the mesh's dp and tp groups ``timeout``. ``init_process_group(timeout=...)`` covers only the
-    default group; DeviceMesh creates its sub-groups with torch's default (30 minutes for gloo), so a dead
-    peer would otherwise stall every TP or DP collective for half an hour."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    for group in {id(g): g for g in (mesh.dp_group, mesh.tp_group)}.values():
-        _set_pg_timeout(timeout, group)
 
 
 class WorkerGroup:

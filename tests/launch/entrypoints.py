@@ -70,7 +70,7 @@ def environment(ctx):
             "local_rank": ctx.mesh.local_rank, "tp": ctx.mesh.tp, "sum": t.item(), "device": str(ctx.device)}
 
 
-SLEEP_S = 30.0  # far past the tests' collective timeout; the driver kills the sleeper when it gives up
+SLEEP_S = 120.0  # far past the tests' collective timeout; the driver kills the sleeper when it gives up
 
 
 def sleep_past_timeout_on_rank_1(ctx):

@@ -166,7 +166,7 @@ def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(clust
     with pytest.raises(JobFailed) as info:
         plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:sleep_past_timeout_on_rank_1",
                                collective_timeout_s=2), io.StringIO(), tty=False)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # well before the sleeper (SLEEP_S = 120 s) would wake up
     message = str(info.value)
     assert "\n" not in message
     assert re.fullmatch(r"rank 1 on node 0 failed \(hung: it entered no collective for [0-9.]+ s, longer than "

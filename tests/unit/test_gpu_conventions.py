@@ -72,7 +72,7 @@ def test_a_cuda_rank_binds_its_device_and_keeps_gloo_for_cpu_tensors(monkeypatch
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(mesh_module.dist, "init_process_group",
                         lambda backend, **kw: calls.append(("init", backend, kw["device_id"], kw["rank"])))
-    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(tmp_path / "fr" / "rank_"))
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "fr" / "rank_"))
     device = torch.device("cuda:3")
     mesh_module.init_default_group(device, rank=3, world_size=4, timeout=timedelta(seconds=5))
     assert calls == [("set_device", device), ("init", "cpu:gloo,cuda:nccl", device, 3)]
@@ -96,14 +96,15 @@ def _spec(**job):
 def test_ranks_get_the_nccl_defaults_the_flight_recorder_dir_and_the_drivers_nccl_variables(tmp_path):
     env = _rank_env(_spec(checkpoint={"dir": str(tmp_path)}),
                     {"NCCL_IB_HCA": "mlx5_0", "NCCL_DEBUG": "WARN", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
-                     "TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "HOME": "/root"})
+                     "TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_TRACE_BUFFER_SIZE": "60", "HOME": "/root"})
     assert env["NCCL_IB_HCA"] == "mlx5_0" and env["NCCL_DEBUG"] == "WARN" and "HOME" not in env
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # the driver's value wins
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl-flight-recorder" / "rank_")
+    assert env["TORCH_FR_BUFFER_SIZE"] == "50" and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "60"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl-flight-recorder" / "rank_")
     plain = _rank_env(_spec(), {})
     assert plain["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert plain["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in plain
+    assert plain["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_FR_DUMP_TEMP_FILE" not in plain
 
 
 def test_job_isolate_gpus_is_a_boolean_defaulting_to_false():
