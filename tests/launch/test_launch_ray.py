@@ -152,7 +152,7 @@ def test_a_rank_that_never_joins_a_collective_is_a_timeout_not_a_hang(cluster):
     with pytest.raises(JobFailed) as info:
         plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:hang_on_rank_1", collective_timeout_s=2),
                      io.StringIO(), tty=False)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # not torch's default timeout of 30 minutes
     message = str(info.value)
     # the hung rank is named, not one of the ranks whose collectives timed out waiting for it
     assert re.fullmatch(r"rank 1 on node 0 failed \(hung: it entered no collective for [0-9.]+ s, longer than "
