@@ -17,10 +17,10 @@ CUDA_VISIBLE_DEVICES listing all the node's GPUs given to the job and rank LOCAL
 ``isolate_gpus`` each actor keeps only its own GPU (``cuda:0``). The default group is
 ``"cpu:gloo,cuda:nccl"`` on GPUs (``hybrid.mesh.init_default_group``), gloo without.
 
-``drain()`` also returns the rank's collective heartbeat (``hybrid.heartbeat``) and step, which the
-driver uses to name the rank its peers timed out waiting for. ``run()`` calls the
-entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
-drains them. ``shutdown()`` kills every actor and frees the placement group.
+``run()`` calls the entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor
+buffers until the driver drains them; ``drain()`` also returns the rank's collective heartbeat
+(``hybrid.heartbeat``) and step, from which the driver names the rank its peers timed out waiting for.
+``shutdown()`` kills every actor and frees the placement group.
 """
 
 from __future__ import annotations
