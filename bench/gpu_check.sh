@@ -2,7 +2,8 @@
 # One command for a machine with one (or more) NVIDIA GPU(s), nothing to install: Python 3 with CUDA torch,
 # click, pyyaml, pytest and nvidia-ml-py; no Ray, no network. Runs tests/gpu (under torchrun), then the
 # single-GPU throughput benchmark (bench/gpu_bench.py: hybrid ZeRO-0 beside FSDP2 on the ~1.4B built-in GPT,
-# seq 2048, bf16), and writes the report to bench/RESULTS-gpu.md. About 3-5 minutes on one H200.
+# seq 2048, bf16), and writes the report to bench/RESULTS-gpu.md. Estimated 3-5 minutes on one H200 (not yet
+# measured: no GPU has run it so far).
 #
 #   bash bench/gpu_check.sh               # on the GPU machine
 #   bash bench/gpu_check.sh --cpu         # dry run of the same path on the CPU with gpt-tiny (CI runs this)
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) CPU="--cpu" ;;
         --out) [ $# -ge 2 ] || { echo "error: --out needs a file path" >&2; exit 2; }; OUT=$2; shift ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "error: unknown argument '$1'; use --cpu and/or --out FILE" >&2; exit 2 ;;
     esac
     shift
