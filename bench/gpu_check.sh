@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) CPU="--cpu" ;;
         --out) [ $# -ge 2 ] || { echo "error: --out needs a file path" >&2; exit 2; }; OUT=$2; shift ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "error: unknown argument '$1'; use --cpu and/or --out FILE" >&2; exit 2 ;;
     esac
     shift
