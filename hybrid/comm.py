@@ -13,6 +13,9 @@ nothing is counted. Async ops return a handle with ``.wait()`` in every case, so
 the group size.
 
 gloo has no ``ReduceOp.AVG``; callers that want a mean pass ``average=True`` and the division happens here.
+
+Every collective issued is recorded in ``hybrid.heartbeat`` (entered, and inside it until it returns), so
+the launcher can tell which rank its peers were waiting for when they time out.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from hybrid import heartbeat
 
 
 class _Done:
@@ -84,7 +89,8 @@ class Comm:
         if self.size == 1:
             return _Done()
         self._count("all_reduce", 2 * _nbytes(tensor))
-        work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        with heartbeat.collective(f"{self.name}.all_reduce"):
+            work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         if not average:
             return work if async_op else _Done()
         if async_op:
@@ -102,8 +108,9 @@ class Comm:
             output.copy_(input)
             return _Done()
         self._count("reduce_scatter", _nbytes(input))
-        work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=async_op)
+        with heartbeat.collective(f"{self.name}.reduce_scatter"):
+            work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
+                                              async_op=async_op)
         if not average:
             return work if async_op else _Done()
         if async_op:
@@ -120,7 +127,8 @@ class Comm:
             output.copy_(input)
             return _Done()
         self._count("all_gather", _nbytes(output))
-        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        with heartbeat.collective(f"{self.name}.all_gather"):
+            work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0, *, async_op: bool = False):
@@ -128,12 +136,14 @@ class Comm:
             return _Done()
         self._count("broadcast", _nbytes(tensor))
         src = dist.get_global_rank(self.group, src_rank_in_group) if self.group is not None else src_rank_in_group
-        work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+        with heartbeat.collective(f"{self.name}.broadcast"):
+            work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            with heartbeat.collective(f"{self.name}.barrier"):
+                dist.barrier(group=self.group)
 
 
 def _nbytes(t: torch.Tensor) -> int:

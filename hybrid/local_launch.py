@@ -6,6 +6,11 @@ group through a file store in a private temporary directory, calls ``fn(*args)``
 the per-rank results in rank order. A failure on any rank raises ``LocalRunError`` carrying that rank's
 traceback; the other ranks are terminated, never left behind.
 
+Every rank gets torchrun's variables for one node (RANK, WORLD_SIZE, LOCAL_RANK = rank, LOCAL_WORLD_SIZE,
+GROUP_RANK = NODE_RANK = 0). With ``backend="nccl"`` rank r runs on ``cuda:r`` (``rank_device``; more ranks
+than GPUs is an error, as NCCL cannot put two ranks of one group on one GPU) and joins a
+``"cpu:gloo,cuda:nccl"`` group bound to that device (``hybrid.mesh.init_default_group``).
+
 Why a file store and not MASTER_ADDR/PORT: torch's TCP store client connects over a v4-mapped IPv6
 socket and then resolves the peer's name, which sends a DNS query off this machine. gloo itself still
 talks over loopback (``GLOO_SOCKET_IFNAME=lo``).
@@ -23,9 +28,35 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from hybrid.errors import ConfigError
+
+BACKENDS = ("gloo", "nccl")
+
 
 class LocalRunError(RuntimeError):
     pass
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend is {backend!r}; use one of {', '.join(BACKENDS)}.")
+
+
+def rank_device(rank: int, world_size: int, backend: str, device_count: int) -> str:
+    """The device rank ``rank`` of a one-node run uses: ``cuda:rank`` with nccl (one GPU per rank), else cpu."""
+    check_backend(backend)
+    if backend == "gloo":
+        return "cpu"
+    if world_size > device_count:
+        raise ConfigError(f"backend nccl needs one GPU per rank, but world_size is {world_size} and this "
+                          f"machine has {device_count} GPU(s); run at most {device_count} ranks or use gloo.")
+    return f"cuda:{rank}"
+
+
+def local_rank_env(rank: int, world_size: int) -> dict:
+    """torchrun's variables for rank ``rank`` of ``world_size`` ranks on one node."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                GROUP_RANK="0", NODE_RANK="0")
 
 
 def _entry(rank: int, world_size: int, store_file: str, backend: str, timeout_s: float, threads: int,
@@ -33,14 +64,17 @@ def _entry(rank: int, world_size: int, store_file: str, backend: str, timeout_s:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    from hybrid.mesh import init_default_group
+
+    os.environ.update(local_rank_env(rank, world_size))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo serves CPU tensors under nccl too
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        count = torch.cuda.device_count() if backend == "nccl" else 0
+        device = torch.device(rank_device(rank, world_size, backend, count))
+        init_default_group(device, rank, world_size, timedelta(seconds=timeout_s),
+                           init_method=f"file://{store_file}")
         result = fn(*args)
         # No rank may tear down while a peer still reads the store.
         dist.barrier()
@@ -57,6 +91,7 @@ def _entry(rank: int, world_size: int, store_file: str, backend: str, timeout_s:
 def run_local(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
               threads: int = 1) -> list:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; return their results in rank order."""
+    check_backend(backend)  # the GPU count is checked in each rank: the parent must not initialize CUDA
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="hybrid-run-local-")

@@ -1,21 +1,36 @@
 """The 2D process mesh: data parallel (across nodes) × tensor parallel (inside a node).
 
 ``build_mesh(tp, dp=None)`` turns the initialized default process group into a ``("dp", "tp")``
-``DeviceMesh`` with TP innermost: ranks ``k·tp … k·tp+tp−1`` form one TP group and sit on node ``k``;
-ranks with the same ``rank % tp`` form one DP group. The ZeRO engine runs on ``dp_group`` over each rank's
-local (TP-sliced) parameters; the TP layers talk over ``tp_comm``. Both groups get their own ``Comm`` so
-the TP traffic and the DP traffic are counted separately.
+``DeviceMesh`` with TP innermost: ranks ``k·tp … k·tp+tp−1`` form one TP group, ranks with the same
+``rank % tp`` form one DP group (launchers put consecutive ranks on one node, so a TP group never
+straddles nodes). The ZeRO engine runs on ``dp_group`` over each rank's local (TP-sliced) parameters; the
+TP layers talk over ``tp_comm``. Both groups get their own ``Comm`` so the TP traffic and the DP traffic
+are counted separately. The dp and tp groups are created with ``new_group`` and the default group's full
+backend (``DeviceMesh.from_group`` then wraps them): ``init_device_mesh`` would split an eagerly initialized
+NCCL group with ``ncclCommSplit``, which on some torch versions yields NCCL-only groups where a CPU tensor
+has no backend. They get the ``timeout`` given, else torch's default. The mesh's device type follows the
+default group (``cuda`` when it was bound to a
+GPU or has an NCCL backend, else ``cpu``); ``node_index`` and ``local_rank`` are where the rank really
+runs, as torchrun and the Ray launcher state it (``GROUP_RANK``/``NODE_RANK``, ``LOCAL_RANK``), not
+``rank // tp``: with tp smaller than the ranks per node those differ.
 
-``mesh_degrees`` is the pure validation step, usable before any process exists (planner, launcher).
+``init_default_group(device, ...)`` is the one place a rank joins the default group: on CUDA it binds the
+device and uses ``"cpu:gloo,cuda:nccl"``, so collectives on CPU tensors (metrics, ``full_state_dict()``)
+keep working beside NCCL on GPU tensors.
+
+``mesh_degrees`` and ``placement_from_env`` are pure, usable before any process exists.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional
+from datetime import timedelta
+from typing import Mapping, Optional
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.comm import Comm
 from hybrid.errors import ConfigError
@@ -32,8 +47,8 @@ class HybridMesh:
     tp_rank: int
     dp: int
     tp: int
-    node_index: int   # rank // tp: the node (TP group) this rank belongs to
-    local_rank: int   # rank % tp: the rank's position inside its node
+    node_index: int   # the node this rank runs on (GROUP_RANK / NODE_RANK)
+    local_rank: int   # the rank's index among this job's ranks on its node (LOCAL_RANK)
 
 
 def mesh_degrees(world_size: int, tp: int, dp: Optional[int] = None) -> tuple[int, int]:
@@ -53,14 +68,80 @@ def mesh_degrees(world_size: int, tp: int, dp: Optional[int] = None) -> tuple[in
     return dp, tp
 
 
-def build_mesh(tp: int, dp: Optional[int] = None, device_type: str = "cpu") -> HybridMesh:
-    """Build the (dp, tp) mesh over the initialized default process group (every rank must call this)."""
+def placement_from_env(env: Mapping[str, str], rank: int) -> tuple[int, int]:
+    """``(node_index, local_rank)`` of ``rank`` from torchrun-style variables.
+
+    ``LOCAL_RANK`` is the rank's index on its node; the node is ``GROUP_RANK`` (torchrun) or ``NODE_RANK``,
+    else derived from ``LOCAL_WORLD_SIZE`` (ranks per node, consecutive ranks per node). Without any of
+    them the job is taken to be one node: ``(0, rank)``.
+    """
+    if "LOCAL_RANK" not in env:
+        return 0, rank
+    local_rank = int(env["LOCAL_RANK"])
+    for key in ("GROUP_RANK", "NODE_RANK"):
+        if key in env:
+            return int(env[key]), local_rank
+    if "LOCAL_WORLD_SIZE" in env:
+        return (rank - local_rank) // int(env["LOCAL_WORLD_SIZE"]), local_rank
+    return 0, local_rank
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backend for a rank on ``device``: NCCL for CUDA tensors with gloo beside it for
+    CPU tensors, gloo alone on CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_default_group(device: torch.device, rank: int, world_size: int, timeout: timedelta,
+                       store: Optional[dist.Store] = None, init_method: Optional[str] = None) -> None:
+    """Join the default process group as ``rank`` on ``device`` (a CUDA device is made current and bound,
+    so NCCL creates its communicator on it and never guesses ``cuda:0``)."""
+    kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+        for key in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # NCCL's flight-recorder dumps
+            folder = os.path.dirname(os.environ.get(key, ""))
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+    dist.init_process_group(process_group_backend(device), store=store, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout, **kwargs)
+
+
+def default_device_type() -> str:
+    """``cuda`` when the default group was bound to a GPU or runs NCCL, else ``cpu``."""
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    if bound is not None:
+        return bound.type
+    return "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+
+
+def _mesh_groups(grid: torch.Tensor, timeout: Optional[timedelta]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (dp, tp) groups of ``grid`` (dp × tp global ranks); every rank creates every group, in the
+    same order, as ``new_group`` requires."""
+    rank, backend = dist.get_rank(), dist.get_backend()
+    mine = {}
+    for name, rows in (("tp", grid.tolist()), ("dp", grid.t().tolist())):
+        for ranks in rows:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[name] = group
+    return mine["dp"], mine["tp"]
+
+
+def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = None,
+               timeout: Optional[timedelta] = None) -> HybridMesh:
+    """Build the (dp, tp) mesh over the initialized default process group (every rank must call this);
+    ``device_type`` defaults to the default group's (``default_device_type``), ``timeout`` to torch's."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialized default process group (dist.init_process_group).")
     rank, world = dist.get_rank(), dist.get_world_size()
     dp, tp = mesh_degrees(world, tp, dp)
-    device_mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_group, tp_group = device_mesh.get_group("dp"), device_mesh.get_group("tp")
+    device_type = device_type or default_device_type()
+    node_index, local_rank = placement_from_env(os.environ, rank)
+    grid = torch.arange(world, dtype=torch.int).view(dp, tp)
+    dp_group, tp_group = _mesh_groups(grid, timeout)
+    device_mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
     return HybridMesh(
         device_mesh=device_mesh,
         dp_group=dp_group,
@@ -71,6 +152,6 @@ def build_mesh(tp: int, dp: Optional[int] = None, device_type: str = "cpu") -> H
         tp_rank=device_mesh.get_local_rank("tp"),
         dp=dp,
         tp=tp,
-        node_index=rank // tp,
-        local_rank=rank % tp,
+        node_index=node_index,
+        local_rank=local_rank,
     )

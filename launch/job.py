@@ -8,8 +8,21 @@ progress display. A rank whose actor dies or raises stops the attempt at once: t
 killed (no rank is left to hang in a collective), a new one is started, and every rank resumes from the
 latest complete checkpoint (``hybrid.train.run_steps`` does the resuming); the display says which rank on
 which node failed, why, and from which step the ranks restart. The failure blamed is the root cause: a
-dead process before a rank's own exception before a collective that failed because of its peer. A
-``UserError`` raised on a rank (a bad model config, say) is not retried.
+dead process before a rank's own exception before a collective that failed because of its peer. When no
+rank raised an error of its own, the ranks' collective heartbeats (``hybrid.heartbeat``, drained with the
+reports) decide: a rank that stopped entering collectives well before its peers timed out, and is behind
+all of them, is the hung rank they were waiting for and is named instead of its victims (``attribute``).
+A ``UserError`` raised on a rank (a bad model config, say) is not retried.
+
+On GPUs every rank runs with NCCL's flight recorder on (``TORCH_FR_BUFFER_SIZE``, the current name of
+``TORCH_NCCL_TRACE_BUFFER_SIZE``) and dumps it when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
+into ``<checkpoint dir>/nccl-flight-recorder/rank_<R>`` (``TORCH_FR_DUMP_TEMP_FILE``; torch's default
+``/tmp/nccl_trace_rank_<R>`` without a checkpoint directory). Each dump is a
+pickled dict whose ``entries`` list the rank's last collectives with their ``collective_seq_id``, ``state``
+(scheduled / started / completed) and ``time_discovered_started_ns``; the rank whose last ``started``
+sequence number is below its peers' never entered the collective they hang in. Reading them needs no
+driver code beyond loading the files (``python -m torch.distributed.flight_recorder.fr_trace <dir> -p rank_``
+does it and prints that mismatch); the heartbeats give the same answer without the files, on gloo too.
 
 Every rank starts with ``launch.runtime_env`` (job.working_dir shipped, job.env set); every completed step
 goes to ``launch.metrics.MetricsWriter`` (run_dir/metrics.jsonl), and the summary ends with the loss against
@@ -32,6 +45,7 @@ from typing import Any, Optional, TextIO
 
 import ray
 
+from hybrid import heartbeat
 from hybrid.checkpoint import layout
 from hybrid.errors import PlanError, UserError
 from hybrid.train import JobSettings
@@ -191,7 +205,8 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
     shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
     env = ship(runtime_env(spec))
     group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus),
-                        env=env.pop("env_vars"), shared_dir=shared_dir, runtime_env=env)
+                        env=env.pop("env_vars"), shared_dir=shared_dir, runtime_env=env,
+                        isolate_gpus=spec.job.isolate_gpus)
     graceful = False
     try:
         try:
@@ -205,7 +220,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
                                   placement=group.placement)
         refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan),
                          working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
-        outcome = _collect(group, refs, progress)
+        outcome = _collect(group, refs, progress, spec.job.collective_timeout_s)
         outcome.placement = placement
         graceful = outcome.ok
         return outcome
@@ -225,7 +240,7 @@ def describe_placement(placement: list[RankPlacement]) -> str:
     return "placed  " + "; ".join(parts)
 
 
-def _collect(group: WorkerGroup, refs: list, progress: Progress) -> AttemptOutcome:
+def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: float) -> AttemptOutcome:
     """Poll the ranks' results and reports until every rank returned or one failed.
 
     When one fails, the others are asked to stop; failures arriving within ``GRACE_S`` are weighed too,
@@ -234,22 +249,28 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress) -> AttemptOutco
     pending = {ref: rank for rank, ref in enumerate(refs)}
     results: dict[int, Any] = {}
     failures: list[tuple[int, Exception]] = []  # (rank, error) in the order they arrived
+    beats: dict[int, dict] = {}  # rank -> its last heartbeat (kept for ranks that died since)
     while pending and not failures:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
-        _drain(group, progress)
+        _drain(group, progress, beats)
         failures = _take(ready, pending, results)
     if not failures:
         _drain(group, progress)
         return AttemptOutcome(True, results=results)
+    failed_at = time.time()
     group.request_stop()
     deadline = time.monotonic() + GRACE_S
     while pending and min(failure_order(e) for _, e in failures) == PEER and time.monotonic() < deadline:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
         failures += _take(ready, pending, results)
-    _drain(group, progress)
-    rank, err = root_cause(failures)
-    log.error("rank %d failed:\n%s", rank, err)
+    _drain(group, progress, beats)
+    rank, err = attribute(failures, beats, failed_at, timeout_s)
     where = {p.rank: p for p in group.placement}.get(rank)
+    if err is None:
+        cause = hung_cause(rank, failures, beats, failed_at, timeout_s)
+        log.error("rank %d hung: %s", rank, cause)
+        return AttemptOutcome(False, failure=Failure(rank, where.node_index if where else None, cause))
+    log.error("rank %d failed:\n%s", rank, err)
     failure = Failure(rank, where.node_index if where else None, cause_of(err, where.pid if where else None))
     cause = getattr(err, "cause", None)
     if isinstance(cause, UserError):
@@ -269,9 +290,11 @@ def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exceptio
     return failures
 
 
-def _drain(group: WorkerGroup, progress: Progress) -> None:
+def _drain(group: WorkerGroup, progress: Progress, beats: Optional[dict] = None) -> None:
     for drained in group.drain():
         progress.add(drained)
+        if beats is not None and drained.get("heartbeat"):
+            beats[drained["rank"]] = drained["heartbeat"]
 
 
 # How telling a rank's failure is about the root cause: its process died, it raised, or one of its
@@ -296,6 +319,34 @@ def root_cause(failures: list[tuple[int, Exception]]) -> tuple[int, Exception]:
     """The failure that most likely started it all: a dead process, else a rank's own exception, else the
     first failed collective; ties go to the earliest."""
     return min(failures, key=lambda f: failure_order(f[1]))
+
+
+def attribute(failures: list[tuple[int, Exception]], beats: dict[int, dict], now: float,
+              timeout_s: float) -> tuple[int, Optional[Exception]]:
+    """The rank to blame and its error (None: it raised nothing, it hung).
+
+    A rank's own exception is always the cause. Otherwise (peers' collectives failed, processes died,
+    as NCCL's watchdog kills a rank whose collective timed out) the heartbeats may name the rank the
+    others were waiting for (``hybrid.heartbeat.hung_rank``); a dead rank is then blamed with its death.
+    """
+    rank, err = root_cause(failures)
+    if failure_order(err) == RAISED:
+        return rank, err
+    hung = heartbeat.hung_rank(beats, now, timeout_s)
+    if hung is None or hung == rank:
+        return rank, err
+    return hung, dict(failures).get(hung)
+
+
+def hung_cause(rank: int, failures: list[tuple[int, Exception]], beats: dict[int, dict], now: float,
+               timeout_s: float) -> str:
+    """Why rank ``rank`` is blamed though it raised nothing: what its heartbeat showed against its peers'."""
+    beat = beats[rank]
+    victims = ", ".join(str(r) for r in sorted({r for r, _ in failures}))
+    ahead = max(b["entered"] for r, b in beats.items() if r != rank)
+    return (f"hung: it entered no collective for {now - beat['last']:.1f} s, longer than job.collective_timeout_s "
+            f"= {timeout_s:g} s, at step {beat.get('step', 0)} after {beat['entered']} collectives (its peers "
+            f"reached {ahead}), while rank(s) {victims} timed out waiting for it")
 
 
 def cause_of(err: Exception, pid: Optional[int] = None) -> str:

@@ -6,8 +6,10 @@ job's run and checkpoint directories when they lie inside it), uploads it throug
 unpacks it on each node and starts the actor there with it as current directory and first on the import
 path, so the user's entrypoint module and files beside it exist on every node. ``env_vars`` are
 ``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH`` (and, on the embedded cluster, which
-shares this machine, its current directory, after the working directory), gloo on loopback for the
-embedded cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
+shares this machine, its current directory, after the working directory), the NCCL defaults (flight
+recorder dumping into the checkpoint directory, expandable segments) under the driver's own ``NCCL_*`` /
+``TORCH_NCCL_*`` / ``TORCH_FR_*`` / ``PYTORCH_CUDA_ALLOC_CONF``, gloo on loopback for the embedded
+cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
 the rank's node.
 
 Ray accepts a local ``working_dir`` only in ``ray.init``'s job-wide ``runtime_env``; one launcher driver may
@@ -33,16 +35,30 @@ ALWAYS_EXCLUDED = (".venv/", "venv/", ".git", "__pycache__/", "*.pyc", ".pytest_
                    "*.egg-info/", ".mypy_cache/")
 
 
-def rank_env(spec: LaunchSpec) -> dict:
-    """Environment variables of every rank actor."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+# NCCL hygiene on every rank: the flight recorder on and dumped when a collective times out, and the CUDA
+# caching allocator's expandable segments (less fragmentation). The driver's own values win, job.env over all.
+# The TORCH_FR_* names replaced TORCH_NCCL_TRACE_BUFFER_SIZE / _DEBUG_INFO_TEMP_FILE (which torch still reads,
+# with a deprecation warning from every rank).
+NCCL_DEFAULTS = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                 "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+FLIGHT_RECORDER_DIR = "nccl-flight-recorder"
+PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def rank_env(spec: LaunchSpec, driver_env: Optional[dict] = None) -> dict:
+    """Environment variables of every rank actor (``driver_env``: the driver's, ``os.environ`` by default)."""
+    driver_env = os.environ if driver_env is None else driver_env
+    paths = [p for p in driver_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if spec.cluster.is_local:  # the embedded cluster's ranks share this machine: what ran from here still does
         paths.append(os.getcwd())
     env = {"OMP_NUM_THREADS": "1",
            # torch's deprecation notices from every rank would bury the progress lines
-           "PYTHONWARNINGS": "ignore::FutureWarning"}
+           "PYTHONWARNINGS": "ignore::FutureWarning", **NCCL_DEFAULTS}
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if spec.job.checkpoint.dir is not None:
+        env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(spec.job.checkpoint.dir, FLIGHT_RECORDER_DIR, "rank_")
+    env.update({k: v for k, v in driver_env.items() if k.startswith(PASSED_THROUGH)})
     if spec.cluster.is_local:
         env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR=ray_cluster.LOOPBACK)
     env.update(spec.job.env)

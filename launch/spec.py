@@ -68,6 +68,7 @@ class JobSpec:
     run_dir: Optional[Path] = None  # metrics.jsonl, TensorBoard events (resolved default: see _run_dir)
     working_dir: Optional[Path] = None  # shipped to every rank; the entrypoint's module is found here
     env: dict = field(default_factory=dict)  # environment variables for the ranks
+    isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def _cluster(d: dict) -> ClusterSpec:
 
 def _job(d: dict, base_dir: Path, name: str = "job") -> JobSpec:
     _known(d, "job", ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
-                      "collective_timeout_s", "seed", "run_dir", "working_dir", "env"))
+                      "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus"))
     working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
     entrypoint = _required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
     check_entrypoint(entrypoint, working_dir)
@@ -183,8 +184,12 @@ def _job(d: dict, base_dir: Path, name: str = "job") -> JobSpec:
     if run_dir is not None and (not isinstance(run_dir, str) or not run_dir):
         raise ConfigError(f"job.run_dir is {run_dir!r}; give a directory path for metrics and logs.")
     run_dir = _resolve(run_dir, base_dir) if run_dir else (checkpoint.dir or Path.cwd() / "runs" / name)
+    isolate_gpus = d.get("isolate_gpus", False)
+    if not isinstance(isolate_gpus, bool):
+        raise ConfigError(f"job.isolate_gpus is {isolate_gpus!r}; give true (each rank sees only its own GPU) "
+                          "or false (the ranks of a node share its GPUs, the default).")
     return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, float(timeout), seed,
-                   run_dir, working_dir, _env(d.get("env")))
+                   run_dir, working_dir, _env(d.get("env")), isolate_gpus)
 
 
 def _directory(value: Any, name: str, base_dir: Path) -> Path:

@@ -2,15 +2,27 @@
 
 ``WorkerGroup.start()`` reserves a placement group with one bundle per node (``STRICT_SPREAD``: no two
 bundles on one Ray node), starts ``ranks_per_node`` actors in each bundle, then asks every actor which
-Ray node it landed on and assigns ranks node by node (``assign_ranks``) -- bundle order is never trusted.
+Ray node (and GPU) it landed on and assigns ranks node by node (``assign_ranks``) -- bundle order is never
+trusted; inside a node local ranks follow the GPU ids Ray gave the actors.
 ``setup()`` makes rank 0's node the rendezvous (its IP and a port free there; on the embedded cluster a
-file instead, see ``Rendezvous``), and every actor joins the default process group (nccl with GPUs, gloo
-without) and builds the (dp, tp) mesh; every group gets the job's collective timeout, so a hung or dead
-peer turns into an error on the ranks waiting for it instead of a hang. ``run()`` calls the
-entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor buffers until the driver
-drains them. ``shutdown()`` kills every actor and frees the placement group. Each actor starts with the
-job's ``runtime_env`` (``launch.runtime_env``) and, once it knows its rank, names it in Ray's log prefix:
-what a rank prints reaches the driver as ``(rank N pid=...) ...``.
+file instead, see ``Rendezvous``), and every actor joins the default process group and builds the (dp, tp)
+mesh; every group gets the job's collective timeout, so a hung or dead peer turns into an error on the
+ranks waiting for it instead of a hang.
+
+Each rank's environment is torchrun's (``rank_env``): RANK, WORLD_SIZE, LOCAL_RANK (its index among the
+job's ranks on its node), LOCAL_WORLD_SIZE, GROUP_RANK = NODE_RANK, GROUP_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT. With GPUs, Ray Train's convention (``cuda_devices``): the actors of a node share
+CUDA_VISIBLE_DEVICES listing all the node's GPUs given to the job and rank LOCAL_RANK uses
+``cuda:LOCAL_RANK``, so NCCL sees its peers' GPUs and can use NVLink peer to peer; with
+``isolate_gpus`` each actor keeps only its own GPU (``cuda:0``). The default group is
+``"cpu:gloo,cuda:nccl"`` on GPUs (``hybrid.mesh.init_default_group``), gloo without.
+
+``run()`` calls the entrypoint on every rank with a ``hybrid.train.Context`` whose reports the actor
+buffers until the driver drains them; ``drain()`` also returns the rank's collective heartbeat
+(``hybrid.heartbeat``) and step, from which the driver names the rank its peers timed out waiting for.
+``shutdown()`` kills every actor and frees the placement group.
+Each actor starts with the job's ``runtime_env`` (``launch.runtime_env``) and, once it knows its rank,
+names it in Ray's log prefix: what a rank prints reaches the driver as ``(rank N pid=...) ...``.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybrid import heartbeat
 from hybrid.train import JobSettings
 
 log = logging.getLogger(__name__)
@@ -43,8 +56,9 @@ class PlacementFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where the ranks meet: rank 0's node address and a port free there (a TCPStore), or a file every rank
-    can reach (a FileStore: the embedded cluster, whose nodes all share this machine's disk)."""
+    """Where the ranks meet: rank 0's node address and a port free there (a TCPStore, and MASTER_ADDR/PORT
+    of every rank), or, when ``store_file`` is set, a file every rank can reach (a FileStore: the embedded
+    cluster, whose nodes all share this machine's disk)."""
 
     address: Optional[str] = None
     port: Optional[int] = None
@@ -58,19 +72,30 @@ class RankPlacement:
     ip: str
     node_index: int  # position of the node in rank order: ranks node_index*ranks_per_node ...
     pid: int = 0  # the actor's process id on its node
+    local_rank: int = 0  # index among the job's ranks on this node
+    gpu_ids: tuple = ()  # the GPU ids Ray assigned to this actor (as strings)
 
 
-def assign_ranks(node_ids: list[str], ranks_per_node: int, ips: Optional[list[str]] = None) -> list[int]:
+def _gpu_key(gpu_id: str) -> tuple:
+    """Sort GPU ids numerically where they are numbers (Ray's usual ids), else as text (UUIDs)."""
+    return (0, int(gpu_id), "") if str(gpu_id).isdigit() else (1, 0, str(gpu_id))
+
+
+def assign_ranks(node_ids: list[str], ranks_per_node: int, ips: Optional[list[str]] = None,
+                 gpu_ids: Optional[list[list[str]]] = None) -> list[int]:
     """Rank of each actor (by index) so that every node's actors hold consecutive ranks.
 
-    Nodes are ordered by (IP, node id) and actors inside a node by their index, so the result does not
-    depend on which bundle went where. Raises ``PlacementFailed`` unless every node holds exactly
-    ``ranks_per_node`` actors.
+    Nodes are ordered by (IP, node id) and actors inside a node by their first GPU id, then their index,
+    so the result does not depend on which bundle went where and local rank i holds the node's i-th GPU.
+    Raises ``PlacementFailed`` unless every node holds exactly ``ranks_per_node`` actors.
     """
     ips = ips or [""] * len(node_ids)
+    gpu_ids = gpu_ids or [[] for _ in node_ids]
     by_node: dict[str, list[int]] = defaultdict(list)
     for index, node in enumerate(node_ids):
         by_node[node].append(index)
+    for members in by_node.values():
+        members.sort(key=lambda i: (_gpu_key(gpu_ids[i][0]) if gpu_ids[i] else (2, 0, ""), i))
     for node, members in by_node.items():
         if len(members) != ranks_per_node:
             raise PlacementFailed(f"Ray placed {len(members)} rank actors on node {node[:12]} where "
@@ -84,6 +109,31 @@ def assign_ranks(node_ids: list[str], ranks_per_node: int, ips: Optional[list[st
     return ranks
 
 
+def rank_env(p: RankPlacement, world_size: int, nodes: int, ranks_per_node: int, master_addr: str,
+             master_port: int) -> dict:
+    """torchrun's environment for the rank at placement ``p``."""
+    return dict(RANK=str(p.rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(p.local_rank),
+                LOCAL_WORLD_SIZE=str(ranks_per_node), GROUP_RANK=str(p.node_index), NODE_RANK=str(p.node_index),
+                GROUP_WORLD_SIZE=str(nodes), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+
+
+def cuda_devices(p: RankPlacement, node_ranks: list[RankPlacement], isolate: bool) -> tuple[str, str]:
+    """``(CUDA_VISIBLE_DEVICES, device)`` for the rank at ``p``, whose node holds ``node_ranks``.
+
+    Shared (Ray Train's convention): every rank of the node sees all the node's GPUs given to the job,
+    sorted, and uses the position of its own GPU there -- its local rank, as ``assign_ranks`` orders local
+    ranks by GPU id. Isolated: it sees only its own GPU, ``cuda:0``.
+    """
+    if not p.gpu_ids:
+        raise PlacementFailed(f"rank {p.rank} was given no GPU by Ray; check cluster.gpus_per_node against "
+                              "`ray status`.")
+    own = str(p.gpu_ids[0])
+    if isolate:
+        return own, "cuda:0"
+    visible = sorted({str(g) for q in node_ranks for g in q.gpu_ids}, key=_gpu_key)
+    return ",".join(visible), f"cuda:{visible.index(own)}"
+
+
 @ray.remote(max_concurrency=2, max_restarts=0)  # two threads: run() trains while drain() answers the driver
 class RankWorker:
     def __init__(self):
@@ -94,15 +144,16 @@ class RankWorker:
         self._mesh = None
         self._device = "cpu"
         self._sampler = None
+        self._ctx = None
 
     def __repr__(self) -> str:
         # Ray prefixes the lines this actor prints with its repr: "(rank 3 pid=..., ip=...)".
         return f"rank {self._rank}" if self._rank >= 0 else "RankWorker"
 
     def where(self) -> dict:
-        """The Ray node id and IP this actor runs on."""
+        """The Ray node id, IP, process id and assigned GPU ids of this actor."""
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def free_port(self) -> int:
         """A TCP port free on this node's address, for the rendezvous."""
@@ -110,35 +161,31 @@ class RankWorker:
             s.bind((ray.util.get_node_ip_address(), 0))
             return s.getsockname()[1]
 
-    def setup(self, rank: int, world_size: int, tp: int, rendezvous: "Rendezvous", backend: str,
-              timeout_s: float, sample_nvml: bool) -> dict:
-        """Join the default process group as ``rank`` and build the (dp, tp) mesh."""
+    def setup(self, rank: int, world_size: int, tp: int, rendezvous: "Rendezvous", env: dict, device: str,
+              cuda_visible: Optional[str], timeout_s: float, sample_nvml: bool) -> dict:
+        """Take the rank's environment, join the default process group as ``rank`` on ``device`` and build
+        the (dp, tp) mesh."""
+        if cuda_visible is not None:  # before anything initializes CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
+        os.environ.update(env)
         import torch
         import torch.distributed as dist
 
-        from hybrid.mesh import build_mesh
+        from hybrid.mesh import build_mesh, init_default_group
 
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % tp))
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        self._rank = rank
+        self._rank, self._device = rank, device
         name_rank_in_logs(rank)
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray exposes exactly the one GPU it assigned to this actor
-            self._device = "cuda"
         timeout = timedelta(seconds=timeout_s)
-        if rendezvous.store_file:
-            store = dist.FileStore(rendezvous.store_file, world_size)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            os.environ.update(MASTER_ADDR=rendezvous.address, MASTER_PORT=str(rendezvous.port))
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-        self._mesh = build_mesh(tp, device_type=self._device)
-        set_collective_timeout(self._mesh, timeout)
+        store = dist.FileStore(rendezvous.store_file, world_size) if rendezvous.store_file else None
+        init_default_group(torch.device(device), rank, world_size, timeout, store=store)
+        self._mesh = build_mesh(tp, timeout=timeout)  # a hung or dead peer raises after timeout_s, not 30 min
+        heartbeat.reset()
         if sample_nvml:
             from hybrid.monitor import Sampler
 
             self._sampler = Sampler(NVML_SAMPLE_INTERVAL_S).start()
-        return {"rank": rank, "dp_rank": self._mesh.dp_rank, "tp_rank": self._mesh.tp_rank,
+        return {"rank": rank, "dp_rank": self._mesh.dp_rank, "tp_rank": self._mesh.tp_rank, "device": device,
                 **self.where()}
 
     def run(self, entrypoint: str, model_config_path: str, settings: JobSettings, working_dir: Optional[str] = None):
@@ -154,19 +201,21 @@ class RankWorker:
         fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None)
         with open(model_config_path) as f:
             model_config = yaml.safe_load(f)
-        ctx = Context(self._mesh, model_config, settings, model_config_path=model_config_path,
-                      rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
-                      reporter=self._report, stop_requested=self._stop.is_set)
-        return fn(ctx)
+        self._ctx = Context(self._mesh, model_config, settings, model_config_path=model_config_path,
+                            rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
+                            reporter=self._report, stop_requested=self._stop.is_set)
+        return fn(self._ctx)
 
     def drain(self) -> dict:
-        """Reports buffered since the last drain, and the NVML samples of this node (local rank 0 only)."""
+        """Reports buffered since the last drain, the NVML samples of this node (local rank 0 only), and
+        the rank's heartbeat (collectives entered, the one it is inside, its step)."""
         with self._lock:
             reports, self._reports = self._reports, []
         samples = []
         if self._sampler is not None:
             samples = [asdict(s) for s in self._sampler.samples[-1:]]
-        return {"rank": self._rank, "reports": reports, "nvml": samples}
+        beat = {**heartbeat.snapshot(), "step": self._ctx.step if self._ctx is not None else 0}
+        return {"rank": self._rank, "reports": reports, "nvml": samples, "heartbeat": beat}
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -201,23 +250,15 @@ def name_rank_in_logs(rank: int) -> None:
         print(f"{LOG_PREFIX_ACTOR_NAME}rank {rank}", file=stream, flush=True)
 
 
-def set_collective_timeout(mesh, timeout: timedelta) -> None:
-    """Give the mesh's dp and tp groups ``timeout``. ``init_process_group(timeout=...)`` covers only the
-    default group; DeviceMesh creates its sub-groups with torch's default (30 minutes for gloo), so a dead
-    peer would otherwise stall every TP or DP collective for half an hour."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    for group in {id(g): g for g in (mesh.dp_group, mesh.tp_group)}.values():
-        _set_pg_timeout(timeout, group)
-
-
 class WorkerGroup:
     """``nodes × ranks_per_node`` rank actors on a placement group; use ``start``, ``setup``, ``run``,
     ``drain`` and always ``shutdown``."""
 
     def __init__(self, nodes: int, ranks_per_node: int, use_gpus: bool, env: Optional[dict] = None,
-                 shared_dir: Optional[str] = None, runtime_env: Optional[dict] = None):
+                 shared_dir: Optional[str] = None, runtime_env: Optional[dict] = None,
+                 isolate_gpus: bool = False):
         self.nodes, self.ranks_per_node, self.use_gpus = nodes, ranks_per_node, use_gpus
+        self.isolate_gpus = isolate_gpus
         self.shared_dir = shared_dir  # when set, rendezvous through a FileStore there
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self.runtime_env = dict(runtime_env or {})  # beside env_vars: working_dir, excludes
@@ -252,26 +293,36 @@ class WorkerGroup:
                 ).remote())
         self.actors = actors  # so shutdown() kills them even if placement checks fail below
         where = ray.get([a.where.remote() for a in actors], timeout=timeout_s)
-        ranks = assign_ranks([w["node_id"] for w in where], self.ranks_per_node, [w["ip"] for w in where])
+        gpu_ids = [w["gpu_ids"] for w in where]
+        ranks = assign_ranks([w["node_id"] for w in where], self.ranks_per_node, [w["ip"] for w in where], gpu_ids)
         order = sorted(range(len(actors)), key=lambda i: ranks[i])
         self.actors = [actors[i] for i in order]
         self.placement = [RankPlacement(rank=ranks[i], node_id=where[i]["node_id"], ip=where[i]["ip"],
-                                        node_index=ranks[i] // self.ranks_per_node, pid=where[i]["pid"])
+                                        node_index=ranks[i] // self.ranks_per_node, pid=where[i]["pid"],
+                                        local_rank=ranks[i] % self.ranks_per_node, gpu_ids=tuple(gpu_ids[i]))
                           for i in order]
         return self.placement
 
     def rendezvous(self) -> Rendezvous:
-        if self.shared_dir is not None:
-            return Rendezvous(store_file=os.path.join(self.shared_dir, "store"))
-        return Rendezvous(address=self.placement[0].ip, port=ray.get(self.actors[0].free_port.remote()))
+        """Rank 0's address and a port free there (MASTER_ADDR/PORT, which every rank gets), and on the
+        embedded cluster the file the ranks actually meet through."""
+        port = ray.get(self.actors[0].free_port.remote())
+        store_file = os.path.join(self.shared_dir, "store") if self.shared_dir is not None else None
+        return Rendezvous(address=self.placement[0].ip, port=port, store_file=store_file)
 
     def setup(self, tp: int, timeout_s: float, sample_nvml: bool = False) -> list[dict]:
         """Rendezvous (at rank 0's node, or in the shared directory) and build every rank's mesh."""
         rendezvous = self.rendezvous()
         log.info("rendezvous %s (%s)", rendezvous, self.backend)
-        refs = [actor.setup.remote(p.rank, self.world_size, tp, rendezvous, self.backend, timeout_s,
-                                   sample_nvml and p.rank % self.ranks_per_node == 0)
-                for actor, p in zip(self.actors, self.placement)]
+        refs = []
+        for actor, p in zip(self.actors, self.placement):
+            env = rank_env(p, self.world_size, self.nodes, self.ranks_per_node, rendezvous.address, rendezvous.port)
+            visible, device = None, "cpu"
+            if self.use_gpus:
+                node_ranks = [q for q in self.placement if q.node_index == p.node_index]
+                visible, device = cuda_devices(p, node_ranks, self.isolate_gpus)
+            refs.append(actor.setup.remote(p.rank, self.world_size, tp, rendezvous, env, device, visible, timeout_s,
+                                           sample_nvml and p.local_rank == 0))
         return ray.get(refs, timeout=timeout_s + 60)
 
     def run(self, entrypoint: str, model_config_path: str, settings: JobSettings,

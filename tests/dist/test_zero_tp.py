@@ -117,9 +117,10 @@ def test_zero_stages_times_tp_match_single_process_adamw():
 
     out = run_local(_rank_runs, 4, timeout_s=240)
     for rank, res in enumerate(out):
-        for tp, dp in MESHES:  # TP innermost: node k holds ranks k·tp … k·tp+tp−1
+        for tp, dp in MESHES:  # TP innermost: TP group k holds ranks k·tp … k·tp+tp−1
             node, local = rank // tp, rank % tp
-            assert res[(tp, dp)] == dict(coords=(node, local, node, local),
+            # run_local puts every rank on one node: node index 0, local rank = rank, whatever the tp
+            assert res[(tp, dp)] == dict(coords=(node, local, 0, rank),
                                          tp_ranks=list(range(node * tp, node * tp + tp)),
                                          dp_ranks=list(range(local, 4, tp))), (rank, tp, dp)
     for tp, dp, stage in [(tp, dp, stage) for tp, dp in MESHES for stage in STAGES]:

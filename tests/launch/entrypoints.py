@@ -53,3 +53,34 @@ def hang_on_rank_1(ctx):
     ctx.mesh.tp_comm.all_reduce(t)
     ctx.mesh.dp_comm.all_reduce(t)
     return {"rank": ctx.rank}
+
+
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT")
+
+
+def environment(ctx):
+    """This rank's torchrun variables, the Ray node it really runs on, and where its mesh says it runs."""
+    t = torch.ones(1)
+    ctx.mesh.dp_comm.all_reduce(t)
+    ctx.mesh.tp_comm.all_reduce(t)
+    ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
+    return {"env": {key: os.environ.get(key) for key in RANK_ENV}, "rank": dist.get_rank(),
+            "node_id": ray.get_runtime_context().get_node_id(), "node_index": ctx.mesh.node_index,
+            "local_rank": ctx.mesh.local_rank, "tp": ctx.mesh.tp, "sum": t.item(), "device": str(ctx.device)}
+
+
+SLEEP_S = 120.0  # far past the tests' collective timeout; the driver kills the sleeper when it gives up
+
+
+def sleep_past_timeout_on_rank_1(ctx):
+    """Three steps of a TP then a DP all-reduce on every rank; before step 3 rank 1 sleeps for SLEEP_S."""
+    t = torch.ones(1)
+    for step in range(3):
+        if step == 2 and ctx.rank == 1:
+            time.sleep(SLEEP_S)
+        ctx.mesh.tp_comm.all_reduce(t)
+        ctx.mesh.dp_comm.all_reduce(t)
+        ctx.step = step + 1
+        ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
+    return {"rank": ctx.rank}

@@ -6,8 +6,10 @@ declared GPU memory (3 and 1), and that no socket of the driver or any Ray proce
 address. Fault tolerance: a worker process SIGKILLed mid-run (after its first checkpoint) is restarted
 with every other rank from the latest checkpoint, and the job ends with weights bit-identical to an
 uninterrupted run's; a rank that keeps failing uses up max_failures and ends as one sentence naming rank,
-node and cause; a rank that never joins a collective becomes a timeout error, not a hang. The cluster is
-torn down at the end and no process of it may remain.
+node and cause; a rank that never joins a collective (or sleeps past the collective timeout) becomes a
+timeout error naming that rank, not a hang and not one of its victims. Every rank gets torchrun's
+variables, and the mesh's node index and local rank are the real placement, for tp = 1 and tp = 2. The
+cluster is torn down at the end and no process of it may remain.
 """
 
 import io
@@ -39,13 +41,13 @@ ROOT = Path(__file__).resolve().parents[2]
 NODES, RANKS_PER_NODE = 2, 2
 
 
-def make_spec(entrypoint="hybrid.models.gpt:train", steps=30, gpu_memory_gb=80.0, stage="auto", **job):
+def make_spec(entrypoint="hybrid.models.gpt:train", steps=30, gpu_memory_gb=80.0, stage="auto", tp="auto", **job):
     return parse_spec({
         "cluster": {"address": "local", "nodes": NODES, "gpus_per_node": RANKS_PER_NODE,
                     "gpu_memory_gb": gpu_memory_gb},
         "job": {"entrypoint": entrypoint, "config": "configs/gpt-tiny.yaml", "steps": steps, "micro_batch": 8,
                 "collective_timeout_s": 60, **job},
-        "parallel": {"tp": "auto", "zero_stage": stage, "precision": "fp32"},
+        "parallel": {"tp": tp, "zero_stage": stage, "precision": "fp32"},
     }, base_dir=ROOT)
 
 
@@ -150,10 +152,48 @@ def test_a_rank_that_never_joins_a_collective_is_a_timeout_not_a_hang(cluster):
     with pytest.raises(JobFailed) as info:
         plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:hang_on_rank_1", collective_timeout_s=2),
                      io.StringIO(), tty=False)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # not torch's default timeout of 30 minutes
     message = str(info.value)
-    assert re.fullmatch(r"rank [023] on node [01] failed \(RuntimeError: Timed out waiting 2000ms .*\); "
+    # the hung rank is named, not one of the ranks whose collectives timed out waiting for it
+    assert re.fullmatch(r"rank 1 on node 0 failed \(hung: it entered no collective for [0-9.]+ s, longer than "
+                        r"job.collective_timeout_s = 2 s, at step 0 after 0 collectives \(its peers reached 2\), "
+                        r"while rank\(s\) 0, 2, 3 timed out waiting for it\); "
                         r"job.max_failures is 0, so the job was not restarted", message), message
+
+
+def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(cluster):
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:sleep_past_timeout_on_rank_1",
+                               collective_timeout_s=2), io.StringIO(), tty=False)
+    assert time.monotonic() - started < 60  # well before the sleeper (SLEEP_S = 120 s) would wake up
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.fullmatch(r"rank 1 on node 0 failed \(hung: it entered no collective for [0-9.]+ s, longer than "
+                        r"job.collective_timeout_s = 2 s, at step 2 after 4 collectives \(its peers reached 6\), "
+                        r"while rank\(s\) 0, 2, 3 timed out waiting for it\); "
+                        r"job.max_failures is 0, so the job was not restarted", message), message
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ranks_get_torchruns_environment_and_the_mesh_knows_the_real_placement(cluster, tp):
+    result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:environment", steps=1, tp=tp),
+                          io.StringIO(), tty=False)
+    out = [result.results[r] for r in range(4)]
+    nodes = list(dict.fromkeys(o["node_id"] for o in out))  # Ray nodes in rank order
+    assert len(nodes) == NODES
+    master_port = out[0]["env"]["MASTER_PORT"]
+    assert master_port.isdigit()
+    for r, o in enumerate(out):
+        node = nodes.index(o["node_id"])  # where the rank really runs ...
+        local = [q["rank"] for q in out if q["node_id"] == o["node_id"]].index(r)
+        assert (node, local) == (r // 2, r % 2)
+        assert o["env"] == {"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2",
+                            "NODE_RANK": str(node), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, r
+        assert (o["node_index"], o["local_rank"], o["tp"]) == (node, local, tp), r  # ... is what the mesh says
+        assert o["sum"] == 4.0 and o["device"] == "cpu"
+    assert_loopback_only(*cluster)
 
 
 def _kill_after_first_checkpoint(run_dir: Path, rank: int, done: threading.Event, killed: dict) -> None:

@@ -1,0 +1,215 @@
+"""What the GPU tests run on every rank, under torchrun (no Ray):
+
+    python -m torch.distributed.run --nnodes 1 --nproc_per_node N --master_addr 127.0.0.1 --master_port P \
+        -m tests.gpu.worker OUT.json --cases parity,memory,checkpoint --meshes 1x1
+
+Each rank takes torchrun's variables, uses ``cuda:LOCAL_RANK`` (cpu where CUDA is absent, so the same code
+path can be exercised on a CPU machine with ``--init-method file://...``), joins the default group through
+``hybrid.mesh.init_default_group`` and runs the cases; rank 0 writes one JSON object to OUT.json with the
+measured errors and bytes, which the tests compare against ``TOLERANCE`` and the memory model.
+
+* ``parity``: for every mesh ``TPxDP`` given and ZeRO stages 0–3, fp32 and bf16: the built-in GPT (gpt-tiny)
+  trained ``STEPS`` steps by the engine against single-process ``torch.optim.AdamW`` on the same device,
+  same seed and batches; relative errors of the losses (and, fp32, of the consolidated weights).
+* ``memory``: a ~100M GPT at stage 0, bf16, one rank: ``torch.cuda.max_memory_allocated`` over three steps
+  against ``hybrid.memory``'s model-state bytes and activation estimate, and what the engine reports.
+* ``checkpoint``: stage 3, fp32: a run of 6 steps saving every 3, against a run of 3 steps resumed for 3
+  more from its checkpoint by a fresh engine (``hybrid.train.run_steps``): same losses and weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import hybrid
+from hybrid.config import TrainConfig
+from hybrid.mesh import build_mesh, init_default_group
+from hybrid.models.gpt import GPT, GPTConfig, count_parameters
+from hybrid.tp import gather_tp_state_dict
+from hybrid.train import Context, JobSettings, run_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "gpt-tiny.yaml"
+STEPS, GLOBAL_BATCH, SEED = 8, 8, 0
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-4, 0.1, 0.3  # eps: see tests/dist/test_zero_tp.py
+# Relative error bounds: fp32 against the fp32 reference; bf16 (bf16 weights, fp32 master) against it too.
+TOLERANCE = {"fp32": {"loss": 1e-4, "weights": 1e-4}, "bf16": {"loss": 3e-2}}
+MEMORY_MODEL = dict(vocab_size=32768, seq_len=512, n_layers=8, hidden=1024, n_heads=16, mlp_ratio=4, dropout=0.0)
+MEMORY_MICRO_BATCH = 4
+
+
+def train_config(stage: int, precision: str) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "zero": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000,
+                 "prefetch_bucket_size": 20_000, "param_persistence_threshold": 100},
+        "precision": precision,
+        "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        "gradient_clipping": CLIP,
+    })
+
+
+def batch(step: int, cfg: GPTConfig, device, rows: int = GLOBAL_BATCH) -> torch.Tensor:
+    """Arithmetic sequences mod vocab (learnable), drawn on the CPU so every device sees the same data."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, cfg.vocab_size, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    return ((start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size).to(device)
+
+
+def reference(cfg: GPTConfig, device) -> tuple[list, dict]:
+    """Single-process GPT + torch.optim.AdamW + clip_grad_norm_ on ``device``: losses and final weights."""
+    model = GPT(cfg, seed=SEED, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(STEPS):
+        seq = batch(step, cfg, device)
+        loss = model(seq[:, :-1], seq[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def rel(actual, expected) -> float:
+    actual = torch.as_tensor(actual, dtype=torch.float64)
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def parity(device, meshes: list[tuple[int, int]], args) -> dict:
+    cfg = GPTConfig.from_yaml(TINY)
+    ref_losses, ref_weights = reference(cfg, device)
+    out = {"reference_losses": ref_losses}
+    for tp, dp in meshes:
+        mesh = build_mesh(tp=tp, dp=dp)
+        micro = GLOBAL_BATCH // dp
+        rows = slice(mesh.dp_rank * micro, (mesh.dp_rank + 1) * micro)
+        for stage in (int(s) for s in args.stages.split(",")):
+            for precision in ("fp32", "bf16"):
+                model = GPT(cfg, tp_comm=mesh.tp_comm, seed=SEED, device=device)
+                engine = hybrid.initialize(model, train_config(stage, precision), dp_group=mesh.dp_group,
+                                           tp_group=mesh.tp_group)
+                losses = []
+                for step in range(STEPS):
+                    seq = batch(step, cfg, device)[rows]
+                    loss = engine(seq[:, :-1], seq[:, 1:])
+                    engine.backward(loss)
+                    engine.step()
+                    value = loss.detach().float().clone()
+                    mesh.dp_comm.all_reduce(value, average=True)  # the global loss: the mean over DP ranks
+                    losses.append(value.item())
+                case = {"loss_err": rel(losses, ref_losses), "losses": losses}
+                weights = gather_tp_state_dict(engine.full_state_dict(), engine.module, mesh.tp_comm)
+                if precision == "fp32":
+                    case["weights_err"] = max(rel(weights[n], ref) for n, ref in ref_weights.items())
+                out[f"tp{tp}xdp{dp}/stage{stage}/{precision}"] = case
+                del engine, model
+    return out
+
+
+def memory(device, _meshes, _args) -> dict:
+    """Peak CUDA bytes of three stage-0 bf16 steps of a ~100M GPT against the memory model."""
+    from hybrid.memory import activation_bytes, model_state_bytes
+
+    if device.type != "cuda":
+        return {"skipped": "no CUDA device"}
+    cfg = GPTConfig(**MEMORY_MODEL)
+    params = count_parameters(cfg)
+    mesh = build_mesh(tp=1)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    model = GPT(cfg, seed=SEED, device=device)
+    engine = hybrid.initialize(model, train_config(0, "bf16"), dp_group=mesh.dp_group, tp_group=mesh.tp_group)
+    reported = 0
+    for step in range(3):
+        seq = batch(step, cfg, device, rows=MEMORY_MICRO_BATCH)
+        engine.backward(engine(seq[:, :-1], seq[:, 1:]))
+        if step == 2:
+            report = engine.memory_report()
+            reported = report["params"] + report["grads"] + report["optimizer"]
+        engine.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    states = model_state_bytes(params, dp=1, stage=0, tp=1, precision="bf16").total
+    activations = activation_bytes(cfg.seq_len, MEMORY_MICRO_BATCH, cfg.hidden, cfg.n_heads, cfg.n_layers)
+    logits = MEMORY_MICRO_BATCH * cfg.seq_len * cfg.vocab_size * 4  # fp32 logits and their gradient, not modelled
+    return {"params": params, "peak_bytes": peak, "predicted_state_bytes": states,
+            "predicted_activation_bytes": activations, "logit_bytes": logits, "reported_state_bytes": reported}
+
+
+def checkpoint(device, _meshes, args) -> dict:
+    """Stage 3 fp32: 6 uninterrupted steps vs 3 steps, then 3 more resumed by a fresh engine."""
+    import yaml
+
+    cfg_dict = yaml.safe_load(TINY.read_text())
+    cfg = GPTConfig.from_yaml(TINY)
+    mesh = build_mesh(tp=1)
+    root = Path(args.checkpoint_dir)
+
+    def run(run_dir: Path, steps: int) -> tuple[list, dict]:
+        settings = JobSettings(steps=steps, micro_batch=GLOBAL_BATCH, stage=3, precision="fp32", seed=SEED,
+                               checkpoint_dir=str(run_dir), checkpoint_every=3)
+        losses = []
+        ctx = Context(mesh, cfg_dict, settings, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                      device=str(device), reporter=lambda r: losses.append(r["loss"]) if "loss" in r else None)
+        model = GPT(cfg, tp_comm=mesh.tp_comm, seed=SEED, device=device)
+        engine = hybrid.initialize(model, train_config(3, "fp32"), dp_group=mesh.dp_group, tp_group=mesh.tp_group)
+
+        def batches(step):
+            seq = batch(step, cfg, device)
+            return seq[:, :-1], seq[:, 1:]
+
+        run_steps(ctx, engine, batches)
+        return losses, engine.full_state_dict()
+
+    whole, whole_weights = run(root / "whole", 6)
+    first, _ = run(root / "resumed", 3)
+    rest, resumed_weights = run(root / "resumed", 6)
+    return {"whole": whole, "first": first, "rest": rest,
+            "weights_err": max(rel(resumed_weights[n], w) for n, w in whole_weights.items())}
+
+
+CASES = {"parity": parity, "memory": memory, "checkpoint": checkpoint}
+
+
+def parse_meshes(text: str) -> list[tuple[int, int]]:
+    """``"2x1,1x2"`` → ``[(2, 1), (1, 2)]`` (tp x dp)."""
+    return [tuple(int(n) for n in part.split("x")) for part in text.split(",") if part]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--cases", default="parity,memory,checkpoint")
+    parser.add_argument("--meshes", default="1x1")
+    parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages of the parity case")
+    parser.add_argument("--init-method", default="env://")
+    parser.add_argument("--checkpoint-dir", default=None)
+    args = parser.parse_args(argv)
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    init_default_group(device, rank, world, timedelta(seconds=300), init_method=args.init_method)
+    try:
+        torch.manual_seed(SEED)
+        results = {"device": str(device), "world_size": world,
+                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        for name in args.cases.split(","):
+            results[name] = CASES[name](device, parse_meshes(args.meshes), args)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
