@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+from hybrid import validate as v
 from hybrid.errors import ConfigError
-
-STAGES = (0, 1, 2, 3)
+from hybrid.validate import PRECISIONS, STAGES
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -59,18 +59,11 @@ def _number(value: Fraction) -> int | float:
 
 
 def _positive_int(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
-    return value
+    return v.positive_int(field, value)
 
 
 def _check_precision(precision: str) -> tuple[int, int, int]:
-    try:
-        return BYTES_PER_PARAM[precision]
-    except KeyError:
-        raise ConfigError(
-            f"precision must be one of {', '.join(sorted(BYTES_PER_PARAM))}, got {precision!r}"
-        ) from None
+    return BYTES_PER_PARAM[v.one_of("precision", precision, PRECISIONS)]
 
 
 def model_state_bytes(
@@ -80,8 +73,7 @@ def model_state_bytes(
     params = _positive_int(params, "params")
     dp = _positive_int(dp, "dp")
     tp = _positive_int(tp, "tp")
-    if stage not in STAGES:
-        raise ConfigError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    v.stage("stage", stage)
     p_bytes, g_bytes, o_bytes = _check_precision(precision)
 
     local = Fraction(params, tp)  # what one GPU holds before ZeRO
@@ -141,8 +133,8 @@ def parse_count(text, field: str = "params") -> int:
             value = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()]
         except InvalidOperation:
             raise ConfigError(
-                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {text!r}"
+                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {v.quote(text)}"
             ) from None
     if not value.is_finite() or value != value.to_integral_value() or value < 1:
-        raise ConfigError(f"{field} must be a whole number of at least 1, got {text!r}")
+        raise ConfigError(f"{field} must be a whole number of at least 1, got {v.quote(text)}")
     return int(value)
