@@ -88,10 +88,13 @@ class JobResult:
 
 def launch(spec: LaunchSpec, stream: TextIO = sys.stdout) -> JobResult:
     """Run the job of ``spec`` end to end on the cluster it names."""
-    where = (f"starting an embedded Ray cluster: {spec.cluster.nodes} nodes x {spec.cluster.gpus_per_node} ranks "
-             f"on {ray_cluster.LOOPBACK}" if spec.cluster.is_local else f"connecting to Ray at {spec.cluster.address}")
+    cluster = spec.cluster
+    where = (f"starting an embedded Ray cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks on "
+             f"{ray_cluster.LOOPBACK}" if cluster.is_local else
+             f"connecting to Ray at {cluster.address} (cluster.connect_timeout_s = {cluster.connect_timeout_s:g} s)")
     print(where, file=stream, flush=True)
-    with ray_cluster.connect(spec.cluster):
+    with ray_cluster.connect(cluster) as connected:
+        print(connected.line(), file=stream, flush=True)
         return plan_and_run(spec, stream)
 
 

@@ -27,16 +27,6 @@ MAX_GPUS = 10**7
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 
 
-class _OneLineCommand(click.Command):
-    """Turns click's own usage errors (bad type, missing or unknown option) into one ``error:`` line."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as err:
-            raise ConfigError(err.format_message()) from None
-
-
 def _gb(value) -> float:
     return float(Fraction(value) / 10**9)
 
@@ -115,7 +105,7 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
     return "\n".join(lines)
 
 
-@click.command("estimate", cls=_OneLineCommand)
+@click.command("estimate")
 @click.option("--params", "params_text", required=True, help="Parameter count Ψ: 7B, 1.3B, 350M, 13e9, ...")
 @click.option("--gpus", type=int, required=True, help="Total GPU count (DP × TP).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree; DP = gpus / tp.")
