@@ -6,9 +6,17 @@ step, the loss (mean over the DP ranks), the job's tokens/s, the per-rank model-
 latest NVML sample of each node where NVML is available. ``summary()`` renders the final per-rank table.
 
 One ``Progress`` spans every attempt of a job. Checkpoint events become plain lines: rank 0's
-``checkpoint_saved`` once its step's line is out, rank 0's ``resumed_from`` at once. A resume (and
-``restart(step)``, which the driver calls between attempts) forgets the steps after the checkpoint, so
-the history holds each step once, as the attempt that finished the job ran it.
+``checkpoint_saved`` right after its step's line, rank 0's ``resumed_from`` at once.
+
+Restarts (``restart(step)``, which the driver calls between attempts, after draining every report the
+surviving ranks still held): the steps up to the resume checkpoint that are not out yet are shown then,
+in order, from the ranks that did report them (the dead rank's last reports die with it; such a line
+says how many ranks it stands for), so they are never lost: the checkpoint holds them and no attempt
+runs them again. Steps after the checkpoint are dropped from the history and run again by the next
+attempt; the re-run replaces them in the history, and a step whose line was already printed is not
+printed a second time. So every step's line appears once, in order, and the history holds each step
+once, as the attempt that finished the job ran it (or, for the steps flushed at a restart, as the
+failed attempt's surviving ranks reported it).
 """
 
 from __future__ import annotations
@@ -36,6 +44,21 @@ def model_state_bytes(memory) -> Optional[float]:
     return None
 
 
+def step_entry(step: int, records: dict[int, dict], world_size: int) -> dict:
+    """The history entry of one step from its ranks' records: the loss averaged over the DP ranks (TP ranks
+    of a group report the same loss), the job's tokens/s at the slowest rank's pace, each rank's model-state
+    bytes, and how many ranks it stands for. No records at all: loss None."""
+    if not records:
+        return {"step": step, "loss": None, "tokens_per_s": 0.0, "model_state_bytes": [], "ranks": 0}
+    dp_records = [r for r in records.values() if r.get("tp_rank", 0) == 0] or list(records.values())
+    loss = sum(r["loss"] for r in dp_records) / len(dp_records)
+    slowest = max(r["step_time_s"] for r in records.values())
+    tokens = max(r.get("tokens", 0) for r in records.values())
+    mem = [model_state_bytes(r.get("memory")) for r in records.values()]
+    return {"step": step, "loss": loss, "tokens_per_s": tokens / slowest if slowest > 0 else 0.0,
+            "model_state_bytes": [m for m in mem if m is not None], "ranks": len(records)}
+
+
 class Progress:
     def __init__(self, total_steps: int, world_size: int, stream: TextIO = sys.stdout, tty: Optional[bool] = None):
         self.total_steps, self.world_size, self.stream = total_steps, world_size, stream
@@ -47,7 +70,8 @@ class Progress:
         self.nvml: dict[int, dict] = {}  # rank (local rank 0 of a node) -> latest sample
         self.checkpoint_step: Optional[int] = None  # the newest checkpoint a rank reported saving or loading
         self.resumed_from: Optional[int] = None  # the checkpoint step the latest attempt started from
-        self._done = 0  # the last step whose line is out
+        self._done = 0  # the last step in the history, in order
+        self._printed = 0  # the last step whose line is out: re-run steps up to it are not printed again
         self._notes: list[tuple[int, str]] = []  # (step, text): waiting for that step's line
         self.started = time.perf_counter()
         self._line_open = False
@@ -67,14 +91,19 @@ class Progress:
         if drained.get("nvml"):
             self.nvml[drained["rank"]] = drained["nvml"][-1]
         for step in sorted(self.pending):
+            if step <= self._done:  # a stale report of a step already complete
+                del self.pending[step]
+                continue
             if len(self.pending[step]) < self.world_size:
                 break
             self._complete(step, self.pending.pop(step))
         self._flush_notes()
 
     def restart(self, step: int) -> None:
-        """A new attempt starts from checkpoint ``step``: drop what the failed attempt left half-reported and
-        every step after ``step``."""
+        """A new attempt starts from checkpoint ``step``: show the steps up to it that are not out yet from
+        the ranks that reported them, then drop what the failed attempt left of the steps after it."""
+        for s in range(self._done + 1, step + 1):
+            self._complete(s, self.pending.pop(s, {}))
         self._flush_notes(everything=True)  # a checkpoint rank 0 reported saving was published
         self.pending.clear()
         self._rewind(step)
@@ -116,15 +145,18 @@ class Progress:
     # ------------------------------------------------------------------------------------------ output
 
     def _complete(self, step: int, records: dict[int, dict]) -> None:
-        dp_records = [r for r in records.values() if r.get("tp_rank", 0) == 0]
-        loss = sum(r["loss"] for r in dp_records) / len(dp_records)
-        slowest = max(r["step_time_s"] for r in records.values())
-        tokens = max(r.get("tokens", 0) for r in records.values())
-        mem = [model_state_bytes(r.get("memory")) for r in records.values()]
-        entry = {"step": step, "loss": loss, "tokens_per_s": tokens / slowest if slowest > 0 else 0.0,
-                 "model_state_bytes": [m for m in mem if m is not None]}
+        """Step ``step`` is done: into the history, its line out (unless printed before a restart), then
+        the checkpoint lines of the steps up to it. ``records`` may lack ranks only at a restart."""
+        entry = step_entry(step, records, self.world_size)
         self.history.append(entry)
         self._done = step
+        if step > self._printed:
+            self._printed = step
+            self._print(entry)
+        self._flush_notes()
+
+    def _print(self, entry: dict) -> None:
+        step = entry["step"]
         if self.tty:
             self.stream.write("\r\033[K" + self._bar(step) + self._line(entry))
             self.stream.flush()
@@ -144,8 +176,12 @@ class Progress:
             lo, hi = min(mem), max(mem)
             mem_text = f"  model states/rank {human_bytes(hi)}" if lo == hi else \
                 f"  model states/rank {human_bytes(lo)}..{human_bytes(hi)}"
-        return (f"step {e['step']:>{width}}/{self.total_steps}  loss {e['loss']:.4f}  "
-                f"{e['tokens_per_s']:,.0f} tokens/s{mem_text}{self._nvml_text()}")
+        head = f"step {e['step']:>{width}}/{self.total_steps}"
+        if e["loss"] is None:
+            return f"{head}  no report (lost with the failed attempt's ranks)"
+        partial = f"  ({e['ranks']} of {self.world_size} ranks reported)" if e["ranks"] < self.world_size else ""
+        return (f"{head}  loss {e['loss']:.4f}  {e['tokens_per_s']:,.0f} tokens/s{mem_text}{self._nvml_text()}"
+                f"{partial}")
 
     def _nvml_text(self) -> str:
         parts = []
@@ -175,9 +211,10 @@ class Progress:
             rows.append(f"{p.rank:>4} {p.node_index:>4} {r.get('dp_rank', '-'):>3} {r.get('tp_rank', '-'):>3}  "
                         f"{loss:>9}  {r.get('tokens_per_s', 0):>10,.0f}  "
                         f"{human_bytes(mem) if mem is not None else '-':>12}")
-        if self.history:
-            first, last = self.history[0], self.history[-1]
-            mean_tps = sum(e["tokens_per_s"] for e in self.history) / len(self.history)
+        reported = [e for e in self.history if e["loss"] is not None]
+        if reported:
+            first, last = reported[0], reported[-1]
+            mean_tps = sum(e["tokens_per_s"] for e in reported) / len(reported)
             rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
                         f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean_tps:,.0f} tokens/s mean")
         return "\n".join(rows)
