@@ -86,8 +86,9 @@ class JobResult:
     resumed_from: Optional[int] = None  # the checkpoint step the final attempt started from
 
 
-def launch(spec: LaunchSpec, stream: TextIO = sys.stdout) -> JobResult:
-    """Run the job of ``spec`` end to end on the cluster it names."""
+def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
+    """Run the job of ``spec`` end to end on the cluster it names (printing to ``stream``, default stdout)."""
+    stream = stream or sys.stdout  # looked up per call: stdout may have been replaced since import
     cluster = spec.cluster
     where = (f"starting an embedded Ray cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks on "
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else

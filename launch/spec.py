@@ -123,8 +123,9 @@ def load_spec(path: str | os.PathLike) -> LaunchSpec:
 def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> LaunchSpec:
     """Validate an already-parsed cluster.yaml mapping; relative paths resolve against ``base_dir``."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{v.quote(str(path)) if path else 'the cluster file'} must be a mapping with "
-                          f"sections cluster, job (and optionally parallel), got {type(data).__name__}.")
+        shown = f"cluster file {v.quote(str(path))}" if path else "the cluster file"
+        raise ConfigError(f"{shown} must be a mapping with sections cluster, job (and optionally parallel), "
+                          f"got {'nothing' if data is None else type(data).__name__}.")
     v.known_keys("", data, ("cluster", "job", "parallel"))
     cluster = _cluster(_section(data, "cluster", required=True))
     job = _job(_section(data, "job", required=True), base_dir)
