@@ -13,6 +13,7 @@ Constants used by more than one module live here: ``PRECISIONS``, ``STAGES``, ``
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from typing import Any, Iterable, Mapping, Optional
 
@@ -51,16 +52,21 @@ def invalid(path: str, need: str, value: Any) -> ConfigError:
 
 
 def _yaml_hint(value: Any) -> str:
-    if not isinstance(value, str):
+    """Why a number-like value is a string: YAML 1.1 reads ``1e3`` (no dot) as one; or it was quoted."""
+    if not isinstance(value, str) or len(value) > 40:
         return ""
+    text = value.strip()
+    if _YAML_STRING_FLOAT.fullmatch(text):
+        mantissa, exponent = re.split("[eE]", text)
+        return f" (YAML reads {text} without a dot as a string: write {mantissa}.0e{exponent} or the plain number)"
     try:
-        float(value.strip())
+        float(text)
     except ValueError:
         return ""
-    if not value.strip():
-        return ""
-    return (" (YAML read it as a string: write a number YAML recognises, e.g. 1.0e3 rather than 1e3, "
-            "and no quotes)")
+    return " (a string: write the number without quotes)"
+
+
+_YAML_STRING_FLOAT = re.compile(r"[+-]?[0-9]+[eE][+-]?[0-9]+")
 
 
 def yaml_number(value: Any) -> Any:

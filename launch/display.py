@@ -45,13 +45,15 @@ def model_state_bytes(memory) -> Optional[float]:
 
 
 def step_entry(step: int, records: dict[int, dict], world_size: int) -> dict:
-    """The history entry of one step from its ranks' records: the loss averaged over the DP ranks (TP ranks
-    of a group report the same loss), the job's tokens/s at the slowest rank's pace, each rank's model-state
+    """The history entry of one step from its ranks' records: the loss averaged over the DP ranks (the TP
+    ranks of a DP rank report the same loss, so any of them stands for it), the job's tokens/s at the slowest rank's pace, each rank's model-state
     bytes, and how many ranks it stands for. No records at all: loss None."""
     if not records:
         return {"step": step, "loss": None, "tokens_per_s": 0.0, "model_state_bytes": [], "ranks": 0}
-    dp_records = [r for r in records.values() if r.get("tp_rank", 0) == 0] or list(records.values())
-    loss = sum(r["loss"] for r in dp_records) / len(dp_records)
+    by_dp_rank: dict = {}  # one record per DP group present: a lost TP rank 0 is stood in for by its peers
+    for rank, r in sorted(records.items(), key=lambda kv: (kv[1].get("tp_rank", 0), kv[0])):
+        by_dp_rank.setdefault(r.get("dp_rank", rank), r)
+    loss = sum(r["loss"] for r in by_dp_rank.values()) / len(by_dp_rank)
     slowest = max(r["step_time_s"] for r in records.values())
     tokens = max(r.get("tokens", 0) for r in records.values())
     mem = [model_state_bytes(r.get("memory")) for r in records.values()]

@@ -216,8 +216,8 @@ def check_writable_dir(path: Path, field_name: str) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
-        raise ConfigError(f"{field_name} {shown} is not writable ({v.quote(str(existing))}: "
-                          f"{err.strerror or err}); give a directory you can write to.") from None
+        raise ConfigError(f"{field_name} {shown} is not writable: creating a file in {v.quote(str(existing))} "
+                          f"failed ({err.strerror or err}); give a directory you can write to.") from None
 
 
 def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
