@@ -35,8 +35,8 @@ _repr.maxdict = _repr.maxlist = _repr.maxtuple = _repr.maxset = 4
 
 def quote(value: Any, limit: int = QUOTE_LIMIT) -> str:
     """``repr(value)``, cut to at most ``limit`` characters (cheap even for a huge nested value)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
-        return f"an integer of {len(str(abs(value)))} digits"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     text = _repr.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

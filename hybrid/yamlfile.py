@@ -23,9 +23,10 @@ class StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
-            self.flatten_mapping(node)  # merge keys (<<) first: they may legitimately be overridden
             seen = set()
-            for key_node, _ in node.value:
+            for key_node, _ in node.value:  # the mapping's own keys: what a merge (<<) brings may be overridden
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     duplicate = key in seen
