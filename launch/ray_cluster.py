@@ -110,12 +110,16 @@ def local_cluster(nodes: int, ranks_per_node: int) -> Iterator[object]:
         cluster = None
         try:
             log.info("starting embedded Ray: %d nodes x %d CPUs on %s", nodes, ranks_per_node, LOOPBACK)
-            cluster = Cluster(initialize_head=False)
-            for i in range(nodes):
-                cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
-            with signals.as_interrupt():  # again: starting Ray installed SIGTERM handlers of its own
+            try:
+                cluster = Cluster(initialize_head=False)
+                for i in range(nodes):
+                    cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
+                    signals.take_back()  # each node's start installed a SIGTERM handler of Ray's own
+                cluster.wait_for_nodes()
+                ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
+            except SystemExit as exit_:  # Ray's SIGTERM handler (a node's, ray.init's) exits rather than raise
+                raise KeyboardInterrupt("SIGTERM while the embedded cluster started") from exit_
+            with signals.as_interrupt():  # again: ray.init installed a SIGTERM handler of its own
                 yield cluster
         finally:
             with signals.ignored():  # a second Ctrl-C must not cut the teardown short

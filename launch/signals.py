@@ -1,7 +1,8 @@
 """SIGINT and SIGTERM as ``KeyboardInterrupt`` (so ``finally`` teardowns run), or ignored for a while.
 
 ``as_interrupt(*signals)`` and ``ignored()`` are context managers that install the handler for the
-block and restore the previous ones after it. Off the main thread they change nothing (Python allows
+block and restore the previous ones after it; ``take_back()`` re-installs the interrupt inside a block
+after a library replaced it. Off the main thread they change nothing (Python allows
 signal handlers only there).
 """
 
@@ -31,6 +32,16 @@ def ignored(*signals: int):
     """Inside the block the signals (default SIGTERM and SIGINT) are ignored: for a bounded teardown
     that a second Ctrl-C must not cut short."""
     return _handled(signals or BOTH, signal.SIG_IGN)
+
+
+def take_back(*signals: int) -> None:
+    """Inside an ``as_interrupt`` block, after a library installed handlers of its own (Ray does, on every
+    node start): the signals raise ``KeyboardInterrupt`` again. The block still restores the originals."""
+    try:
+        for sig in signals or BOTH:
+            signal.signal(sig, _raise_interrupt)
+    except ValueError:  # not the main thread
+        pass
 
 
 @contextlib.contextmanager
