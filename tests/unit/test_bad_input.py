@@ -245,6 +245,10 @@ def test_address_auto_with_no_cluster_is_one_sentence_within_the_timeout(tmp_pat
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")  # a dead cluster's record
     line = assert_one_error_line(main(["launch", str(path)]), capsys.readouterr().err, "cluster.address")
     assert "127.0.0.1:1" in line and "cluster.connect_timeout_s" in line
+    doc["cluster"]["address"] = "ray://127.0.0.1:1"  # Ray Client, nobody listening
+    path.write_text(dump(doc))
+    line = assert_one_error_line(main(["launch", str(path)]), capsys.readouterr().err, "cluster.address")
+    assert "'ray://127.0.0.1:1'" in line
 
 
 ARGS = {
