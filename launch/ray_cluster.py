@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 from hybrid.errors import ConfigError
 from hybrid.validate import quote
@@ -159,7 +159,7 @@ def resolve_address(address: str) -> str:
     env = os.environ.get("RAY_ADDRESS", "").strip()
     if env and env != "auto":
         return env
-    recorded = _recorded_address()
+    recorded = recorded_address()
     if recorded is None:
         raise ConfigError(f"cluster.address is 'auto', but RAY_ADDRESS is not set and no Ray cluster was started "
                           f"on this machine with `ray start`; {_NO_CLUSTER_FIX}.")
@@ -169,9 +169,11 @@ def resolve_address(address: str) -> str:
     return recorded
 
 
-def _recorded_address() -> Optional[str]:
-    """What ``ray start`` wrote to ``<tmp>/ray/ray_current_cluster`` (Ray's own lookup for ``auto``)."""
-    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+def recorded_address(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What ``ray start`` wrote to ``<tmp>/ray/ray_current_cluster`` (Ray's own lookup for ``auto``), with
+    ``<tmp>`` from ``env`` (default: this process's environment) as Ray picks it."""
+    env = os.environ if env is None else env
+    tmp = env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp"
     try:
         text = (Path(tmp) / "ray" / "ray_current_cluster").read_text().strip()
     except OSError:

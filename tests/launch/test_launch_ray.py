@@ -93,6 +93,14 @@ def test_the_network_watchers_can_see_a_non_loopback_peer():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("10.0.0.1")
 
 
+def test_address_auto_of_another_process_would_never_find_this_embedded_cluster(cluster):
+    address = ray._private.worker.global_worker.node.gcs_address
+    assert ray_cluster.is_embedded(address)  # its processes carry our marks
+    elsewhere = {k: v for k, v in os.environ.items() if k != "RAY_TMPDIR"}  # another process's environment
+    assert ray_cluster.recorded_address(elsewhere) != address  # it never recorded itself where `auto` looks
+    assert os.environ["RAY_TMPDIR"].split(os.sep)[-1].startswith(ray_cluster.EMBEDDED_PREFIX)
+
+
 def test_ranks_sit_on_nodes_by_tp_group(cluster):
     result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:where", steps=1), io.StringIO(), tty=False)
     ranks = {r: out for r, out in result.results.items()}
