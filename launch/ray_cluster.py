@@ -104,7 +104,7 @@ def local_cluster(nodes: int, ranks_per_node: int) -> Iterator[object]:
         # the variable was set, the driver would look itself up at its non-loopback address. Pin it here.
         enable_cluster = ray_constants.ENABLE_RAY_CLUSTER
         ray_constants.ENABLE_RAY_CLUSTER = False
-        base = tempfile.mkdtemp(prefix=EMBEDDED_PREFIX)
+        base = tempfile.mkdtemp(prefix=EMBEDDED_PREFIX, dir=_short_tmp())
         previous_tmpdir = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = base
         cluster = None
@@ -330,6 +330,13 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _short_tmp() -> str:
+    """The system temp dir, or /tmp where that is so long that Ray's socket paths below it would not fit
+    the 107 bytes of an AF_UNIX address."""
+    tmp = tempfile.gettempdir()
+    return tmp if len(tmp) <= 24 or not os.path.isdir("/tmp") else "/tmp"
 
 
 def _restore_env(name: str, value: Optional[str]) -> None:

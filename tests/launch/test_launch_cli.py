@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -181,3 +182,49 @@ def test_sigterm_while_waiting_for_a_remote_cluster_exits_130_at_once(tmp_path):
         finally:
             proc.kill()
     assert proc.returncode == 130, out
+
+
+def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path):
+    """`ray start --head` on loopback (in its own temp dir, stopped by its pid): `ray://` (Ray Client) and
+    `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hy-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={ports[0]}", f"--ray-client-server-port={ports[1]}",
+                             "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        started = []
+        for line in head.stdout:  # until the head says it is up and will block
+            started.append(line)
+            if "block forever" in line:
+                break
+        assert head.poll() is None and (ray_tmp / "ray" / "ray_current_cluster").exists(), "".join(started)
+        for address, shown in ((f'"ray://127.0.0.1:{ports[1]}"', f"ray://127.0.0.1:{ports[1]}: 1 node"),
+                               ("auto", f"127.0.0.1:{ports[0]}: 1 node")):
+            path = tmp_path / "cluster.yaml"
+            path.write_text(f"""\
+cluster: {{address: {address}, nodes: 1, gpus_per_node: 2, gpu_memory_gb: 80, connect_timeout_s: 60}}
+job: {{entrypoint: "hybrid.models.gpt:train", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: 2}}
+parallel: {{precision: fp32}}
+""")
+            # the launcher pins loopback only for the embedded cluster: a remote one is the user's to set up
+            proc = start(path, env={"RAY_TMPDIR": str(ray_tmp), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                    "RAY_USAGE_STATS_ENABLED": "0"})
+            try:
+                out, _ = proc.communicate(timeout=240)
+            finally:
+                proc.kill()
+            assert proc.returncode == 0, out
+            assert f"connected to Ray at {shown}" in out and "steps 2/2" in out, out
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops every process of its cluster
+        head.communicate(timeout=60)
+    assert marked_pids(str(ray_tmp)) == []
+    shutil.rmtree(ray_tmp, ignore_errors=True)
