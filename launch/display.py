@@ -46,8 +46,9 @@ def model_state_bytes(memory) -> Optional[float]:
 
 def step_entry(step: int, records: dict[int, dict], world_size: int) -> dict:
     """The history entry of one step from its ranks' records: the loss averaged over the DP ranks (the TP
-    ranks of a DP rank report the same loss, so any of them stands for it), the job's tokens/s at the slowest rank's pace, each rank's model-state
-    bytes, and how many ranks it stands for. No records at all: loss None."""
+    ranks of a DP rank report the same loss, so any of them stands for it), the job's tokens/s at the
+    slowest rank's pace, each rank's model-state bytes, and how many ranks it stands for. No records at
+    all: loss None."""
     if not records:
         return {"step": step, "loss": None, "tokens_per_s": 0.0, "model_state_bytes": [], "ranks": 0}
     by_dp_rank: dict = {}  # one record per DP group present: a lost TP rank 0 is stood in for by its peers

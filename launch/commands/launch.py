@@ -2,8 +2,9 @@
 
 ``--steps`` and ``--stage`` override ``job.steps`` and ``parallel.zero_stage``. Exit status: 0 when every
 rank finished, 2 for a problem the user can fix (bad cluster file, model that cannot fit), 1 when the job
-failed while running (one ``error:`` sentence; the rank's traceback is in the log above it), 130 on Ctrl-C or SIGTERM.
-Every actor is killed and an embedded Ray cluster torn down in all cases. ``--help`` lists the codes.
+failed while running (one ``error:`` sentence; the rank's traceback is in the log above it), 130 on Ctrl-C
+or SIGTERM. Every actor is killed and an embedded Ray cluster torn down in all cases. ``--help`` lists the
+codes.
 """
 
 from __future__ import annotations
