@@ -40,6 +40,7 @@ BYTES_PER_PARAM = {
 }
 
 GB = 10**9
+MAX_COUNT = 10**18  # a parameter count beyond this is a typo, and its arithmetic would only get slow
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -120,7 +121,7 @@ def parse_count(text, field: str = "params") -> int:
     """A positive count from ``7B``, ``1.3B``, ``350M``, ``13e9``, ``7000000000`` or an int.
 
     Suffixes K, M, B (or G) and T are powers of 1000 and are case-insensitive; ``_`` and ``,`` separators
-    are allowed. The value must come out to a whole, positive number.
+    are allowed. The value must come out to a whole number from 1 to ``MAX_COUNT``.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         value = Decimal(text)
@@ -131,10 +132,14 @@ def parse_count(text, field: str = "params") -> int:
             if not match:
                 raise InvalidOperation
             value = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()]
-        except InvalidOperation:
+        except ArithmeticError:  # InvalidOperation, or Overflow for 1e1000000
             raise ConfigError(
                 f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {v.quote(text)}"
             ) from None
-    if not value.is_finite() or value != value.to_integral_value() or value < 1:
-        raise ConfigError(f"{field} must be a whole number of at least 1, got {v.quote(text)}")
+    try:
+        whole = value.is_finite() and 1 <= value <= MAX_COUNT and value == value.to_integral_value()
+    except ArithmeticError:  # an exponent too large for the decimal context
+        whole = False
+    if not whole:
+        raise ConfigError(f"{field} must be a whole number from 1 to 10^18, got {v.quote(text)}")
     return int(value)

@@ -265,7 +265,7 @@ def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint") -> C
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or the module itself raising while imported
+    except (Exception, SystemExit) as err:  # ImportError, or the module raising (or exiting) while imported
         raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but module {v.quote(module_name)} cannot be "
                           f"imported ({type(err).__name__}: {v.quote(str(err))[1:-1]}); give an importable "
                           "module:function.") from None

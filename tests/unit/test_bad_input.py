@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybrid.validate import QUOTE_LIMIT
 from launch.cli import main
@@ -264,6 +266,8 @@ ARGS = {
     "estimate params unparsable": (["estimate", "--params", "7X", "--gpus", "8"], "--params"),
     "estimate params 0": (["estimate", "--params", "0", "--gpus", "8"], "--params"),
     "estimate params inf": (["estimate", "--params", "inf", "--gpus", "8"], "--params"),
+    "estimate params overflowing": (["estimate", "--params", "1e1000000", "--gpus", "8"], "--params"),
+    "estimate params absurd": (["estimate", "--params", "1e400", "--gpus", "8"], "--params"),
     "estimate gpus 0": (["estimate", "--params", "7B", "--gpus", "0"], "--gpus"),
     "estimate gpus not a multiple of tp": (["estimate", "--params", "7B", "--gpus", "8", "--tp", "3"], "--gpus"),
     "estimate tp 0": (["estimate", "--params", "7B", "--gpus", "8", "--tp", "0"], "--tp"),
@@ -305,3 +309,34 @@ def test_through_a_real_process(tmp_path):
     assert_one_error_line(done.returncode, done.stderr, "not UTF-8")
     done = _hybrid("estimate", "--params", "7B", "--gpus", "8", "--gpu-memory", "inf")
     assert_one_error_line(done.returncode, done.stderr, "--gpu-memory")
+
+
+FIELDS = [("cluster", k) for k in ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
+                                   "connect_timeout_s")] + \
+         [("job", k) for k in ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
+                               "collective_timeout_s", "seed")] + \
+         [("parallel", k) for k in ("tp", "zero_stage", "precision")]
+ANY_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**80, max_value=2**80)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30)
+    | st.sampled_from(["auto", "local", "ray://h:1", "1e3", ".inf", "bf16", "nvlink", "hybrid.models.gpt:train"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fuzz") / "cluster.yaml"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(FIELDS), ANY_VALUE)
+def test_any_value_in_any_field_is_accepted_or_one_sentence_never_a_traceback(capsys, scratch, field, value):
+    capsys.readouterr()
+    scratch.write_text(dump(edit(*field, value)))
+    code = main(["plan", "--json", str(scratch)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if code != 0:  # the field itself, or what it made impossible (a tp the model cannot split, say)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
