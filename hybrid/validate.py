@@ -202,7 +202,8 @@ def known_keys(path: str, d: Mapping, allowed: Iterable[str]) -> None:
     allowed = tuple(allowed)
     for key in d:
         if not isinstance(key, str) or key not in allowed:
-            name = (key if len(key) <= 40 else key[:37] + "...") if isinstance(key, str) else quote(key, 40)
+            plain = isinstance(key, str) and key.isprintable()
+            name = (key if len(key) <= 40 else key[:37] + "...") if plain else quote(key, 40)
             raise ConfigError(f"{join(path, name)} is not a known setting; use one of: {', '.join(allowed)}.")
 
 
