@@ -19,6 +19,8 @@ from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import GB, activation_bytes, parse_count
 from hybrid.planner import Plan, choose_stage
 from hybrid.yamlfile import load_yaml
+
+BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
 from launch.spec import LaunchSpec
 
 
@@ -108,6 +110,10 @@ def model_size(spec: LaunchSpec) -> tuple[int, Optional[dict]]:
     if isinstance(doc, dict) and "model" not in doc and "params" in doc:
         return parse_count(doc["params"], field=f"params in {path}"), None
     config = GPTConfig.from_yaml(path)
+    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its train: options too, before any rank starts
+        from hybrid.models.gpt_train import train_options
+
+        train_options(doc.get("train"))
     return count_parameters(config), config.to_dict()
 
 

@@ -228,6 +228,18 @@ def test_the_cluster_file_itself(tmp_path, capsys):
     assert_one_error_line(main(["plan", "/proc/self/mem"]), capsys.readouterr().err, "cannot be read")
 
 
+def test_the_model_config_of_the_built_in_entrypoint_is_checked_at_plan_time(tmp_path, capsys):
+    model = tmp_path / "model.yaml"
+    tiny = Path(TINY).read_text()
+    for text, field in ((tiny + "train: {lr: -1}\n", "train.lr"), (tiny + "train: {lrr: 1}\n", "train.lrr"),
+                        (tiny.replace("n_heads: 4", "n_heads: 4\n  n_heads: 2"), "'n_heads' is given twice"),
+                        (tiny.replace("hidden: 64", "hidden: .inf"), "model.hidden")):
+        model.write_text(text)
+        path = tmp_path / "cluster.yaml"
+        path.write_text(dump(edit("job", "config", str(model))))
+        assert_one_error_line(main(["plan", str(path)]), capsys.readouterr().err, field)
+
+
 def test_the_embedded_cluster_must_fit_this_machine_before_any_ray_process_starts(tmp_path, capsys):
     for key, value, field in (("nodes", 100_000, "cluster.nodes"), ("gpus_per_node", 1000, "cluster.gpus_per_node")):
         path = tmp_path / "cluster.yaml"
