@@ -128,7 +128,7 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
                           f"got {'nothing' if data is None else type(data).__name__}.")
     v.known_keys("", data, ("cluster", "job", "parallel"))
     cluster = _cluster(_section(data, "cluster", required=True))
-    job = _job(_section(data, "job", required=True), base_dir)
+    job = _job(_section(data, "job", required=True), base_dir, cluster.is_local)
     parallel = _parallel(_section(data, "parallel", required=False), cluster)
     return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path)
 
@@ -166,7 +166,7 @@ def check_address(address: Any) -> str:
     raise v.invalid("cluster.address", ADDRESS_HELP + " with a port from 1 to 65535", address)
 
 
-def _job(d: dict, base_dir: Path) -> JobSpec:
+def _job(d: dict, base_dir: Path, local: bool) -> JobSpec:
     v.known_keys("job", d, ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
                             "collective_timeout_s", "seed"))
     entrypoint = v.required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
@@ -184,11 +184,11 @@ def _job(d: dict, base_dir: Path) -> JobSpec:
     seed = v.integer("job.seed", d.get("seed", 0), 0, v.MAX_SEED)
     timeout = v.number("job.collective_timeout_s", d.get("collective_timeout_s", 300), *COLLECTIVE_TIMEOUT_S,
                        unit="seconds")
-    return JobSpec(entrypoint, config_path, steps, micro_batch, _checkpoint(d.get("checkpoint"), base_dir),
+    return JobSpec(entrypoint, config_path, steps, micro_batch, _checkpoint(d.get("checkpoint"), base_dir, local),
                    max_failures, timeout, seed)
 
 
-def _checkpoint(d: Any, base_dir: Path) -> CheckpointSpec:
+def _checkpoint(d: Any, base_dir: Path, local: bool) -> CheckpointSpec:
     if d is None:
         return CheckpointSpec()
     d = v.mapping("job.checkpoint", d, ("dir", "every", "keep_last"), example="{dir: ./runs/demo, every: 10}")
@@ -197,18 +197,21 @@ def _checkpoint(d: Any, base_dir: Path) -> CheckpointSpec:
     every = v.positive_int("job.checkpoint.every", d.get("every", 10), MAX_STEPS)
     keep_last = v.positive_int("job.checkpoint.keep_last", d.get("keep_last", 2), MAX_STEPS)
     path = _resolve(directory, base_dir, "job.checkpoint.dir")
-    check_writable_dir(path, "job.checkpoint.dir")
+    check_writable_dir(path, "job.checkpoint.dir", only_if_here=not local)
     return CheckpointSpec(path, every, keep_last)
 
 
-def check_writable_dir(path: Path, field_name: str) -> None:
+def check_writable_dir(path: Path, field_name: str, only_if_here: bool = False) -> None:
     """``path`` is a directory we can write in, or can be created: its nearest existing ancestor is a
     writable directory. Probed by creating a temporary file, because ``os.access`` says yes to root on a
-    read-only mount."""
+    read-only mount. With ``only_if_here`` (a remote cluster), a path none of whose parents exist on this
+    machine may live on the cluster's own filesystem, so only what exists here is judged."""
     shown = v.quote(str(path))
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
+    if only_if_here and existing == Path(existing.anchor):
+        return
     if not existing.is_dir():
         what = "is a file" if existing == path else f"lies under the file {v.quote(str(existing))}"
         raise ConfigError(f"{field_name} {shown} {what}; give a directory path.")
