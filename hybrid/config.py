@@ -23,47 +23,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from hybrid import validate as v
 from hybrid.errors import ConfigError
-
-PRECISIONS = ("fp32", "bf16")
-STAGES = (0, 1, 2, 3)
+from hybrid.validate import PRECISIONS
 
 
-# -- value checks (shared by the constructors and from_dict, so the rules live in one place) --------------
+# -- value checks: the shared vocabulary, with sizes allowed as whole floats (5e8) as in DeepSpeed ------
 def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        need = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{name} must be {need}, got {value!r}")
-    return value
+    return v.integer(name, value, minimum, whole_floats=True)
 
 
 def _float(value: Any, name: str, minimum: float = 0.0, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        raise ConfigError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
-    return float(value)
+    return v.number(name, value, lo=minimum, lo_open=strict)
 
 
 def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    return value
+    return v.boolean(name, value)
 
 
 def _section(value: Any, name: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a mapping, got {type(value).__name__}")
-    return value
+    return v.mapping(name, value)
 
 
 def _reject_unknown(section: dict, allowed, where: str) -> None:
-    for key in section:
-        if key not in allowed:
-            prefix = f"{where}." if where else ""
-            raise ConfigError(f"{prefix}{key} is not a known setting; use one of: {', '.join(sorted(allowed))}")
+    v.known_keys(where, section, sorted(allowed))
 
 
 # -- the typed configs --------------------------------------------------------------------------------------
@@ -87,12 +70,7 @@ class ZeroConfig:
 
 def _check_zero(cfg: ZeroConfig, where: str) -> None:
     set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731  (frozen dataclass)
-    stage = cfg.stage
-    if isinstance(stage, float) and stage.is_integer():
-        stage = int(stage)
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ConfigError(f"{where}.stage must be 0, 1, 2 or 3, got {cfg.stage!r}")
-    set_("stage", stage)
+    set_("stage", v.stage(f"{where}.stage", cfg.stage, whole_floats=True))
     for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "sub_group_size"):
         set_(name, _int(getattr(cfg, name), f"{where}.{name}", 1))
     set_("param_persistence_threshold",
@@ -120,10 +98,10 @@ def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
     set_("lr", _float(cfg.lr, f"{where}.lr"))
     betas = cfg.betas
     if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise ConfigError(f"{where}.betas must be a pair [beta1, beta2], got {betas!r}")
+        raise v.invalid(f"{where}.betas", "a pair [beta1, beta2]", betas)
     b1, b2 = (_float(b, f"{where}.betas") for b in betas)
     if not (b1 < 1.0 and b2 < 1.0):
-        raise ConfigError(f"{where}.betas must both be in [0, 1), got {list(betas)!r}")
+        raise v.invalid(f"{where}.betas", "two numbers in [0, 1)", list(betas))
     set_("betas", (b1, b2))
     set_("eps", _float(cfg.eps, f"{where}.eps", strict=True))
     set_("weight_decay", _float(cfg.weight_decay, f"{where}.weight_decay"))
@@ -147,8 +125,7 @@ class TrainConfig:
             raise ConfigError(f"zero must be a ZeroConfig, got {type(self.zero).__name__}")
         if not isinstance(self.optimizer, OptimizerConfig):
             raise ConfigError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        v.one_of("precision", self.precision, PRECISIONS)
         clip = self.gradient_clipping
         if clip is not None:
             clip = _float(clip, "gradient_clipping") or None  # DeepSpeed writes 0.0 for "off"
@@ -235,9 +212,7 @@ def _precision_from(d: dict) -> str:
         _reject_unknown(section, {"enabled"}, "bf16")
         bf16 = _bool(section.get("enabled", False), "bf16.enabled")
     if "precision" in d:
-        precision = d["precision"]
-        if precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        precision = v.one_of("precision", d["precision"], PRECISIONS)
         if bf16 is not None and bf16 != (precision == "bf16"):
             raise ConfigError(f"precision is {precision!r} but bf16.enabled is {bf16}; keep one of them")
         return precision
@@ -254,9 +229,9 @@ def _optimizer_from(section) -> OptimizerConfig:
     else:
         where, params = "optimizer", {k: v for k, v in section.items() if k != "type"}
     _reject_unknown(params, _OPT_PARAM_KEYS, where)
-    kind = str(section.get("type", "AdamW"))
-    if kind.lower() not in ("adam", "adamw"):
-        raise ConfigError(f"optimizer.type must be Adam or AdamW, got {kind!r}")
+    kind = section.get("type", "AdamW")
+    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
+        raise v.invalid("optimizer.type", "Adam or AdamW", kind)
     decoupled = params.get("decoupled_weight_decay", params.get("adam_w_mode", True))
     decoupled = _bool(decoupled, f"{where}.adam_w_mode")
     if kind.lower() == "adamw" and not decoupled:

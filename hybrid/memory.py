@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+from hybrid import validate as v
 from hybrid.errors import ConfigError
-
-STAGES = (0, 1, 2, 3)
+from hybrid.validate import PRECISIONS, STAGES
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -40,6 +40,7 @@ BYTES_PER_PARAM = {
 }
 
 GB = 10**9
+MAX_COUNT = 10**18  # a parameter count beyond this is a typo, and its arithmetic would only get slow
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -59,18 +60,11 @@ def _number(value: Fraction) -> int | float:
 
 
 def _positive_int(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
-    return value
+    return v.positive_int(field, value)
 
 
 def _check_precision(precision: str) -> tuple[int, int, int]:
-    try:
-        return BYTES_PER_PARAM[precision]
-    except KeyError:
-        raise ConfigError(
-            f"precision must be one of {', '.join(sorted(BYTES_PER_PARAM))}, got {precision!r}"
-        ) from None
+    return BYTES_PER_PARAM[v.one_of("precision", precision, PRECISIONS)]
 
 
 def model_state_bytes(
@@ -80,8 +74,7 @@ def model_state_bytes(
     params = _positive_int(params, "params")
     dp = _positive_int(dp, "dp")
     tp = _positive_int(tp, "tp")
-    if stage not in STAGES:
-        raise ConfigError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    v.stage("stage", stage)
     p_bytes, g_bytes, o_bytes = _check_precision(precision)
 
     local = Fraction(params, tp)  # what one GPU holds before ZeRO
@@ -128,7 +121,7 @@ def parse_count(text, field: str = "params") -> int:
     """A positive count from ``7B``, ``1.3B``, ``350M``, ``13e9``, ``7000000000`` or an int.
 
     Suffixes K, M, B (or G) and T are powers of 1000 and are case-insensitive; ``_`` and ``,`` separators
-    are allowed. The value must come out to a whole, positive number.
+    are allowed. The value must come out to a whole number from 1 to ``MAX_COUNT``.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         value = Decimal(text)
@@ -139,10 +132,14 @@ def parse_count(text, field: str = "params") -> int:
             if not match:
                 raise InvalidOperation
             value = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()]
-        except InvalidOperation:
+        except ArithmeticError:  # InvalidOperation, or Overflow for 1e1000000
             raise ConfigError(
-                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {text!r}"
+                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {v.quote(text)}"
             ) from None
-    if not value.is_finite() or value != value.to_integral_value() or value < 1:
-        raise ConfigError(f"{field} must be a whole number of at least 1, got {text!r}")
+    try:
+        whole = value.is_finite() and 1 <= value <= MAX_COUNT and value == value.to_integral_value()
+    except ArithmeticError:  # an exponent too large for the decimal context
+        whole = False
+    if not whole:
+        raise ConfigError(f"{field} must be a whole number from 1 to 10^18, got {v.quote(text)}")
     return int(value)

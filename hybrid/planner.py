@@ -22,8 +22,10 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import BYTES_PER_PARAM, STAGES, ModelStateBytes, all_stages
+from hybrid import validate as v
+from hybrid.errors import PlanError
+from hybrid.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages
+from hybrid.validate import STAGES
 
 ROW_STANDARD_DP = "fits with standard DP"
 ROW_STAGE1 = "OOM with standard DP, fits with optimizer sharding"
@@ -79,17 +81,22 @@ def _usable(gpu_memory_bytes, headroom) -> Fraction:
 
 
 def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage) -> None:
-    for name, value in (("dp", dp), ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if not gpu_memory_bytes > 0 or not math.isfinite(gpu_memory_bytes):
-        raise ConfigError(f"gpu memory must be a positive number of bytes, got {gpu_memory_bytes!r}")
-    if not 0 <= headroom < 1:
-        raise ConfigError(f"headroom must be a fraction in [0, 1), got {headroom!r}; e.g. 0.1 keeps 10% free")
-    if not activation_bytes >= 0 or not math.isfinite(activation_bytes):
-        raise ConfigError(f"activation bytes must be a non-negative number, got {activation_bytes!r}")
-    if forced_stage is not None and forced_stage not in STAGES:
-        raise ConfigError(f"zero stage must be one of 0, 1, 2, 3 or auto, got {forced_stage!r}")
+    v.positive_int("dp", dp)
+    v.positive_int("tp", tp)
+    v.positive_number("gpu_memory_bytes", gpu_memory_bytes, unit="bytes")
+    check_headroom("headroom", headroom)
+    v.number("activation_bytes", activation_bytes, lo=0, unit="bytes")
+    if forced_stage is not None:
+        v.stage("zero stage", forced_stage)
+
+
+def check_headroom(path: str, headroom) -> float:
+    """The fraction of GPU memory kept free: in [0, 1)."""
+    need = "a fraction in [0, 1), e.g. 0.1 keeps 10% free"
+    value = v.number(path, headroom, 0, 1, need=need)
+    if value == 1:
+        raise v.invalid(path, need, headroom)
+    return value
 
 
 def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:

@@ -1,16 +1,23 @@
 """The ``hybrid`` command line: ``estimate``, ``plan``, ``launch``, ``monitor``, ``checkpoint``, ``data``.
 
-Each command lives in its own module under ``launch/commands/`` and is registered here. A ``UserError``
-from anywhere below becomes one line on stderr and exit status 2, never a traceback.
+Each command lives in its own module under ``launch/commands/`` and is registered here. ``main`` returns
+the process's exit status: 0 success, 1 the job failed (a command raised ``click.exceptions.Exit(1)``),
+2 a ``UserError`` or a usage error (one ``error:`` line on stderr, never a traceback), 130 interrupted by
+SIGINT or SIGTERM (schedulers stop jobs with SIGTERM; both raise ``KeyboardInterrupt`` here, so every
+``finally`` teardown below runs).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
 
 from hybrid.errors import UserError
+from launch import signals
+
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,20 +35,21 @@ def _register() -> None:
 
 def main(argv=None) -> int:
     _register()
-    try:
-        cli.main(args=argv, prog_name="hybrid", standalone_mode=False)
-    except UserError as err:
-        click.echo(f"error: {err}", err=True)
-        return 2
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except click.ClickException as err:
-        err.show()
-        return 2
-    except click.exceptions.Exit as done:
-        return done.exit_code
-    return 0
+    with signals.as_interrupt(signal.SIGTERM):
+        try:
+            code = cli.main(args=argv, prog_name="hybrid", standalone_mode=False)
+        except UserError as err:
+            click.echo(f"error: {err}", err=True)
+            return EXIT_USER_ERROR
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            click.echo("interrupted", err=True)
+            return EXIT_INTERRUPTED
+        except click.ClickException as err:  # a usage error: bad option, missing argument
+            click.echo(f"error: {err.format_message()}", err=True)
+            return EXIT_USER_ERROR
+        except click.exceptions.Exit as done:
+            return done.exit_code
+    return code if isinstance(code, int) else EXIT_OK
 
 
 if __name__ == "__main__":

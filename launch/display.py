@@ -4,12 +4,21 @@
 on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
 step, the loss (mean over the DP ranks), the job's throughput in the entrypoint's unit (tokens/s,
 samples/s), the per-rank model-state memory, and the latest NVML sample of each node where NVML is
-available. ``summary()`` renders the final per-rank table.
+available. ``summary()`` renders the final per-rank table. ``on_step`` (the metrics writer) gets every
+entry that goes into the history, re-run steps included (they replace the earlier ones).
 
 One ``Progress`` spans every attempt of a job. Checkpoint events become plain lines: rank 0's
-``checkpoint_saved`` once its step's line is out, rank 0's ``resumed_from`` at once. A resume (and
-``restart(step)``, which the driver calls between attempts) forgets the steps after the checkpoint, so
-the history holds each step once, as the attempt that finished the job ran it.
+``checkpoint_saved`` right after its step's line, rank 0's ``resumed_from`` at once.
+
+Restarts (``restart(step)``, which the driver calls between attempts, after draining every report the
+surviving ranks still held): the steps up to the resume checkpoint that are not out yet are shown then,
+in order, from the ranks that did report them (the dead rank's last reports die with it; such a line
+says how many ranks it stands for), so they are never lost: the checkpoint holds them and no attempt
+runs them again. Steps after the checkpoint are dropped from the history and run again by the next
+attempt; the re-run replaces them in the history, and a step whose line was already printed is not
+printed a second time. So every step's line appears once, in order, and the history holds each step
+once, as the attempt that finished the job ran it (or, for the steps flushed at a restart, as the
+failed attempt's surviving ranks reported it).
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ import time
 from collections import defaultdict
 from typing import Callable, Optional, TextIO
 
-from launch.metrics import model_state_bytes, step_entry  # noqa: F401  (model_state_bytes: re-exported)
 from launch.plan import human_bytes
+
+
+from launch.metrics import model_state_bytes, step_entry  # noqa: E402,F401  (re-exported)
 
 
 class Progress:
@@ -36,7 +47,8 @@ class Progress:
         self.nvml: dict[int, dict] = {}  # rank (local rank 0 of a node) -> latest sample
         self.checkpoint_step: Optional[int] = None  # the newest checkpoint a rank reported saving or loading
         self.resumed_from: Optional[int] = None  # the checkpoint step the latest attempt started from
-        self._done = 0  # the last step whose line is out
+        self._done = 0  # the last step in the history, in order
+        self._printed = 0  # the last step whose line is out: re-run steps up to it are not printed again
         self._notes: list[tuple[int, str]] = []  # (step, text): waiting for that step's line
         self.started = time.perf_counter()
         self._line_open = False
@@ -56,17 +68,20 @@ class Progress:
         if drained.get("nvml"):
             self.nvml[drained["rank"]] = drained["nvml"][-1]
         for step in sorted(self.pending):
+            if step <= self._done:  # a stale report of a step already complete
+                del self.pending[step]
+                continue
             if len(self.pending[step]) < self.world_size:
                 break
             self._complete(step, self.pending.pop(step))
         self._flush_notes()
 
     def restart(self, step: int) -> None:
-        """A new attempt starts from checkpoint ``step``: complete the steps up to ``step`` from the ranks that
-        reported them (a dead rank's last reports die with it), drop the rest and every step after ``step``."""
+        """A new attempt starts from checkpoint ``step``: show the steps up to it that are not out yet from
+        the ranks that reported them, then drop what the failed attempt left of the steps after it."""
+        for s in range(self._done + 1, step + 1):
+            self._complete(s, self.pending.pop(s, {}))
         self._flush_notes(everything=True)  # a checkpoint rank 0 reported saving was published
-        for done in sorted(s for s in self.pending if s <= step):
-            self._complete(done, self.pending[done])
         self.pending.clear()
         self._rewind(step)
 
@@ -107,11 +122,20 @@ class Progress:
     # ------------------------------------------------------------------------------------------ output
 
     def _complete(self, step: int, records: dict[int, dict]) -> None:
+        """Step ``step`` is done: into the history, its line out (unless printed before a restart), then
+        the checkpoint lines of the steps up to it. ``records`` may lack ranks only at a restart."""
         entry = step_entry(step, records)
         self.history.append(entry)
         self._done = step
         if self.on_step is not None:
             self.on_step(entry)
+        if step > self._printed:
+            self._printed = step
+            self._print(entry)
+        self._flush_notes()
+
+    def _print(self, entry: dict) -> None:
+        step = entry["step"]
         if self.tty:
             self.stream.write("\r\033[K" + self._bar(step) + self._line(entry))
             self.stream.flush()
@@ -131,8 +155,13 @@ class Progress:
             lo, hi = min(mem), max(mem)
             mem_text = f"  model states/rank {human_bytes(hi)}" if lo == hi else \
                 f"  model states/rank {human_bytes(lo)}..{human_bytes(hi)}"
-        return (f"step {e['step']:>{width}}/{self.total_steps}  loss {e['loss']:.4f}  "
-                f"{e['throughput']:,.0f} {e['throughput_unit']}{mem_text}{self._nvml_text()}")
+        head = f"step {e['step']:>{width}}/{self.total_steps}"
+        if e["loss"] is None:
+            return f"{head}  no report (lost with the failed attempt's ranks)"
+        ranks = e["ranks_reported"]
+        partial = f"  ({ranks} of {self.world_size} ranks reported)" if ranks < self.world_size else ""
+        return (f"{head}  loss {e['loss']:.4f}  {e['throughput']:,.0f} {e['throughput_unit']}{mem_text}"
+                f"{self._nvml_text()}{partial}")
 
     def _nvml_text(self) -> str:
         parts = []
@@ -154,7 +183,8 @@ class Progress:
 
     def summary(self, placement: list, wall_s: float) -> str:
         """The final table: one row per rank, then loss and throughput over the run."""
-        unit = self.history[-1]["throughput_unit"] if self.history else "tokens/s"
+        reported = [e for e in self.history if e["loss"] is not None]
+        unit = reported[-1]["throughput_unit"] if reported else "tokens/s"
         rows = [f"{'rank':>4} {'node':>4} {'dp':>3} {'tp':>3}  {'last loss':>9}  {'job ' + unit:>14}  "
                 f"{'model states':>12}"]
         for p in placement:
@@ -164,9 +194,9 @@ class Progress:
             rows.append(f"{p.rank:>4} {p.node_index:>4} {r.get('dp_rank', '-'):>3} {r.get('tp_rank', '-'):>3}  "
                         f"{loss:>9}  {r.get(r.get('throughput_unit', 'tokens') + '_per_s', 0):>14,.0f}  "
                         f"{human_bytes(mem) if mem is not None else '-':>12}")
-        if self.history:
-            first, last = self.history[0], self.history[-1]
-            mean = sum(e["throughput"] for e in self.history) / len(self.history)
+        if reported:
+            first, last = reported[0], reported[-1]
+            mean = sum(e["throughput"] for e in reported) / len(reported)
             rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
                         f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean:,.0f} {unit} mean")
         return "\n".join(rows)

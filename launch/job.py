@@ -105,12 +105,16 @@ class JobResult:
     resumed_from: Optional[int] = None  # the checkpoint step the final attempt started from
 
 
-def launch(spec: LaunchSpec, stream: TextIO = sys.stdout) -> JobResult:
-    """Run the job of ``spec`` end to end on the cluster it names."""
-    where = (f"starting an embedded Ray cluster: {spec.cluster.nodes} nodes x {spec.cluster.gpus_per_node} ranks "
-             f"on {ray_cluster.LOOPBACK}" if spec.cluster.is_local else f"connecting to Ray at {spec.cluster.address}")
+def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
+    """Run the job of ``spec`` end to end on the cluster it names (printing to ``stream``, default stdout)."""
+    stream = stream or sys.stdout  # looked up per call: stdout may have been replaced since import
+    cluster = spec.cluster
+    where = (f"starting an embedded Ray cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks on "
+             f"{ray_cluster.LOOPBACK}" if cluster.is_local else
+             f"connecting to Ray at {cluster.address} (cluster.connect_timeout_s = {cluster.connect_timeout_s:g} s)")
     print(where, file=stream, flush=True)
-    with ray_cluster.connect(spec.cluster):
+    with ray_cluster.connect(cluster) as connected:
+        print(connected.line(), file=stream, flush=True)
         return plan_and_run(spec, stream)
 
 

@@ -50,10 +50,16 @@ def model_state_bytes(memory) -> Optional[float]:
 
 
 def step_entry(step: int, records: dict[int, dict]) -> dict:
-    """The job's metrics of ``step`` from each rank's report (rank -> record)."""
+    """The job's metrics of ``step`` from each rank's report (rank -> record): the loss averaged over the DP
+    ranks (the TP ranks of a DP rank report the same loss, so any of them stands for it, TP rank 0 first),
+    throughput at the slowest rank's pace, each rank's model-state bytes, and how many ranks reported (a
+    step flushed at a restart may lack the dead rank's report; with none at all the loss is None)."""
+    if not records:
+        return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": 0.0,
+                "throughput_unit": "tokens/s", "model_state_bytes": [], "ranks_reported": 0}
     by_dp: dict = {}
-    for rank in sorted(records):  # the TP ranks of a DP group report the same loss: any one of them will do
-        by_dp.setdefault(records[rank].get("dp_rank", rank), records[rank])
+    for rank, r in sorted(records.items(), key=lambda kv: (kv[1].get("tp_rank", 0), kv[0])):
+        by_dp.setdefault(r.get("dp_rank", rank), r)
     dp_records = list(by_dp.values())
     first = records[min(records)]
     slowest = max(r["step_time_s"] for r in records.values())

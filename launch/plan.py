@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import yaml
-
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import GB, activation_bytes, parse_count
 from hybrid.planner import Plan, choose_stage
+from hybrid.yamlfile import load_yaml
+
+BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
 from launch.spec import LaunchSpec
 
 
@@ -105,13 +106,14 @@ def model_size(spec: LaunchSpec) -> tuple[int, Optional[dict]]:
     from hybrid.models.gpt import GPTConfig, count_parameters
 
     path = spec.job.config
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"job.config {path} is not valid YAML ({err}); fix that file.") from None
+    doc = load_yaml(path, "model config")
     if isinstance(doc, dict) and "model" not in doc and "params" in doc:
         return parse_count(doc["params"], field=f"params in {path}"), None
     config = GPTConfig.from_yaml(path)
+    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its train: options too, before any rank starts
+        from hybrid.models.gpt_train import train_options
+
+        train_options(doc.get("train"))
     return count_parameters(config), config.to_dict()
 
 

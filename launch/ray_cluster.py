@@ -1,10 +1,20 @@
 """Connect the driver to the Ray cluster a spec names, and always let go of it.
 
-``connect(cluster_spec)`` is a context manager. ``address: local`` starts an embedded Ray cluster with one
-Ray node per declared node (``ray.cluster_utils.Cluster``), every process bound to 127.0.0.1, no
-dashboard, no usage stats; leaving the block (normally, on an error, on Ctrl-C or SIGTERM) shuts the
-driver and every node down. ``auto`` and ``ray://…`` attach to a running cluster, start nothing and only
-disconnect on exit.
+``connect(cluster_spec)`` is a context manager yielding a ``Connected`` (the address and the count of
+live nodes, for the display). ``address: local`` starts an embedded Ray cluster with one Ray node per
+declared node (``ray.cluster_utils.Cluster``), every process bound to 127.0.0.1, no dashboard, no usage
+stats, after ``launch.capacity`` confirmed this machine can host it. Its Ray temp dir is a fresh
+``hybrid-ray-*`` directory (``RAY_TMPDIR``): that marks every one of its processes as ours, keeps its
+address out of ``/tmp/ray/ray_current_cluster`` (where ``address: auto`` of another process would find
+it), and lets the teardown kill any process of it that a Ctrl-C in the middle of a node's start left
+unregistered. Leaving the block (normally, on an error, on Ctrl-C or SIGTERM) shuts the driver and every
+node down.
+
+``auto`` and ``ray://host:port`` attach to a running cluster, start nothing and only disconnect on exit.
+``auto`` means ``RAY_ADDRESS`` when set, else the cluster ``ray start`` recorded in Ray's default temp
+dir, never an embedded cluster of another ``hybrid`` process (``is_embedded``). The connection must
+succeed within ``cluster.connect_timeout_s`` (a TCP probe first, then ``ray.init``), else one sentence
+(``ConfigError``: exit 2). SIGINT and SIGTERM raise ``KeyboardInterrupt`` throughout (exit 130).
 
 Each embedded node ``i`` carries the custom resource ``hybrid_node_<i>`` and ``gpus_per_node`` logical
 CPUs (one per rank, whatever the physical core count), so ranks and probes can be placed per node.
@@ -15,15 +25,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
-from typing import Iterator
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Optional
 
 from hybrid.errors import ConfigError
+from hybrid.validate import quote
+from launch import signals
+from launch.capacity import check_embedded
 from launch.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+EMBEDDED_PREFIX = "hybrid-ray-"  # the temp dir of every embedded cluster: the mark of ours
 # Set before Ray is imported anywhere in this process: Ray reads them at import and start-up.
 _LOCAL_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray pick the loopback address as the node IP
@@ -34,6 +55,18 @@ _LOCAL_ENV = {
 }
 # An embedded node needs little shared memory: only metrics and small results travel through it.
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024
+REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before the address counts as dead
+_NO_CLUSTER_FIX = "start one with `ray start --head` (and `ray start --address=...` on the other nodes), or use " \
+                  "address: local"
+
+
+@dataclass(frozen=True)
+class Connected:
+    address: str
+    nodes: int  # live Ray nodes
+
+    def line(self) -> str:
+        return f"connected to Ray at {self.address}: {self.nodes} node{'s' if self.nodes != 1 else ''}"
 
 
 def node_resource(index: int) -> str:
@@ -47,60 +80,197 @@ def local_env() -> dict:
 
 
 @contextlib.contextmanager
-def connect(spec: ClusterSpec) -> Iterator[None]:
+def connect(spec: ClusterSpec) -> Iterator[Connected]:
     """Connect to (or start) the Ray cluster of ``spec``; tear down on every way out of the block."""
     if spec.is_local:
-        with local_cluster(spec.nodes, spec.gpus_per_node):
-            yield
+        check_embedded(spec.nodes, spec.gpus_per_node)
+        with local_cluster(spec.nodes, spec.gpus_per_node) as cluster:
+            yield Connected(cluster.address, _live_nodes())
     else:
-        with remote_cluster(spec.address):
-            yield
+        with remote_cluster(spec.address, spec.connect_timeout_s) as connected:
+            yield connected
 
 
 @contextlib.contextmanager
 def local_cluster(nodes: int, ranks_per_node: int) -> Iterator[object]:
     """Start an embedded Ray cluster of ``nodes`` nodes on 127.0.0.1 and connect the driver to it."""
     os.environ.update(_LOCAL_ENV)  # for every Ray process started below, which inherit it
-    import ray
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
+    with signals.as_interrupt():
+        import ray
+        from ray._private import ray_constants
+        from ray.cluster_utils import Cluster
 
-    # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import; when this process imported Ray before
-    # the variable was set, the driver would look itself up at its non-loopback address. Pin it here.
-    enable_cluster = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    cluster = None
-    with _signals_as_interrupt():
+        # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import; when this process imported Ray before
+        # the variable was set, the driver would look itself up at its non-loopback address. Pin it here.
+        enable_cluster = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        base = tempfile.mkdtemp(prefix=EMBEDDED_PREFIX, dir=_short_tmp())
+        previous_tmpdir = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = base
+        cluster = None
         try:
             log.info("starting embedded Ray: %d nodes x %d CPUs on %s", nodes, ranks_per_node, LOOPBACK)
-            cluster = Cluster(initialize_head=True, head_node_args=_node_args(0, ranks_per_node, head=True))
-            for i in range(1, nodes):
-                cluster.add_node(**_node_args(i, ranks_per_node, head=False))
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
-            with _signals_as_interrupt():  # again: starting Ray installed SIGTERM handlers of its own
+            try:
+                cluster = Cluster(initialize_head=False)
+                for i in range(nodes):
+                    cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
+                    signals.take_back()  # each node's start installed a SIGTERM handler of Ray's own
+                cluster.wait_for_nodes()
+                ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
+            except SystemExit as exit_:  # Ray's SIGTERM handler (a node's, ray.init's) exits rather than raise
+                raise KeyboardInterrupt("SIGTERM while the embedded cluster started") from exit_
+            with signals.as_interrupt():  # again: ray.init installed a SIGTERM handler of its own
                 yield cluster
         finally:
-            _shutdown(ray, cluster)
-            ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
+            with signals.ignored():  # a second Ctrl-C must not cut the teardown short
+                _shutdown(ray, cluster)
+                _kill_marked(base)
+                shutil.rmtree(base, ignore_errors=True)
+                _restore_env("RAY_TMPDIR", previous_tmpdir)
+                ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
 
 
 @contextlib.contextmanager
-def remote_cluster(address: str) -> Iterator[None]:
-    """Attach to a running Ray cluster (``auto`` or ``ray://host:port``); start nothing."""
+def remote_cluster(address: str, timeout_s: float = 60.0) -> Iterator[Connected]:
+    """Attach to a running Ray cluster (``auto`` or ``ray://host:port``) within ``timeout_s``; start
+    nothing."""
+    with signals.as_interrupt():
+        deadline = time.monotonic() + timeout_s
+        target = resolve_address(address)
+        host, port = split_host_port(target)
+        probe_tcp(address, host, port, timeout_s)
+        import ray
+
+        connected = False
+        try:
+            _init_within(ray, address, target, max(0.5, deadline - time.monotonic()), timeout_s)
+            connected = True
+            yield Connected(target, _live_nodes())
+        finally:
+            if connected:
+                ray.shutdown()
+
+
+def resolve_address(address: str) -> str:
+    """The concrete address ``address`` stands for: ``ray://…`` as given; ``auto`` as ``RAY_ADDRESS`` or the
+    cluster ``ray start`` recorded, refusing an embedded cluster of another ``hybrid`` process."""
+    if address != "auto":
+        return address
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env and env != "auto":
+        return env
+    recorded = recorded_address()
+    if recorded is None:
+        raise ConfigError(f"cluster.address is 'auto', but RAY_ADDRESS is not set and no Ray cluster was started "
+                          f"on this machine with `ray start`; {_NO_CLUSTER_FIX}.")
+    if is_embedded(recorded):
+        raise ConfigError(f"cluster.address is 'auto', but the only Ray cluster recorded here ({recorded}) is an "
+                          f"embedded one of another hybrid process, which it must not join; {_NO_CLUSTER_FIX}.")
+    return recorded
+
+
+def recorded_address(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What ``ray start`` wrote to ``<tmp>/ray/ray_current_cluster`` (Ray's own lookup for ``auto``), with
+    ``<tmp>`` from ``env`` (default: this process's environment) as Ray picks it."""
+    env = os.environ if env is None else env
+    tmp = env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp"
+    try:
+        text = (Path(tmp) / "ray" / "ray_current_cluster").read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def is_embedded(address: str, proc: Path = Path("/proc")) -> bool:
+    """Whether a process serving the GCS at ``address`` belongs to an embedded ``hybrid`` cluster: its
+    command line names our temp dir or our node resource."""
+    try:
+        _, port = split_host_port(address)
+    except ConfigError:
+        return False
+    needles = (f"--gcs_server_port={port}", f"--gcs-address={address}", f"--gcs_address={address}")
+    for _, cmdline in _processes(proc):
+        if any(n in cmdline for n in needles) and (EMBEDDED_PREFIX in cmdline or "hybrid_node_" in cmdline):
+            return True
+    return False
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"cluster.address resolves to {quote(address)}, which is not host:port; set RAY_ADDRESS "
+                          "or cluster.address to host:port of the Ray head.")
+    return host.strip("[]"), int(port)
+
+
+def probe_tcp(address: str, host: str, port: int, timeout_s: float) -> None:
+    """Raise ``ConfigError`` unless something accepts a TCP connection at ``host:port`` within ``timeout_s``."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last: Optional[OSError] = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return
+        except ConnectionRefusedError as err:  # a head still starting refuses briefly; a dead one for good
+            last = err
+            if time.monotonic() - start > REFUSED_GRACE_S:
+                break
+        except OSError as err:
+            last = err
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    reason = (last.strerror or str(last)) if last else "no answer"
+    raise ConfigError(f"cluster.address is {quote(address)}, but no Ray cluster answered at {host}:{port} within "
+                      f"cluster.connect_timeout_s = {timeout_s:g} s ({reason}); {_NO_CLUSTER_FIX}.")
+
+
+def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float) -> None:
+    """``ray.init(target)`` in a helper thread, so a cluster that accepts connections but never answers
+    cannot hang the driver past ``wait_s``; Ctrl-C stays live meanwhile."""
+    outcome: dict = {}
+
+    def init():
+        try:
+            ray.init(address=target, logging_level=logging.WARNING)
+            outcome["ok"] = True
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            outcome["error"] = err
+
+    quiet = _DropMessage("SIGTERM handler is not set")  # we handle SIGTERM ourselves
+    logging.getLogger("ray._private.worker").addFilter(quiet)
+    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+    try:
+        thread.start()
+        thread.join(wait_s)
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+    if "ok" in outcome:
+        return
+    err = outcome.get("error")
+    if err is None:
+        raise ConfigError(f"cluster.address is {quote(address)}: the Ray cluster at {target} accepted the connection "
+                          f"but did not let the driver join within cluster.connect_timeout_s = {timeout_s:g} s; "
+                          "check that it is healthy (`ray status`) or raise cluster.connect_timeout_s.")
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    raise ConfigError(f"cluster.address is {quote(address)}, but joining the Ray cluster at {target} failed "
+                      f"({quote(first)[1:-1]}); {_NO_CLUSTER_FIX}.")
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _live_nodes() -> int:
     import ray
 
-    try:
-        try:
-            ray.init(address=address, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"cluster.address is {address!r}, but no Ray cluster answers there ({first}); "
-                              "start one with `ray start --head` on every node, or use address: local.") from None
-        with _signals_as_interrupt():
-            yield
-    finally:
-        ray.shutdown()
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 def _node_args(index: int, ranks_per_node: int, head: bool) -> dict:
@@ -124,23 +294,53 @@ def _shutdown(ray, cluster) -> None:
             log.exception("stopping the embedded Ray cluster failed")
 
 
-@contextlib.contextmanager
-def _signals_as_interrupt() -> Iterator[None]:
-    """Inside the block, SIGTERM and SIGINT raise KeyboardInterrupt, so the ``finally`` teardown runs.
+def _processes(proc: Path = Path("/proc")) -> Iterator[tuple[int, str]]:
+    """(pid, command line) of every process we can see, this one excepted."""
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                yield int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
 
-    SIGINT is set explicitly because a launcher started in the background of a non-interactive shell
-    inherits it ignored, and then even ``kill -INT`` would leave the cluster running.
-    """
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
 
+def marked_pids(base: str, proc: Path = Path("/proc")) -> list[int]:
+    """Pids of live processes whose command line names the embedded cluster's temp dir ``base``."""
+    return [pid for pid, cmdline in _processes(proc) if base in cmdline]
+
+
+def _kill_marked(base: str, grace_s: float = 3.0) -> None:
+    """Kill what ``cluster.shutdown`` did not: processes of a node whose start an interrupt cut short."""
+    pids = marked_pids(base)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            time.sleep(0.1)
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
     try:
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _short_tmp() -> str:
+    """The system temp dir, or /tmp where that is so long that Ray's socket paths below it would not fit
+    the 107 bytes of an AF_UNIX address."""
+    tmp = tempfile.gettempdir()
+    return tmp if len(tmp) <= 24 or not os.path.isdir("/tmp") else "/tmp"
+
+
+def _restore_env(name: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

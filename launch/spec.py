@@ -1,33 +1,47 @@
 """cluster.yaml: load, validate and resolve into a ``LaunchSpec``.
 
-``load_spec(path)`` reads the file with ``yaml.safe_load`` and returns a frozen ``LaunchSpec`` (cluster,
-job, parallel sections), or raises ``ConfigError`` with one sentence naming the bad field, its value and
-what is allowed. Unknown keys are errors, relative paths are resolved against the YAML file's directory,
-and ``job.entrypoint`` must be a ``module:function`` importable from ``job.working_dir`` (default: the
-cluster file's directory, which the launcher ships to every node) or an installed package, from any
-current directory. ``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>``
-under the current directory) receives metrics.jsonl; ``job.env`` holds environment variables for the
-ranks. Nothing here contacts Ray.
+``load_spec(path)`` reads the file strictly (``hybrid.yamlfile``: UTF-8, no duplicate keys) and returns a
+frozen ``LaunchSpec`` (cluster, job, parallel sections), or raises ``ConfigError`` with one sentence
+naming the bad field, its value (quoted short) and what is allowed; the checks are the shared ones of
+``hybrid.validate``. Unknown keys are errors, relative paths are resolved against the YAML file's
+directory, ``job.entrypoint`` must be a ``module:function`` taking one argument, importable from
+``job.working_dir`` (default: the cluster file's directory, which the launcher ships to every node) or an
+installed package, from any current directory; the checkpoint directory must be creatable and writable.
+``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>`` under the current
+directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks. Nothing here
+contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.capacity``'s check, made
+before one is started.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import yaml
-
+from hybrid import validate as v
 from hybrid.errors import ConfigError
+from hybrid.validate import PRECISIONS
+from hybrid.yamlfile import load_yaml
 
 ADDRESS_HELP = "'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'"
 INTRA_NODE = ("nvlink", "pcie", "loopback")
 INTER_NODE = ("infiniband", "roce", "ethernet", "loopback")
-PRECISIONS = ("bf16", "fp32")
+# Sane bounds: a value outside them is a typo (a timeout in ms, a world in the wrong unit), not a plan.
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 1024
+MAX_GPU_MEMORY_GB = 100_000
+MAX_STEPS = 10**12
+MAX_MICRO_BATCH = 1 << 20
+MAX_FAILURES = 1000
+COLLECTIVE_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
+CONNECT_TIMEOUT_S = (1.0, 3600.0)
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class ClusterSpec:
     gpu_memory_gb: float  # used where NVML cannot measure, and by `hybrid plan`
     intra_node: str = "unspecified"
     inter_node: str = "unspecified"
+    connect_timeout_s: float = 60.0  # auto / ray://: how long to wait for the cluster to answer
 
     @property
     def is_local(self) -> bool:
@@ -97,9 +112,9 @@ class LaunchSpec:
         """The spec with ``--steps`` / ``--stage`` from the command line applied (validated like the file)."""
         job, parallel = self.job, self.parallel
         if steps is not None:
-            job = dataclasses.replace(job, steps=_int(steps, "--steps", minimum=1))
+            job = dataclasses.replace(job, steps=v.positive_int("--steps", steps, MAX_STEPS))
         if stage is not None:
-            parallel = dataclasses.replace(parallel, zero_stage=_stage(stage, "--stage"))
+            parallel = dataclasses.replace(parallel, zero_stage=v.stage("--stage", stage))
         return dataclasses.replace(self, job=job, parallel=parallel)
 
 
@@ -109,143 +124,156 @@ class LaunchSpec:
 def load_spec(path: str | os.PathLike) -> LaunchSpec:
     """Read and validate a cluster.yaml; every problem is a ``ConfigError`` of one sentence."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"cluster file {path} does not exist; pass the path of a cluster.yaml.")
-    text = path.read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as err:
-        line = err.problem_mark.line + 1 if err.problem_mark is not None else "?"
-        raise ConfigError(f"{path} line {line}: YAML syntax error ({err.problem}); "
-                          "fix the indentation or quoting there.") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: YAML syntax error ({err}); fix the file.") from None
+    data = load_yaml(path, "cluster file")
     return parse_spec(data, base_dir=path.resolve().parent, path=path)
 
 
 def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> LaunchSpec:
     """Validate an already-parsed cluster.yaml mapping; relative paths resolve against ``base_dir``."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'the cluster file'} must be a mapping with sections cluster, job "
-                          f"(and optionally parallel); it holds {type(data).__name__}.")
-    _known(data, "", ("cluster", "job", "parallel"))
+        shown = f"cluster file {v.quote(str(path))}" if path else "the cluster file"
+        raise ConfigError(f"{shown} must be a mapping with sections cluster, job (and optionally parallel), "
+                          f"got {'nothing' if data is None else type(data).__name__}.")
+    v.known_keys("", data, ("cluster", "job", "parallel"))
     cluster = _cluster(_section(data, "cluster", required=True))
-    job = _job(_section(data, "job", required=True), base_dir, path.stem if path else "job")
+    job = _job(_section(data, "job", required=True), base_dir, cluster.is_local, path.stem if path else "job")
     parallel = _parallel(_section(data, "parallel", required=False), cluster)
     return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path)
 
 
 def _cluster(d: dict) -> ClusterSpec:
-    _known(d, "cluster", ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect"))
-    address = _required(d, "cluster", "address", ADDRESS_HELP)
-    if not (isinstance(address, str) and (address in ("local", "auto") or _is_ray_client(address))):
-        raise ConfigError(f"cluster.address is {address!r}; use {ADDRESS_HELP}.")
-    nodes = _int(_required(d, "cluster", "nodes", "a whole number of nodes, at least 1"), "cluster.nodes", 1)
-    gpus = _int(_required(d, "cluster", "gpus_per_node", "ranks per node, at least 1"),
-                "cluster.gpus_per_node", 1)
-    memory = _required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80")
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
-        raise ConfigError(f"cluster.gpu_memory_gb is {memory!r}; give the memory of one GPU in GB, "
-                          "a number above 0 (e.g. 80).")
+    v.known_keys("cluster", d, ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
+                                "connect_timeout_s"))
+    address = check_address(v.required(d, "cluster", "address", ADDRESS_HELP))
+    nodes = v.positive_int("cluster.nodes", v.required(d, "cluster", "nodes", "a whole number of nodes, at least 1"),
+                           MAX_NODES)
+    gpus = v.positive_int("cluster.gpus_per_node",
+                          v.required(d, "cluster", "gpus_per_node", "ranks per node, at least 1"), MAX_GPUS_PER_NODE)
+    memory = v.positive_number("cluster.gpu_memory_gb",
+                               v.required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80"),
+                               MAX_GPU_MEMORY_GB, unit="GB")
     links = d.get("interconnect") or {}
-    if not isinstance(links, dict):
-        raise ConfigError(f"cluster.interconnect is {links!r}; give a mapping like "
-                          "{intra_node: nvlink, inter_node: infiniband}.")
-    _known(links, "cluster.interconnect", ("intra_node", "inter_node"))
-    intra = _choice(links.get("intra_node", "unspecified"), "cluster.interconnect.intra_node",
-                    INTRA_NODE + ("unspecified",))
-    inter = _choice(links.get("inter_node", "unspecified"), "cluster.interconnect.inter_node",
-                    INTER_NODE + ("unspecified",))
-    return ClusterSpec(address, nodes, gpus, float(memory), intra, inter)
+    links = v.mapping("cluster.interconnect", links, ("intra_node", "inter_node"),
+                      example="{intra_node: nvlink, inter_node: infiniband}")
+    intra = v.one_of("cluster.interconnect.intra_node", links.get("intra_node", "unspecified"),
+                     INTRA_NODE + ("unspecified",))
+    inter = v.one_of("cluster.interconnect.inter_node", links.get("inter_node", "unspecified"),
+                     INTER_NODE + ("unspecified",))
+    connect = v.number("cluster.connect_timeout_s", d.get("connect_timeout_s", 60), *CONNECT_TIMEOUT_S, unit="seconds")
+    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect)
 
 
-def _job(d: dict, base_dir: Path, name: str = "job") -> JobSpec:
-    _known(d, "job", ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
-                      "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus"))
+def check_address(address: Any) -> str:
+    """``local``, ``auto`` or ``ray://host:port`` with a port in 1..65535."""
+    if address in ("local", "auto"):
+        return address
+    if isinstance(address, str) and address.startswith("ray://"):
+        host, _, port = address[len("ray://"):].rpartition(":")
+        if host and port.isdigit() and 1 <= int(port) <= 65535 and "/" not in host:
+            return address
+    raise v.invalid("cluster.address", ADDRESS_HELP + " with a port from 1 to 65535", address)
+
+
+def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
+    v.known_keys("job", d, ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
+                            "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus"))
     working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
-    entrypoint = _required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
+    entrypoint = v.required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
     check_entrypoint(entrypoint, working_dir)
-    config = _required(d, "job", "config", "the path of the model config YAML")
-    if not isinstance(config, str):
-        raise ConfigError(f"job.config is {config!r}; give the path of the model config YAML.")
-    config_path = _resolve(config, base_dir)
+    config = v.text("job.config", v.required(d, "job", "config", "the path of the model config YAML"),
+                    "the path of the model config YAML")
+    config_path = _resolve(config, base_dir, "job.config")
     if not config_path.is_file():
-        raise ConfigError(f"job.config is {config!r}, but {config_path} does not exist; "
+        state = "is a directory" if config_path.is_dir() else "does not exist"
+        raise ConfigError(f"job.config is {v.quote(config)}, but {v.quote(str(config_path))} {state}; "
                           "give the path of the model config YAML (relative to the cluster file).")
-    steps = _int(_required(d, "job", "steps", "the number of training steps"), "job.steps", 1)
-    micro_batch = _int(d.get("micro_batch", 8), "job.micro_batch", 1)
-    max_failures = _int(d.get("max_failures", 0), "job.max_failures", 0)
-    seed = _int(d.get("seed", 0), "job.seed", 0)
-    timeout = d.get("collective_timeout_s", 300)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"job.collective_timeout_s is {timeout!r}; give seconds, a number above 0.")
-    checkpoint = _checkpoint(d.get("checkpoint"), base_dir)
+    steps = v.positive_int("job.steps", v.required(d, "job", "steps", "the number of training steps"), MAX_STEPS)
+    micro_batch = v.positive_int("job.micro_batch", d.get("micro_batch", 8), MAX_MICRO_BATCH)
+    max_failures = v.integer("job.max_failures", d.get("max_failures", 0), 0, MAX_FAILURES)
+    seed = v.integer("job.seed", d.get("seed", 0), 0, v.MAX_SEED)
+    timeout = v.number("job.collective_timeout_s", d.get("collective_timeout_s", 300), *COLLECTIVE_TIMEOUT_S,
+                       unit="seconds")
+    checkpoint = _checkpoint(d.get("checkpoint"), base_dir, local)
     run_dir = d.get("run_dir")
-    if run_dir is not None and (not isinstance(run_dir, str) or not run_dir):
-        raise ConfigError(f"job.run_dir is {run_dir!r}; give a directory path for metrics and logs.")
-    run_dir = _resolve(run_dir, base_dir) if run_dir else (checkpoint.dir or Path.cwd() / "runs" / name)
-    isolate_gpus = d.get("isolate_gpus", False)
-    if not isinstance(isolate_gpus, bool):
-        raise ConfigError(f"job.isolate_gpus is {isolate_gpus!r}; give true (each rank sees only its own GPU) "
-                          "or false (the ranks of a node share its GPUs, the default).")
-    return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, float(timeout), seed,
+    if run_dir is not None:
+        run_dir = _resolve(v.text("job.run_dir", run_dir, "a directory path for metrics and logs"), base_dir,
+                           "job.run_dir")
+    run_dir = run_dir or checkpoint.dir or Path.cwd() / "runs" / name
+    isolate_gpus = v.boolean("job.isolate_gpus", d.get("isolate_gpus", False))
+    return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, timeout, seed,
                    run_dir, working_dir, _env(d.get("env")), isolate_gpus)
 
 
 def _directory(value: Any, name: str, base_dir: Path) -> Path:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{name} is {value!r}; give a directory path (relative to the cluster file).")
-    path = _resolve(value, base_dir)
+    path = _resolve(v.text(name, value, "a directory path (relative to the cluster file)"), base_dir, name)
     if not path.is_dir():
-        raise ConfigError(f"{name} is {value!r}, but {path} is not a directory; give an existing directory "
-                          "(relative to the cluster file).")
+        raise ConfigError(f"{name} is {v.quote(value)}, but {v.quote(str(path))} is not a directory; give an "
+                          "existing directory (relative to the cluster file).")
     return path
 
 
 def _env(d: Any) -> dict:
     if d is None:
         return {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"job.env is {d!r}; give a mapping of environment variables like {{MY_FLAG: '1'}}.")
+    d = v.mapping("job.env", d, example="{MY_FLAG: '1'}")
     env = {}
     for key, value in d.items():
-        if not isinstance(key, str) or not key or "=" in key:
-            raise ConfigError(f"job.env has the key {key!r}; environment variable names are non-empty strings "
-                              "without '='.")
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise v.invalid("job.env", "environment variable names: non-empty strings without '='", key)
         if isinstance(value, (dict, list)) or value is None:
-            raise ConfigError(f"job.env.{key} is {value!r}; give a string or a number.")
+            raise v.invalid(v.join("job.env", key), "a string or a number", value)
         env[key] = str(value).lower() if isinstance(value, bool) else str(value)
     return env
 
 
-def _checkpoint(d: Any, base_dir: Path) -> CheckpointSpec:
+def _checkpoint(d: Any, base_dir: Path, local: bool) -> CheckpointSpec:
     if d is None:
         return CheckpointSpec()
-    if not isinstance(d, dict):
-        raise ConfigError(f"job.checkpoint is {d!r}; give a mapping like {{dir: ./runs/demo, every: 10}}.")
-    _known(d, "job.checkpoint", ("dir", "every", "keep_last"))
-    directory = _required(d, "job.checkpoint", "dir", "the directory for checkpoints")
-    if not isinstance(directory, str) or not directory:
-        raise ConfigError(f"job.checkpoint.dir is {directory!r}; give a directory path.")
-    every = _int(d.get("every", 10), "job.checkpoint.every", 1)
-    keep_last = _int(d.get("keep_last", 2), "job.checkpoint.keep_last", 1)
-    return CheckpointSpec(_resolve(directory, base_dir), every, keep_last)
+    d = v.mapping("job.checkpoint", d, ("dir", "every", "keep_last"), example="{dir: ./runs/demo, every: 10}")
+    directory = v.text("job.checkpoint.dir", v.required(d, "job.checkpoint", "dir", "the directory for checkpoints"),
+                       "a directory path")
+    every = v.positive_int("job.checkpoint.every", d.get("every", 10), MAX_STEPS)
+    keep_last = v.positive_int("job.checkpoint.keep_last", d.get("keep_last", 2), MAX_STEPS)
+    path = _resolve(directory, base_dir, "job.checkpoint.dir")
+    check_writable_dir(path, "job.checkpoint.dir", only_if_here=not local)
+    return CheckpointSpec(path, every, keep_last)
+
+
+def check_writable_dir(path: Path, field_name: str, only_if_here: bool = False) -> None:
+    """``path`` is a directory we can write in, or can be created: its nearest existing ancestor is a
+    writable directory. Probed by creating a temporary file, because ``os.access`` says yes to root on a
+    read-only mount. With ``only_if_here`` (a remote cluster), a path none of whose parents exist on this
+    machine may live on the cluster's own filesystem, so only what exists here is judged."""
+    shown = v.quote(str(path))
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if only_if_here and existing == Path(existing.anchor):
+        return
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"lies under the file {v.quote(str(existing))}"
+        raise ConfigError(f"{field_name} {shown} {what}; give a directory path.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{field_name} {shown} is not writable: creating a file in {v.quote(str(existing))} "
+                          f"failed ({err.strerror or err}); give a directory you can write to.") from None
 
 
 def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
-    _known(d, "parallel", ("tp", "zero_stage", "precision"))
+    v.known_keys("parallel", d, ("tp", "zero_stage", "precision"))
     tp = d.get("tp", "auto")
     if tp == "auto":
         tp = None
     else:
-        tp = _int(tp, "parallel.tp", 1, allowed="'auto' or a whole number that divides cluster.gpus_per_node")
+        tp = v.integer("parallel.tp", tp, 1, need="'auto' or a whole number that divides cluster.gpus_per_node")
         if cluster.gpus_per_node % tp:
             raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = "
                               f"{cluster.gpus_per_node}; TP groups must lie inside one node, so use a divisor "
                               f"of {cluster.gpus_per_node} or 'auto'.")
-    stage = d.get("zero_stage", "auto")
-    stage = None if stage == "auto" else _stage(stage, "parallel.zero_stage")
-    precision = _choice(d.get("precision", "bf16"), "parallel.precision", PRECISIONS)
+    stage = v.stage("parallel.zero_stage", d.get("zero_stage", "auto"), auto=True)
+    precision = v.one_of("parallel.precision", d.get("precision", "bf16"), PRECISIONS)
     return ParallelSpec(tp, stage, precision)
 
 
@@ -254,8 +282,18 @@ def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
 
 def check_entrypoint(entrypoint: Any, working_dir: Optional[Path] = None) -> None:
     """Raise ``ConfigError`` unless ``entrypoint`` names a ``module:function`` importable from
-    ``working_dir`` or an installed package."""
-    resolve_entrypoint(entrypoint, field_name="job.entrypoint", working_dir=working_dir)
+    ``working_dir`` or an installed package that can be called with one argument (the rank's ``Context``)."""
+    fn = resolve_entrypoint(entrypoint, field_name="job.entrypoint", working_dir=working_dir)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: cannot tell
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise ConfigError(f"job.entrypoint is {v.quote(entrypoint)}, but {fn.__name__}{signature} cannot be "
+                          "called with one argument; give a function that takes the rank's Context, "
+                          "def train(ctx).") from None
 
 
 def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
@@ -263,21 +301,21 @@ def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
     """Import ``module:function`` and return the function; ``working_dir`` goes first on ``sys.path``
     (as Ray puts a job's working_dir first on its workers)."""
     if not isinstance(entrypoint, str) or entrypoint.count(":") != 1 or not all(entrypoint.split(":")):
-        raise ConfigError(f"{field_name} is {entrypoint!r}; give module:function, "
-                          "e.g. hybrid.models.gpt:train.")
+        raise v.invalid(field_name, "module:function, e.g. hybrid.models.gpt:train", entrypoint)
     module_name, fn_name = entrypoint.split(":")
     if working_dir is not None and str(working_dir) not in sys.path:
         sys.path.insert(0, str(working_dir))
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or the module itself raising while imported
-        raise ConfigError(f"{field_name} is {entrypoint!r}, but module {module_name!r} cannot be imported "
-                          f"({type(err).__name__}: {err}) from job.working_dir {working_dir}; give a module:function "
-                          "importable from there or installed.") from None
+    except (Exception, SystemExit) as err:  # ImportError, or the module raising (or exiting) while imported
+        where = f" from job.working_dir {v.quote(str(working_dir))}" if working_dir is not None else ""
+        raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but module {v.quote(module_name)} cannot be "
+                          f"imported{where} ({type(err).__name__}: {v.quote(str(err))[1:-1]}); give a "
+                          "module:function importable from there or installed.") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ConfigError(f"{field_name} is {entrypoint!r}, but {module_name} has no function {fn_name!r}; "
-                          "give an importable module:function.")
+        raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but {module_name} has no function "
+                          f"{v.quote(fn_name)}; give an importable module:function.")
     return fn
 
 
@@ -290,52 +328,11 @@ def _section(data: dict, name: str, required: bool) -> dict:
             raise ConfigError(f"section {name!r} is missing from the cluster file; add it "
                               "(see clusters/local.yaml for the shape).")
         return {}
-    if not isinstance(data[name], dict):
-        raise ConfigError(f"section {name!r} is {data[name]!r}; it must be a mapping of fields.")
-    return data[name]
+    return v.mapping(name, data[name])
 
 
-def _known(d: dict, where: str, keys: tuple) -> None:
-    """Unknown keys are errors: a typo must never silently fall back to a default."""
-    for key in d:
-        if key not in keys:
-            name = f"{where}.{key}" if where else str(key)
-            place = where or "the top level"
-            raise ConfigError(f"{name} is not a known key; allowed keys in {place}: {', '.join(keys)}.")
-
-
-def _required(d: dict, section: str, key: str, allowed: str) -> Any:
-    if key not in d or d[key] is None:
-        raise ConfigError(f"{section}.{key} is missing; add it ({allowed}).")
-    return d[key]
-
-
-def _int(value: Any, name: str, minimum: int, allowed: Optional[str] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = allowed or f"a whole number, at least {minimum}"
-        raise ConfigError(f"{name} is {value!r}; it must be {allowed}.")
-    return value
-
-
-def _stage(value: Any, name: str) -> int:
-    if value == "auto" and name.startswith("--"):
-        raise ConfigError(f"{name} is 'auto'; omit {name} to let the planner choose, or give 0, 1, 2 or 3.")
-    if isinstance(value, bool) or value not in (0, 1, 2, 3):
-        raise ConfigError(f"{name} is {value!r}; use 'auto' or a ZeRO stage 0, 1, 2 or 3.")
-    return int(value)
-
-
-def _choice(value: Any, name: str, allowed: tuple) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{name} is {value!r}; use one of {', '.join(allowed)}.")
-    return value
-
-
-def _resolve(p: str, base_dir: Path) -> Path:
+def _resolve(p: str, base_dir: Path, field_name: str) -> Path:
+    if "\0" in p or len(p) > 4096:
+        raise v.invalid(field_name, "a path (no NUL character, at most 4096 characters)", p)
     path = Path(os.path.expanduser(p))
     return path if path.is_absolute() else (base_dir / path).resolve()
-
-
-def _is_ray_client(address: str) -> bool:
-    host_port = address[len("ray://"):] if address.startswith("ray://") else ""
-    return bool(host_port) and ":" in host_port

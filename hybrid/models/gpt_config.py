@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from hybrid import validate as v
 from hybrid.errors import ConfigError
+from hybrid.yamlfile import load_yaml
 
 
 _FLOAT_FIELDS = ("dropout", "layer_norm_eps", "init_std")
-
-
-def _yaml_float(value):
-    # PyYAML reads "1e-5" (no dot) as a string; accept it as the number it plainly is.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 @dataclass(frozen=True)
@@ -50,21 +39,16 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}.")
+            v.positive_int(f"model.{name}", getattr(self, name))
         if self.hidden % self.n_heads:
             raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.hidden={self.hidden}; "
                               f"choose n_heads so that hidden is a multiple of it.")
-        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be a number in [0, 1), got {self.dropout!r}.")
-        if not isinstance(self.bias, bool):
-            raise ConfigError(f"model.bias must be true or false, got {self.bias!r}.")
+        dropout = v.number("model.dropout", self.dropout, 0, 1, need="a number in [0, 1)")
+        if dropout == 1:
+            raise v.invalid("model.dropout", "a number in [0, 1)", self.dropout)
+        v.boolean("model.bias", self.bias)
         for name in ("layer_norm_eps", "init_std"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive number, got {value!r}.")
+            v.positive_number(f"model.{name}", getattr(self, name))
 
     @property
     def head_dim(self) -> int:
@@ -89,31 +73,19 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"model must be a mapping of model keys, got {type(d).__name__}.")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"model.{unknown[0]} is not a GPT model key; use only {', '.join(sorted(known))}.")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in d]
-        if missing:
-            raise ConfigError(f"model.{missing[0]} is missing; add it under the model: mapping.")
-        return cls(**{k: _yaml_float(v) if k in _FLOAT_FIELDS else v for k, v in d.items()})
+        d = v.mapping("model", d, [f.name for f in dataclasses.fields(cls)])
+        for f in dataclasses.fields(cls):
+            if f.default is dataclasses.MISSING:
+                v.required(d, "model", f.name, "under the model: mapping")
+        return cls(**{k: v.yaml_number(x) if k in _FLOAT_FIELDS else x for k, x in d.items()})
 
     @classmethod
     def from_yaml(cls, path) -> "GPTConfig":
         """Read the ``model:`` mapping of a YAML file."""
-        path = Path(path)
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read model config {path}: {exc.strerror}; check the path.") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML ({exc}); fix the syntax.") from exc
+        doc = load_yaml(path, "model config")
         if not isinstance(doc, Mapping) or "model" not in doc:
-            raise ConfigError(f"{path} has no model: mapping; put vocab_size, seq_len, n_layers, hidden and "
-                              f"n_heads under model:.")
+            raise ConfigError(f"model config {v.quote(str(path))} has no model: mapping; put vocab_size, seq_len, "
+                              "n_layers, hidden and n_heads under model:.")
         return cls.from_dict(doc["model"])
 
     def to_dict(self) -> dict:

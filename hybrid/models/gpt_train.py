@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from hybrid import validate as v
 from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError
 from hybrid.models.gpt import GPT
@@ -78,16 +79,18 @@ def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
 
 
 def train_options(section: Any) -> dict:
-    """The ``train:`` mapping of the model config over ``TRAIN_DEFAULTS``; unknown keys are errors."""
+    """The ``train:`` mapping of the model config over ``TRAIN_DEFAULTS``, each value checked; unknown keys
+    are errors."""
     if section is None:
         return dict(TRAIN_DEFAULTS)
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"train is {section!r} in the model config; give a mapping such as {{lr: 0.005}}.")
-    for key in section:
-        if key not in TRAIN_DEFAULTS:
-            raise ConfigError(f"train.{key} is not a known key in the model config; allowed: "
-                              f"{', '.join(TRAIN_DEFAULTS)}.")
-    return {**TRAIN_DEFAULTS, **section}
+    options = {**TRAIN_DEFAULTS, **v.mapping("train", section, TRAIN_DEFAULTS, example="{lr: 0.005}")}
+    options["lr"] = v.positive_number("train.lr", v.yaml_number(options["lr"]))
+    options["weight_decay"] = v.number("train.weight_decay", v.yaml_number(options["weight_decay"]), lo=0)
+    clip = options["gradient_clipping"]
+    options["gradient_clipping"] = None if clip is None else v.number("train.gradient_clipping",
+                                                                       v.yaml_number(clip), lo=0)
+    options["branching"] = v.positive_int("train.branching", options["branching"])
+    return options
 
 
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):

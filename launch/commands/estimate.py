@@ -15,21 +15,16 @@ from fractions import Fraction
 
 import click
 
+from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import STAGES, activation_bytes, parse_count
-from hybrid.planner import Plan, choose_stage
+from hybrid.memory import activation_bytes, parse_count
+from hybrid.planner import Plan, check_headroom, choose_stage
+from hybrid.validate import PRECISIONS, STAGES
+from launch.spec import MAX_GPU_MEMORY_GB
+
+MAX_GPUS = 10**7
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
-
-
-class _OneLineCommand(click.Command):
-    """Turns click's own usage errors (bad type, missing or unknown option) into one ``error:`` line."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as err:
-            raise ConfigError(err.format_message()) from None
 
 
 def _gb(value) -> float:
@@ -45,20 +40,18 @@ def _plain(number: float) -> int | float:
 
 
 def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dict) -> None:
-    if gpus < 1:
-        raise ConfigError(f"--gpus must be at least 1 (the total GPU count, DP × TP), got {gpus}")
-    if tp < 1:
-        raise ConfigError(f"--tp must be at least 1, got {tp}")
+    v.integer("--gpus", gpus, 1, MAX_GPUS, need=f"a whole number from 1 to {MAX_GPUS} (the total GPU count, DP × TP)")
+    v.integer("--tp", tp, 1, MAX_GPUS)
     if gpus % tp:
-        raise ConfigError(f"--gpus ({gpus}) must be a multiple of --tp ({tp}), since DP degree = gpus / tp")
-    if not gpu_memory > 0:
-        raise ConfigError(f"--gpu-memory must be a positive number of GB per GPU, got {gpu_memory}")
-    if not 0 <= headroom < 1:
-        raise ConfigError(f"--headroom must be a fraction in [0, 1), got {headroom}; e.g. 0.1 keeps 10% free")
+        raise ConfigError(f"--gpus ({gpus}) must be a multiple of --tp ({tp}), since DP degree = gpus / tp.")
+    v.positive_number("--gpu-memory", gpu_memory, MAX_GPU_MEMORY_GB, unit="GB per GPU")
+    check_headroom("--headroom", headroom)
     given = [name for name in _SHAPE if shape[name] is not None]
     if given and len(given) != len(_SHAPE):
         missing = ", ".join("--" + name.replace("_", "-") for name in _SHAPE if shape[name] is None)
-        raise ConfigError(f"the activation estimate needs the whole model shape: also give {missing}")
+        raise ConfigError(f"the activation estimate needs the whole model shape: also give {missing}.")
+    for name in given:
+        v.positive_int("--" + name.replace("_", "-"), shape[name])
 
 
 def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | None) -> dict:
@@ -112,12 +105,12 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
     return "\n".join(lines)
 
 
-@click.command("estimate", cls=_OneLineCommand)
+@click.command("estimate")
 @click.option("--params", "params_text", required=True, help="Parameter count Ψ: 7B, 1.3B, 350M, 13e9, ...")
 @click.option("--gpus", type=int, required=True, help="Total GPU count (DP × TP).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree; DP = gpus / tp.")
 @click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="Memory per GPU in GB (10^9).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
 @click.option("--headroom", type=float, default=0.1, show_default=True, help="Fraction of memory kept free.")
 @click.option("--layers", type=int, help="Transformer layers (with --hidden --heads --seq --micro-batch).")
 @click.option("--hidden", type=int, help="Hidden size.")
@@ -135,9 +128,6 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
 
     activations = None
     if shape["layers"] is not None:
-        for name, value in shape.items():
-            if value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         activations = activation_bytes(seq, micro_batch, hidden, heads, layers, tp, activation_checkpointing)
 
     try:

@@ -1,43 +1,51 @@
 """``hybrid launch`` as a user runs it: a subprocess that starts its own embedded Ray cluster.
 
 The launcher must set Ray's loopback and no-usage-stats switches itself (the variables are removed from
-the subprocess's environment here), reach nothing but loopback, exit 0 after training, exit 130 on Ctrl-C,
-and leave no process of its Ray session behind either way.
+the subprocess's environment here), reach nothing but loopback, exit 0 after training, 1 when a rank
+raises, 130 on Ctrl-C or SIGTERM (during training, while the embedded cluster starts, or while it
+waits for a remote cluster to answer), and leave no process of its Ray session behind in every case.
 """
 
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch.netcheck import STRACE_CALLS, NetWatch, strace_peers
+from launch.ray_cluster import EMBEDDED_PREFIX, marked_pids
+from tests.launch.netcheck import STRACE_CALLS, NetWatch, descendants, strace_peers
 from tests.launch.test_launch_ray import session_processes
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+STOP_WITHIN_S = 10  # Ctrl-C or SIGTERM during connect or start-up must stop everything within this
 HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.exit(main())"]
 
 
-def cluster_file(tmp_path, steps: int) -> Path:
+def cluster_file(tmp_path, steps: int, entrypoint: str = "hybrid.models.gpt:train",
+                 cluster: str = "address: local") -> Path:
     path = tmp_path / "cluster.yaml"
     path.write_text(f"""\
-cluster: {{address: local, nodes: 2, gpus_per_node: 2, gpu_memory_gb: 80}}
-job: {{entrypoint: "hybrid.models.gpt:train", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}}}
+cluster: {{{cluster}, nodes: 2, gpus_per_node: 2, gpu_memory_gb: 80}}
+job: {{entrypoint: "{entrypoint}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}}}
 parallel: {{precision: fp32}}
 """)
     return path
 
 
-def start(path: Path, trace_to: Path | None = None) -> subprocess.Popen:
+def start(path: Path, trace_to: Path | None = None, env: dict | None = None) -> subprocess.Popen:
     """``hybrid launch path`` in a subprocess; under ``strace`` (network calls only) when ``trace_to``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_ADDRESS")},
+           **(env or {})}
     tracer = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", STRACE_CALLS, "-o", str(trace_to)] if trace_to else []
     return subprocess.Popen(tracer + HYBRID + ["launch", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -81,7 +89,8 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
     assert wait_gone(launcher_pid(proc, trace)) == [] and watch.wait_survivors() == []
 
 
-def test_ctrl_c_tears_everything_down(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_tear_everything_down_and_exit_130(tmp_path, signum):
     proc = start(cluster_file(tmp_path, steps=5000))
     watch = NetWatch(proc.pid).start()
     lines = []
@@ -90,7 +99,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
             lines.append(line)
             if line.startswith("step "):
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, _ = proc.communicate(timeout=90)
     finally:
         watch.stop()
@@ -108,3 +117,114 @@ def test_the_strace_check_sees_a_child_process_sending_off_the_machine(tmp_path)
     subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-e", STRACE_CALLS, "-o", str(log), sys.executable, "-c",
                     f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"], check=True)
     assert strace_peers(str(log)) == {"192.0.2.7"}  # UDP, unconnected, from a grandchild: still seen
+
+
+def test_a_rank_that_raises_exits_1_naming_it(tmp_path):
+    proc = start(cluster_file(tmp_path, steps=3, entrypoint="tests.launch.entrypoints:fail_on_rank_1"))
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert "error: rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)" in out, out
+    assert wait_gone(proc.pid) == []
+
+
+def _marked_dir(pid: int) -> str | None:
+    """The embedded cluster's temp dir, once a Ray process below ``pid`` runs with it."""
+    for child in descendants(pid):
+        try:
+            args = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+        except OSError:
+            continue
+        found = re.search(rf"/\S*/{EMBEDDED_PREFIX}[^/\s]+", args)
+        if found:
+            return found.group(0)
+    return None
+
+
+def test_sigterm_while_the_embedded_cluster_starts_stops_every_process_of_it(tmp_path):
+    proc = start(cluster_file(tmp_path, steps=5000))
+    watch = NetWatch(proc.pid).start()
+    try:
+        deadline = time.monotonic() + 120
+        marked = None
+        while marked is None and proc.poll() is None and time.monotonic() < deadline:
+            marked = _marked_dir(proc.pid)  # the first Ray process of the cluster is up: mid start-up
+            time.sleep(0.05)
+        assert marked, "no Ray process of the embedded cluster was seen starting"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=STOP_WITHIN_S)
+    finally:
+        watch.stop()
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "step " not in out, out  # it was stopped before training began
+    assert marked_pids(marked) == [] and not Path(marked).exists()
+    assert wait_gone(proc.pid) == [] and watch.wait_survivors() == []
+
+
+def test_sigterm_while_waiting_for_a_remote_cluster_exits_130_at_once(tmp_path):
+    """A Ray address that accepts connections and never answers: the launcher must not hang in connect."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        env = {"RAY_ADDRESS": f"127.0.0.1:{port}"}
+        proc = start(cluster_file(tmp_path, steps=3, cluster="address: auto, connect_timeout_s: 600"), env=env)
+        try:
+            for line in proc.stdout:
+                if line.startswith("connecting to Ray at auto"):
+                    break
+            time.sleep(1.0)  # inside the connect
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=STOP_WITHIN_S)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, out
+
+
+def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path):
+    """`ray start --head` on loopback (in its own temp dir, stopped by its pid): `ray://` (Ray Client) and
+    `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hy-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={ports[0]}", f"--ray-client-server-port={ports[1]}",
+                             "--num-cpus=2", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        started = []
+        for line in head.stdout:  # until the head says it is up and will block
+            started.append(line)
+            if "block forever" in line:
+                break
+        assert head.poll() is None and (ray_tmp / "ray" / "ray_current_cluster").exists(), "".join(started)
+        for address, shown in ((f'"ray://127.0.0.1:{ports[1]}"', f"ray://127.0.0.1:{ports[1]}: 1 node"),
+                               ("auto", f"127.0.0.1:{ports[0]}: 1 node")):
+            path = tmp_path / "cluster.yaml"
+            path.write_text(f"""\
+cluster: {{address: {address}, nodes: 1, gpus_per_node: 2, gpu_memory_gb: 80, connect_timeout_s: 60}}
+job: {{entrypoint: "hybrid.models.gpt:train", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: 2}}
+parallel: {{precision: fp32}}
+""")
+            # the launcher pins loopback only for the embedded cluster: a remote one is the user's to set up
+            proc = start(path, env={"RAY_TMPDIR": str(ray_tmp), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                    "RAY_USAGE_STATS_ENABLED": "0"})
+            try:
+                out, _ = proc.communicate(timeout=240)
+            finally:
+                proc.kill()
+            assert proc.returncode == 0, out
+            assert f"connected to Ray at {shown}" in out and "steps 2/2" in out, out
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops every process of its cluster
+        head.communicate(timeout=60)
+    assert marked_pids(str(ray_tmp)) == []
+    shutil.rmtree(ray_tmp, ignore_errors=True)

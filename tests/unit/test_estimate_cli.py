@@ -109,7 +109,7 @@ def test_console_script_help_and_exit_codes():
         [HYBRID, "estimate", "--gpus", "0", "--params", "7B"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == ["error: --gpus must be at least 1 (the total GPU count, DP × TP), got 0"]
+    assert done.stderr.splitlines() == ["error: --gpus must be a whole number from 1 to 10000000 (the total GPU count, DP × TP), got 0."]
 
 
 def test_monitor_command_reports_this_node(capsys):

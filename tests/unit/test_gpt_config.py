@@ -80,7 +80,7 @@ def test_from_yaml_reads_the_model_mapping(tmp_path):
     ("vocab_size: 256\n", "has no model: mapping"),
     ("model:\n  vocab_size: 256\n", "model.seq_len is missing"),
     ("model: {vocab_size: 256, seq_len: 32, n_layers: 2, hidden: 64, n_heads: 4, heads: 4}\n",
-     "model.heads is not a GPT model key"),
+     "model.heads is not a known setting"),
     ("model: [1, 2\n", "is not valid YAML"),
 ])
 def test_from_yaml_errors(tmp_path, text, match):
@@ -91,7 +91,7 @@ def test_from_yaml_errors(tmp_path, text, match):
 
 
 def test_from_yaml_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read model config"):
+    with pytest.raises(ConfigError, match="model config .* does not exist"):
         GPTConfig.from_yaml(tmp_path / "absent.yaml")
 
 
@@ -115,3 +115,19 @@ def test_logits_and_loss_agree_with_torch_cross_entropy():
     torch.testing.assert_close(model(idx, targets), expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="longer than model.seq_len"):
         model(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
+
+
+def test_train_options_are_checked_with_the_shared_vocabulary():
+    from hybrid.models.gpt_train import TRAIN_DEFAULTS, train_options
+
+    assert train_options(None) == TRAIN_DEFAULTS
+    assert train_options({"lr": "5e-3", "gradient_clipping": 0})["lr"] == 0.005  # YAML's string 5e-3
+    for section, message in (({"lr": -1}, "train.lr must be a number above 0, got -1."),
+                             ({"lr": float("inf")}, "train.lr must be a number above 0, got inf."),
+                             ({"branching": 0}, "train.branching must be a positive integer, got 0."),
+                             ({"lrr": 1}, "train.lrr is not a known setting; use one of: lr, weight_decay, "
+                                          "gradient_clipping, branching."),
+                             ([1], "train must be a mapping like {lr: 0.005}, got list [1].")):
+        with pytest.raises(ConfigError) as err:
+            train_options(section)
+        assert str(err.value) == message

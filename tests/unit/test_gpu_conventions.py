@@ -109,5 +109,5 @@ def test_ranks_get_the_nccl_defaults_the_flight_recorder_dir_and_the_drivers_ncc
 
 def test_job_isolate_gpus_is_a_boolean_defaulting_to_false():
     assert _spec().job.isolate_gpus is False and _spec(isolate_gpus=True).job.isolate_gpus is True
-    with pytest.raises(ConfigError, match=r"job.isolate_gpus is 'yes'; give true"):
+    with pytest.raises(ConfigError, match=r"^job\.isolate_gpus must be true or false, got 'yes'\.$"):
         _spec(isolate_gpus="yes")

@@ -88,3 +88,46 @@ def test_progress_orders_checkpoint_lines_after_their_step_and_forgets_steps_aft
     done = Progress(total_steps=4, world_size=1, stream=io.StringIO(), tty=False)
     done.add({"rank": 0, "reports": [{"rank": 0, "step": 4, "resumed_from": 4, "checkpoint": "ck/step-4"}]})
     assert "resumed from checkpoint step 4 (ck/step-4); nothing left to train" in done.stream.getvalue()
+
+
+def _step_lines(text: str) -> list[int]:
+    return [int(line.split()[1].split("/")[0]) for line in text.splitlines() if line.startswith("step ")]
+
+
+def test_a_restart_shows_the_dead_ranks_unreported_steps_up_to_the_checkpoint_once_in_order():
+    out = io.StringIO()
+    progress = Progress(total_steps=8, world_size=2, stream=out, tty=False)
+    saved = {"rank": 0, "step": 5, "checkpoint_saved": 5, "checkpoint": "ck/step-5"}
+    progress.add({"rank": 1, "reports": [_step(s, 1, 9.0 - s) for s in (1, 2, 3)]})  # then rank 1 is killed
+    progress.add({"rank": 0, "reports": [_step(s, 0, 9.0 - s) for s in (1, 2, 3, 4, 5)] + [saved, _step(6, 0, 3.0)]})
+    assert _step_lines(out.getvalue()) == [1, 2, 3]  # steps 4.. wait for rank 1's reports, which died with it
+
+    progress.restart(5)
+    progress.note("rank 1 on node 0 failed (...); restarting all ranks from checkpoint step 5 (attempt 2 of 2)")
+    lines = out.getvalue().splitlines()
+    assert _step_lines(out.getvalue()) == [1, 2, 3, 4, 5]
+    assert lines[3] == "step 4/8  loss 5.0000  1,000 tokens/s  model states/rank 3 B  (1 of 2 ranks reported)"
+    assert lines[4].startswith("step 5/8") and lines[5] == "checkpoint step 5 saved: ck/step-5"
+    assert lines[6].startswith("rank 1 on node 0 failed")
+    assert [h["step"] for h in progress.history] == [1, 2, 3, 4, 5]  # step 6 runs again
+
+    for rank in (0, 1):
+        progress.add({"rank": rank, "reports": [{"rank": rank, "step": 5, "resumed_from": 5, "checkpoint": "ck/step-5"}]
+                      + [_step(s, rank, 1.0) for s in (6, 7, 8)]})
+    assert _step_lines(out.getvalue()) == list(range(1, 9))
+    assert [h["step"] for h in progress.history] == list(range(1, 9))
+
+
+def test_steps_after_the_checkpoint_run_again_replace_their_history_entry_without_a_second_line():
+    out = io.StringIO()
+    progress = Progress(total_steps=4, world_size=1, stream=out, tty=False)
+    progress.add({"rank": 0, "reports": [_step(1, 0, 4.0), _step(2, 0, 3.0),
+                                         {"rank": 0, "step": 2, "checkpoint_saved": 2, "checkpoint": "ck/step-2"},
+                                         _step(3, 0, 2.0)]})
+    assert out.getvalue().splitlines()[2] == "checkpoint step 2 saved: ck/step-2"  # right after step 2's line
+    progress.restart(2)
+    progress.add({"rank": 0, "reports": [_step(3, 0, 2.5), _step(4, 0, 1.0)]})
+    assert _step_lines(out.getvalue()) == [1, 2, 3, 4]
+    assert [(h["step"], h["loss"]) for h in progress.history] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 1.0)]
+    summary = progress.summary([], 1.0)
+    assert "steps 4/4" in summary and "loss 4.0000 (step 1) -> 1.0000 (step 4)" in summary

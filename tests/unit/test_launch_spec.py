@@ -57,16 +57,17 @@ def _replace(old: str, new: str) -> str:
 BAD = {
     "missing field": (_replace("  nodes: 2\n", ""), "cluster.nodes is missing"),
     "tp does not divide": (_replace("tp: auto", "tp: 3"), "parallel.tp is 3"),
-    "unknown key": (_replace("  steps: 5\n", "  steps: 5\n  stpes: 7\n"), "job.stpes is not a known key"),
+    "unknown key": (_replace("  steps: 5\n", "  steps: 5\n  stpes: 7\n"), "job.stpes is not a known setting"),
     "entrypoint not importable": (_replace("hybrid.models.gpt:train", "no_such_pkg.mod:train"),
                                   "job.entrypoint is 'no_such_pkg.mod:train'"),
     "no such function": (_replace("hybrid.models.gpt:train", "hybrid.models.gpt:nope"), "has no function 'nope'"),
-    "nodes 0": (_replace("nodes: 2", "nodes: 0"), "cluster.nodes is 0"),
+    "nodes 0": (_replace("nodes: 2", "nodes: 0"), "cluster.nodes must be a whole number from 1 to 100000, got 0"),
     "yaml syntax": (_replace("  steps: 5\n", "  steps: [5\n"), "line "),
-    "bad stage": (_replace("zero_stage: auto", "zero_stage: 4"), "parallel.zero_stage is 4"),
-    "bad address": (_replace("address: local", "address: 10.0.0.1"), "cluster.address is '10.0.0.1'"),
+    "bad stage": (_replace("zero_stage: auto", "zero_stage: 4"),
+                  "parallel.zero_stage must be 'auto' or 0, 1, 2 or 3, got 4"),
+    "bad address": (_replace("address: local", "address: 10.0.0.1"), "cluster.address must be 'local'"),
     "bad precision": (_replace("  zero_stage: auto\n", "  zero_stage: auto\n  precision: fp8\n"),
-                      "parallel.precision is 'fp8'"),
+                      "parallel.precision must be one of bf16, fp32, got 'fp8'"),
     "missing model config": (_replace(str(TINY), "nothere.yaml"), "job.config is 'nothere.yaml'"),
 }
 
@@ -93,4 +94,4 @@ def test_launch_rejects_the_same_files_before_starting_ray(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text(_replace("nodes: 2", "nodes: 0"))
     assert main(["launch", str(path)]) == 2
-    assert "cluster.nodes is 0" in capsys.readouterr().err
+    assert "cluster.nodes must be" in capsys.readouterr().err

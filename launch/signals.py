@@ -1,0 +1,58 @@
+"""SIGINT and SIGTERM as ``KeyboardInterrupt`` (so ``finally`` teardowns run), or ignored for a while.
+
+``as_interrupt(*signals)`` and ``ignored()`` are context managers that install the handler for the
+block and restore the previous ones after it; ``take_back()`` re-installs the interrupt inside a block
+after a library replaced it. Off the main thread they change nothing (Python allows
+signal handlers only there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Iterator
+
+BOTH = (signal.SIGTERM, signal.SIGINT)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def as_interrupt(*signals: int):
+    """Inside the block the signals (default SIGTERM and SIGINT) raise ``KeyboardInterrupt``.
+
+    SIGINT is set explicitly because a launcher started in the background of a non-interactive shell
+    inherits it ignored, and then even ``kill -INT`` would leave a cluster running.
+    """
+    return _handled(signals or BOTH, _raise_interrupt)
+
+
+def ignored(*signals: int):
+    """Inside the block the signals (default SIGTERM and SIGINT) are ignored: for a bounded teardown
+    that a second Ctrl-C must not cut short."""
+    return _handled(signals or BOTH, signal.SIG_IGN)
+
+
+def take_back(*signals: int) -> None:
+    """Inside an ``as_interrupt`` block, after a library installed handlers of its own (Ray does, on every
+    node start): the signals raise ``KeyboardInterrupt`` again. The block still restores the originals."""
+    try:
+        for sig in signals or BOTH:
+            signal.signal(sig, _raise_interrupt)
+    except ValueError:  # not the main thread
+        pass
+
+
+@contextlib.contextmanager
+def _handled(signals, handler) -> Iterator[None]:
+    try:
+        previous = {sig: signal.signal(sig, handler) for sig in signals}
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
