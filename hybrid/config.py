@@ -1,7 +1,8 @@
 """Typed training configuration for the ZeRO engine, built from our dict or a DeepSpeed-style dict.
 
 ``TrainConfig(zero=ZeroConfig(...), precision="bf16"|"fp32", optimizer=OptimizerConfig(...),
-gradient_clipping=None|float, gradient_accumulation_steps=1, max_nonfinite_skips=5)``. Every field is checked
+scheduler=None|SchedulerConfig(...), gradient_clipping=None|float, gradient_accumulation_steps=1,
+max_nonfinite_skips=5)``. Every field is checked
 on construction; a bad value raises ``ConfigError`` naming the field and the fix.
 
 ``TrainConfig.from_dict(d)`` accepts both spellings, mixed freely:
@@ -9,8 +10,17 @@ on construction; a bad value raises ``ConfigError`` naming the field and the fix
 * ours: ``{"zero": {...}, "precision": "bf16", "optimizer": {"lr": ..., "betas": ..., ...}, ...}``
 * DeepSpeed: ``{"zero_optimization": {...}, "bf16": {"enabled": true}, "optimizer": {"type": "AdamW",
   "params": {...}}, "gradient_clipping": 1.0, "gradient_accumulation_steps": 2,
-  "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32}``; ``stage3_prefetch_bucket_size`` and
-  ``stage3_param_persistence_threshold`` are aliases of the plain names. ``fp16`` is refused (use bf16).
+  "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32, "scheduler": {"type": "WarmupCosineLR",
+  "params": {...}}}``; ``stage3_prefetch_bucket_size`` and ``stage3_param_persistence_threshold`` are
+  aliases of the plain names. ``fp16`` is refused (use bf16).
+
+The optimizer is any elementwise ``torch.optim`` class by name (``AdamW`` default, ``Adam``, ``SGD``,
+``RMSprop``, ...); its keyword arguments go in ``optimizer.params`` (or beside ``type``) and are checked
+against the class. Beside them (ours): ``no_decay`` (``auto``: no weight decay on 1-D parameters --
+biases, norms -- and embedding weights; ``none``; or a list of name patterns), ``param_groups`` (a list
+of ``{names: [patterns], weight_decay: x, lr_scale: y}``, first match wins) and ``implementation``
+(``auto`` | ``fused`` | ``foreach`` | ``for-loop``). ``zero_optimization.offload_optimizer: {device: cpu,
+pin_memory: true}`` keeps the fp32 master and the optimizer state in host memory (stages 1-3).
 
 Unknown keys are an error that names the key (with its section) and lists the accepted ones. Sizes are in
 elements, as in DeepSpeed, and may be written as floats (``5e8``) when they are whole numbers.
@@ -20,7 +30,7 @@ Defaults follow the seed (bucket sizes 5e8, prefetch 5e7, persistence 1e5, sub-g
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
 from hybrid import validate as v
@@ -50,6 +60,37 @@ def _reject_unknown(section: dict, allowed, where: str) -> None:
 
 
 # -- the typed configs --------------------------------------------------------------------------------------
+OFFLOAD_DEVICES = ("none", "cpu")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where the fp32 master weights and optimizer state live: ``none`` (the device) or ``cpu`` (host memory,
+    pinned when ``pin_memory`` and the device is CUDA)."""
+
+    device: str = "none"
+    pin_memory: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def _offload_from(value: Any, where: str) -> OffloadConfig:
+    if isinstance(value, OffloadConfig):
+        return value
+    if value is None:
+        return OffloadConfig()
+    section = _section(value, where)
+    _reject_unknown(section, ("device", "pin_memory"), where)
+    device = section.get("device", "none")
+    if device == "nvme":
+        raise ConfigError(f"{where}.device nvme is not supported (only host memory is); use device: cpu, or "
+                          f"device: none to keep the optimizer state on the GPU.")
+    device = v.one_of(f"{where}.device", "none" if device is None else device, OFFLOAD_DEVICES)
+    return OffloadConfig(device, _bool(section.get("pin_memory", False), f"{where}.pin_memory"))
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO policy on the data-parallel group. Sizes count elements, not bytes."""
@@ -63,6 +104,7 @@ class ZeroConfig:
     overlap_comm: bool = True                  # keep gradient collectives in flight during backward
     reduce_scatter: bool = True                # stages 1-3: reduce-scatter (else all-reduce) gradients
     contiguous_gradients: bool = True          # accepted for DeepSpeed configs; gradients are always flat
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: states in host memory
 
     def __post_init__(self) -> None:
         _check_zero(self, "zero")
@@ -77,20 +119,87 @@ def _check_zero(cfg: ZeroConfig, where: str) -> None:
          _int(cfg.param_persistence_threshold, f"{where}.param_persistence_threshold", 0))
     for name in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
         set_(name, _bool(getattr(cfg, name), f"{where}.{name}"))
+    offload = _offload_from(cfg.offload_optimizer, f"{where}.offload_optimizer")
+    set_("offload_optimizer", offload)
+    from hybrid.zero.policy import policy_for  # pure table; imported here to keep config import-light
+
+    if offload.enabled and not policy_for(cfg.stage).shard_optimizer:
+        raise ConfigError(f"{where}.offload_optimizer needs ZeRO stage 1, 2 or 3, but {where}.stage is {cfg.stage}: "
+                          f"stage 0 keeps a full optimizer copy on every rank, so offloading it would move "
+                          f"N times the bytes; set {where}.stage to 1 or more, or offload_optimizer.device: none.")
+
+
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+# torch.optim classes whose state is not one tensor per element (or that need a closure): refused by name
+NOT_ELEMENTWISE = ("lbfgs", "sparseadam", "adafactor", "muon")
+_TORCH_MANAGED = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def torch_optimizer_class(kind: str, decoupled: bool = True, where: str = "optimizer.type"):
+    """The ``torch.optim`` class named ``kind`` (any case); ``Adam``/``AdamW`` follow ``decoupled``."""
+    import torch  # lazily: the config module is read on the driver too
+
+    if not isinstance(kind, str) or not kind:
+        raise v.invalid(where, "the name of a torch.optim optimizer (AdamW, Adam, SGD, ...)", kind)
+    if kind.lower() in ("adam", "adamw"):
+        return torch.optim.AdamW if decoupled else torch.optim.Adam
+    if kind.lower() in NOT_ELEMENTWISE:
+        raise ConfigError(f"{where} is {kind}, whose state is not one value per parameter element, so it cannot "
+                          f"be stepped on ZeRO's flat shards; use an elementwise optimizer such as AdamW or SGD.")
+    names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+    if kind.lower() not in names:
+        known = sorted(n for n in names.values() if n.lower() not in NOT_ELEMENTWISE)
+        raise v.invalid(where, "one of " + ", ".join(known), kind)
+    return getattr(torch.optim, names[kind.lower()])
+
+
+def optimizer_kwargs_allowed(cls) -> tuple:
+    """The keyword arguments of ``cls`` a config may set (torch's own implementation switches excluded)."""
+    import inspect
+
+    names = list(inspect.signature(cls.__init__).parameters)[1:]
+    return tuple(n for n in names if n not in _TORCH_MANAGED)
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW (decoupled weight decay) by default; ``decoupled_weight_decay=False`` is Adam with L2."""
+    """AdamW (decoupled weight decay) by default; ``decoupled_weight_decay=False`` is Adam with L2.
+
+    ``type`` names any elementwise ``torch.optim`` class; ``extra`` holds its other keyword arguments
+    (``(("momentum", 0.9),)``). ``no_decay``: ``"auto"`` (1-D parameters and embedding weights get no weight
+    decay), ``"none"`` or a tuple of name patterns (fnmatch). ``param_groups``: a tuple of
+    ``{"names": (patterns...), "weight_decay": x, "lr_scale": y}`` (either key optional), first match wins.
+    """
 
     lr: float = 1e-3
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
     decoupled_weight_decay: bool = True
+    type: str = "AdamW"
+    extra: tuple = ()
+    no_decay: Any = "auto"
+    param_groups: tuple = ()
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
         _check_optimizer(self, "optimizer")
+
+    @property
+    def torch_class(self):
+        return torch_optimizer_class(self.type, self.decoupled_weight_decay)
+
+    def torch_kwargs(self) -> dict:
+        """The keyword arguments for ``torch_class`` (learning rate and hyperparameters, no implementation)."""
+        allowed = optimizer_kwargs_allowed(self.torch_class)
+        out = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if "betas" in allowed:
+            out["betas"] = self.betas
+        if "eps" in allowed:
+            out["eps"] = self.eps
+        out.update(dict(self.extra))
+        return {k: val for k, val in out.items() if k in allowed}
 
 
 def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
@@ -106,6 +215,89 @@ def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
     set_("eps", _float(cfg.eps, f"{where}.eps", strict=True))
     set_("weight_decay", _float(cfg.weight_decay, f"{where}.weight_decay"))
     set_("decoupled_weight_decay", _bool(cfg.decoupled_weight_decay, f"{where}.decoupled_weight_decay"))
+    cls = torch_optimizer_class(cfg.type, cfg.decoupled_weight_decay, f"{where}.type")
+    extra = dict(cfg.extra)
+    allowed = optimizer_kwargs_allowed(cls)
+    for key in extra:
+        if key not in allowed:
+            raise ConfigError(f"{where}.{key} is not a setting of torch.optim.{cls.__name__}; use one of: "
+                              f"{', '.join(allowed)}.")
+    set_("extra", tuple(sorted(extra.items())))
+    set_("no_decay", _no_decay(cfg.no_decay, f"{where}.no_decay"))
+    set_("param_groups", tuple(_param_group(g, f"{where}.param_groups[{n}]") for n, g in
+                               enumerate(_list(cfg.param_groups, f"{where}.param_groups"))))
+    set_("implementation", v.one_of(f"{where}.implementation", cfg.implementation, IMPLEMENTATIONS))
+
+
+def _list(value: Any, where: str) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise v.invalid(where, "a list", value)
+
+
+def _patterns(value: Any, where: str) -> tuple:
+    items = [value] if isinstance(value, str) else _list(value, where)
+    return tuple(v.text(where, item, "a list of parameter name patterns (strings)") for item in items)
+
+
+def _no_decay(value: Any, where: str):
+    if value in ("auto", "none"):
+        return value
+    return _patterns(value, where)
+
+
+def _param_group(value: Any, where: str) -> dict:
+    group = v.mapping(where, value, ("names", "weight_decay", "lr_scale"), example="{names: ['*.bias'], lr_scale: 2}")
+    out = {"names": _patterns(v.required(group, where, "names", "a list of parameter name patterns"),
+                              f"{where}.names")}
+    for key in ("weight_decay", "lr_scale"):
+        if key in group:
+            out[key] = _float(group[key], f"{where}.{key}")
+    return out
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """A DeepSpeed learning-rate schedule (``hybrid.schedule.SCHEDULES``): ``type`` and its ``params``
+    (a tuple of ``(name, value)`` pairs over the type's defaults)."""
+
+    type: str
+    params: tuple = ()
+
+    def __post_init__(self) -> None:
+        _check_scheduler(self, "scheduler")
+
+    @property
+    def values(self) -> dict:
+        from hybrid.schedule import SCHEDULES
+
+        return {**SCHEDULES[self.type], **dict(self.params)}
+
+
+def _check_scheduler(cfg: SchedulerConfig, where: str) -> None:
+    from hybrid.schedule import REQUIRED, SCHEDULES, WARMUP_TYPES
+
+    kind = v.one_of(f"{where}.type", cfg.type, tuple(SCHEDULES))
+    params = dict(cfg.params)
+    _reject_unknown(params, SCHEDULES[kind], f"{where}.params")
+    values = {**SCHEDULES[kind], **params}
+    for key, value in values.items():
+        path = f"{where}.params.{key}"
+        if key == "warmup_type":
+            values[key] = v.one_of(path, value, WARMUP_TYPES)
+        elif key.endswith("_steps"):
+            if value is None and key in REQUIRED:
+                raise ConfigError(f"{path} is required for {kind}; set it to the number of optimizer steps of "
+                                  f"the run.")
+            values[key] = _int(value, path, 1 if key in REQUIRED else 0)
+        elif value is not None:
+            values[key] = _float(value, path)
+    if "total_num_steps" in values and values["total_num_steps"] < values["warmup_num_steps"]:
+        raise ConfigError(f"{where}.params.total_num_steps ({values['total_num_steps']}) is below "
+                          f"warmup_num_steps ({values['warmup_num_steps']}); make the run at least as long as its "
+                          f"warmup.")
+    object.__setattr__(cfg, "type", kind)
+    object.__setattr__(cfg, "params", tuple(sorted((k, values[k]) for k in params)))
 
 
 @dataclass(frozen=True)
@@ -113,6 +305,7 @@ class TrainConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: str = "fp32"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: Optional[SchedulerConfig] = None  # None: the optimizer's learning rate throughout
     gradient_clipping: Optional[float] = None   # max global gradient norm; None (or 0) = no clipping
     gradient_accumulation_steps: int = 1
     micro_batch_size: Optional[int] = None      # per rank; informational, checked against train_batch_size
@@ -125,6 +318,8 @@ class TrainConfig:
             raise ConfigError(f"zero must be a ZeroConfig, got {type(self.zero).__name__}")
         if not isinstance(self.optimizer, OptimizerConfig):
             raise ConfigError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
+        if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         v.one_of("precision", self.precision, PRECISIONS)
         clip = self.gradient_clipping
         if clip is not None:
@@ -157,8 +352,8 @@ class TrainConfig:
 _ZERO_ALIASES = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
                  "stage3_param_persistence_threshold": "param_persistence_threshold"}
 _ZERO_KEYS = {f.name for f in fields(ZeroConfig)} | set(_ZERO_ALIASES)
-_OPT_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "decoupled_weight_decay"}
-_TOP_KEYS = {"zero", "zero_optimization", "precision", "bf16", "fp16", "optimizer", "gradient_clipping",
+_OPT_OURS = ("no_decay", "param_groups", "implementation")  # beside type/params, in either spelling
+_TOP_KEYS = {"zero", "zero_optimization", "precision", "bf16", "fp16", "optimizer", "scheduler", "gradient_clipping",
              "gradient_accumulation_steps", "micro_batch_size", "train_micro_batch_size_per_gpu",
              "train_batch_size", "max_nonfinite_skips"}
 
@@ -169,6 +364,8 @@ def _from_dict(d: dict) -> TrainConfig:
     kwargs["zero"] = _zero_from(d)
     kwargs["precision"] = _precision_from(d)
     kwargs["optimizer"] = _optimizer_from(d.get("optimizer"))
+    if d.get("scheduler") is not None:
+        kwargs["scheduler"] = _scheduler_from(d["scheduler"])
     for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "max_nonfinite_skips"):
         if key in d:
             kwargs[key] = d[key]
@@ -197,7 +394,7 @@ def _zero_from(d: dict) -> ZeroConfig:
         values[name] = value
     cfg = ZeroConfig.__new__(ZeroConfig)  # validate under the user's section name, then construct
     for f in fields(ZeroConfig):
-        object.__setattr__(cfg, f.name, values.get(f.name, f.default))
+        object.__setattr__(cfg, f.name, values.get(f.name, None if f.default is MISSING else f.default))
     _check_zero(cfg, where)
     return ZeroConfig(**{f.name: getattr(cfg, f.name) for f in fields(ZeroConfig)})
 
@@ -223,22 +420,38 @@ def _optimizer_from(section) -> OptimizerConfig:
     if section is None:
         return OptimizerConfig()
     section = _section(section, "optimizer")
+    ours = {k: section[k] for k in _OPT_OURS if k in section}
     if "params" in section:  # DeepSpeed: {"type": ..., "params": {...}}
-        _reject_unknown(section, {"type", "params"}, "optimizer")
-        where, params = "optimizer.params", _section(section["params"], "optimizer.params")
+        _reject_unknown(section, {"type", "params", *_OPT_OURS}, "optimizer")
+        where, params = "optimizer.params", dict(_section(section["params"], "optimizer.params"))
     else:
-        where, params = "optimizer", {k: v for k, v in section.items() if k != "type"}
-    _reject_unknown(params, _OPT_PARAM_KEYS, where)
+        where, params = "optimizer", {k: val for k, val in section.items() if k != "type" and k not in _OPT_OURS}
     kind = section.get("type", "AdamW")
-    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
-        raise v.invalid("optimizer.type", "Adam or AdamW", kind)
-    decoupled = params.get("decoupled_weight_decay", params.get("adam_w_mode", True))
+    decoupled = params.pop("decoupled_weight_decay", params.pop("adam_w_mode", True))
     decoupled = _bool(decoupled, f"{where}.adam_w_mode")
-    if kind.lower() == "adamw" and not decoupled:
+    if isinstance(kind, str) and kind.lower() == "adamw" and not decoupled:
         raise ConfigError(f"{where}.adam_w_mode is false but optimizer.type is AdamW; use type Adam for L2 decay")
+    cls = torch_optimizer_class(kind, decoupled)
+    _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"}, where)
+    plain = ("lr", "betas", "eps", "weight_decay")
     cfg = OptimizerConfig.__new__(OptimizerConfig)
     for f in fields(OptimizerConfig):
-        object.__setattr__(cfg, f.name, params.get(f.name, f.default))
+        object.__setattr__(cfg, f.name, params.get(f.name, f.default) if f.name in plain else f.default)
+    for key, value in ours.items():
+        object.__setattr__(cfg, key, value)
     object.__setattr__(cfg, "decoupled_weight_decay", decoupled)
+    object.__setattr__(cfg, "type", cls.__name__)
+    object.__setattr__(cfg, "extra", tuple((k, val) for k, val in params.items() if k not in plain))
     _check_optimizer(cfg, where)
     return OptimizerConfig(**{f.name: getattr(cfg, f.name) for f in fields(OptimizerConfig)})
+
+
+def _scheduler_from(section) -> SchedulerConfig:
+    section = _section(section, "scheduler")
+    _reject_unknown(section, {"type", "params"}, "scheduler")
+    params = _section(section.get("params", {}), "scheduler.params")
+    cfg = SchedulerConfig.__new__(SchedulerConfig)
+    object.__setattr__(cfg, "type", section.get("type"))
+    object.__setattr__(cfg, "params", tuple(params.items()))
+    _check_scheduler(cfg, "scheduler")
+    return SchedulerConfig(cfg.type, cfg.params)
