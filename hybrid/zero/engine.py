@@ -56,7 +56,9 @@ from hybrid.value_sources import ValueSources, has_meta, new_parameter, referenc
 from hybrid.param_attrs import is_tensor_parallel
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
-from hybrid.zero.optimizer import ShardedAdamW
+from hybrid.schedule import lr_at
+from hybrid.zero.optimizer import FlatOptimizer
+from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.partition import bucket_groups, build_layout
 from hybrid.zero.policy import policy_for
@@ -75,8 +77,15 @@ class ShardView:
     start: int
     end: int
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    states: dict  # optimizer state key (exp_avg, momentum_buffer, ...) -> writable view
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.states["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.states["exp_avg_sq"]
 
 
 class ZeroEngine:
@@ -109,15 +118,20 @@ class ZeroEngine:
             align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
             groups, order, persistent = self._units(numels, align)
             self.layout = build_layout(numels, groups, self.policy.n_shards(self.dp_comm.size), align)
+            offload = zero.offload_optimizer
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
-                                   frozenset(persistent))
+                                   frozenset(persistent), host="cpu" if offload.enabled else None,
+                                   pin_memory=offload.pin_memory)
             views, transient = self._materialize(sources)
         finally:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._cast_frozen_and_buffers()
-        self.optimizer = ShardedAdamW(self.state.segments(), self.layout.shard_numel, self.device,
-                                      config.optimizer, zero.sub_group_size)
+        self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module), config.optimizer)
+        self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
+                                       self.state.master_device, config.optimizer, zero.sub_group_size, self.groups,
+                                       pin_memory=self.state.pin_memory)
+        self.base_lr = config.optimizer.lr
         self.persistent_units = persistent
         self.gatherer = None
         if self.policy.shard_params:
@@ -137,6 +151,7 @@ class ZeroEngine:
                             "model_state_bytes": states, "largest_transient_bytes": transient,
                             "peak_bytes": states + transient}
         self.micro_steps = 0
+        self.last_lr = None
         self._awaiting_step = False
         self.global_step = 0
         self.last_grad_norm = None
@@ -310,7 +325,12 @@ class ZeroEngine:
             self.reducer.zero_()
             return False
         clip = self.config.gradient_clipping
-        self.optimizer.step(clip_coefficient(norm, clip) if clip else None)
+        if self.state.host_grad is not None:
+            self.state.copy_grads_to_host()
+            if self.state.pin_memory:
+                torch.cuda.current_stream(self.device).synchronize()
+        self.last_lr = self.scheduled_lr(self.optimizer.step_count)
+        self.optimizer.step([self.last_lr * g.lr_scale for g in self.groups], clip_coefficient(norm, clip) if clip else None)
         self._refresh_params()
         self.reducer.zero_()
         self.global_step += 1
@@ -335,15 +355,24 @@ class ZeroEngine:
 
     @optimizer_step_count.setter
     def optimizer_step_count(self, value: int) -> None:
-        self.optimizer.step_count = int(value)
+        self.optimizer.restore(int(value))  # the loaded state buffers are live again from here on
+
+    def scheduled_lr(self, i: int) -> float:
+        """The learning rate of optimizer step ``i`` (0-based) for a group of ``lr_scale`` 1."""
+        sched = self.config.scheduler
+        if sched is None:
+            return self.base_lr
+        return lr_at(sched.type, sched.values, self.base_lr, i, self.base_lr)
 
     @property
     def lr(self) -> float:
-        return self.optimizer.lr
+        """The learning rate of the latest optimizer step (before the first: the first step's)."""
+        return self.scheduled_lr(0) if self.last_lr is None else self.last_lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.lr = float(value)
+        """Set the unscheduled learning rate (``optimizer.lr``) for the steps to come."""
+        self.base_lr = float(value)
 
     def shard_views(self) -> dict:
         """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""
@@ -354,7 +383,7 @@ class ZeroEngine:
             local, n = pos - unit.shard_offset, end - start
             master = self.state.unit_master(unit.index)[local:local + n]
             out[name] = ShardView(self.shapes[i], self.layout.numels[i], start, end, master,
-                                  self.optimizer.exp_avg[pos:pos + n], self.optimizer.exp_avg_sq[pos:pos + n])
+                                  {key: buf[pos:pos + n] for key, buf in self.optimizer.buffers.items()})
         return out
 
     @torch.no_grad()
@@ -375,7 +404,7 @@ class ZeroEngine:
             if self.layout.n_shards == 1:
                 full = master
             else:
-                full = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
+                full = torch.empty(unit.numel, dtype=torch.float32, device=master.device)
                 self.dp_comm.all_gather(full, master)
             for slot in unit.slots:
                 shape = self.shapes[slot.param]
@@ -388,24 +417,33 @@ class ZeroEngine:
 
     # -- reports --------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
-        """Bytes of the tensors this rank holds now: params, grads, optimizer (fp32 master + moments), and
-        buffers (gradient buckets in flight, stage-3 units gathered right now, the module's buffers)."""
+        """Bytes of the tensors this rank holds now on its device: params, grads, optimizer (fp32 master +
+        optimizer state), and buffers (gradient buckets in flight, stage-3 units gathered right now, the
+        module's buffers). With the optimizer offloaded, ``host`` says what lives in host memory instead:
+        ``{"optimizer": master + state, "grads": the gradient shard's host copy}`` (device ``optimizer`` is 0)."""
         kinds = self.state.tensors()
-        kinds["optimizer"] += [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
+        offloaded = self.state.host is not None
+        kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
         kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
         kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
         if self.policy.shard_params:
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
         seen, report = set(), {}
-        for kind in ("params", "grads", "optimizer", "buffers"):
-            total = 0
-            for t in kinds[kind]:
+
+        def total(tensors) -> int:
+            out = 0
+            for t in tensors:
                 storage = t.untyped_storage()
                 if storage.nbytes() and storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-            report[kind] = total
+                    out += storage.nbytes()
+            return out
+
+        for kind in ("params", "grads", "optimizer", "buffers"):
+            report[kind] = total(kinds[kind])
+        if offloaded:
+            report["host"] = {"optimizer": total(kinds["host_optimizer"]), "grads": total(kinds["host_grads"])}
         return report
 
     def comm_report(self) -> dict:

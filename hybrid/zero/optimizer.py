@@ -1,113 +1,215 @@
-"""AdamW on this rank's flat fp32 shard, stepped in ``sub_group_size`` pieces.
+"""Any elementwise ``torch.optim`` optimizer stepped over this rank's flat fp32 shard, in ``sub_group_size`` batches.
 
-``adamw_update_`` is the arithmetic of ``torch.optim.AdamW(foreach=False)`` (the single-tensor path torch
-uses on CPU), op for op, on flat fp32 tensors: decoupled weight decay ``p *= 1 - lr·wd``, ``m.lerp_(g,
-1-β1)``, ``v = β2·v + (1-β2)·g²``, ``p -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)``. With
-``decoupled=False`` it is ``torch.optim.Adam``'s L2 form (``g += wd·p``). All ops are elementwise, so cutting
-the shard into pieces does not change the result.
+The shard is a list of ``Piece``s: the part of one parameter this rank owns (``partition.owned_pieces``),
+as a view of the fp32 master, of the reduced gradient and, when the master is a separate copy (bf16, or
+offloaded), of the model-dtype parameter shard that receives the updated values. Pieces are packed in
+shard order into batches of at most ``sub_group_size`` elements (a larger piece is cut); each batch is one
+``torch.optim`` instance whose parameter groups are the batch's pieces by ``param_groups.Group``, so one
+fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size, all of a
+rank's pieces at once. Temporaries (fp32 copies of bf16 gradients, scaled gradients, the optimizer's own
+state on its first step) never exceed one batch.
 
-``ShardedAdamW`` runs the same update through torch's fused Adam(W) kernel (``torch._fused_adamw_``, one
-vectorized pass instead of seven elementwise ops: ~7x faster on CPU, the kernel behind
-``torch.optim.AdamW(fused=True)``) wherever torch has it, and the op-by-op ``adamw_update_`` elsewhere or with
-``fused=False``. The two agree to the last bit or two of each element (rounding order), not bit for bit.
+The optimizer's per-element state (``exp_avg`` and ``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD,
+whatever an elementwise class keeps: found by stepping it once on a 2-element probe) lives in one flat
+fp32 buffer per key in shard space (``buffers``), so a checkpoint writes it per parameter like the master.
+torch creates a piece's state on its first step; it is then copied into the flat buffer and the piece's
+state points there (every later step updates it in place). A scalar ``step`` entry is this optimizer's
+``step_count``; any other scalar state makes the class not elementwise (refused in one sentence).
+``restore(step_count)`` re-creates the state entries over the (just loaded) buffers, so a resumed run takes
+exactly the steps an uninterrupted one would.
 
-``ShardedAdamW`` owns the Adam moments of the shard (one fp32 buffer each, in shard space) and steps a
-list of ``Segment``s: the fp32 master view, the gradient view (model dtype) and, when the model dtype is
-not fp32, the view of the model parameters that receives the updated values. Temporaries (the fp32 copy of
-a bf16 gradient) never exceed ``sub_group_size`` elements. Every parameter takes a step each time, a
-parameter without a gradient in a step has a zero gradient (as with ``zero_grad(set_to_none=False)``).
+With ``state_device`` the CPU while the model is on another device (optimizer offload), the masters,
+buffers and a host copy of the gradient shard live in host memory (pinned for CUDA); ``copy_grads`` brings
+the reduced gradients over (non-blocking from a CUDA device: ``wait`` before stepping), the kernels run on
+the host, and the updated values are copied back to the device in the model dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from hybrid.config import OptimizerConfig
+from hybrid.errors import ConfigError
 
 
 @dataclass
-class Segment:
-    master: torch.Tensor            # fp32, updated in place
-    grad: torch.Tensor              # same length, model dtype
-    pos: int                        # where the segment starts in shard space (moments)
-    out: Optional[torch.Tensor]     # model-dtype copy of the master, or None when the master is the param
+class Piece:
+    master: torch.Tensor           # fp32, updated in place
+    grad: torch.Tensor             # the gradient the optimizer reads (the host copy when offloaded)
+    pos: int                       # where the piece starts in shard space (state buffers)
+    out: Optional[torch.Tensor]    # model-dtype parameter view receiving the update, or None (master is it)
+    group: int = 0                 # index into the parameter groups
 
 
-@torch.no_grad()
-def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  decoupled: bool = True) -> None:
-    """One Adam(W) step on flat fp32 tensors, identical to torch's single-tensor implementation."""
-    if weight_decay != 0:
-        if decoupled:
-            param.mul_(1 - lr * weight_decay)
+def probe_state(cls, kwargs: dict) -> tuple:
+    """``(per-element state keys, step dtype or None)`` of ``cls``, from one step on a 2-element probe."""
+    p = torch.zeros(2)
+    p.grad = torch.ones(2)
+    opt = cls([p], **kwargs, foreach=False)
+    opt.step()
+    keys, step_dtype = [], None
+    for key, value in opt.state[p].items():
+        if torch.is_tensor(value) and value.shape == p.shape:
+            keys.append(key)
+        elif key == "step" and (torch.is_tensor(value) and value.dim() == 0 or isinstance(value, (int, float))):
+            step_dtype = value.dtype if torch.is_tensor(value) else torch.float32
         else:
-            grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+            raise ConfigError(f"optimizer.type {cls.__name__} keeps state {key!r} that is not one value per parameter "
+                              f"element, so it cannot be stepped on ZeRO's flat shards; use an elementwise "
+                              f"optimizer such as AdamW or SGD.")
+    return tuple(keys), step_dtype
 
 
-def fused_kernel(decoupled: bool):
-    """torch's fused Adam(W) kernel for flat tensors, or None where this torch has none."""
-    return getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
+def _implementation(cls, implementation: str, device: torch.device) -> list:
+    """Keyword sets to try in order for ``implementation``."""
+    import inspect
+
+    accepted = inspect.signature(cls.__init__).parameters
+    fused = [{"fused": True}] if "fused" in accepted else []
+    if implementation == "fused":
+        return fused or [{"foreach": True}]
+    if implementation == "foreach":
+        return [{"foreach": True}]
+    if implementation == "for-loop":
+        return [{"foreach": False}]
+    return fused + [{"foreach": True}]
 
 
-class ShardedAdamW:
-    def __init__(self, segments: list, shard_numel: int, device, hyper: OptimizerConfig, sub_group_size: int,
-                 fused: bool = True):
-        self.segments = segments
-        self.exp_avg = torch.zeros(shard_numel, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(shard_numel, dtype=torch.float32, device=device)
-        self.lr = hyper.lr
-        self.betas = hyper.betas
-        self.eps = hyper.eps
-        self.weight_decay = hyper.weight_decay
-        self.decoupled = hyper.decoupled_weight_decay
-        self.sub_group_size = sub_group_size
+class FlatOptimizer:
+    def __init__(self, pieces: Sequence[Piece], shard_numel: int, state_device, config: OptimizerConfig,
+                 sub_group_size: int, groups: Sequence = (), pin_memory: bool = False):
+        self.config = config
+        self.weight_decays = [g.weight_decay for g in groups] or [config.weight_decay]
+        self.cls = config.torch_class
+        self.kwargs = config.torch_kwargs()
+        self.keys, self._step_dtype = probe_state(self.cls, self.kwargs)
+        self.state_device = torch.device(state_device)
+        self.sub_group_size = int(sub_group_size)
+        self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
         self.step_count = 0
-        self._fused = fused_kernel(self.decoupled) if fused else None
+        self.pieces = list(pieces)
+        self.batches = self._build_batches()
 
-    def pieces(self):
-        """``(segment, lo, hi)`` for every piece of at most ``sub_group_size`` elements."""
-        for seg in self.segments:
-            n = seg.master.numel()
+    # -- construction ---------------------------------------------------------------------------------
+    def _cut(self):
+        """``(piece, lo, hi)`` sub-pieces of at most ``sub_group_size`` elements, in shard order."""
+        for piece in self.pieces:
+            n = piece.master.numel()
             for lo in range(0, n, self.sub_group_size):
-                yield seg, lo, min(n, lo + self.sub_group_size)
+                yield piece, lo, min(n, lo + self.sub_group_size)
+
+    def _build_batches(self) -> list:
+        batches, current, size = [], [], 0
+        for item in self._cut():
+            n = item[2] - item[1]
+            if current and size + n > self.sub_group_size:
+                batches.append(current)
+                current, size = [], 0
+            current.append(item)
+            size += n
+        if current:
+            batches.append(current)
+        return [self._batch(items) for items in batches]
+
+    def _batch(self, items: list) -> "_Batch":
+        views, by_group = [], {}
+        for piece, lo, hi in items:
+            view = piece.master[lo:hi]
+            views.append((view, piece, lo, hi))
+            by_group.setdefault(piece.group, []).append(view)
+        groups = sorted(by_group)
+        def param_groups():
+            return [{"params": by_group[g], "weight_decay": self.weight_decays[g]} for g in groups]
+
+        opt, errors = None, []
+        for impl in _implementation(self.cls, self.config.implementation, self.state_device):
+            try:
+                opt = self.cls(param_groups(), **self.kwargs, **impl)
+                self.fused = bool(impl.get("fused"))
+                break
+            except (RuntimeError, ValueError) as exc:  # e.g. no fused kernel for this device
+                errors.append(exc)
+        if opt is None:
+            raise errors[-1]
+        batch = _Batch(opt, groups, views)
+        self._adopt(batch)  # classes that create state at construction (Adagrad)
+        return batch
+
+    # -- stepping -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lrs: Sequence[float], grad_scale: Optional[torch.Tensor] = None) -> None:
+        """One step of every piece; group ``g`` uses learning rate ``lrs[g]``; ``grad_scale`` (0-dim fp32)
+        multiplies the gradients first."""
+        self.step_count += 1
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(self.state_device)
+        for batch in self.batches:
+            for g, group in zip(batch.groups, batch.opt.param_groups):
+                group["lr"] = lrs[g]
+            for view, piece, lo, hi in batch.views:
+                grad = piece.grad[lo:hi]
+                if grad.dtype != torch.float32:
+                    grad = grad.float()
+                    if grad_scale is not None:
+                        grad.mul_(grad_scale)
+                elif grad_scale is not None:
+                    grad = grad.mul(grad_scale)
+                view.grad = grad
+            batch.opt.step()
+            for view, piece, lo, hi in batch.views:
+                view.grad = None
+                if piece.out is not None:
+                    piece.out[lo:hi].copy_(view)
+            self._adopt(batch)
+
+    def _adopt(self, batch: "_Batch") -> None:
+        """Move state torch created for a piece into the flat buffers, and point the piece's state there."""
+        for view, piece, lo, hi in batch.views:
+            state = batch.opt.state.get(view)
+            if not state:
+                continue
+            a = piece.pos + lo
+            for key in self.keys:
+                value = state.get(key)
+                flat = self.buffers[key][a:a + hi - lo]
+                if value is not None and value.data_ptr() != flat.data_ptr():
+                    flat.copy_(value)
+                    state[key] = flat
 
     @torch.no_grad()
-    def step(self, grad_scale: Optional[torch.Tensor] = None) -> None:
-        """Step every segment; ``grad_scale`` (a 0-dim fp32 tensor) multiplies the gradients first."""
-        self.step_count += 1
-        beta1, beta2 = self.betas
-        step = None
-        if self._fused is not None:
-            step = torch.tensor(float(self.step_count), dtype=torch.float32, device=self.exp_avg.device)
-        for seg, lo, hi in self.pieces():
-            grad = seg.grad[lo:hi]
-            grad = grad.float() if grad.dtype != torch.float32 else grad
-            if grad_scale is not None:
-                grad = grad.mul(grad_scale)
-            a, b = seg.pos + lo, seg.pos + hi
-            if step is not None:
-                self._fused([seg.master[lo:hi]], [grad], [self.exp_avg[a:b]], [self.exp_avg_sq[a:b]], [], [step],
-                            lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
-                            amsgrad=False, maximize=False)
-            else:
-                adamw_update_(seg.master[lo:hi], grad, self.exp_avg[a:b], self.exp_avg_sq[a:b], self.step_count,
-                              self.lr, beta1, beta2, self.eps, self.weight_decay, self.decoupled)
-            if seg.out is not None:
-                seg.out[lo:hi].copy_(seg.master[lo:hi])
+    def restore(self, step_count: int) -> None:
+        """After the buffers were loaded: this many steps were taken; point every piece's state at them."""
+        self.step_count = int(step_count)
+        if self.step_count == 0:
+            return
+        for batch in self.batches:
+            for view, piece, lo, hi in batch.views:
+                a = piece.pos + lo
+                state = {key: self.buffers[key][a:a + hi - lo] for key in self.keys}
+                if self._step_dtype is not None:
+                    where = view.device if self.fused else torch.device("cpu")
+                    state["step"] = torch.tensor(float(self.step_count), dtype=self._step_dtype, device=where)
+                batch.opt.state[view] = state
 
     @torch.no_grad()
     def copy_master_to_params(self) -> None:
-        for seg, lo, hi in self.pieces():
-            if seg.out is not None:
-                seg.out[lo:hi].copy_(seg.master[lo:hi])
+        for piece in self.pieces:
+            if piece.out is not None:
+                piece.out.copy_(piece.master)
+
+    def tensors(self) -> list:
+        return list(self.buffers.values())
+
+
+@dataclass
+class _Batch:
+    opt: torch.optim.Optimizer
+    groups: list      # parameter-group index of each of opt.param_groups
+    views: list       # (master view, piece, lo, hi)
+
+
+def _zeros(n: int, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float32, device=device, pin_memory=pin_memory and device.type == "cpu")

@@ -10,7 +10,10 @@ What this rank holds (Ψ trainable elements, N DP ranks, ``dtype`` the model pre
 | 3     | own shard + one full buffer per unit, storage freed while released | own shard | own shard (bf16 only) |
 
 With ``dtype == float32`` the master *is* the parameter storage (the owned part of the flat buffer, or the
-stage-3 shard), so no copy is kept. The Adam moments live in ``ShardedAdamW``. Every trainable parameter's
+stage-3 shard), so no copy is kept -- unless the optimizer is offloaded (``host`` given): then the fp32
+master and a copy of the gradient shard (``host_grad``, model dtype) live in host memory, pinned when
+``pin_memory`` and the device is CUDA, and the parameter shard on the device receives the updates. The
+optimizer state lives in ``optimizer.FlatOptimizer`` (on the same device as the master). Every trainable parameter's
 ``.data`` becomes a view of the full flat buffer (stages 0-2) or of its unit's full buffer (stage 3); its
 original storage is dropped. Padding stays zero everywhere.
 
@@ -27,18 +30,21 @@ from typing import Callable, Optional
 
 import torch
 
-from hybrid.zero.optimizer import Segment
+from hybrid.zero.optimizer import Piece
 from hybrid.zero.partition import FlatLayout
 from hybrid.zero.policy import StagePolicy
 
 
 class FlatState:
     def __init__(self, layout: FlatLayout, policy: StagePolicy, rank: int, dtype: torch.dtype, device,
-                 persistent: frozenset = frozenset()):
+                 persistent: frozenset = frozenset(), host=None, pin_memory: bool = False):
         self.layout, self.policy, self.dtype, self.device = layout, policy, dtype, device
         self.rank = rank if layout.n_shards > 1 else 0
         self.persistent = frozenset(persistent)
-        self.separate_master = dtype != torch.float32
+        self.host = None if host is None else torch.device(host)
+        self.pin_memory = bool(pin_memory) and torch.device(device).type == "cuda"
+        self.separate_master = dtype != torch.float32 or self.host is not None
+        self.master_device = self.host if self.host is not None else device
         kw = dict(dtype=dtype, device=device)
         self.flat_params: Optional[torch.Tensor] = None   # full parameters (stages 0-2)
         self.param_shard: Optional[torch.Tensor] = None   # sharded parameters (stage 3)
@@ -49,8 +55,10 @@ class FlatState:
                               for u in layout.units]
         else:
             self.flat_params = torch.zeros(layout.full_numel, **kw)
-        self.master = (torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-                       if self.separate_master else None)
+        self.master = (torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device,
+                                   pin_memory=self.pin_memory) if self.separate_master else None)
+        self.host_grad = (torch.zeros(layout.shard_numel, dtype=dtype, device=self.host, pin_memory=self.pin_memory)
+                          if self.host is not None else None)
         if policy.shard_grads:
             self.flat_grad, self.grad_shard = None, torch.zeros(layout.shard_numel, **kw)
         else:
@@ -90,10 +98,29 @@ class FlatState:
             return self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel]
         return self.flat_grad[unit.full_offset + lo:unit.full_offset + hi]
 
-    def segments(self) -> list:
-        return [Segment(self.unit_master(u), self.unit_grad_shard(u), unit.shard_offset,
-                        self.unit_param_shard(u) if self.separate_master else None)
-                for u, unit in enumerate(self.layout.units)]
+    def pieces(self, group_of: list) -> list:
+        """One optimizer ``Piece`` per parameter piece this rank owns (``group_of[param]``: its group)."""
+        out = []
+        for pc in self.layout.owned_pieces(self.rank):
+            unit = self.layout.units[pc.unit]
+            local = pc.shard_pos - unit.shard_offset
+            cut = slice(local, local + pc.numel)
+            grad = (self.host_grad[pc.shard_pos:pc.shard_pos + pc.numel] if self.host_grad is not None
+                    else self.unit_grad_shard(pc.unit)[cut])
+            out.append(Piece(self.unit_master(pc.unit)[cut], grad, pc.shard_pos,
+                             self.unit_param_shard(pc.unit)[cut] if self.separate_master else None, group_of[pc.param]))
+        return out
+
+    @torch.no_grad()
+    def copy_grads_to_host(self, u: Optional[int] = None) -> None:
+        """Offload: copy the reduced gradient shard of unit ``u`` (every unit when None) to ``host_grad``;
+        non-blocking from a CUDA device into pinned memory (``torch.cuda.current_stream().synchronize()`` or
+        an event before the host reads it)."""
+        units = range(len(self.layout.units)) if u is None else (u,)
+        for k in units:
+            unit = self.layout.units[k]
+            self.host_grad[unit.shard_offset:unit.shard_offset + unit.shard_numel].copy_(
+                self.unit_grad_shard(k), non_blocking=self.pin_memory)
 
     # -- filling --------------------------------------------------------------------------------------
     def _keeps_full(self, u: int) -> bool:
@@ -147,4 +174,7 @@ class FlatState:
         params = [self.param_shard] if self.policy.shard_params else [self.flat_params]
         grads = [self.grad_shard if self.policy.shard_grads else self.flat_grad]
         optimizer = [self.master] if self.separate_master else []
-        return {"params": params, "grads": grads, "optimizer": optimizer}
+        if self.host is None:
+            return {"params": params, "grads": grads, "optimizer": optimizer}
+        return {"params": params, "grads": grads, "optimizer": [], "host_optimizer": optimizer,
+                "host_grads": [self.host_grad]}

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.config import TrainConfig
+from hybrid.zero.param_groups import torch_param_groups
+
 VOCAB, DIM, HIDDEN = 37, 22, 45
 STEPS, ACCUM, GLOBAL_BATCH, SEQ = 10, 2, 8, 6
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 2e-2, (0.9, 0.95), 1e-8, 0.1, 0.5
@@ -80,7 +83,8 @@ def reference():
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a parameter without a gradient is stepped with a zero one, as in the engine
         p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
+    groups = torch_param_groups(model, TrainConfig.from_dict(config(0)).optimizer)  # the engine's default groups
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(ACCUM):

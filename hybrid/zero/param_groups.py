@@ -1,0 +1,70 @@
+"""Which parameter group each trainable parameter belongs to (pure over names, shapes and module kinds).
+
+A group is a weight decay and an ``lr_scale`` (times the scheduled learning rate). ``OptimizerConfig``'s
+``param_groups`` entries are tried first, in order (first name-pattern match wins; a key an entry leaves
+out falls back to the rule below). Then ``no_decay``: ``"auto"`` exempts 1-D parameters (biases, norm
+weights) and embedding weights (parameters of a module whose class name ends in ``Embedding``) from weight
+decay, ``"none"`` exempts nothing, a tuple of patterns exempts the matching names. Everything else gets
+``optimizer.weight_decay`` and scale 1.
+
+``assign(names, shapes, embeddings, cfg)`` returns ``(group index per parameter, [Group, ...])``;
+``torch_param_groups(module, cfg)`` gives the same grouping as ``torch.optim`` parameter groups, for a
+single-process model (the reference the engine is tested against, or a user's own loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Sequence
+
+from hybrid.config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class Group:
+    weight_decay: float
+    lr_scale: float = 1.0
+
+
+def embedding_names(module) -> set:
+    """Names of the parameters registered on embedding modules (a tied alias counts under each name)."""
+    out = set()
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        if type(m).__name__.endswith("Embedding"):
+            out |= {f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)}
+    return out
+
+
+def _exempt(name: str, shape: Sequence[int], embedding: bool, no_decay) -> bool:
+    if no_decay == "none":
+        return False
+    if no_decay == "auto":
+        return len(shape) <= 1 or embedding
+    return any(fnmatchcase(name, pattern) for pattern in no_decay)
+
+
+def assign(names: Sequence[str], shapes: Sequence[Sequence[int]], embeddings: set, cfg: OptimizerConfig) -> tuple:
+    groups, index, of = [], {}, []
+    for name, shape in zip(names, shapes):
+        wd = 0.0 if _exempt(name, shape, name in embeddings, cfg.no_decay) else cfg.weight_decay
+        scale = 1.0
+        for entry in cfg.param_groups:
+            if any(fnmatchcase(name, pattern) for pattern in entry["names"]):
+                wd, scale = entry.get("weight_decay", wd), entry.get("lr_scale", scale)
+                break
+        group = Group(wd, scale)
+        if group not in index:
+            index[group] = len(groups)
+            groups.append(group)
+        of.append(index[group])
+    return of, groups
+
+
+def torch_param_groups(module, cfg: OptimizerConfig) -> list:
+    """``[{"params": [...], "weight_decay": wd, "lr": lr}]`` for ``module``'s trainable parameters (tied ones
+    once, under their first name), grouped as the engine groups them."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    of, groups = assign([n for n, _ in named], [tuple(p.shape) for _, p in named], embedding_names(module), cfg)
+    return [{"params": [p for (_, p), g in zip(named, of) if g == k], "weight_decay": group.weight_decay,
+             "lr": cfg.lr * group.lr_scale} for k, group in enumerate(groups)]
