@@ -10,8 +10,10 @@ state (e.g. the data position) and, from format 3 on, the size and crc32 of ever
 
 Tensor keys in the DCP checkpoint are ``{kind}/tp{r}/{name}``:
 
-* ``master``, ``exp_avg``, ``exp_avg_sq`` (trainable parameters): one flat fp32 tensor of the
-  parameter's TP-local numel per TP rank, written in pieces by the DP ranks that own them;
+* ``master`` and each optimizer state key (``exp_avg``, ``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for
+  SGD: the manifest's ``optimizer.state``; checkpoints without that entry hold Adam's) (trainable
+  parameters): one flat fp32 tensor of the parameter's TP-local numel per TP rank, written in pieces by
+  the DP ranks that own them;
 * ``frozen``, ``buffer``: the TP-local tensor as the module holds it (its shape and dtype), written by
   DP rank 0 of each TP rank (they are DP-replicated).
 
@@ -68,12 +70,15 @@ def numel(spec: Mapping[str, Any]) -> int:
 def build(*, step: int, optimizer_step_count: int, global_step: int, world: Mapping[str, Any],
           params: Mapping[str, Any], frozen: Optional[Mapping[str, Any]] = None,
           buffers: Optional[Mapping[str, Any]] = None, aliases: Optional[Mapping[str, str]] = None,
-          model_config: Optional[Mapping[str, Any]] = None, extra: Optional[Mapping[str, Any]] = None) -> dict:
+          model_config: Optional[Mapping[str, Any]] = None, extra: Optional[Mapping[str, Any]] = None,
+          optimizer: Optional[Mapping[str, Any]] = None) -> dict:
     manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
                 "optimizer_step_count": int(optimizer_step_count), "global_step": int(global_step),
                 "world": dict(world), "model_config": dict(model_config) if model_config else None,
                 "params": dict(params), "frozen": dict(frozen or {}), "buffers": dict(buffers or {}),
                 "aliases": dict(sorted((aliases or {}).items())), "extra": dict(extra) if extra else {}}
+    if optimizer is not None:
+        manifest["optimizer"] = dict(optimizer)
     try:
         json.dumps(manifest)
     except (TypeError, ValueError) as exc:
@@ -140,3 +145,13 @@ def check_same_model(manifest: Mapping[str, Any], params: Mapping[str, Any], tp:
                                       f"shape {full_shape(saved, saved_tp)} there but {full_shape(spec, tp)} here; "
                                       f"resume with the model config it was trained with, or use a new run "
                                       f"directory.")
+
+
+def check_same_optimizer(manifest: Mapping[str, Any], here: Mapping[str, Any], where: Path) -> None:
+    """Raise CheckpointError when the checkpoint's optimizer state keys differ from this run's (a checkpoint
+    without an ``optimizer`` entry holds AdamW's)."""
+    saved = manifest.get("optimizer") or {"type": "AdamW", "state": list(KINDS[1:])}
+    if list(saved["state"]) != list(here["state"]):
+        raise CheckpointError(f"{where} was saved with optimizer {saved['type']} (state {', '.join(saved['state'])}) "
+                              f"but this run uses {here['type']} (state {', '.join(here['state']) or 'none'}); "
+                              f"resume with optimizer.type: {saved['type']}, or use a new run directory.")

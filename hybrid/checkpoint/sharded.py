@@ -1,7 +1,11 @@
 """Save and load a ZeRO engine's training state with DCP; every rank writes and reads only what it owns.
 
-What is saved, per parameter and TP rank: the fp32 master weights and both Adam moments, as flat tensors
-of the parameter's TP-local numel (``manifest.tensor_key``). Each DP rank contributes the piece
+What is saved, per parameter and TP rank: the fp32 master weights and the optimizer's per-element state
+(both Adam moments, SGD's momentum buffer, ...: ``ShardView.states``), as flat tensors of the parameter's
+TP-local numel (``manifest.tensor_key``); where they live (device or host memory, with optimizer offload)
+does not matter, so a checkpoint saved with offload resumes without it and back. The manifest records the
+optimizer class and its state keys (``optimizer``) and the learning-rate schedule (``scheduler``: its type,
+parameters and the steps taken); a resume under another optimizer is refused in one sentence. Each DP rank contributes the piece
 ``[start, end)`` it owns (``engine.shard_views()``); pieces that several DP ranks hold identically (stage
 0) are written once. The model's own (possibly bf16) trainable parameters are not saved: they are a
 function of the masters and are rebuilt with ``engine.sync_params_from_master()`` after a load. The rest of
@@ -133,9 +137,9 @@ def _pieces(views: Mapping[str, Any], tp_rank: int) -> tuple[dict, dict]:
         view = views[name]
         if view.end <= view.start:
             continue
-        for kind in manifest.KINDS:
+        for kind, tensor in (("master", view.master), *view.states.items()):
             key = manifest.tensor_key(kind, tp_rank, name)
-            state[key] = getattr(view, kind)
+            state[key] = tensor
             where[key] = (int(view.start), int(view.numel))
     return state, where
 
@@ -154,7 +158,7 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
                          global_step=engine.global_step, world=world.as_dict(),
                          params=_param_specs(engine, views), frozen=plain.specs("frozen"),
                          buffers=plain.specs("buffers"), aliases=plain.aliases, model_config=model_config,
-                         extra=extra)
+                         extra=extra, optimizer=_optimizer_doc(engine))
     doc["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
     everyone = _everyone()
@@ -221,6 +225,14 @@ def resume_if_available(run_dir, engine,
     return _load(choice, engine) if choice.path is not None else None
 
 
+def _optimizer_doc(engine) -> dict:
+    """What the manifest says about the optimizer and the schedule (checked at a resume)."""
+    sched = engine.config.scheduler
+    return {"type": engine.optimizer.cls.__name__, "state": list(engine.optimizer.keys),
+            "scheduler": None if sched is None else {"type": sched.type, "params": sched.values,
+                                                     "steps_taken": engine.optimizer_step_count}}
+
+
 def _everyone() -> Comm:
     return Comm(None, name="checkpoint")
 
@@ -232,6 +244,7 @@ def _load(choice: "agreement.Choice", engine) -> Resumed:
     plain = _PlainState.of(engine.module)
     manifest.check_same_model(doc, _param_specs(engine, views), world.tp, ckpt,
                               frozen=plain.specs("frozen"), buffers=plain.specs("buffers"))
+    manifest.check_same_optimizer(doc, _optimizer_doc(engine), ckpt)
 
     state, pieces = _pieces(views, world.tp_rank)
     state.update(plain.dcp_state(world.tp_rank))

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybrid.config import OptimizerConfig
+from hybrid.zero.param_groups import torch_param_groups  # the engine's default groups
+
 import hybrid
 from hybrid.config import TrainConfig
 from hybrid.local_launch import run_local
@@ -56,7 +59,7 @@ def _batch(step: int, seq_len: int, vocab: int) -> torch.Tensor:
 
 def _reference(cfg: GPTConfig):
     model = GPT(cfg, seed=SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(torch_param_groups(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY)), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses, norms, replicated_sq = [], [], []
     for step in range(STEPS):
         seq = _batch(step, cfg.seq_len, cfg.vocab_size)

@@ -26,6 +26,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from hybrid.config import OptimizerConfig
+from hybrid.zero.param_groups import torch_param_groups  # the engine's default groups
 import torch.distributed as dist
 
 import hybrid
@@ -66,7 +69,7 @@ def batch(step: int, cfg: GPTConfig, device, rows: int = GLOBAL_BATCH) -> torch.
 def reference(cfg: GPTConfig, device) -> tuple[list, dict]:
     """Single-process GPT + torch.optim.AdamW + clip_grad_norm_ on ``device``: losses and final weights."""
     model = GPT(cfg, seed=SEED, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(torch_param_groups(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY)), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(STEPS):
         seq = batch(step, cfg, device)

@@ -1,55 +1,167 @@
-"""hybrid.zero.optimizer: the flat, piecewise AdamW equals torch.optim.AdamW / Adam step for step."""
+"""hybrid.zero.optimizer: any elementwise torch.optim class over flat pieces equals that class on the tensors;
+hybrid.zero.param_groups: the default groups; hybrid.schedule: DeepSpeed's schedules equal torch schedulers."""
+
+import math
 
 import pytest
 import torch
 
-from hybrid.config import OptimizerConfig
-from hybrid.zero.optimizer import Segment, ShardedAdamW
+from hybrid.config import OptimizerConfig, SchedulerConfig, TrainConfig
+from hybrid.errors import ConfigError
+from hybrid.schedule import lr_at
+from hybrid.zero.optimizer import FlatOptimizer, Piece, probe_state
+from hybrid.zero.param_groups import Group, assign, embedding_names, torch_param_groups
+
+SHAPES = [(7, 5), (13,), (3, 3, 3)]
+CASES = {
+    "adamw": OptimizerConfig(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1),
+    "adam-l2": OptimizerConfig(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1, decoupled_weight_decay=False),
+    "sgd-momentum": OptimizerConfig(type="SGD", lr=5e-2, weight_decay=0.01, extra=(("momentum", 0.9),)),
+    "sgd-nesterov": OptimizerConfig(type="SGD", lr=5e-2, extra=(("momentum", 0.8), ("nesterov", True))),
+    "rmsprop": OptimizerConfig(type="RMSprop", lr=1e-2, extra=(("momentum", 0.5),)),
+}
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("decoupled", [True, False])
-def test_piecewise_flat_adamw_matches_torch(decoupled, fused):
+def _flat(cfg, impl, sub_group_size=4, groups=None, group_of=None):
+    n = sum(math.prod(s) for s in SHAPES)
+    master, grad = torch.randn(n), torch.zeros(n)
+    group_of = group_of or [0, 0, 0]
+    starts = [0, 35, 48]
+    # pieces at odd offsets, cut again by sub_group_size
+    pieces = [Piece(master[a:a + math.prod(s)], grad[a:a + math.prod(s)], a, None, group_of[k])
+              for k, (a, s) in enumerate(zip(starts, SHAPES))]
+    cfg = OptimizerConfig(**{**cfg.__dict__, "implementation": impl})
+    return FlatOptimizer(pieces, n, "cpu", cfg, sub_group_size, groups or [Group(cfg.weight_decay)]), master, grad
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "fused", "foreach"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_flat_pieces_match_torch(name, impl):
     torch.manual_seed(0)
-    shapes = [(7, 5), (13,), (3, 3, 3)]
-    ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    hyper = OptimizerConfig(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1, decoupled_weight_decay=decoupled)
-    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    opt = cls(ref, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay,
-              **({"fused": True} if fused else {"foreach": False}))
-
-    n = sum(p.numel() for p in ref)
-    master = torch.cat([p.detach().reshape(-1) for p in ref]).clone()
-    grad = torch.zeros(n)
-    # Two segments at odd offsets, stepped in pieces of 4 elements.
-    segments = [Segment(master[:30], grad[:30], 0, None), Segment(master[30:], grad[30:], 30, None)]
-    flat = ShardedAdamW(segments, n, "cpu", hyper, sub_group_size=4, fused=fused)
+    cfg = CASES[name]
+    flat, master, grad = _flat(cfg, impl)
+    ref = [torch.nn.Parameter(t.detach().clone().view(s)) for t, s in
+           zip(torch.split(master, [math.prod(s) for s in SHAPES]), SHAPES)]
+    kw = {"foreach": False} if impl == "for-loop" else {"foreach": True} if impl == "foreach" else {}
+    if impl == "fused" and flat.fused:
+        kw = {"fused": True}
+    opt = cfg.torch_class(ref, **cfg.torch_kwargs(), **kw)
     for step in range(5):
-        grads = [torch.randn(s) for s in shapes]
-        for p, g in zip(ref, grads):
-            p.grad = g.clone()
-        grad.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        grads = [torch.randn(s) for s in SHAPES]
         scale = torch.tensor(0.5) if step % 2 else None
-        if scale is not None:
-            for p in ref:
-                p.grad.mul_(scale)
+        for p, g in zip(ref, grads):
+            p.grad = g.clone() if scale is None else g * scale
+        grad.copy_(torch.cat([g.reshape(-1) for g in grads]))
         opt.step()
-        flat.step(scale)
+        flat.step([cfg.lr], scale)
         expected = torch.cat([p.detach().reshape(-1) for p in ref])
-        if fused:
-            # The vectorized kernel rounds a tail differently from a full vector, so pieces cost a last bit.
-            torch.testing.assert_close(master, expected, rtol=1e-6, atol=1e-7)
-        else:
+        if impl == "for-loop":
             assert torch.equal(master, expected), (master - expected).abs().max()
+        else:  # a vectorized kernel rounds a tail differently from a full vector: a last bit
+            torch.testing.assert_close(master, expected, rtol=1e-6, atol=1e-7)
     assert flat.step_count == 5
-    exp_avg = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in ref])
-    torch.testing.assert_close(flat.exp_avg, exp_avg, rtol=1e-6, atol=1e-8)
+    for key in flat.keys:
+        expected = torch.cat([opt.state[p][key].reshape(-1) for p in ref])
+        torch.testing.assert_close(flat.buffers[key], expected, rtol=1e-5, atol=1e-7)
 
 
-def test_bf16_segments_receive_the_updated_master():
-    master = torch.randn(10)
-    out = torch.zeros(10, dtype=torch.bfloat16)
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_restored_state_continues_bit_for_bit(name):
+    torch.manual_seed(1)
+    cfg = CASES[name]
+    a, master_a, grad_a = _flat(cfg, "for-loop")
+    grads = [torch.randn(master_a.numel()) for _ in range(6)]
+    for g in grads[:3]:
+        grad_a.copy_(g)
+        a.step([cfg.lr])
+    b, master_b, grad_b = _flat(cfg, "for-loop", sub_group_size=7)  # another cut of the same shard
+    master_b.copy_(master_a)
+    for key in a.keys:
+        b.buffers[key].copy_(a.buffers[key])
+    b.restore(a.step_count)
+    for g in grads[3:]:
+        grad_a.copy_(g)
+        grad_b.copy_(g)
+        a.step([cfg.lr])
+        b.step([cfg.lr])
+    assert torch.equal(master_a, master_b)
+
+
+def test_sub_group_size_bounds_each_batch_and_bf16_out_receives_the_master():
+    master, out = torch.randn(10), torch.zeros(10, dtype=torch.bfloat16)
     grad = torch.randn(10).to(torch.bfloat16)
-    flat = ShardedAdamW([Segment(master, grad, 0, out)], 10, "cpu", OptimizerConfig(lr=0.1), sub_group_size=3)
-    flat.step()
+    flat = FlatOptimizer([Piece(master, grad, 0, out)], 10, "cpu", OptimizerConfig(lr=0.1), 3)
+    assert [sum(hi - lo for _, _, lo, hi in b.views) for b in flat.batches] == [3, 3, 3, 1]
+    flat.step([0.1])
     assert torch.equal(out, master.to(torch.bfloat16))
+
+
+def test_one_batch_steps_every_group_in_one_optimizer():
+    flat, _, _ = _flat(CASES["adamw"], "fused", sub_group_size=10**9, groups=[Group(0.1), Group(0.0, 2.0)],
+                       group_of=[0, 1, 0])
+    assert len(flat.batches) == 1
+    assert [g["weight_decay"] for g in flat.batches[0].opt.param_groups] == [0.1, 0.0]
+
+
+def test_state_probe():
+    assert probe_state(torch.optim.AdamW, {"lr": 1e-3}) == (("exp_avg", "exp_avg_sq"), torch.float32)
+    assert probe_state(torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}) == (("momentum_buffer",), None)
+    with pytest.raises(ConfigError, match="ASGD keeps state"):
+        probe_state(torch.optim.ASGD, {"lr": 1e-3})
+
+
+def test_default_groups_exempt_biases_norms_and_embeddings():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [tuple(p.shape) for _, p in model.named_parameters()]
+    cfg = OptimizerConfig(weight_decay=0.1)
+    of, groups = assign(names, shapes, embedding_names(model), cfg)
+    assert {n: groups[g].weight_decay for n, g in zip(names, of)} == {
+        "0.weight": 0.0, "1.weight": 0.0, "1.bias": 0.0, "2.weight": 0.1, "2.bias": 0.0}
+    of, groups = assign(names, shapes, set(), OptimizerConfig(weight_decay=0.1, no_decay="none"))
+    assert len(groups) == 1 and groups[0].weight_decay == 0.1
+    custom = TrainConfig.from_dict({"optimizer": {"weight_decay": 0.1, "no_decay": ["*.bias"], "param_groups": [
+        {"names": ["0.*"], "lr_scale": 0.5}]}}).optimizer
+    of, groups = assign(names, shapes, embedding_names(model), custom)
+    assert [groups[g] for g in of] == [Group(0.1, 0.5), Group(0.1), Group(0.0), Group(0.1), Group(0.0)]
+    ref = torch_param_groups(model, custom)
+    assert [(len(g["params"]), g["weight_decay"], g["lr"]) for g in ref] == [(1, 0.1, 5e-4), (2, 0.1, 1e-3),
+                                                                             (2, 0.0, 1e-3)]
+
+
+def _torch_lrs(make, steps, lr=0.1):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = make(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_schedules_equal_torch_schedulers():
+    S = torch.optim.lr_scheduler
+    warm, total, base = 5, 20, 0.1
+    # linear warmup from 0 + linear decay to 0 == SequentialLR(LinearLR, LinearLR)
+    decay = SchedulerConfig("WarmupDecayLR", (("warmup_min_lr", 0.0), ("warmup_num_steps", warm),
+                                              ("total_num_steps", total), ("warmup_type", "linear")))
+    expected = _torch_lrs(lambda o: S.SequentialLR(o, [S.LinearLR(o, 1e-12, 1.0, warm),
+                                                       S.LinearLR(o, 1.0, 0.0, total - warm)], [warm]), total)
+    ours = [lr_at("WarmupDecayLR", decay.values, base, i, base) for i in range(total)]
+    assert ours == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    # linear warmup + cosine == LambdaLR of the same ratio
+    cos = SchedulerConfig("WarmupCosineLR", (("warmup_num_steps", warm), ("total_num_steps", total),
+                                             ("warmup_type", "linear"), ("cos_min_ratio", 0.1)))
+
+    def ratio(i):
+        if i < warm:
+            return i / warm
+        return 0.1 + 0.9 * (1 + math.cos(math.pi * (i - warm + 1) / (total - warm))) / 2
+
+    expected = _torch_lrs(lambda o: S.LambdaLR(o, ratio), total)
+    assert [lr_at("WarmupCosineLR", cos.values, base, i, base) for i in range(total)] == pytest.approx(expected, rel=1e-12)
+    # log warmup then constant; a group with lr_scale 2 gets twice the rate
+    wl = SchedulerConfig("WarmupLR", (("warmup_num_steps", 4),)).values
+    assert [lr_at("WarmupLR", wl, 2 * base, i, base) for i in range(6)] == pytest.approx(
+        [2 * base * math.log(i + 1) / math.log(4) for i in range(4)] + [2 * base] * 2)
