@@ -15,7 +15,11 @@ The summary names the loss to beat: ``reference_loss`` with the unigram entropy 
 below it learned more than token frequencies) or the synthetic chain's floor.
 
 The model config may carry an optional ``train:`` mapping beside ``model:`` with ``lr``,
-``weight_decay``, ``gradient_clipping`` and ``branching`` (successors per token in the synthetic chain).
+``weight_decay``, ``gradient_clipping``, ``branching`` (successors per token in the synthetic chain),
+``optimizer`` (the ``optimizer`` section of ``hybrid.config.TrainConfig.from_dict``: ``{type: SGD,
+params: {momentum: 0.9}}``, ``no_decay``, ``param_groups``; ``lr`` and ``weight_decay`` above are its
+defaults) and ``scheduler`` (``{type: WarmupCosineLR, params: {...}}``). With ``offload`` in the job's
+settings the optimizer state is kept in host memory (``zero.offload_optimizer``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from hybrid.models.gpt import GPT
 from hybrid.models.gpt_config import GPTConfig
 from hybrid.train import Context, run_steps
 
-TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "branching": 4}
+TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "branching": 4, "optimizer": None,
+                  "scheduler": None}
 
 
 def train(ctx: Context) -> dict:
@@ -90,19 +95,38 @@ def train_options(section: Any) -> dict:
     options["gradient_clipping"] = None if clip is None else v.number("train.gradient_clipping",
                                                                        v.yaml_number(clip), lo=0)
     options["branching"] = v.positive_int("train.branching", options["branching"])
+    for key in ("optimizer", "scheduler"):
+        if options[key] is not None:
+            options[key] = v.mapping(f"train.{key}", options[key])
+    training_config(options, stage=1, precision="fp32")  # every optimizer/scheduler field checked up front
     return options
+
+
+def training_config(options: dict, stage: int, precision: str, offload: bool = False):
+    """The engine's ``TrainConfig`` from checked ``train:`` options and the job's stage and precision."""
+    from hybrid.config import TrainConfig
+
+    optimizer = dict(options.get("optimizer") or {})
+    defaults = {"lr": float(options["lr"]), "weight_decay": float(options["weight_decay"])}
+    if "params" in optimizer:
+        optimizer["params"] = {**defaults, **v.mapping("train.optimizer.params", optimizer["params"])}
+    else:
+        optimizer = {**defaults, **optimizer}
+    zero = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
+                                  "scheduler": options.get("scheduler"),
+                                  "gradient_clipping": options["gradient_clipping"]})
 
 
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage, on the mesh's DP group."""
     # Imported here so that importing hybrid.models.gpt (which re-exports train) stays light.
     import hybrid
-    from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
 
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
-    config = TrainConfig(zero=ZeroConfig(stage=ctx.stage), precision=ctx.settings.precision,
-                         optimizer=OptimizerConfig(lr=float(options["lr"]), weight_decay=float(options["weight_decay"])),
-                         gradient_clipping=options["gradient_clipping"])
+    config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False))
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)

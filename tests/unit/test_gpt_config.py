@@ -121,12 +121,22 @@ def test_train_options_are_checked_with_the_shared_vocabulary():
     from hybrid.models.gpt_train import TRAIN_DEFAULTS, train_options
 
     assert train_options(None) == TRAIN_DEFAULTS
+    from hybrid.models.gpt_train import training_config
+
+    sgd = training_config(train_options({"lr": 0.1, "optimizer": {"type": "SGD", "params": {"momentum": 0.9}},
+                                         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}),
+                          stage=2, precision="fp32", offload=True)
+    assert (sgd.optimizer.type, sgd.optimizer.lr, sgd.optimizer.extra) == ("SGD", 0.1, (("momentum", 0.9),))
+    assert sgd.scheduler.type == "WarmupLR" and sgd.zero.offload_optimizer.enabled
     assert train_options({"lr": "5e-3", "gradient_clipping": 0})["lr"] == 0.005  # YAML's string 5e-3
     for section, message in (({"lr": -1}, "train.lr must be a number above 0, got -1."),
                              ({"lr": float("inf")}, "train.lr must be a number above 0, got inf."),
                              ({"branching": 0}, "train.branching must be a positive integer, got 0."),
                              ({"lrr": 1}, "train.lrr is not a known setting; use one of: lr, weight_decay, "
-                                          "gradient_clipping, branching."),
+                                          "gradient_clipping, branching, optimizer, scheduler."),
+                             ({"optimizer": {"type": "SGD", "params": {"momentun": 0.9}}},
+                              "optimizer.params.momentun is not a known setting; use one of: adam_w_mode, dampening, "
+                              "decoupled_weight_decay, lr, maximize, momentum, nesterov, weight_decay."),
                              ([1], "train must be a mapping like {lr: 0.005}, got list [1].")):
         with pytest.raises(ConfigError) as err:
             train_options(section)
