@@ -37,7 +37,8 @@ class GradReducer:
     def __init__(self, comm: Comm, layout: FlatLayout, params: list, mode: str, order: list, *,
                  flat_grad: Optional[torch.Tensor] = None, grad_shard: Optional[torch.Tensor] = None,
                  use_reduce_scatter: bool = True, overlap: bool = True, max_inflight_numel: int = 0,
-                 on_unit_done: Optional[Callable[[int], None]] = None):
+                 on_unit_done: Optional[Callable[[int], None]] = None,
+                 on_unit_reduced: Optional[Callable[[int], None]] = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.comm, self.layout, self.params, self.mode, self.order = comm, layout, params, mode, list(order)
@@ -45,6 +46,7 @@ class GradReducer:
         self.use_reduce_scatter, self.overlap = use_reduce_scatter, overlap
         self.max_inflight_numel = max_inflight_numel
         self.on_unit_done = on_unit_done
+        self.on_unit_reduced = on_unit_reduced  # a unit's reduced gradient is in place (optimizer offload)
         self.rank = comm.rank if layout.n_shards > 1 else 0
         self._unit_of = [layout.locate(i) for i in range(len(params))]
         self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
@@ -165,6 +167,8 @@ class GradReducer:
             unit = self.layout.units[u]
             lo, hi = unit.shard_range(self.rank)
             self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel].add_(data[lo:hi])
+        if self.on_unit_reduced is not None:
+            self.on_unit_reduced(u)
 
     @torch.no_grad()
     def finish(self) -> None:

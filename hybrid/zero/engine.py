@@ -142,7 +142,9 @@ class ZeroEngine:
             self.dp_comm, self.layout, self.params, self.policy.grad_mode, order, flat_grad=self.state.flat_grad,
             grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
             max_inflight_numel=zero.reduce_bucket_size,
-            on_unit_done=self.gatherer.release_after_backward if self.gatherer else None)
+            on_unit_done=self.gatherer.release_after_backward if self.gatherer else None,
+            on_unit_reduced=self._grad_reduced if self.state.host_grad is not None else None)
+        self._on_host = set()  # offload: units whose reduced gradient shard is (being) copied to the host
         self._norm_runs = self._grad_norm_runs()
         held = self.memory_report()
         states = held["params"] + held["grads"] + held["optimizer"]
@@ -323,11 +325,15 @@ class ZeroEngine:
         self.last_grad_norm = float(norm)
         if self.nonfinite.skip(self.last_grad_norm):  # every rank sees the same norm: all skip together
             self.reducer.zero_()
+            self._on_host.clear()
             return False
         clip = self.config.gradient_clipping
         if self.state.host_grad is not None:
-            self.state.copy_grads_to_host()
-            if self.state.pin_memory:
+            for u in range(len(self.layout.units)):
+                if u not in self._on_host:
+                    self.state.copy_grads_to_host(u)
+            self._on_host.clear()
+            if self.state.pin_memory:  # the non-blocking copies must land before the host reads them
                 torch.cuda.current_stream(self.device).synchronize()
         self.last_lr = self.scheduled_lr(self.optimizer.step_count)
         self.optimizer.step([self.last_lr * g.lr_scale for g in self.groups], clip_coefficient(norm, clip) if clip else None)
@@ -335,6 +341,13 @@ class ZeroEngine:
         self.reducer.zero_()
         self.global_step += 1
         return True
+
+    def _grad_reduced(self, u: int) -> None:
+        """Offload: at the last micro-step, start copying unit ``u``'s reduced gradient shard to the host
+        (non-blocking on CUDA, so it overlaps the rest of backward)."""
+        if (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0:
+            self.state.copy_grads_to_host(u)
+            self._on_host.add(u)
 
     @torch.no_grad()
     def _refresh_params(self) -> None:
