@@ -2,8 +2,9 @@
 
 The pieces: a flat layout of the trainable parameters cut into units (``partition``), the rank's flat
 buffers with the parameters re-bound as views (``state``), gradient buckets reduced during backward
-(``buckets``), parameter gathering (``params``), AdamW on the fp32 shard (``optimizer``) and the global
-gradient norm (``clip``). A stage only chooses which buffers are sharded and which collective moves them:
+(``buckets``), parameter gathering (``params``), the optimizer on the fp32 shard (``optimizer``: any
+elementwise ``torch.optim`` class, parameter groups from ``param_groups``, the learning rate of each step
+from ``hybrid.schedule``) and the global gradient norm (``clip``). A stage only chooses which buffers are sharded and which collective moves them:
 
 * stage 0: units are buckets of ``reduce_bucket_size``; each is all-reduced in backward (2Ψ per step).
 * stage 1: the same buckets are reduce-scattered in backward (Ψ); after the step every rank all-gathers
@@ -17,7 +18,9 @@ gradient norm (``clip``). A stage only chooses which buffers are sharded and whi
 (Ψ = bytes of the padded model-dtype parameters; all-reduce counts 2Ψ, as in ``hybrid.comm``. At stages
 1-3 the two partial sums of the gradient norm add one 16-byte all-reduce per step.)
 
-Semantics, equal to single-process training on the global batch with ``torch.optim.AdamW``:
+Semantics, equal to single-process training on the global batch with the configured ``torch.optim`` class
+(AdamW by default) over ``param_groups.torch_param_groups(model, config.optimizer)``, its learning rate
+set before each step as the configured schedule says (``engine.lr``: the latest step's):
 
 * Frozen parameters (``requires_grad=False``) stay plain replicated tensors; a parameter registered twice
   (tied weights) is one parameter. Every parameter and buffer is broadcast from DP rank 0 at
@@ -35,6 +38,11 @@ Semantics, equal to single-process training on the global batch with ``torch.opt
   stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``).
 * bf16: the model's parameters, gradients and communication are bf16; master weights and moments fp32.
   fp32: the fp32 parameters are the master weights (no second copy).
+* ``zero.offload_optimizer.device: cpu`` (stages 1-3): the fp32 master and the optimizer state live in host
+  memory; each unit's reduced gradient shard is copied to the host as soon as it is reduced (non-blocking
+  into pinned memory on CUDA), the optimizer steps there and the updated values are copied back into the
+  device's parameter shard in the model dtype. The result is that of the same stage without offload
+  (bit for bit where the host and the device run the same kernels, as on a CPU-only machine).
 
 Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
 stage 3 every DP rank must run the same modules in the same order (each gather is a collective), and a

@@ -7,7 +7,8 @@
 | 2     | buckets          | full              | own shard  | reduce-scatter to shard | every unit                 |
 | 3     | modules (+ small)| own shard         | own shard  | reduce-scatter to shard | the persistent unit only   |
 
-The fp32 master weights and Adam moments are sharded from stage 1 on (stage 0 keeps one full copy).
+The fp32 master weights and optimizer state are sharded from stage 1 on (stage 0 keeps one full copy), so
+``shard_optimizer`` is also what optimizer offload needs (``config.ZeroConfig`` refuses it at stage 0).
 Stages 0-1 reduce once per optimizer step; stages 2-3 at every micro-step (only the shard is kept).
 Nothing else in the engine tests the stage number: a new stage (or an offload variant) is a new row.
 """
