@@ -33,6 +33,7 @@ import torch
 
 from hybrid.config import OptimizerConfig
 from hybrid.errors import ConfigError
+from hybrid.zero.partition import bucket_groups
 
 
 @dataclass
@@ -102,17 +103,9 @@ class FlatOptimizer:
                 yield piece, lo, min(n, lo + self.sub_group_size)
 
     def _build_batches(self) -> list:
-        batches, current, size = [], [], 0
-        for item in self._cut():
-            n = item[2] - item[1]
-            if current and size + n > self.sub_group_size:
-                batches.append(current)
-                current, size = [], 0
-            current.append(item)
-            size += n
-        if current:
-            batches.append(current)
-        return [self._batch(items) for items in batches]
+        items = list(self._cut())
+        groups = bucket_groups([hi - lo for _, lo, hi in items], range(len(items)), self.sub_group_size)
+        return [self._batch([items[k] for k in group]) for group in groups]
 
     def _batch(self, items: list) -> "_Batch":
         views, by_group = [], {}

@@ -25,11 +25,8 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid import checkpoint
-from hybrid.config import TrainConfig
 from hybrid.local_launch import run_local
-from hybrid.schedule import lr_at
-from hybrid.zero.param_groups import torch_param_groups
-from tests.dist.zero_models import ACCUM, CLIP, STEPS, ParityNet, batch, config, rank_rows, uses_aux
+from tests.dist.zero_models import ACCUM, STEPS, ParityNet, batch, config, rank_rows, reference, uses_aux
 
 pytestmark = pytest.mark.slow
 
@@ -57,36 +54,6 @@ CASES.update({"stage1-nesterov": _cfg(1, NESTEROV), "stage2-groups-cosine": _cfg
 CASES.update({f"stage{s}-adamw": _cfg(s) for s in (1, 2, 3)})
 CASES.update({f"stage{s}-adamw-offload": _cfg(s, **CPU) for s in (1, 2, 3)})
 CASES.update({"stage3-bf16": _cfg(3, precision="bf16"), "stage3-bf16-offload": _cfg(3, precision="bf16", **CPU)})
-
-
-def reference(d: dict):
-    """ParityNet trained single-process by the torch class of ``d`` (default groups, schedule as LambdaLR)."""
-    cfg = TrainConfig.from_dict(d)
-    opt_cfg = cfg.optimizer
-    model = ParityNet()
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = opt_cfg.torch_class(torch_param_groups(model, opt_cfg), **opt_cfg.torch_kwargs(), foreach=False)
-    sched, lrs = None, []
-    if cfg.scheduler is not None:
-        s = cfg.scheduler
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda i: lr_at(s.type, s.values, opt_cfg.lr, i, opt_cfg.lr) / opt_cfg.lr)
-    losses = []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            x, y = batch(step, micro)
-            loss = model(x, y, uses_aux(step, micro))
-            (loss / ACCUM).backward()
-            losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        if sched is not None:
-            sched.step()
-    return losses, lrs, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _cases(names):
@@ -154,7 +121,9 @@ def test_optimizers_groups_schedules_and_offload_world2():
         runs = [r[name] for r in out]
         key = str(d.get("optimizer")) + str(d.get("scheduler"))
         if key not in refs:
-            refs[key] = reference(d)
+            ref_lrs = []
+            ref_losses, _, ref_state = reference(d, ref_lrs)
+            refs[key] = ref_losses, ref_lrs, ref_state
         ref_losses, ref_lrs, ref_state = refs[key]
         bf16 = "bf16" in name
         assert _rel(_mean_losses(runs), ref_losses) < (2e-2 if bf16 else 1e-5), name

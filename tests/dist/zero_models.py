@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.config import TrainConfig
+from hybrid.schedule import lr_at
 from hybrid.zero.param_groups import torch_param_groups
 
 VOCAB, DIM, HIDDEN = 37, 22, 45
@@ -77,14 +78,22 @@ def config(stage: int, precision: str = "fp32", **zero) -> dict:
             "gradient_clipping": CLIP, "gradient_accumulation_steps": ACCUM}
 
 
-def reference():
-    """ParityNet trained single-process on the global batches with torch.optim.AdamW."""
+def reference(engine_config=None, lrs=None):
+    """ParityNet trained single-process on the global batches by the torch class of ``engine_config`` (a
+    config dict; default: ``config(0)``, AdamW) over the engine's default parameter groups, its schedule
+    as a ``LambdaLR``; the learning rate of every step is appended to ``lrs``."""
+    cfg = TrainConfig.from_dict(engine_config or config(0))
+    opt_cfg = cfg.optimizer
     model = ParityNet()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a parameter without a gradient is stepped with a zero one, as in the engine
         p.grad = torch.zeros_like(p)
-    groups = torch_param_groups(model, TrainConfig.from_dict(config(0)).optimizer)  # the engine's default groups
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
+    opt = opt_cfg.torch_class(torch_param_groups(model, opt_cfg), **opt_cfg.torch_kwargs(), foreach=False)
+    sched = None
+    if cfg.scheduler is not None:
+        s = cfg.scheduler
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda i: lr_at(s.type, s.values, opt_cfg.lr, i, opt_cfg.lr) / opt_cfg.lr)
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(ACCUM):
@@ -93,8 +102,12 @@ def reference():
             (loss / ACCUM).backward()
             losses.append(loss.item())
         norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
+        if lrs is not None:
+            lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         opt.zero_grad(set_to_none=False)
+        if sched is not None:
+            sched.step()
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
