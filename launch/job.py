@@ -12,7 +12,8 @@ dead process before a rank's own exception before a collective that failed becau
 rank raised an error of its own, the ranks' collective heartbeats (``hybrid.heartbeat``, drained with the
 reports) decide: a rank that stopped entering collectives well before its peers timed out, and is behind
 all of them, is the hung rank they were waiting for and is named instead of its victims (``attribute``).
-A ``UserError`` raised on a rank (a bad model config, say) is not retried.
+A ``UserError`` raised on a rank (a bad model config, say) is not retried (exit 2), nor is a ``JobError``
+(training diverged: ``NonFiniteError``), which fails the job (exit 1).
 
 On GPUs every rank runs with NCCL's flight recorder on (``TORCH_FR_BUFFER_SIZE``, the current name of
 ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and dumps it when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
@@ -47,7 +48,7 @@ import ray
 
 from hybrid import heartbeat
 from hybrid.checkpoint import layout
-from hybrid.errors import PlanError, UserError
+from hybrid.errors import JobError, PlanError, UserError
 from hybrid.train import JobSettings
 from launch import ray_cluster
 from launch.display import Progress
@@ -113,9 +114,15 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else
              f"connecting to Ray at {cluster.address} (cluster.connect_timeout_s = {cluster.connect_timeout_s:g} s)")
     print(where, file=stream, flush=True)
-    with ray_cluster.connect(cluster) as connected:
+    with ray_cluster.connect(cluster, keep_logs=kept_logs_dir(spec)) as connected:
         print(connected.line(), file=stream, flush=True)
         return plan_and_run(spec, stream)
+
+
+def kept_logs_dir(spec: LaunchSpec):
+    """Where an embedded cluster's session logs are kept after it is torn down (the run directory), or None
+    for a cluster that outlives the job (its own session directory keeps them)."""
+    return spec.job.run_dir / "ray-logs" if spec.cluster.is_local and spec.job.run_dir is not None else None
 
 
 def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
@@ -154,7 +161,8 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 progress.close()
                 wall = time.perf_counter() - started
                 print(progress.summary(outcome.placement, wall), file=stream, flush=True)
-                for line in summary_lines(outcome.results, progress.history, metrics, ray_log_dir()):
+                logs = kept_logs_dir(spec) or ray_log_dir()
+                for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
                     print(line, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
                                  attempt, wall, failures, progress.resumed_from)
@@ -279,6 +287,8 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     cause = getattr(err, "cause", None)
     if isinstance(cause, UserError):
         return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
+    if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
+        return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)
     return AttemptOutcome(False, failure=failure)
 
 
