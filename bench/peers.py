@@ -216,7 +216,8 @@ class _HybridRunner:
         zero = ZeroConfig(stage=stage, param_persistence_threshold=PERSISTENCE_THRESHOLD)
         config = TrainConfig(zero=zero, precision=w.precision,
                              optimizer=OptimizerConfig(lr=w.lr, betas=tuple(w.betas), eps=w.eps,
-                                                       weight_decay=w.weight_decay))
+                                                       weight_decay=w.weight_decay,
+                                                       no_decay="none"))  # the peers decay every parameter
         self.engine = hybrid.initialize(model, config)
 
     def forward_backward(self, idx, targets):
