@@ -5,9 +5,9 @@ What is saved, per parameter and TP rank: the fp32 master weights and the optimi
 TP-local numel (``manifest.tensor_key``); where they live (device or host memory, with optimizer offload)
 does not matter, so a checkpoint saved with offload resumes without it and back. The manifest records the
 optimizer class and its state keys (``optimizer``) and the learning-rate schedule (``scheduler``: its type,
-parameters and the steps taken); a resume under another optimizer is refused in one sentence. Each DP rank contributes the piece
-``[start, end)`` it owns (``engine.shard_views()``); pieces that several DP ranks hold identically (stage
-0) are written once. The model's own (possibly bf16) trainable parameters are not saved: they are a
+parameters and the steps taken); a resume under another optimizer is refused in one sentence. Each DP
+rank contributes the piece ``[start, end)`` it owns (``engine.shard_views()``); pieces that several DP
+ranks hold identically (stage 0) are written once. The model's own (possibly bf16) trainable parameters are not saved: they are a
 function of the masters and are rebuilt with ``engine.sync_params_from_master()`` after a load. The rest of
 ``module.state_dict()`` -- frozen parameters (requires_grad=False) and persistent buffers -- is
 DP-replicated: DP rank 0 of each TP rank writes it as the module holds it, and every rank reads it back in

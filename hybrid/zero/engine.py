@@ -4,7 +4,8 @@ The pieces: a flat layout of the trainable parameters cut into units (``partitio
 buffers with the parameters re-bound as views (``state``), gradient buckets reduced during backward
 (``buckets``), parameter gathering (``params``), the optimizer on the fp32 shard (``optimizer``: any
 elementwise ``torch.optim`` class, parameter groups from ``param_groups``, the learning rate of each step
-from ``hybrid.schedule``) and the global gradient norm (``clip``). A stage only chooses which buffers are sharded and which collective moves them:
+from ``hybrid.schedule``) and the global gradient norm (``clip``). A stage only chooses which buffers are
+sharded and which collective moves them:
 
 * stage 0: units are buckets of ``reduce_bucket_size``; each is all-reduced in backward (2Ψ per step).
 * stage 1: the same buckets are reduce-scattered in backward (Ψ); after the step every rank all-gathers
@@ -39,10 +40,10 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
 * bf16: the model's parameters, gradients and communication are bf16; master weights and moments fp32.
   fp32: the fp32 parameters are the master weights (no second copy).
 * ``zero.offload_optimizer.device: cpu`` (stages 1-3): the fp32 master and the optimizer state live in host
-  memory; each unit's reduced gradient shard is copied to the host as soon as it is reduced (non-blocking
-  into pinned memory on CUDA), the optimizer steps there and the updated values are copied back into the
-  device's parameter shard in the model dtype. The result is that of the same stage without offload
-  (bit for bit where the host and the device run the same kernels, as on a CPU-only machine).
+  memory; each unit's reduced gradient shard is copied to the host as soon as it is reduced (on CUDA on a
+  side stream, non-blocking into pinned memory), the optimizer steps there and the updated values are
+  copied back into the device's parameter shard in the model dtype. The result is that of the same stage
+  without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
 
 Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
 stage 3 every DP rank must run the same modules in the same order (each gather is a collective), and a
@@ -341,10 +342,10 @@ class ZeroEngine:
                 if u not in self._on_host:
                     self.state.copy_grads_to_host(u)
             self._on_host.clear()
-            if self.state.pin_memory:  # the non-blocking copies must land before the host reads them
-                torch.cuda.current_stream(self.device).synchronize()
+            self.state.wait_host_grads()  # the copies (a side stream on CUDA) land before the host reads them
         self.last_lr = self.scheduled_lr(self.optimizer.step_count)
-        self.optimizer.step([self.last_lr * g.lr_scale for g in self.groups], clip_coefficient(norm, clip) if clip else None)
+        lrs = [self.last_lr * g.lr_scale for g in self.groups]
+        self.optimizer.step(lrs, clip_coefficient(norm, clip) if clip else None)
         self._refresh_params()
         self.reducer.zero_()
         self.global_step += 1
@@ -352,7 +353,7 @@ class ZeroEngine:
 
     def _grad_reduced(self, u: int) -> None:
         """Offload: at the last micro-step, start copying unit ``u``'s reduced gradient shard to the host
-        (non-blocking on CUDA, so it overlaps the rest of backward)."""
+        (on a side stream on CUDA, so it overlaps the rest of backward)."""
         if (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0:
             self.state.copy_grads_to_host(u)
             self._on_host.add(u)

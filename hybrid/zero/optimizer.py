@@ -18,10 +18,10 @@ state points there (every later step updates it in place). A scalar ``step`` ent
 ``restore(step_count)`` re-creates the state entries over the (just loaded) buffers, so a resumed run takes
 exactly the steps an uninterrupted one would.
 
-With ``state_device`` the CPU while the model is on another device (optimizer offload), the masters,
-buffers and a host copy of the gradient shard live in host memory (pinned for CUDA); ``copy_grads`` brings
-the reduced gradients over (non-blocking from a CUDA device: ``wait`` before stepping), the kernels run on
-the host, and the updated values are copied back to the device in the model dtype.
+With ``state_device`` the CPU while the model is on another device (optimizer offload), the masters and
+buffers live in host memory and each piece's gradient is its view of the host copy of the gradient shard
+(``state.FlatState.copy_grads_to_host`` fills it); the kernels run on the host, and the updated values
+are copied back to the device parameter views (``Piece.out``) in the model dtype.
 """
 
 from __future__ import annotations

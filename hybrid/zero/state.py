@@ -26,6 +26,7 @@ its storage is freed (the gatherer brings it back).
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -59,6 +60,8 @@ class FlatState:
                                    pin_memory=self.pin_memory) if self.separate_master else None)
         self.host_grad = (torch.zeros(layout.shard_numel, dtype=dtype, device=self.host, pin_memory=self.pin_memory)
                           if self.host is not None else None)
+        cuda = self.host is not None and torch.device(device).type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device=device) if cuda else None
         if policy.shard_grads:
             self.flat_grad, self.grad_shard = None, torch.zeros(layout.shard_numel, **kw)
         else:
@@ -113,14 +116,23 @@ class FlatState:
 
     @torch.no_grad()
     def copy_grads_to_host(self, u: Optional[int] = None) -> None:
-        """Offload: copy the reduced gradient shard of unit ``u`` (every unit when None) to ``host_grad``;
-        non-blocking from a CUDA device into pinned memory (``torch.cuda.current_stream().synchronize()`` or
-        an event before the host reads it)."""
+        """Offload: copy the reduced gradient shard of unit ``u`` (every unit when None) to ``host_grad``.
+        From a CUDA device the copy runs on a side stream (after the work queued so far), so it overlaps
+        the rest of backward; ``wait_host_grads`` before the host reads them."""
         units = range(len(self.layout.units)) if u is None else (u,)
-        for k in units:
-            unit = self.layout.units[k]
-            self.host_grad[unit.shard_offset:unit.shard_offset + unit.shard_numel].copy_(
-                self.unit_grad_shard(k), non_blocking=self.pin_memory)
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for k in units:
+                unit = self.layout.units[k]
+                self.host_grad[unit.shard_offset:unit.shard_offset + unit.shard_numel].copy_(
+                    self.unit_grad_shard(k), non_blocking=self.pin_memory)
+
+    def wait_host_grads(self) -> None:
+        """Block until every gradient copy to the host has landed (a no-op off CUDA)."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     # -- filling --------------------------------------------------------------------------------------
     def _keeps_full(self, u: int) -> bool:

@@ -160,7 +160,8 @@ def test_schedules_equal_torch_schedulers():
         return 0.1 + 0.9 * (1 + math.cos(math.pi * (i - warm + 1) / (total - warm))) / 2
 
     expected = _torch_lrs(lambda o: S.LambdaLR(o, ratio), total)
-    assert [lr_at("WarmupCosineLR", cos.values, base, i, base) for i in range(total)] == pytest.approx(expected, rel=1e-12)
+    ours = [lr_at("WarmupCosineLR", cos.values, base, i, base) for i in range(total)]
+    assert ours == pytest.approx(expected, rel=1e-12)
     # log warmup then constant; a group with lr_scale 2 gets twice the rate
     wl = SchedulerConfig("WarmupLR", (("warmup_num_steps", 4),)).values
     assert [lr_at("WarmupLR", wl, 2 * base, i, base) for i in range(6)] == pytest.approx(
