@@ -37,6 +37,7 @@ def test_json_for_13b_on_8_gpus_is_the_issue_example(capsys):
         },
         "recommended_stage": 1,
         "offload": False,
+        "activation_checkpointing": False,
     }
     assert reason.startswith(ROW_STAGE1)
     assert out.count("\n") == 1  # exactly one JSON object on one line
