@@ -126,7 +126,11 @@ def check_headroom(path: str, headroom) -> float:
 
 def check_lever(path: str, value) -> Optional[bool]:
     """``auto`` (or None) → None, else a boolean."""
-    return None if value is None or value == "auto" else v.boolean(path, value)
+    if value is None or value == "auto":
+        return None
+    if not isinstance(value, bool):
+        raise v.invalid(path, "auto, true or false", value)
+    return value
 
 
 def check_offload_stage(offload: Optional[bool], stage: Optional[int], offload_path: str = "offload",

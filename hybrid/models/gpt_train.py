@@ -16,10 +16,17 @@ below it learned more than token frequencies) or the synthetic chain's floor.
 
 The model config may carry an optional ``train:`` mapping beside ``model:`` with ``lr``,
 ``weight_decay``, ``gradient_clipping`` and ``branching`` (successors per token in the synthetic chain).
+
+``build_model(model_config, tp_comm=None)`` is the launcher's hook (``launch.model_size``): the GPT of the
+model config, which the driver builds under ``torch.device("meta")`` to count Ψ and see its TP layers.
+``build_engine`` honours the plan's levers in ``ctx.settings``: ``activation_checkpointing`` through the
+GPT config's field of that name, ``offload`` through the DeepSpeed-style
+``zero_optimization.offload_optimizer: {device: cpu}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -93,16 +100,47 @@ def train_options(section: Any) -> dict:
     return options
 
 
+def build_model(model_config: Mapping, tp_comm=None) -> GPT:
+    """The launcher's hook: the GPT of a parsed model config (its ``model:`` mapping), TP-sliced over
+    ``tp_comm``, on the current default device (the driver calls it under ``torch.device("meta")``)."""
+    if not isinstance(model_config, Mapping) or "model" not in model_config:
+        raise ConfigError("the model config has no model: mapping for the built-in GPT; put vocab_size, seq_len, "
+                          "n_layers, hidden and n_heads under model:, or, for a model of your own, define "
+                          "build_model(model_config, tp_comm=None) in the entrypoint's module.")
+    return GPT(GPTConfig.from_dict(model_config["model"]), tp_comm=tp_comm)
+
+
+def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTConfig:
+    """The GPT config with the plan's activation checkpointing."""
+    if not activation_checkpointing:
+        return model_config
+    if not hasattr(model_config, "activation_checkpointing"):
+        raise ConfigError("the plan turns activation checkpointing on, but this build of the built-in GPT has no "
+                          "activation_checkpointing field; set parallel.activation_checkpointing: false.")
+    return dataclasses.replace(model_config, activation_checkpointing=True)
+
+
+def engine_config(ctx: Context, options: dict) -> dict:
+    """The engine's config (DeepSpeed-style dict) at the planned stage, precision and offload."""
+    zero: dict = {"stage": ctx.stage}
+    if getattr(ctx.settings, "offload", False):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {"zero_optimization": zero, "precision": ctx.settings.precision,
+              "optimizer": {"lr": float(options["lr"]), "weight_decay": float(options["weight_decay"])}}
+    if options["gradient_clipping"] is not None:
+        config["gradient_clipping"] = options["gradient_clipping"]
+    return config
+
+
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
-    """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage, on the mesh's DP group."""
+    """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage and levers, on the mesh's DP group."""
     # Imported here so that importing hybrid.models.gpt (which re-exports train) stays light.
     import hybrid
-    from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
+    from hybrid.config import TrainConfig
 
+    model_config = with_levers(model_config, getattr(ctx.settings, "activation_checkpointing", False))
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
-    config = TrainConfig(zero=ZeroConfig(stage=ctx.stage), precision=ctx.settings.precision,
-                         optimizer=OptimizerConfig(lr=float(options["lr"]), weight_decay=float(options["weight_decay"])),
-                         gradient_clipping=options["gradient_clipping"])
+    config = TrainConfig.from_dict(engine_config(ctx, options))
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)

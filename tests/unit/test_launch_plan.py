@@ -25,11 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def spec_for(nodes=2, gpus=2, memory=80.0, tp="auto", stage="auto", config="configs/gpt-tiny.yaml",
-             precision="fp32"):
+             precision="fp32", entrypoint="hybrid.models.gpt:train", cluster=(), **parallel):
     return parse_spec({
-        "cluster": {"address": "local", "nodes": nodes, "gpus_per_node": gpus, "gpu_memory_gb": memory},
-        "job": {"entrypoint": "hybrid.models.gpt:train", "config": config, "steps": 3},
-        "parallel": {"tp": tp, "zero_stage": stage, "precision": precision},
+        "cluster": {"address": "local", "nodes": nodes, "gpus_per_node": gpus, "gpu_memory_gb": memory,
+                    **dict(cluster)},
+        "job": {"entrypoint": entrypoint, "config": config, "steps": 3},
+        "parallel": {"tp": tp, "zero_stage": stage, "precision": precision, **parallel},
     }, base_dir=ROOT)
 
 
@@ -81,8 +82,11 @@ def test_tp_that_cannot_split_the_model_is_a_config_error(tmp_path):
 def test_plain_params_count_is_accepted_for_foreign_models(tmp_path):
     model = tmp_path / "m.yaml"
     model.write_text("params: 7B\n")
-    lp = build_plan(spec_for(nodes=1, gpus=8, config=str(model), precision="bf16"))
+    lp = build_plan(spec_for(nodes=1, gpus=8, config=str(model), precision="bf16",
+                             entrypoint="tests.launch.entrypoints:where"))  # a module without build_model
     assert lp.params == 7_000_000_000 and lp.plan.activation_bytes == 0.0
+    # not built, so its TP layers are unknown: tp auto is 1, and the plan says why
+    assert lp.layout.tp == 1 and lp.layout.dp == 8 and "unknown" in lp.tp_reason
 
 
 def _report(i, gpus, cpus=8, nvml=True, total_gb=80):
@@ -95,7 +99,7 @@ def test_probed_memory_is_used_when_every_node_measured():
     reports = [_report(0, 8, total_gb=80), _report(1, 8, total_gb=40)]
     lp = build_plan(spec_for(gpus=8, tp=4, memory=10.0), reports)
     assert lp.use_gpus is True and lp.memory_source == "measured"
-    assert lp.plan.gpu_memory_bytes == 40 * GB and "NVML" in lp.memory_note and "40.0 GB" in lp.memory_note
+    assert lp.plan.gpu_memory_bytes == 40 * GB and "NVML" in lp.memory_note and "40 GB" in lp.memory_note
 
 
 def test_declared_memory_is_used_and_said_without_nvml():
