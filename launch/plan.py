@@ -234,8 +234,10 @@ def format_plan(lp: LaunchPlan) -> str:
     lines.append("  DP groups: " + " ".join(_group(g) for g in layout.dp_groups))
     checkpointed = ("" if p.checkpointed_activation_bytes is None else
                     f" ({human_bytes(p.checkpointed_activation_bytes)} with checkpointing)")
+    activations = (f"activations ~{human_bytes(p.activation_bytes)}{checkpointed}" if lp.model is not None else
+                   "activations not estimated (the shape is known only for the built-in GPT)")
     lines.append(f"memory  {lp.memory_note}; {human_bytes(p.usable_bytes)} usable per GPU "
-                 f"({p.headroom:.0%} headroom), activations ~{human_bytes(p.activation_bytes)}{checkpointed}")
+                 f"({p.headroom:.0%} headroom), {activations}")
     lines.append(f"  {lp.host_note}")
     header = f"  {'stage':<6}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}{'+activ.':>11}  fits"
     lines.append(header)
