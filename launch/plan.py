@@ -256,8 +256,8 @@ def format_plan(lp: LaunchPlan) -> str:
             lines.append(f"  {o.label:<17}{human_bytes(o.device_bytes):>11}{host:>11}  {'yes' if o.fits else 'no':<4}"
                          f"{'  <- chosen' if chosen else ''}")
     lines.append(f"levers  activation checkpointing {_on(p.activation_checkpointing)} "
-                 f"(parallel.activation_checkpointing: {_lever(par.activation_checkpointing)}), optimizer offload "
-                 f"{_on(p.offload)} (parallel.offload: {_lever(par.offload)})")
+                 f"(parallel.activation_checkpointing: {_yaml(par.activation_checkpointing)}), optimizer offload "
+                 f"{_on(p.offload)} (parallel.offload: {_yaml(par.offload)})")
     lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
     return "\n".join(lines)
 
@@ -270,6 +270,10 @@ def _with_levers(p: Plan) -> str:
 
 def _lever(value: Optional[bool]):
     return "auto" if value is None else value
+
+
+def _yaml(value: Optional[bool]) -> str:
+    return "auto" if value is None else str(value).lower()
 
 
 def _on(value: bool) -> str:
