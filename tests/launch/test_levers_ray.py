@@ -35,6 +35,7 @@ def cluster():
 
 
 def test_own_model_without_tp_layers_runs_with_tp_1_and_dp_over_all_ranks(cluster):
+    assert "examples/own_model/cluster.yaml" in (ROOT / "README.md").read_text()
     spec = load_spec(ROOT / "examples" / "own_model" / "cluster.yaml")
     assert spec.parallel.tp is None  # tp: auto
     out = io.StringIO()

@@ -332,3 +332,28 @@ def test_settings_carry_the_plans_levers():
     lp = build_plan(spec_for(memory=0.0005))
     settings = settings_for(lp)
     assert (settings.stage, settings.offload, settings.activation_checkpointing) == (3, True, True)
+
+
+def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():
+    from hybrid.models.gpt_train import TRAIN_DEFAULTS, build_model, engine_config, with_levers
+    from hybrid.models.gpt_config import GPTConfig
+    from hybrid.train import Context, JobSettings
+
+    def ctx(**levers):
+        return Context(None, {}, JobSettings(steps=1, micro_batch=1, stage=3, precision="fp32", **levers))
+
+    assert engine_config(ctx(), TRAIN_DEFAULTS)["zero_optimization"] == {"stage": 3}
+    assert engine_config(ctx(offload=True), TRAIN_DEFAULTS)["zero_optimization"] == {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}}
+    config = GPTConfig.from_yaml(ROOT / "configs" / "gpt-tiny.yaml")
+    assert with_levers(config, False) is config
+    if hasattr(config, "activation_checkpointing"):  # the GPT's own field (issue 11)
+        assert with_levers(config, True).activation_checkpointing is True
+    else:
+        with pytest.raises(ConfigError, match="set parallel.activation_checkpointing: false"):
+            with_levers(config, True)
+    with torch.device("meta"):
+        model = build_model({"model": config.to_dict()})
+    assert sum(p.numel() for p in model.parameters()) == 134_912 and model.tok_emb.weight.is_meta
+    with pytest.raises(ConfigError, match="no model: mapping .* define build_model"):
+        build_model({"params": "7B"})
