@@ -138,8 +138,8 @@ def check_offload_stage(offload: Optional[bool], stage: Optional[int], offload_p
     """Offload forced on with stage 0 forced is refused: stage 0 keeps every optimizer state on every rank."""
     if offload and stage == 0:
         raise ConfigError(f"{offload_path} is true but {stage_path} is 0: offloading moves each rank's shard of "
-                          f"the optimizer states to the host, and stage 0 shards nothing; set {stage_path} to 1, 2, "
-                          f"3 or auto, or {offload_path} to auto or false.")
+                          f"the optimizer states to the host, and stage 0 shards nothing; use stage 1, 2 or 3, or set "
+                          f"{offload_path} to auto or false.")
 
 
 def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed, offload, ac,

@@ -218,3 +218,14 @@ def test_offload_with_stage_0_is_refused_with_the_reason():
         lever_plan(0, None, offload=True, forced_stage=0)
     with pytest.raises(ConfigError, match="activation_checkpointing must be auto, true or false"):
         lever_plan(0, None, activation_checkpointing="yes")
+
+
+def test_offload_bytes_are_the_issues_formula():
+    from hybrid.memory import offload_bytes
+
+    split = offload_bytes(B13, 8, 3, precision="bf16")  # 2Ψ/N + 2Ψ/N on the GPU, 12Ψ/N on the host
+    assert (split.device, split.host) == (6.5 * GB, 19.5 * GB)
+    split = offload_bytes(B13, 8, 1, tp=2, precision="fp32")  # fp32: 4Ψ/t + 4Ψ/t kept, master + moments moved
+    assert (split.device, split.host) == (52 * GB, 9.75 * GB)
+    with pytest.raises(ConfigError, match="offload needs ZeRO stage 1, 2 or 3"):
+        offload_bytes(B13, 8, 0)
