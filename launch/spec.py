@@ -8,7 +8,10 @@ directory, ``job.entrypoint`` must be a ``module:function`` taking one argument,
 ``job.working_dir`` (default: the cluster file's directory, which the launcher ships to every node) or an
 installed package, from any current directory; the checkpoint directory must be creatable and writable.
 ``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>`` under the current
-directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks. Nothing here
+directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks.
+``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's choice), true
+or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
+memory where the probes cannot measure it. Nothing here
 contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.capacity``'s check, made
 before one is started.)
 """
@@ -107,6 +110,8 @@ class LaunchSpec:
 
     @property
     def tp(self) -> int:
+        """``parallel.tp``, or under auto ``gpus_per_node`` (the plan's degree for a model with TP layers;
+        ``launch.plan.choose_tp`` gives 1 to a model without them)."""
         return self.parallel.tp if self.parallel.tp is not None else self.cluster.gpus_per_node
 
     @property
