@@ -143,3 +143,31 @@ def parse_count(text, field: str = "params") -> int:
     if not whole:
         raise ConfigError(f"{field} must be a whole number from 1 to 10^18, got {v.quote(text)}")
     return int(value)
+
+
+# --------------------------------------------------------------------------- optimizer-state offload
+# With the optimizer offloaded (DeepSpeed's offload_optimizer: {device: cpu}), each rank's fp32 master shard
+# and both Adam moments live in host memory: 4 + 4 + 4 bytes per parameter of its shard in either precision
+# (with fp32 the device keeps the fp32 parameters it computes with, the host the master copy it steps).
+# The device keeps the parameters and gradients of its stage: 2Ψ/(t·N) + 2Ψ/(t·N) at stage 3 in bf16.
+# Transients of the copies (one unit's gradient shard in flight) are left to the prediction model.
+HOST_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class OffloadBytes:
+    """Per-rank bytes with the optimizer states offloaded: on the device (params + grads) and on the host."""
+
+    device: int | float
+    host: int | float
+
+
+def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = "bf16") -> OffloadBytes:
+    """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
+    states = model_state_bytes(params, dp, stage, tp, precision)
+    if stage == 0:
+        raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
+                          "states); choose a stage from 1 to 3")
+    device = Fraction(states.params) + Fraction(states.grads)
+    host = Fraction(HOST_BYTES_PER_PARAM * params, tp * dp)
+    return OffloadBytes(_number(device), _number(host))

@@ -45,7 +45,8 @@ class JobSettings:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     checkpoint_keep_last: int = 2
-    offload: bool = False
+    offload: bool = False  # optimizer states in host memory (the plan's choice)
+    activation_checkpointing: bool = False  # recompute activations in backward (the plan's choice)
 
     def as_dict(self) -> dict:
         return asdict(self)

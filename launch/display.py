@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from typing import Callable, Optional, TextIO
 
-from launch.plan import human_bytes
+from hybrid.units import human_bytes
 
 
 from launch.metrics import model_state_bytes, step_entry  # noqa: E402,F401  (re-exported)

@@ -48,7 +48,7 @@ import ray
 
 from hybrid import heartbeat
 from hybrid.checkpoint import layout
-from hybrid.errors import JobError, PlanError, UserError
+from hybrid.errors import JobError, UserError
 from hybrid.train import JobSettings
 from launch import ray_cluster
 from launch.display import Progress
@@ -130,9 +130,6 @@ def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bo
     reports = probe_nodes()
     plan = build_plan(spec, reports)
     print(format_plan(plan), file=stream, flush=True)
-    if plan.plan.offload:
-        raise PlanError("the model fits only with optimizer states offloaded to CPU, which the engine does not "
-                        "do; add nodes (cluster.nodes) or use GPUs with more memory.")
     return run_job(plan, stream, tty=tty)
 
 
@@ -142,7 +139,7 @@ def settings_for(plan: LaunchPlan) -> JobSettings:
                        precision=plan.spec.parallel.precision, seed=job.seed,
                        checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,
                        checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
-                       offload=plan.plan.offload)
+                       offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing)
 
 
 def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:

@@ -1,10 +1,15 @@
 """Turn a validated spec (and, when Ray is up, the node probes) into a ``LaunchPlan``.
 
-``build_plan(spec, reports=None)``: Ψ from the model config (counted on the meta device, nothing
-allocated), TP degree (``parallel.tp`` or ``gpus_per_node``), DP = nodes·gpus_per_node/tp, per-GPU memory
-from the NVML probes when every node measured its GPUs and otherwise the declared ``gpu_memory_gb`` (the
-plan says which, and why), an activation estimate for one micro-batch, and ``hybrid.planner.choose_stage``
-for the ZeRO stage. Without ``reports`` nothing touches Ray: that is ``hybrid plan``.
+``build_plan(spec, reports=None)``: Ψ measured from the model (``launch.model_size``: the entrypoint's
+``build_model`` hook on the meta device, nothing allocated; ``params:`` as a checked override), the TP
+degree (``choose_tp``: ``parallel.tp``, or under ``auto`` gpus_per_node for a model with tensor-parallel
+layers and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory from the NVML probes
+when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host memory per node from
+the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
+and why), activation estimates for one micro-batch with and without checkpointing, and
+``hybrid.planner.choose_stage`` for the ZeRO stage, activation checkpointing and offload
+(``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice). Without
+``reports`` nothing touches Ray: that is ``hybrid plan``.
 
 ``mesh_layout`` is the pure rank layout (rank r on node r // gpus_per_node; TP groups of consecutive
 ranks; DP groups of ranks with equal r % tp); ``plan_dict`` and ``format_plan`` render a plan.
@@ -12,15 +17,15 @@ ranks; DP groups of ranks with equal r % tp); ``plan_dict`` and ``format_plan`` 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import GB, activation_bytes, parse_count
+from hybrid.memory import GB, activation_bytes
 from hybrid.planner import Plan, choose_stage
-from hybrid.yamlfile import load_yaml
-
-BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
+from hybrid.units import human_bytes
+from launch.model_size import ModelFacts, model_facts
 from launch.spec import LaunchSpec
 
 
@@ -61,7 +66,11 @@ class LaunchPlan:
     memory_source: str  # "declared" or "measured"
     memory_note: str  # one sentence: where the per-GPU memory figure came from
     use_gpus: Optional[bool]  # None: not known without probing the cluster
-    model: Optional[dict] = None  # the GPT shape when the model config is one
+    model: Optional[dict] = None  # the GPT shape when the model is the built-in GPT
+    tp_reason: str = ""  # why this TP degree
+    params_source: str = ""  # how Ψ was found
+    host_note: str = ""  # where the host memory figure came from
+    tensor_parallel_layers: Optional[bool] = None  # None: not known (the model was not built)
 
     @property
     def stage(self) -> int:
@@ -80,41 +89,68 @@ class LaunchPlan:
 def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None) -> LaunchPlan:
     """The plan for ``spec``; ``reports`` are ``launch.probe.NodeReport``s, or None to plan from declared
     facts alone."""
-    cluster = spec.cluster
-    layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, spec.tp)
-    params, model = model_size(spec)
-    if model is not None:
-        _check_tp(model, layout.tp)
+    cluster, parallel = spec.cluster, spec.parallel
+    facts = model_facts(spec)
+    tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
+    layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, tp)
+    if facts.shape is not None:
+        _check_tp(facts.shape, layout.tp)
     if reports is None:
         use_gpus, memory, source = None, cluster.gpu_memory_gb * GB, "declared"
         note = (f"planned from declared facts (no Ray cluster contacted): cluster.gpu_memory_gb = "
                 f"{cluster.gpu_memory_gb:g} GB per GPU")
     else:
         use_gpus, memory, source, note = _memory_from_probes(spec, reports)
-    activations = 0.0
-    if model is not None:
-        activations = activation_bytes(model["seq_len"], spec.job.micro_batch, model["hidden"], model["n_heads"],
-                                       model["n_layers"], tp=layout.tp)
-    plan = choose_stage(params, layout.dp, layout.tp, memory, precision=spec.parallel.precision,
-                        activation_bytes=activations, forced_stage=spec.parallel.zero_stage)
-    return LaunchPlan(spec, params, layout, plan, source, note, use_gpus, model)
+    host, host_note = host_memory(spec, reports)
+    activations, checkpointed = 0.0, None
+    if facts.shape is not None:
+        m = facts.shape
+        shape = (m["seq_len"], spec.job.micro_batch, m["hidden"], m["n_heads"], m["n_layers"])
+        activations = activation_bytes(*shape, tp=layout.tp)
+        checkpointed = activation_bytes(*shape, tp=layout.tp, checkpointing=True)
+    plan = choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
+                        activation_bytes=activations, forced_stage=parallel.zero_stage,
+                        checkpointed_activation_bytes=checkpointed, offload=parallel.offload,
+                        activation_checkpointing=parallel.activation_checkpointing, host_memory_bytes=host,
+                        ranks_per_node=cluster.gpus_per_node)
+    return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
+                      facts.source, host_note, facts.tensor_parallel)
 
 
-def model_size(spec: LaunchSpec) -> tuple[int, Optional[dict]]:
-    """Ψ of the model config: a GPT ``model:`` mapping counted on the meta device, or a plain ``params:``
-    count (e.g. ``params: 7B``) for models the launcher cannot build itself."""
-    from hybrid.models.gpt import GPTConfig, count_parameters
+def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, facts: ModelFacts) -> tuple[int, str]:
+    """The TP degree and why: ``parallel.tp`` as given, else gpus_per_node only for a model with TP layers."""
+    if requested is not None:
+        if requested > 1 and facts.tensor_parallel is False:
+            raise ConfigError(f"parallel.tp is {requested}, but the model has no tensor-parallel layers (no "
+                              "parameter is marked tensor-parallel, hybrid.param_attrs), so its TP ranks would "
+                              "all compute the same thing; set parallel.tp to 1 or auto.")
+        return requested, f"tp {requested} as requested (parallel.tp)"
+    if facts.tensor_parallel:
+        return gpus_per_node, (f"tp auto: {gpus_per_node} = gpus_per_node, since the model has tensor-parallel "
+                               "layers")
+    why = ("the model has no tensor-parallel layers (no parameter is marked tensor-parallel)"
+           if facts.tensor_parallel is False else
+           "the model was not built on the driver (a params: count without a build_model hook), so whether it "
+           "has tensor-parallel layers is unknown; set parallel.tp to use TP")
+    return 1, f"tp auto: 1, since {why}; DP spans all {world_size} ranks"
 
-    path = spec.job.config
-    doc = load_yaml(path, "model config")
-    if isinstance(doc, dict) and "model" not in doc and "params" in doc:
-        return parse_count(doc["params"], field=f"params in {path}"), None
-    config = GPTConfig.from_yaml(path)
-    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its train: options too, before any rank starts
-        from hybrid.models.gpt_train import train_options
 
-        train_options(doc.get("train"))
-    return count_parameters(config), config.to_dict()
+def host_memory(spec: LaunchSpec, reports: Optional[Sequence]) -> tuple[Optional[float], str]:
+    """Host memory per node for offloaded optimizer states, and where the figure came from: the smallest
+    probed node (Ray nodes on one machine, same IP, share its memory), else the declared
+    ``cluster.host_memory_gb``, else None (not checked)."""
+    declared = spec.cluster.host_memory_gb
+    if reports and all(r.host_memory_bytes for r in reports):
+        sharing = Counter(r.ip for r in reports)
+        share = {r.node_id: r.host_memory_bytes / sharing[r.ip] for r in reports}
+        smallest = min(reports, key=lambda r: share[r.node_id])
+        shared = (f", shared by the {sharing[smallest.ip]} Ray nodes at {smallest.ip}"
+                  if sharing[smallest.ip] > 1 else "")
+        return share[smallest.node_id], (f"host memory probed: {human_bytes(share[smallest.node_id])} available "
+                                         f"per node (smallest node{shared})")
+    if declared is not None:
+        return declared * GB, f"host memory declared: cluster.host_memory_gb = {declared:g} GB per node"
+    return None, "host memory unknown (declare cluster.host_memory_gb to check it when planning offline)"
 
 
 def _check_tp(model: dict, tp: int) -> None:
@@ -134,7 +170,7 @@ def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, floa
             smallest = min((g for r in nodes for g in r.probe.gpus), key=lambda g: g.total_bytes)
             return True, float(smallest.total_bytes), "measured", (
                 f"measured by NVML on {len(nodes)} nodes: smallest GPU is {smallest.name} with "
-                f"{smallest.total_bytes / GB:.1f} GB")
+                f"{human_bytes(smallest.total_bytes)}")
         return True, declared, "declared", (
             f"NVML unavailable on {len(unmeasured)} of {len(nodes)} GPU nodes ({unmeasured[0].probe.reason}); "
             f"using the declared cluster.gpu_memory_gb = {cluster.gpu_memory_gb:g} GB")
@@ -154,55 +190,94 @@ def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, floa
 
 def plan_dict(lp: LaunchPlan) -> dict:
     """A JSON-ready description of the plan (what ``hybrid plan --json`` prints)."""
-    c, p = lp.spec.cluster, lp.plan
+    c, p, par = lp.spec.cluster, lp.plan, lp.spec.parallel
     return {
         "cluster": {"address": c.address, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
                     "interconnect": {"intra_node": c.intra_node, "inter_node": c.inter_node}},
-        "model": {"config": str(lp.spec.job.config), "params": lp.params, "shape": lp.model},
-        "mesh": {"world_size": c.world_size, "tp": lp.layout.tp, "dp": lp.layout.dp,
+        "model": {"config": str(lp.spec.job.config), "params": lp.params, "shape": lp.model,
+                  "params_source": lp.params_source, "tensor_parallel_layers": lp.tensor_parallel_layers},
+        "mesh": {"world_size": c.world_size, "tp": lp.layout.tp, "dp": lp.layout.dp, "tp_reason": lp.tp_reason,
                  "nodes": [{"node": n, "ranks": r} for n, r in enumerate(lp.layout.node_ranks)],
                  "tp_groups": lp.layout.tp_groups, "dp_groups": lp.layout.dp_groups},
         "memory": {"source": lp.memory_source, "note": lp.memory_note, "gpu_memory_bytes": p.gpu_memory_bytes,
                    "usable_bytes": p.usable_bytes, "headroom": p.headroom, "activation_bytes": p.activation_bytes,
-                   "precision": lp.spec.parallel.precision,
+                   "checkpointed_activation_bytes": p.checkpointed_activation_bytes,
+                   "precision": par.precision, "per_gpu_bytes": p.per_gpu_bytes,
+                   "host": {"note": lp.host_note, "host_memory_bytes": p.host_memory_bytes,
+                            "per_rank_bytes": p.host_bytes, "per_node_bytes": p.host_bytes_per_node},
                    "stages": {str(s): {"params": b.params, "grads": b.grads, "optimizer": b.optimizer,
                                        "total": b.total, "with_activations": b.total + p.activation_bytes,
-                                       "fits": p.fits[s]} for s, b in sorted(p.stages.items())}},
-        "stage": p.stage, "offload": p.offload, "reason": p.reason,
-        "requested_stage": "auto" if lp.spec.parallel.zero_stage is None else lp.spec.parallel.zero_stage,
+                                       "fits": p.fits[s]} for s, b in sorted(p.stages.items())},
+                   "options": [{"stage": o.stage, "activation_checkpointing": o.activation_checkpointing,
+                                "offload": o.offload, "device_bytes": o.device_bytes, "host_bytes": o.host_bytes,
+                                "fits": o.fits} for o in p.options]},
+        "stage": p.stage, "offload": p.offload, "activation_checkpointing": p.activation_checkpointing,
+        "reason": p.reason,
+        "requested_stage": "auto" if par.zero_stage is None else par.zero_stage,
+        "requested_offload": _lever(par.offload), "requested_activation_checkpointing":
+            _lever(par.activation_checkpointing),
         "backend": lp.backend,
     }
 
 
 def format_plan(lp: LaunchPlan) -> str:
-    """The plan as text: mesh, per-stage memory table, chosen stage and reason."""
-    c, p, layout = lp.spec.cluster, lp.plan, lp.layout
-    lines = [f"model   {lp.spec.job.config.name}: {lp.params:,} parameters, precision {lp.spec.parallel.precision}",
+    """The plan as text: model, mesh (and why this TP degree), per-stage memory table, the levers tried,
+    the chosen stage and levers, and the reason."""
+    c, p, layout, par = lp.spec.cluster, lp.plan, lp.layout, lp.spec.parallel
+    lines = [f"model   {lp.spec.job.config.name}: {lp.params:,} parameters ({lp.params_source}), precision "
+             f"{par.precision}",
              f"mesh    {c.nodes} nodes x {c.gpus_per_node} ranks = {c.world_size} ranks; tp={layout.tp} (inside a node), "
-             f"dp={layout.dp}; backend {lp.backend}"]
+             f"dp={layout.dp}; backend {lp.backend}",
+             f"  {lp.tp_reason}"]
     lines += [f"  node {n}: ranks {_ranks(r)}" for n, r in enumerate(layout.node_ranks)]
     lines.append("  TP groups: " + " ".join(_group(g) for g in layout.tp_groups))
     lines.append("  DP groups: " + " ".join(_group(g) for g in layout.dp_groups))
+    checkpointed = ("" if p.checkpointed_activation_bytes is None else
+                    f" ({human_bytes(p.checkpointed_activation_bytes)} with checkpointing)")
+    activations = (f"activations ~{human_bytes(p.activation_bytes)}{checkpointed}" if lp.model is not None else
+                   "activations not estimated (the shape is known only for the built-in GPT)")
     lines.append(f"memory  {lp.memory_note}; {human_bytes(p.usable_bytes)} usable per GPU "
-                 f"({p.headroom:.0%} headroom), activations ~{human_bytes(p.activation_bytes)}")
+                 f"({p.headroom:.0%} headroom), {activations}")
+    lines.append(f"  {lp.host_note}")
     header = f"  {'stage':<6}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}{'+activ.':>11}  fits"
     lines.append(header)
+    plain = not (p.offload or p.activation_checkpointing)
     for s, b in sorted(p.stages.items()):
-        mark = "  <- chosen" if s == p.stage else ""
+        mark = "  <- chosen" if s == p.stage and plain else ""
         lines.append(f"  {s:<6}{human_bytes(b.params):>11}{human_bytes(b.grads):>11}{human_bytes(b.optimizer):>11}"
                      f"{human_bytes(b.total):>11}{human_bytes(b.total + p.activation_bytes):>11}  "
                      f"{'yes' if p.fits[s] else 'no':<4}{mark}")
-    offload = " with optimizer states offloaded to CPU" if p.offload else ""
-    lines.append(f"stage   ZeRO-{p.stage}{offload}: {p.reason}")
+    levers = [o for o in p.options if o.offload or o.activation_checkpointing]
+    if levers:
+        lines.append(f"  {'with levers':<17}{'GPU':>11}{'host/node':>11}  fits")
+        for o in levers:
+            chosen = (o.stage, o.offload, o.activation_checkpointing) == (p.stage, p.offload, p.activation_checkpointing)
+            host = human_bytes(o.host_bytes * p.ranks_per_node) if o.offload else "-"
+            lines.append(f"  {o.label:<17}{human_bytes(o.device_bytes):>11}{host:>11}  {'yes' if o.fits else 'no':<4}"
+                         f"{'  <- chosen' if chosen else ''}")
+    lines.append(f"levers  activation checkpointing {_on(p.activation_checkpointing)} "
+                 f"(parallel.activation_checkpointing: {_yaml(par.activation_checkpointing)}), optimizer offload "
+                 f"{_on(p.offload)} (parallel.offload: {_yaml(par.offload)})")
+    lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
     return "\n".join(lines)
 
 
-def human_bytes(n: float) -> str:
-    n = float(n)
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+def _with_levers(p: Plan) -> str:
+    parts = [text for on, text in ((p.offload, "optimizer states offloaded to CPU"),
+                                   (p.activation_checkpointing, "activation checkpointing")) if on]
+    return f" with {' and '.join(parts)}" if parts else ""
+
+
+def _lever(value: Optional[bool]):
+    return "auto" if value is None else value
+
+
+def _yaml(value: Optional[bool]) -> str:
+    return "auto" if value is None else str(value).lower()
+
+
+def _on(value: bool) -> str:
+    return "on" if value else "off"
 
 
 def _ranks(ranks: list[int]) -> str:

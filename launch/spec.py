@@ -8,7 +8,10 @@ directory, ``job.entrypoint`` must be a ``module:function`` taking one argument,
 ``job.working_dir`` (default: the cluster file's directory, which the launcher ships to every node) or an
 installed package, from any current directory; the checkpoint directory must be creatable and writable.
 ``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>`` under the current
-directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks. Nothing here
+directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks.
+``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's choice), true
+or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
+memory where the probes cannot measure it. Nothing here
 contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.capacity``'s check, made
 before one is started.)
 """
@@ -27,6 +30,7 @@ from typing import Any, Callable, Optional
 
 from hybrid import validate as v
 from hybrid.errors import ConfigError
+from hybrid.planner import check_lever, check_offload_stage
 from hybrid.validate import PRECISIONS
 from hybrid.yamlfile import load_yaml
 
@@ -37,6 +41,7 @@ INTER_NODE = ("infiniband", "roce", "ethernet", "loopback")
 MAX_NODES = 100_000
 MAX_GPUS_PER_NODE = 1024
 MAX_GPU_MEMORY_GB = 100_000
+MAX_HOST_MEMORY_GB = 1_000_000
 MAX_STEPS = 10**12
 MAX_MICRO_BATCH = 1 << 20
 MAX_FAILURES = 1000
@@ -53,6 +58,7 @@ class ClusterSpec:
     intra_node: str = "unspecified"
     inter_node: str = "unspecified"
     connect_timeout_s: float = 60.0  # auto / ray://: how long to wait for the cluster to answer
+    host_memory_gb: Optional[float] = None  # per node; used where the probe cannot measure, and by `hybrid plan`
 
     @property
     def is_local(self) -> bool:
@@ -88,9 +94,11 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    tp: Optional[int] = None  # None: auto = gpus_per_node
+    tp: Optional[int] = None  # None: auto = gpus_per_node for a model with TP layers, else 1
     zero_stage: Optional[int] = None  # None: auto = the planner's choice
     precision: str = "bf16"
+    offload: Optional[bool] = None  # optimizer states in host memory; None: auto = the planner's choice
+    activation_checkpointing: Optional[bool] = None  # None: auto = the planner's choice
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,8 @@ class LaunchSpec:
 
     @property
     def tp(self) -> int:
+        """``parallel.tp``, or under auto ``gpus_per_node`` (the plan's degree for a model with TP layers;
+        ``launch.plan.choose_tp`` gives 1 to a model without them)."""
         return self.parallel.tp if self.parallel.tp is not None else self.cluster.gpus_per_node
 
     @property
@@ -115,6 +125,7 @@ class LaunchSpec:
             job = dataclasses.replace(job, steps=v.positive_int("--steps", steps, MAX_STEPS))
         if stage is not None:
             parallel = dataclasses.replace(parallel, zero_stage=v.stage("--stage", stage))
+            check_offload_stage(parallel.offload, parallel.zero_stage, "parallel.offload", "--stage")
         return dataclasses.replace(self, job=job, parallel=parallel)
 
 
@@ -143,7 +154,7 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
 
 def _cluster(d: dict) -> ClusterSpec:
     v.known_keys("cluster", d, ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
-                                "connect_timeout_s"))
+                                "connect_timeout_s", "host_memory_gb"))
     address = check_address(v.required(d, "cluster", "address", ADDRESS_HELP))
     nodes = v.positive_int("cluster.nodes", v.required(d, "cluster", "nodes", "a whole number of nodes, at least 1"),
                            MAX_NODES)
@@ -160,7 +171,10 @@ def _cluster(d: dict) -> ClusterSpec:
     inter = v.one_of("cluster.interconnect.inter_node", links.get("inter_node", "unspecified"),
                      INTER_NODE + ("unspecified",))
     connect = v.number("cluster.connect_timeout_s", d.get("connect_timeout_s", 60), *CONNECT_TIMEOUT_S, unit="seconds")
-    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect)
+    host = d.get("host_memory_gb")
+    if host is not None:
+        host = v.positive_number("cluster.host_memory_gb", host, MAX_HOST_MEMORY_GB, unit="GB")
+    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host)
 
 
 def check_address(address: Any) -> str:
@@ -262,7 +276,7 @@ def check_writable_dir(path: Path, field_name: str, only_if_here: bool = False) 
 
 
 def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
-    v.known_keys("parallel", d, ("tp", "zero_stage", "precision"))
+    v.known_keys("parallel", d, ("tp", "zero_stage", "precision", "offload", "activation_checkpointing"))
     tp = d.get("tp", "auto")
     if tp == "auto":
         tp = None
@@ -274,7 +288,10 @@ def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
                               f"of {cluster.gpus_per_node} or 'auto'.")
     stage = v.stage("parallel.zero_stage", d.get("zero_stage", "auto"), auto=True)
     precision = v.one_of("parallel.precision", d.get("precision", "bf16"), PRECISIONS)
-    return ParallelSpec(tp, stage, precision)
+    offload = check_lever("parallel.offload", d.get("offload", "auto"))
+    checkpointing = check_lever("parallel.activation_checkpointing", d.get("activation_checkpointing", "auto"))
+    check_offload_stage(offload, stage, "parallel.offload", "parallel.zero_stage")
+    return ParallelSpec(tp, stage, precision, offload, checkpointing)
 
 
 # ------------------------------------------------------------------------------------------- entrypoint

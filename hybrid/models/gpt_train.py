@@ -20,10 +20,17 @@ The model config may carry an optional ``train:`` mapping beside ``model:`` with
 params: {momentum: 0.9}}``, ``no_decay``, ``param_groups``; ``lr`` and ``weight_decay`` above are its
 defaults) and ``scheduler`` (``{type: WarmupCosineLR, params: {...}}``). With ``offload`` in the job's
 settings the optimizer state is kept in host memory (``zero.offload_optimizer``).
+
+``build_model(model_config, tp_comm=None)`` is the launcher's hook (``launch.model_size``): the GPT of the
+model config, which the driver builds under ``torch.device("meta")`` to count Ψ and see its TP layers.
+``build_engine`` honours the plan's levers in ``ctx.settings``: ``activation_checkpointing`` through the
+GPT config's field of that name, ``offload`` through the DeepSpeed-style
+``zero_optimization.offload_optimizer: {device: cpu}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -102,6 +109,26 @@ def train_options(section: Any) -> dict:
     return options
 
 
+def build_model(model_config: Mapping, tp_comm=None) -> GPT:
+    """The launcher's hook: the GPT of a parsed model config (its ``model:`` mapping), TP-sliced over
+    ``tp_comm``, on the current default device (the driver calls it under ``torch.device("meta")``)."""
+    if not isinstance(model_config, Mapping) or "model" not in model_config:
+        raise ConfigError("the model config has no model: mapping for the built-in GPT; put vocab_size, seq_len, "
+                          "n_layers, hidden and n_heads under model:, or, for a model of your own, define "
+                          "build_model(model_config, tp_comm=None) in the entrypoint's module.")
+    return GPT(GPTConfig.from_dict(model_config["model"]), tp_comm=tp_comm)
+
+
+def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTConfig:
+    """The GPT config with the plan's activation checkpointing."""
+    if not activation_checkpointing:
+        return model_config
+    if not hasattr(model_config, "activation_checkpointing"):
+        raise ConfigError("the plan turns activation checkpointing on, but this build of the built-in GPT has no "
+                          "activation_checkpointing field; set parallel.activation_checkpointing: false.")
+    return dataclasses.replace(model_config, activation_checkpointing=True)
+
+
 def training_config(options: dict, stage: int, precision: str, offload: bool = False):
     """The engine's ``TrainConfig`` from checked ``train:`` options and the job's stage and precision."""
     from hybrid.config import TrainConfig
@@ -121,10 +148,11 @@ def training_config(options: dict, stage: int, precision: str, offload: bool = F
 
 
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
-    """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage, on the mesh's DP group."""
+    """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage and levers, on the mesh's DP group."""
     # Imported here so that importing hybrid.models.gpt (which re-exports train) stays light.
     import hybrid
 
+    model_config = with_levers(model_config, getattr(ctx.settings, "activation_checkpointing", False))
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False))

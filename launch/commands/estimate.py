@@ -3,8 +3,11 @@
 Human output is the seed's table (one row per component, one column per stage) followed by the planner's
 choice. ``--json`` prints exactly one JSON object:
 ``{"params", "dp", "tp", "gpu_memory_gb", "stages": {"0".."3": {"params_gb", "grads_gb", "optimizer_gb",
-"total_gb", "fits"}}, "recommended_stage", "offload", "reason"}``, plus ``"activations_gb"`` when the model
-shape is given (each ``total_gb`` then includes the activations). GB means 10^9 bytes, as in the seed.
+"total_gb", "fits"}}, "recommended_stage", "offload", "activation_checkpointing", "reason"}``, plus
+``"activations_gb"`` when the model shape is given (each ``total_gb`` then includes the activations, the
+checkpointed estimate under ``--activation-checkpointing``; without the flag the planner may still choose
+checkpointing when plain ZeRO-3 does not fit). GB means 10^9 bytes, as in the seed; sizes print through
+``hybrid.units.human_bytes``.
 Any bad input ends with one ``error: ...`` line and exit status 2.
 """
 
@@ -19,6 +22,7 @@ from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import activation_bytes, parse_count
 from hybrid.planner import Plan, check_headroom, choose_stage
+from hybrid.units import human_bytes
 from hybrid.validate import PRECISIONS, STAGES
 from launch.spec import MAX_GPU_MEMORY_GB
 
@@ -29,10 +33,6 @@ _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 
 def _gb(value) -> float:
     return float(Fraction(value) / 10**9)
-
-
-def _gb_text(value) -> str:
-    return f"{_gb(value):.3f}".rstrip("0").rstrip(".") + " GB"
 
 
 def _plain(number: float) -> int | float:
@@ -70,7 +70,8 @@ def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | No
     if activations is not None:
         out["activations_gb"] = _gb(activations)
     out.update(
-        {"stages": stages, "recommended_stage": plan.stage, "offload": plan.offload, "reason": plan.reason}
+        {"stages": stages, "recommended_stage": plan.stage, "offload": plan.offload,
+         "activation_checkpointing": plan.activation_checkpointing, "reason": plan.reason}
     )
     return out
 
@@ -79,20 +80,20 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
     p_kind, o_kind = precision.upper(), "FP32"
     rows = [
         ["Component", "Stage 0 (DDP)", "Stage 1", "Stage 2", "Stage 3"],
-        [f"Params ({p_kind})"] + [_gb_text(plan.stages[s].params) for s in STAGES],
-        [f"Grads ({p_kind})"] + [_gb_text(plan.stages[s].grads) for s in STAGES],
-        [f"Optimizer ({o_kind})"] + [_gb_text(plan.stages[s].optimizer) for s in STAGES],
+        [f"Params ({p_kind})"] + [human_bytes(plan.stages[s].params) for s in STAGES],
+        [f"Grads ({p_kind})"] + [human_bytes(plan.stages[s].grads) for s in STAGES],
+        [f"Optimizer ({o_kind})"] + [human_bytes(plan.stages[s].optimizer) for s in STAGES],
     ]
     extra = activations or 0.0
     if activations is not None:
-        rows.append(["Activations"] + [_gb_text(activations)] * len(STAGES))
-    rows.append(["Per GPU"] + [_gb_text(Fraction(plan.stages[s].total) + Fraction(extra)) for s in STAGES])
+        rows.append(["Activations"] + [human_bytes(activations)] * len(STAGES))
+    rows.append(["Per GPU"] + [human_bytes(Fraction(plan.stages[s].total) + Fraction(extra)) for s in STAGES])
     rows.append([f"Fits on {_plain(gpu_memory)} GB?"] + ["Yes" if plan.fits[s] else "No" for s in STAGES])
 
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         f"{params:,} parameters ({precision}) on {plan.dp * plan.tp} GPUs: DP {plan.dp} × TP {plan.tp}, "
-        f"{_plain(gpu_memory)} GB each, {_gb_text(plan.usable_bytes)} usable at "
+        f"{_plain(gpu_memory)} GB each, {human_bytes(plan.usable_bytes)} usable at "
         f"{plan.headroom * 100:g}% headroom",
         "",
     ]
@@ -100,8 +101,10 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * width for width in widths))
-    offload = " with CPU offload of optimizer states" if plan.offload else ""
-    lines += ["", f"Recommended: ZeRO stage {plan.stage}{offload}", f"Reason: {plan.reason}"]
+    levers = [text for on, text in ((plan.offload, "CPU offload of optimizer states"),
+                                    (plan.activation_checkpointing, "activation checkpointing")) if on]
+    with_ = f" with {' and '.join(levers)}" if levers else ""
+    lines += ["", f"Recommended: ZeRO stage {plan.stage}{with_}", f"Reason: {plan.reason}"]
     return "\n".join(lines)
 
 
@@ -126,13 +129,17 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
     _validate(gpus, tp, gpu_memory, headroom, shape)
 
-    activations = None
+    activations = checkpointed = None
     if shape["layers"] is not None:
         activations = activation_bytes(seq, micro_batch, hidden, heads, layers, tp, activation_checkpointing)
+        checkpointed = activation_bytes(seq, micro_batch, hidden, heads, layers, tp, checkpointing=True)
 
     try:
         memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
-        plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom)
+        # Without the flag the planner may still turn checkpointing on (after plain ZeRO-3, before offload).
+        plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom,
+                            checkpointed_activation_bytes=checkpointed,
+                            activation_checkpointing=True if activation_checkpointing else None)
     except PlanError as err:
         raise PlanError(f"--gpus: {err}") from None
     if as_json:

@@ -1,4 +1,6 @@
-"""``hybrid plan cluster.yaml [--json]``: the mesh, the per-stage memory table and the chosen ZeRO stage.
+"""``hybrid plan cluster.yaml [--json]``: the model's measured size, the mesh (and why this TP degree), the
+per-stage memory table, the levers tried (activation checkpointing, optimizer offload with its host bytes)
+and the chosen ZeRO stage and levers, with the reason.
 
 Plans from the declared facts of the cluster file alone (``cluster.gpu_memory_gb``); it never starts or
 contacts Ray, so it runs anywhere, and the output says so. ``--json`` prints one JSON object

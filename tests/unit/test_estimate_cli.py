@@ -37,6 +37,7 @@ def test_json_for_13b_on_8_gpus_is_the_issue_example(capsys):
         },
         "recommended_stage": 1,
         "offload": False,
+        "activation_checkpointing": False,
     }
     assert reason.startswith(ROW_STAGE1)
     assert out.count("\n") == 1  # exactly one JSON object on one line
@@ -118,3 +119,13 @@ def test_monitor_command_reports_this_node(capsys):
     assert out.startswith("no NVML: ") or out.startswith("NVML: ")
     code, out, _ = run(capsys, "monitor", "--json")
     assert code == 0 and isinstance(json.loads(out)["available"], bool)
+
+
+def test_the_estimate_reaches_for_activation_checkpointing_before_offload(capsys):
+    shape = ["--layers", "40", "--hidden", "5120", "--heads", "40", "--seq", "4096", "--micro-batch", "4"]
+    code, out, _ = run(capsys, "estimate", "--params", "13B", "--gpus", "8", "--tp", "8", "--json", *shape)
+    result = json.loads(out)  # ZeRO-3 does not fit with ~111 GB of activations; checkpointed they are ~6.7 GB
+    assert code == 0 and (result["recommended_stage"], result["activation_checkpointing"], result["offload"]) == (
+        3, True, False)
+    code, out, _ = run(capsys, "estimate", "--params", "13B", "--gpus", "8", "--tp", "8", *shape)
+    assert "Recommended: ZeRO stage 3 with activation checkpointing" in out

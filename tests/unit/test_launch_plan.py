@@ -25,11 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def spec_for(nodes=2, gpus=2, memory=80.0, tp="auto", stage="auto", config="configs/gpt-tiny.yaml",
-             precision="fp32"):
+             precision="fp32", entrypoint="hybrid.models.gpt:train", cluster=(), **parallel):
     return parse_spec({
-        "cluster": {"address": "local", "nodes": nodes, "gpus_per_node": gpus, "gpu_memory_gb": memory},
-        "job": {"entrypoint": "hybrid.models.gpt:train", "config": config, "steps": 3},
-        "parallel": {"tp": tp, "zero_stage": stage, "precision": precision},
+        "cluster": {"address": "local", "nodes": nodes, "gpus_per_node": gpus, "gpu_memory_gb": memory,
+                    **dict(cluster)},
+        "job": {"entrypoint": entrypoint, "config": config, "steps": 3},
+        "parallel": {"tp": tp, "zero_stage": stage, "precision": precision, **parallel},
     }, base_dir=ROOT)
 
 
@@ -81,8 +82,11 @@ def test_tp_that_cannot_split_the_model_is_a_config_error(tmp_path):
 def test_plain_params_count_is_accepted_for_foreign_models(tmp_path):
     model = tmp_path / "m.yaml"
     model.write_text("params: 7B\n")
-    lp = build_plan(spec_for(nodes=1, gpus=8, config=str(model), precision="bf16"))
+    lp = build_plan(spec_for(nodes=1, gpus=8, config=str(model), precision="bf16",
+                             entrypoint="tests.launch.entrypoints:where"))  # a module without build_model
     assert lp.params == 7_000_000_000 and lp.plan.activation_bytes == 0.0
+    # not built, so its TP layers are unknown: tp auto is 1, and the plan says why
+    assert lp.layout.tp == 1 and lp.layout.dp == 8 and "unknown" in lp.tp_reason
 
 
 def _report(i, gpus, cpus=8, nvml=True, total_gb=80):
@@ -95,7 +99,7 @@ def test_probed_memory_is_used_when_every_node_measured():
     reports = [_report(0, 8, total_gb=80), _report(1, 8, total_gb=40)]
     lp = build_plan(spec_for(gpus=8, tp=4, memory=10.0), reports)
     assert lp.use_gpus is True and lp.memory_source == "measured"
-    assert lp.plan.gpu_memory_bytes == 40 * GB and "NVML" in lp.memory_note and "40.0 GB" in lp.memory_note
+    assert lp.plan.gpu_memory_bytes == 40 * GB and "NVML" in lp.memory_note and "40 GB" in lp.memory_note
 
 
 def test_declared_memory_is_used_and_said_without_nvml():
@@ -208,3 +212,147 @@ def test_context_tags_reports_and_the_loop_honours_should_stop():
     assert got[0]["rank"] == 3 and got[0]["step"] == 2 and got[0]["loss"] == 1.5 and "time" in got[0]
     summary = run_steps(ctx, engine=None, batches=lambda step: pytest.fail("no step may run"), start_step=2)
     assert summary["steps"] == 2 and summary["last_loss"] is None and ctx.should_stop()
+
+
+# --- bring your own model: Ψ measured through build_model, tp only where the model has TP layers -----------
+OWN = ROOT / "examples" / "own_model"
+
+
+def own_spec(tmp_path, model_yaml=None, tp="auto", entrypoint="my_model:train", **parallel):
+    config = OWN / "model.yaml"
+    if model_yaml is not None:
+        config = tmp_path / "model.yaml"
+        config.write_text(model_yaml)
+    return parse_spec({
+        "cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": 80},
+        "job": {"entrypoint": entrypoint, "config": str(config), "steps": 3, "working_dir": str(OWN)},
+        "parallel": {"tp": tp, "precision": "fp32", **parallel},
+    }, base_dir=ROOT)
+
+
+def test_own_model_is_counted_on_meta_and_gets_tp_1_without_tp_layers(tmp_path):
+    lp = build_plan(own_spec(tmp_path))
+    import my_model  # importable now: the plan put job.working_dir on sys.path, as Ray does on the ranks
+
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in my_model.build_model({"model": {"vocab_size": 64, "hidden": 32,
+                                                                          "layers": 2, "seq_len": 16}}).parameters())
+    assert lp.params == expected == 20_992 and lp.tensor_parallel_layers is False
+    assert (lp.layout.tp, lp.layout.dp) == (1, 4)
+    assert lp.tp_reason == ("tp auto: 1, since the model has no tensor-parallel layers (no parameter is marked "
+                            "tensor-parallel); DP spans all 4 ranks")
+    assert "counted on the meta device by my_model.build_model" in lp.params_source
+    doc = plan_dict(lp)
+    assert doc["mesh"]["tp_reason"] == lp.tp_reason and doc["model"]["tensor_parallel_layers"] is False
+    # the built-in GPT has TP layers: tp auto is gpus_per_node, and says why
+    gpt = build_plan(spec_for())
+    assert gpt.layout.tp == 2 and gpt.tp_reason == "tp auto: 2 = gpus_per_node, since the model has tensor-parallel layers"
+
+
+def test_tp_forced_above_1_for_a_model_without_tp_layers_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"parallel.tp is 2, but the model has no tensor-parallel layers .*; set "
+                                          r"parallel.tp to 1 or auto\.$"):
+        build_plan(own_spec(tmp_path, tp=2))
+    assert build_plan(own_spec(tmp_path, tp=1)).layout.tp == 1
+
+
+def test_params_is_an_override_checked_against_the_measured_count(tmp_path):
+    shape = "model: {vocab_size: 64, hidden: 32, layers: 2, seq_len: 16}\n"
+    lp = build_plan(own_spec(tmp_path, shape + "params: 21K\n"))  # 0.04% off the 20,992 counted
+    assert lp.params == 21_000 and "within 1% of the 20,992 counted" in lp.params_source
+    with pytest.raises(ConfigError) as err:
+        build_plan(own_spec(tmp_path, shape + "params: 7B\n"))
+    assert str(err.value) == (f"params in '{tmp_path / 'model.yaml'}' is 7,000,000,000, but my_model.build_model "
+                              "builds a model of 20,992 parameters (off by more than 1%); remove params: (the count "
+                              "is measured) or correct it.")
+    # the built-in GPT's count is measured too
+    gpt = tmp_path / "gpt.yaml"
+    gpt.write_text((ROOT / "configs" / "gpt-tiny.yaml").read_text() + "\nparams: 7B\n")
+    with pytest.raises(ConfigError, match="hybrid.models.gpt_train.build_model builds a model of 134,912"):
+        build_plan(spec_for(config=str(gpt)))
+
+
+def test_a_failing_or_wrong_build_model_hook_is_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match=r"^my_model.build_model failed on the driver \(called under "
+                                          r"torch.device\('meta'\) to count the parameters\): KeyError: 'hidden'"):
+        build_plan(own_spec(tmp_path, "model: {vocab_size: 64, layers: 2, seq_len: 16}\n"))
+
+
+def test_host_memory_is_probed_per_node_and_shared_by_nodes_on_one_machine(tmp_path):
+    from launch.plan import host_memory
+    from launch.probe import parse_meminfo
+
+    assert parse_meminfo("MemTotal:  16000 kB\nMemFree: 100 kB\nMemAvailable:    8000 kB\n") == 8000 * 1024
+    assert parse_meminfo("MemTotal:  16000 kB\n") == 16000 * 1024 and parse_meminfo("junk") is None
+    spec = spec_for(cluster={"host_memory_gb": 64})
+    assert host_memory(spec, None) == (64 * GB, "host memory declared: cluster.host_memory_gb = 64 GB per node")
+    reports = [NodeReport(f"n{i}", "127.0.0.1", 2, 0, NodeProbe(False, "no NVML"), host_memory_bytes=10 * GB)
+               for i in range(2)]
+    got, note = host_memory(spec, reports)
+    assert got == 5 * GB and note == ("host memory probed: 5 GB available per node (smallest node, shared by the 2 "
+                                      "Ray nodes at 127.0.0.1)")
+    lp = build_plan(spec_for(memory=0.0014, cluster={"host_memory_gb": 64}, activation_checkpointing=False), reports)
+    assert lp.plan.offload and lp.plan.host_memory_bytes == 5 * GB and "of 4.5 GB usable per node" in lp.plan.reason
+
+
+def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
+    from launch.cli import main
+
+    cluster = tmp_path / "cluster.yaml"
+    text = ("cluster: {address: local, nodes: 2, gpus_per_node: 2, gpu_memory_gb: MEMORY, host_memory_gb: 1}\n"
+            f"job: {{entrypoint: 'hybrid.models.gpt:train', config: {ROOT / 'configs' / 'gpt-tiny.yaml'}, steps: 3}}\n"
+            "parallel: {precision: fp32, activation_checkpointing: AC}\n")
+
+    def write(memory, ac, extra=""):
+        cluster.write_text(text.replace("MEMORY", str(memory)).replace("AC", ac + extra))
+
+    write(0.0014, "false")
+    assert main(["plan", str(cluster)]) == 0
+    out = capsys.readouterr().out
+    assert "  3 + offload         1.155 MB 809.472 KB  yes   <- chosen" in out
+    assert "levers  activation checkpointing off (parallel.activation_checkpointing: false), optimizer offload on " \
+           "(parallel.offload: auto)" in out
+    assert "stage   ZeRO-3 with optimizer states offloaded to CPU: too large even for ZeRO-3" in out
+    assert "host: 404.736 KB per rank x 2 = 809.472 KB of 900 MB usable per node" in out
+    write(0.0005, "auto")  # now even that needs checkpointing too
+    assert main(["plan", str(cluster), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["stage"], doc["offload"], doc["activation_checkpointing"]) == (3, True, True)
+    assert doc["requested_activation_checkpointing"] == "auto" and doc["reason"].startswith(
+        "too large even for ZeRO-3: ZeRO-3 with CPU offload of optimizer states and activation checkpointing")
+    # offload with stage 0 forced: one sentence, exit 2
+    write(80, "auto", ", offload: true, zero_stage: 0")
+    assert main(["plan", str(cluster)]) == 2
+    assert "parallel.offload is true but parallel.zero_stage is 0" in capsys.readouterr().err
+
+
+def test_settings_carry_the_plans_levers():
+    from launch.job import settings_for
+
+    lp = build_plan(spec_for(memory=0.0005))
+    settings = settings_for(lp)
+    assert (settings.stage, settings.offload, settings.activation_checkpointing) == (3, True, True)
+
+
+def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():
+    from hybrid.models.gpt_train import TRAIN_DEFAULTS, build_model, training_config, with_levers
+    from hybrid.models.gpt_config import GPTConfig
+    from hybrid.train import Context, JobSettings
+
+    def ctx(**levers):
+        return Context(None, {}, JobSettings(steps=1, micro_batch=1, stage=3, precision="fp32", **levers))
+
+    assert training_config(TRAIN_DEFAULTS, 3, "fp32").zero.offload_optimizer.device == "none"
+    assert training_config(TRAIN_DEFAULTS, 3, "fp32", offload=True).zero.offload_optimizer.device == "cpu"
+    config = GPTConfig.from_yaml(ROOT / "configs" / "gpt-tiny.yaml")
+    assert with_levers(config, False) is config
+    if hasattr(config, "activation_checkpointing"):  # the GPT's own field (issue 11)
+        assert with_levers(config, True).activation_checkpointing is True
+    else:
+        with pytest.raises(ConfigError, match="set parallel.activation_checkpointing: false"):
+            with_levers(config, True)
+    with torch.device("meta"):
+        model = build_model({"model": config.to_dict()})
+    assert sum(p.numel() for p in model.parameters()) == 134_912 and model.tok_emb.weight.is_meta
+    with pytest.raises(ConfigError, match="no model: mapping .* define build_model"):
+        build_model({"params": "7B"})

@@ -6,7 +6,9 @@ import pytest
 
 from hybrid.errors import ConfigError, PlanError
 from hybrid.planner import (
+    ROW_AC,
     ROW_OFFLOAD,
+    ROW_OFFLOAD_AC,
     ROW_STAGE1,
     ROW_STAGE2,
     ROW_STAGE3,
@@ -124,3 +126,106 @@ def test_bad_inputs_raise_config_error(kwargs):
     args = dict(params=B13, dp=8, tp=1, gpu_memory_bytes=80 * GB) | kwargs
     with pytest.raises(ConfigError):
         choose_stage(**args)
+
+
+# --- the levers: activation checkpointing, then offload (+AC), and the host memory -------------------------
+# 1B parameters in bf16 on 8 GPUs of 10 GB (no headroom): stage 3 holds 2 GB of model states, 0.5 GB of them
+# on the GPU with the optimizer offloaded (1.5 GB per rank on the host).
+B1 = 10**9
+
+
+def lever_plan(full, checkpointed, **kwargs):
+    return choose_stage(B1, 8, 1, 10 * GB, headroom=0, activation_bytes=full * GB,
+                        checkpointed_activation_bytes=None if checkpointed is None else checkpointed * GB, **kwargs)
+
+
+def test_activation_checkpointing_comes_after_plain_zero3():
+    plan = lever_plan(9, 1)  # stage 3 needs 11 GB, with checkpointing 3 GB
+    assert (plan.stage, plan.activation_checkpointing, plan.offload) == (3, True, False)
+    assert plan.reason == (f"{ROW_AC}: stage 3 needs 11 GB, 3 GB with activation checkpointing, of 10 GB usable "
+                           "per GPU")
+    assert plan.per_gpu_bytes == 3 * GB and plan.chosen_activation_bytes == 1 * GB
+    assert [o.label for o in plan.options] == ["0", "1", "2", "3", "3 + AC"]
+    # the cheaper rows still win when they fit: with 7 GB of activations stage 3 fits without recompute
+    assert not lever_plan(7, 1).activation_checkpointing
+
+
+def test_offload_when_checkpointing_is_off_or_not_enough():
+    plan = lever_plan(9, 1, activation_checkpointing=False)  # offloaded: 0.5 GB + 9 GB
+    assert (plan.stage, plan.activation_checkpointing, plan.offload) == (3, False, True)
+    assert plan.reason == (f"{ROW_OFFLOAD}: stage 3 needs 11 GB, 9.5 GB with the optimizer on CPU, of 10 GB usable "
+                           "per GPU; host memory not checked (unknown): the optimizer states need 1.5 GB per rank "
+                           "x 1 = 1.5 GB per node")
+    assert plan.per_gpu_bytes == 9.5 * GB and plan.host_bytes == 1.5 * GB
+
+
+def test_offload_with_checkpointing_is_the_last_row():
+    # 3 + AC needs 2 + 8.5 GB, offload alone 0.5 + 20 GB, offload + AC 0.5 + 8.5 = 9 GB
+    plan = lever_plan(20, 8.5, host_memory_bytes=64 * GB, ranks_per_node=8)
+    assert (plan.stage, plan.activation_checkpointing, plan.offload) == (3, True, True)
+    assert plan.reason == (f"{ROW_OFFLOAD_AC}: stage 3 needs 22 GB, 9 GB with the optimizer on CPU and "
+                           "activation checkpointing, of 10 GB usable per GPU; host: 1.5 GB per rank x 8 = 12 GB of "
+                           "64 GB usable per node")
+    assert [o.label for o in plan.options] == ["0", "1", "2", "3", "3 + AC", "3 + offload", "3 + offload + AC"]
+    assert plan.per_gpu_bytes == 9 * GB and plan.host_bytes_per_node == 12 * GB
+
+
+def test_host_memory_too_small_for_the_offloaded_states_is_said():
+    with pytest.raises(PlanError) as err:
+        lever_plan(9, None, host_memory_bytes=10 * GB, ranks_per_node=8)
+    assert str(err.value) == (
+        "1,000,000,000 parameters fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-3 + "
+        "offload), but a node's 8 ranks need 1.5 GB each = 12 GB of host memory and a node has 10 GB usable: use "
+        "at least 10 GPUs (more DP ranks shard the states further) or nodes with more host memory "
+        "(cluster.host_memory_gb)")
+    # at the GPU count it names, the host memory holds them
+    plan = choose_stage(B1, 10, 1, 10 * GB, headroom=0, activation_bytes=9 * GB, host_memory_bytes=10 * GB,
+                        ranks_per_node=8)
+    assert plan.offload and "host: 1.2 GB per rank x 8 = 9.6 GB of 10 GB usable per node" in plan.reason
+
+
+def test_offload_off_ends_in_an_error_that_says_so():
+    with pytest.raises(PlanError, match=r"even with ZeRO-3 with activation checkpointing, and offload is off "
+                                        r"\(parallel.offload: false\): use at least"):
+        lever_plan(20, 8.5, offload=False)
+
+
+def test_offload_forced_on_takes_the_lowest_stage_that_fits_with_it():
+    plan = lever_plan(0, None, offload=True)  # stage 1 with offload: 2 + 2 GB on the GPU
+    assert (plan.stage, plan.offload) == (1, True) and "as requested (parallel.offload: true)" in plan.reason
+    assert plan.per_gpu_bytes == 4 * GB and plan.host_bytes == 1.5 * GB
+
+
+def test_checkpointing_forced_on_counts_the_checkpointed_activations_everywhere():
+    plan = lever_plan(9, 1, activation_checkpointing=True)  # stage 0 fits with 16 + 1? no; stage 1: 6.5 GB
+    assert (plan.stage, plan.activation_checkpointing) == (1, True)
+    assert plan.reason.startswith(f"{ROW_STAGE1} with activation checkpointing: stage 0 needs 17 GB, stage 1 6.5 GB")
+
+
+def test_a_forced_stage_uses_the_levers_left_on_auto():
+    plan = lever_plan(9, 1, forced_stage=3)
+    assert (plan.stage, plan.activation_checkpointing, plan.offload) == (3, True, False)
+    assert plan.reason == "stage 3 as requested with activation checkpointing: needs 3 GB of 10 GB usable per GPU"
+    plan = lever_plan(7, 1, forced_stage=2, activation_checkpointing=False)  # 3.75 + 7 GB; offloaded 2.25 + 7
+    assert (plan.stage, plan.offload) == (2, True) and "with the optimizer offloaded to CPU" in plan.reason
+    plan = lever_plan(9, 1, forced_stage=0)  # neither lever applies to stage 0 beyond checkpointing: 17 GB
+    assert plan.stage == 0 and not plan.offload and "but it does not fit" in plan.reason
+
+
+def test_offload_with_stage_0_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="offload is true but zero stage is 0: offloading moves each rank's shard "
+                                          "of the optimizer states to the host, and stage 0 shards nothing"):
+        lever_plan(0, None, offload=True, forced_stage=0)
+    with pytest.raises(ConfigError, match="activation_checkpointing must be auto, true or false"):
+        lever_plan(0, None, activation_checkpointing="yes")
+
+
+def test_offload_bytes_are_the_issues_formula():
+    from hybrid.memory import offload_bytes
+
+    split = offload_bytes(B13, 8, 3, precision="bf16")  # 2Ψ/N + 2Ψ/N on the GPU, 12Ψ/N on the host
+    assert (split.device, split.host) == (6.5 * GB, 19.5 * GB)
+    split = offload_bytes(B13, 8, 1, tp=2, precision="fp32")  # fp32: 4Ψ/t + 4Ψ/t kept, master + moments moved
+    assert (split.device, split.host) == (52 * GB, 9.75 * GB)
+    with pytest.raises(ConfigError, match="offload needs ZeRO stage 1, 2 or 3"):
+        offload_bytes(B13, 8, 0)

@@ -1,0 +1,72 @@
+"""Bring your own model: a plain PyTorch model (no tensor-parallel layers) and the loop that trains it.
+
+``build_model(model_config, tp_comm=None)`` is the hook the launcher calls on the driver, under
+``torch.device("meta")``, to count the parameters and see that the model has no TP layers (so ``tp: auto``
+plans tp = 1 and DP over every rank); ``train(ctx)`` calls it again on each rank, also on meta, and
+``hybrid.initialize`` gives every parameter its values (``reset_parameters`` of each module, seeded by the
+module's name) straight into the rank's shard.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybrid
+from hybrid.config import TrainConfig
+from hybrid.data import MarkovTokens
+from hybrid.models.gpt_train import engine_config
+from hybrid.train import run_steps
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Next-token model: embedding, a Sequential of blocks, a norm and an output layer."""
+
+    def __init__(self, vocab_size: int, hidden: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.blocks = nn.Sequential(*(Block(hidden) for _ in range(layers)))
+        self.norm = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, idx, targets):
+        logits = self.out(self.norm(self.blocks(self.embed(idx))))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_model(model_config, tp_comm=None):
+    m = model_config["model"]
+    return TinyLM(m["vocab_size"], m["hidden"], m["layers"])
+
+
+def train(ctx):
+    m, opt = ctx.model_config["model"], ctx.model_config["train"]
+    with torch.device("meta"):
+        model = build_model(ctx.model_config, ctx.mesh.tp_comm)
+    # engine_config: the planned stage, precision and optimizer offload as one DeepSpeed-style dict
+    config = TrainConfig.from_dict(engine_config(ctx, {"lr": opt["lr"], "weight_decay": 0.0,
+                                                       "gradient_clipping": 1.0}))
+    engine = hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
+                               seed=ctx.settings.seed, device=ctx.device)
+    data = MarkovTokens(m["vocab_size"], m["seq_len"], seed=ctx.settings.seed)
+    micro_batch, mesh = ctx.settings.micro_batch, ctx.mesh
+
+    def batches(step):  # a pure function of the step: each DP rank its own slice of the step's batch
+        inputs, targets = data.batch(step, micro_batch, mesh.dp_rank, mesh.dp)
+        return inputs.to(ctx.device), targets.to(ctx.device)
+
+    summary = run_steps(ctx, engine, batches, tokens_per_step=micro_batch * mesh.dp * m["seq_len"])
+    return {**summary, "tp": mesh.tp, "dp": mesh.dp, "stage": ctx.stage,
+            "reference_loss": {"name": "synthetic chain floor", "nats": data.loss_floor}}
