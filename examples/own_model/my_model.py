@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybrid
-from hybrid.config import TrainConfig
 from hybrid.data import MarkovTokens
-from hybrid.models.gpt_train import engine_config
+from hybrid.models.gpt_train import training_config
 from hybrid.train import run_steps
 
 
@@ -55,9 +54,9 @@ def train(ctx):
     m, opt = ctx.model_config["model"], ctx.model_config["train"]
     with torch.device("meta"):
         model = build_model(ctx.model_config, ctx.mesh.tp_comm)
-    # engine_config: the planned stage, precision and optimizer offload as one DeepSpeed-style dict
-    config = TrainConfig.from_dict(engine_config(ctx, {"lr": opt["lr"], "weight_decay": 0.0,
-                                                       "gradient_clipping": 1.0}))
+    # training_config: the engine's TrainConfig at the planned stage, precision and optimizer offload
+    config = training_config({"lr": opt["lr"], "weight_decay": 0.0, "gradient_clipping": 1.0}, ctx.stage,
+                             ctx.settings.precision, offload=ctx.settings.offload)
     engine = hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                                seed=ctx.settings.seed, device=ctx.device)
     data = MarkovTokens(m["vocab_size"], m["seq_len"], seed=ctx.settings.seed)
