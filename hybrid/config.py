@@ -11,6 +11,8 @@ on construction; a bad value raises ``ConfigError`` naming the field and the fix
   "params": {...}}, "gradient_clipping": 1.0, "gradient_accumulation_steps": 2,
   "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32}``; ``stage3_prefetch_bucket_size`` and
   ``stage3_param_persistence_threshold`` are aliases of the plain names. ``fp16`` is refused (use bf16).
+  ``stage3_unit`` (``auto`` | ``module`` | a callable ``(name, module) -> bool``) cuts stage 3's units
+  (``hybrid.zero.units``).
 
 Unknown keys are an error that names the key (with its section) and lists the accepted ones. Sizes are in
 elements, as in DeepSpeed, and may be written as floats (``5e8``) when they are whole numbers.
@@ -49,6 +51,9 @@ def _reject_unknown(section: dict, allowed, where: str) -> None:
     v.known_keys(where, section, sorted(allowed))
 
 
+STAGE3_UNITS = ("auto", "module")  # hybrid.zero.units: which modules are stage-3 unit roots
+
+
 # -- the typed configs --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -63,6 +68,7 @@ class ZeroConfig:
     overlap_comm: bool = True                  # keep gradient collectives in flight during backward
     reduce_scatter: bool = True                # stages 1-3: reduce-scatter (else all-reduce) gradients
     contiguous_gradients: bool = True          # accepted for DeepSpeed configs; gradients are always flat
+    stage3_unit: Any = "auto"                  # stage 3: auto | module | callable(name, module) -> bool
 
     def __post_init__(self) -> None:
         _check_zero(self, "zero")
@@ -77,6 +83,11 @@ def _check_zero(cfg: ZeroConfig, where: str) -> None:
          _int(cfg.param_persistence_threshold, f"{where}.param_persistence_threshold", 0))
     for name in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
         set_(name, _bool(getattr(cfg, name), f"{where}.{name}"))
+    unit = cfg.stage3_unit
+    if not callable(unit) and unit not in STAGE3_UNITS:
+        raise ConfigError(f"{where}.stage3_unit must be auto, module or a function (module_name, module) -> bool "
+                          f"marking the unit roots, got {unit!r}; use auto (one unit per block) unless you "
+                          f"need another cut.")
 
 
 @dataclass(frozen=True)
