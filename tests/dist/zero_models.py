@@ -74,18 +74,22 @@ def config(stage: int, precision: str = "fp32", **zero) -> dict:
             "gradient_clipping": CLIP, "gradient_accumulation_steps": ACCUM}
 
 
-def reference():
-    """ParityNet trained single-process on the global batches with torch.optim.AdamW."""
-    model = ParityNet()
+def parity_forward(model, x, y, step: int, micro: int):
+    return model(x, y, uses_aux(step, micro))
+
+
+def reference(make=ParityNet, forward=parity_forward, steps: int = STEPS):
+    """``make()`` (ParityNet) trained single-process on the global batches with torch.optim.AdamW."""
+    model = make()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a parameter without a gradient is stepped with a zero one, as in the engine
         p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         for micro in range(ACCUM):
             x, y = batch(step, micro)
-            loss = model(x, y, uses_aux(step, micro))
+            loss = forward(model, x, y, step, micro)
             (loss / ACCUM).backward()
             losses.append(loss.item())
         norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
@@ -94,14 +98,14 @@ def reference():
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_engine(engine, rank: int, world: int):
+def train_engine(engine, rank: int, world: int, forward=parity_forward, steps: int = STEPS):
     """The same schedule through the engine, on this rank's rows; returns (losses, norms, step flags)."""
     losses, norms, stepped = [], [], []
     rows = rank_rows(rank, world)
-    for step in range(STEPS):
+    for step in range(steps):
         for micro in range(ACCUM):
             x, y = batch(step, micro)
-            loss = engine(x[rows], y[rows], uses_aux(step, micro))
+            loss = forward(engine, x[rows], y[rows], step, micro)
             engine.backward(loss)
             stepped.append(engine.step())
             losses.append(loss.item())
