@@ -190,7 +190,10 @@ class ZeroEngine:
         def bind(i: int, view: torch.Tensor) -> None:
             old = self.params[i]
             if old.is_meta:
-                new = new_parameter(old, view)
+                # Bound through .data, as below, so the parameter keeps its own version counter: stage 3's
+                # gathers rewrite the unit buffer in place, which must not invalidate tensors saved for backward.
+                new = new_parameter(old, view.new_empty(0))
+                new.data = view
                 replace_tensor(refs, old, new)
                 self.params[i] = new
             else:
