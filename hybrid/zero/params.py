@@ -276,13 +276,28 @@ class _OutOfUnitReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         g = self.gatherer
         if not g._internal:
-            for a in (*args, *(kwargs.values() if kwargs else ())):
-                if isinstance(a, (list, tuple)):
-                    for b in a:
-                        g.read_outside_unit(b)
-                else:
-                    g.read_outside_unit(a)
+            params = [t for a in (*args, *(kwargs.values() if kwargs else ()))
+                      for t in (a if isinstance(a, (list, tuple)) else (a,)) if id(t) in g._unit_of]
+            if params and _reads_values(func):
+                for t in params:
+                    g.read_outside_unit(t)
         return func(*args, **(kwargs or {}))
+
+
+# What a released parameter answers truthfully (flags, placement, hooks, its storage as it is now), so
+# these do not gather; everything else (values, but also shape and size) does.
+_METADATA = frozenset({"requires_grad", "dtype", "device", "is_leaf", "grad", "grad_fn", "_version", "layout",
+                       "is_cuda", "is_meta", "is_sparse", "is_quantized", "names", "name", "untyped_storage",
+                       "data_ptr", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_"})
+
+
+def _reads_values(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        if name != "__get__":
+            return False
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name not in _METADATA
 
 
 def _output_tensors(output) -> tuple:
