@@ -5,7 +5,8 @@
   weight the root's forward reads with ``F.linear`` (a tied head).
 * ``FunctionalNet``: blocks that read their children's weights functionally (``F.linear(x, self.fc1.weight)``,
   ``x @ self.fc2.weight.t()``), never calling the children.
-* ``SequentialNet``: an ``nn.Sequential`` of blocks.
+* ``SequentialNet``: an ``nn.Sequential`` of blocks; ``CheckpointedNet`` the same with the whole
+  ``Sequential`` in one ``torch.utils.checkpoint`` region (so backward recomputes two units at once).
 
 All take ``(idx, targets)`` and return the mean cross-entropy; sizes come from ``zero_models``.
 """
@@ -13,6 +14,7 @@ All take ``(idx, targets)`` and return the mean cross-entropy; sizes come from `
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.dist.zero_models import DIM, HIDDEN, VOCAB, Block
 
@@ -76,6 +78,12 @@ class SequentialNet(nn.Module):
 
     def forward(self, idx, targets):
         return F.cross_entropy(self.head(self.ln_f(self.body(self.emb(idx)))).flatten(0, 1), targets.flatten())
+
+
+class CheckpointedNet(SequentialNet):
+    def forward(self, idx, targets):
+        h = checkpoint(self.body, self.emb(idx), use_reentrant=False)
+        return F.cross_entropy(self.head(self.ln_f(h)).flatten(0, 1), targets.flatten())
 
 
 def plain_forward(model, x, y, step: int, micro: int):

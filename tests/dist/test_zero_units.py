@@ -4,7 +4,8 @@ Each model of ``own_models`` (an ``nn.TransformerEncoder`` under a tied ``F.line
 their children's weights functionally, an ``nn.Sequential`` of blocks) is trained at stage 3 (fp32,
 gradient accumulation 2, clipping) under the ``auto`` unit policy, and the encoder also under ``module``
 (one unit per module: the MultiheadAttention's ``out_proj.weight`` and the head's ``emb.weight`` are then
-read outside their units, so they are gathered on demand, logged by name) and under a callable policy.
+read outside their units, so they are gathered on demand, logged by name) and under a callable policy;
+the ``Sequential`` one also with both blocks in one activation-checkpoint region (same gathers as without).
 Losses, gradient norms and final weights match the single-process reference to < 1e-5 at world 2 and 4;
 the unit counts, the on-demand reads and the warnings are checked too.
 """
@@ -17,16 +18,17 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid.local_launch import run_local
-from tests.dist.own_models import EncoderNet, FunctionalNet, SequentialNet, plain_forward
+from tests.dist.own_models import CheckpointedNet, EncoderNet, FunctionalNet, SequentialNet, plain_forward
 from tests.dist.zero_models import ACCUM, config, reference, train_engine
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-MODELS = {"encoder": EncoderNet, "functional": FunctionalNet, "sequential": SequentialNet}
+MODELS = {"encoder": EncoderNet, "functional": FunctionalNet, "sequential": SequentialNet,
+          "checkpointed": CheckpointedNet}
 CASES = {
     "encoder": ("encoder", "auto"), "functional": ("functional", "auto"), "sequential": ("sequential", "auto"),
-    "encoder-module": ("encoder", "module"),
+    "checkpointed": ("checkpointed", "auto"), "encoder-module": ("encoder", "module"),
     "encoder-callable": ("encoder", lambda name, m: name.startswith("encoder.layers.") and name.count(".") == 2),
 }
 WORLD4 = ["encoder", "functional", "sequential"]
@@ -86,6 +88,8 @@ def _check(world, names):
                 assert on_demand == 0 and run["warnings"] == [], f"{case}: {run['warnings']}"
     if "sequential" in names:  # the rest (emb, ln_f, head) + one unit per block of the Sequential
         assert out[0]["sequential"]["units"] == 1 + 2
+    if "checkpointed" in names:  # recomputing both blocks in backward gathers nothing twice
+        assert out[0]["checkpointed"]["gathers"] == out[0]["sequential"]["gathers"]
     for name in ("encoder", "encoder-callable"):  # the rest (emb) + one unit per encoder layer
         if name in names:
             assert out[0][name]["units"] == 1 + 2, name
