@@ -8,6 +8,8 @@ each collective moves, using the accounting of the ZeRO paper (``shared/seed/zer
 * all-gather counts the full output ``|X|``,
 * broadcast counts ``|X|``.
 
+It also counts the collectives themselves, per op kind (``report()["all_gather_calls"]``, ...).
+
 A group of size 1 moves nothing: the call is a no-op (all-gather / reduce-scatter become copies) and
 nothing is counted. Async ops return a handle with ``.wait()`` in every case, so callers never branch on
 the group size.
@@ -100,10 +102,15 @@ class Comm:
         self.calls[op] += 1
 
     def report(self) -> dict:
-        """Logical bytes per op kind since the last reset, plus ``total``."""
-        out = {op: 0 for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+        """Logical bytes per op kind since the last reset, plus ``total``; and how many collectives of each
+        kind were issued (``<op>_calls``), plus ``total_calls``. Every value is a plain number."""
+        ops = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+        out = {op: 0 for op in ops}
         out.update(self.bytes)
         out["total"] = sum(self.bytes.values())
+        for op in sorted(set(ops) | set(self.calls)):
+            out[f"{op}_calls"] = self.calls[op]
+        out["total_calls"] = sum(self.calls.values())
         return out
 
     def reset(self) -> None:

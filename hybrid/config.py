@@ -13,6 +13,8 @@ on construction; a bad value raises ``ConfigError`` naming the field and the fix
   "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32, "scheduler": {"type": "WarmupCosineLR",
   "params": {...}}}``; ``stage3_prefetch_bucket_size`` and ``stage3_param_persistence_threshold`` are
   aliases of the plain names. ``fp16`` is refused (use bf16).
+  ``stage3_unit`` (``auto`` | ``module`` | a callable ``(name, module) -> bool``) cuts stage 3's units
+  (``hybrid.zero.units``).
 
 The optimizer is any elementwise ``torch.optim`` class by name (``AdamW`` default, ``Adam``, ``SGD``,
 ``RMSprop``, ...); its keyword arguments go in ``optimizer.params`` (or beside ``type``) and are checked
@@ -57,6 +59,9 @@ def _section(value: Any, name: str) -> dict:
 
 def _reject_unknown(section: dict, allowed, where: str) -> None:
     v.known_keys(where, section, sorted(allowed))
+
+
+STAGE3_UNITS = ("auto", "module")  # hybrid.zero.units: which modules are stage-3 unit roots
 
 
 # -- the typed configs --------------------------------------------------------------------------------------
@@ -105,6 +110,7 @@ class ZeroConfig:
     reduce_scatter: bool = True                # stages 1-3: reduce-scatter (else all-reduce) gradients
     contiguous_gradients: bool = True          # accepted for DeepSpeed configs; gradients are always flat
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: states in host memory
+    stage3_unit: Any = "auto"                  # stage 3: auto | module | callable(name, module) -> bool
 
     def __post_init__(self) -> None:
         _check_zero(self, "zero")
@@ -119,6 +125,11 @@ def _check_zero(cfg: ZeroConfig, where: str) -> None:
          _int(cfg.param_persistence_threshold, f"{where}.param_persistence_threshold", 0))
     for name in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
         set_(name, _bool(getattr(cfg, name), f"{where}.{name}"))
+    unit = cfg.stage3_unit
+    if not callable(unit) and unit not in STAGE3_UNITS:
+        raise ConfigError(f"{where}.stage3_unit must be auto, module or a function (module_name, module) -> bool "
+                          f"marking the unit roots, got {unit!r}; use auto (one unit per block) unless you "
+                          f"need another cut.")
     offload = _offload_from(cfg.offload_optimizer, f"{where}.offload_optimizer")
     set_("offload_optimizer", offload)
     from hybrid.zero.policy import policy_for  # pure table; imported here to keep config import-light

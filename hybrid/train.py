@@ -6,7 +6,8 @@ directory and cadence), the step counter, ``report(metrics)`` and ``should_stop(
 injected ``reporter`` callable (the launcher's; without one they are logged), so this module stays free
 of Ray and runs under torchrun or ``run_local`` just as well.
 
-The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step),
+The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step;
+the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging Face style model),
 ``step_metrics`` (what a step reports), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
 job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step).
 
@@ -24,13 +25,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
 from hybrid import checkpoint
+from hybrid.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+class TrainError(UserError, TypeError):
+    """The model or the batches do not fit the training loop (e.g. a forward with no loss to back-propagate)."""
 
 
 @dataclass(frozen=True)
@@ -96,12 +102,48 @@ class Context:
 # ---------------------------------------------------------------------------------------- loop pieces
 
 
-def train_step(engine, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """One forward, backward and optimizer step on the engine; returns the rank's loss."""
-    loss = engine(inputs, targets)
+def train_step(engine, *args, **kwargs) -> float:
+    """One forward ``engine(*args, **kwargs)``, backward and optimizer step; returns the rank's loss.
+
+    The forward may return the loss (a scalar tensor) or, in the Hugging Face style, an object with a
+    ``.loss`` attribute (a ``ModelOutput``, any dataclass) or a mapping with a ``"loss"`` key."""
+    loss = loss_of(engine(*args, **kwargs))
     engine.backward(loss)
     engine.step()
     return float(loss.detach())
+
+
+def loss_of(output) -> torch.Tensor:
+    """The loss in a model's output: the output itself when it is a tensor, else its ``loss`` item or attribute."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping):
+        loss = output.get("loss")
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TrainError(f"the model's forward returned {type(output).__name__} with no scalar loss "
+                         f"(got {type(loss).__name__}); return the loss, or an output with .loss / ['loss'] "
+                         f"(for a Hugging Face model, pass labels= in the batch).")
+    return loss
+
+
+def batch_args(batch) -> tuple:
+    """``(args, kwargs)`` for the forward from what ``batches(step)`` returned: a mapping is keyword arguments
+    (``{"input_ids": ..., "labels": ...}``), a tuple or list positional ones, anything else one argument."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def batch_rows(args: tuple, kwargs: dict) -> int:
+    """Rows of the batch: the first dimension of its first tensor (0 when it holds none)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
 
 
 def step_metrics(engine, loss: float, seconds: float, count: int, unit: str = "tokens") -> dict:
@@ -166,8 +208,10 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
     step, report, save a checkpoint when due, then run each ``after_step(ctx, engine, step)`` hook.
 
     ``batches(step)`` is called with the 0-based step index, which is also the data position a checkpoint
-    records. Throughput is counted in tokens when ``tokens_per_step`` (the whole job's) is given, else in
-    samples: ``samples_per_step``, or the batch's rows times the DP degree. Returns a summary of the run.
+    records; it returns the forward's arguments: ``(inputs, targets)`` (any tuple: positional), or a dict
+    of keyword arguments (a Hugging Face batch, ``{"input_ids": ..., "labels": ...}``). Throughput is
+    counted in tokens when ``tokens_per_step`` (the whole job's) is given, else in samples:
+    ``samples_per_step``, or the batch's rows times the DP degree. Returns a summary of the run.
     """
     if ctx.settings.checkpoint_dir:
         start_step = resume(ctx, engine) or start_step
@@ -178,15 +222,15 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
         if ctx.should_stop():
             log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)
             break
-        inputs, targets = batches(step)
+        args, kwargs = batch_args(batches(step))
         t0 = time.perf_counter()
-        loss = train_step(engine, inputs, targets)
+        loss = train_step(engine, *args, **kwargs)
         seconds = time.perf_counter() - t0
         ctx.step = step + 1
         if tokens_per_step:
             count, unit = tokens_per_step, "tokens"
         else:
-            count, unit = samples_per_step or len(inputs) * getattr(ctx.mesh, "dp", 1), "samples"
+            count, unit = samples_per_step or batch_rows(args, kwargs) * getattr(ctx.mesh, "dp", 1), "samples"
         ctx.report(step_metrics(engine, loss, seconds, count, unit))
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss

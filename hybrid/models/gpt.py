@@ -14,6 +14,7 @@ Every parameter carries a ``hybrid.param_init`` initializer keyed by its name in
 function of ``(seed, name)`` only, so the TP model built with seed S holds exactly the slices of the
 single-process model built with seed S, and ``GPT(config, device="meta")`` handed to ``hybrid.initialize``
 becomes the same model with each rank drawing only what it keeps. ``count_parameters(config)`` builds the model on the meta device (nothing allocated).
+With ``activation_checkpointing`` each block is recomputed in backward (TP collectives included).
 ``GPTConfig.check_tp`` runs first, so a TP degree that does not split the heads, the vocabulary or the MLP
 (or dropout with tp > 1) is one ConfigError before anything is allocated.
 """
@@ -26,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hybrid.comm import Comm
 from hybrid.models.gpt_config import GPTConfig
@@ -125,8 +127,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {t} is longer than model.seq_len={self.config.seq_len}")
         positions = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = self.lm_head(self.ln_f(x))  # this rank's vocabulary slice
         if targets is None:
             return gather_from_tp_region(logits, self.tp_comm)

@@ -5,6 +5,9 @@ it::
 
     model: {vocab_size: 256, seq_len: 32, n_layers: 2, hidden: 64, n_heads: 4}
 
+``activation_checkpointing: true`` keeps only each transformer block's input in forward and recomputes
+the block in backward (``torch.utils.checkpoint``, non-reentrant): same results, less activation memory.
+
 Every invalid field raises ``ConfigError`` with one sentence naming ``model.<field>`` and the fix.
 ``check_tp(tp)`` says whether a tensor-parallel degree can split this model (heads, vocabulary and MLP
 width must divide evenly; dropout needs tp=1); it is pure, so the planner and launcher can call it before any rank starts.
@@ -36,6 +39,7 @@ class GPTConfig:
     bias: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads", "mlp_ratio"):
@@ -47,6 +51,7 @@ class GPTConfig:
         if dropout == 1:
             raise v.invalid("model.dropout", "a number in [0, 1)", self.dropout)
         v.boolean("model.bias", self.bias)
+        v.boolean("model.activation_checkpointing", self.activation_checkpointing)
         for name in ("layer_norm_eps", "init_std"):
             v.positive_number(f"model.{name}", getattr(self, name))
 

@@ -12,9 +12,11 @@ sharded and which collective moves them:
   the updated parameters (Ψ).
 * stage 2: as stage 1, but the gradients are reduce-scattered bucket by bucket at every micro-step and only
   the shard is kept.
-* stage 3: one unit per module (plus one for the persistent parameters); parameters are all-gathered
-  before each module's forward and backward (2Ψ) and gradients reduce-scattered per unit (Ψ); only the
-  persistent parameters are all-gathered after the step (instead of twice per step).
+* stage 3: units follow the module tree (``zero.stage3_unit``, ``hybrid.zero.units``: by default one per
+  block of every ``ModuleList``/``Sequential`` plus one for the rest, and one for the persistent
+  parameters); a unit is all-gathered before its root's forward and backward (2Ψ) and its gradients
+  reduce-scattered (Ψ); only the persistent parameters are all-gathered after the step (instead of twice
+  per step).
 
 (Ψ = bytes of the padded model-dtype parameters; all-reduce counts 2Ψ, as in ``hybrid.comm``. At stages
 1-3 the two partial sums of the gradient norm add one 16-byte all-reduce per step.)
@@ -46,9 +48,10 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
 
 Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
-stage 3 every DP rank must run the same modules in the same order (each gather is a collective), and a
-module's forward may read only its own parameters (and its submodules' inside their forward): outside
-them a released parameter is an empty tensor. Read weights through ``full_state_dict()`` (a collective
+stage 3 every DP rank must run the same modules in the same order (each gather is a collective). A unit
+root's forward may read any parameter of its subtree, however it reads it; a parameter read by a tensor op
+outside every running unit (a tied head reading a child root's weight) is gathered on demand, logged once
+and counted (``gather_report()``); outside the forward a released parameter is an empty tensor. Read weights through ``full_state_dict()`` (a collective
 at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' shapes.
 """
 
@@ -71,6 +74,7 @@ from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.partition import bucket_groups, build_layout
 from hybrid.zero.policy import policy_for
+from hybrid.zero.units import plan_units
 from hybrid.zero.state import FlatState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -146,7 +150,8 @@ class ZeroEngine:
         if self.policy.shard_params:
             self.gatherer = ParamGatherer(self.dp_comm, self.layout, self.state.unit_full,
                                           self.state.unit_param_shard, persistent, self._module_units(persistent),
-                                          zero.prefetch_bucket_size, views)
+                                          zero.prefetch_bucket_size, views,
+                                          names={id(p): n for p, n in zip(self.params, self.names)})
         self.reducer = GradReducer(
             self.dp_comm, self.layout, self.params, self.policy.grad_mode, order, flat_grad=self.state.flat_grad,
             grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
@@ -211,7 +216,10 @@ class ZeroEngine:
         def bind(i: int, view: torch.Tensor) -> None:
             old = self.params[i]
             if old.is_meta:
-                new = new_parameter(old, view)
+                # Bound through .data, as below, so the parameter keeps its own version counter: stage 3's
+                # gathers rewrite the unit buffer in place, which must not invalidate tensors saved for backward.
+                new = new_parameter(old, view.new_empty(0))
+                new.data = view
                 replace_tensor(refs, old, new)
                 self.params[i] = new
             else:
@@ -236,14 +244,12 @@ class ZeroEngine:
         if not self.policy.module_units:
             groups = bucket_groups(numels, list(reversed(range(len(numels)))), zero.reduce_bucket_size, align)
             return groups, list(range(len(groups))), set()
-        groups, small, seen = [], [], set()
-        for module in self.module.modules():
+        self._unit_plans = plan_units(self.module, zero.stage3_unit, self._index)
+        groups, small = [], []
+        for plan in self._unit_plans:
             own = []
-            for p in module._parameters.values():
-                i = self._index.get(id(p)) if p is not None else None
-                if i is not None and i not in seen:
-                    seen.add(i)
-                    (small if numels[i] < zero.param_persistence_threshold else own).append(i)
+            for i in plan.params:
+                (small if numels[i] < zero.param_persistence_threshold else own).append(i)
             if own:
                 groups.append(own)
         order = list(reversed(range(len(groups))))
@@ -255,14 +261,12 @@ class ZeroEngine:
         return groups, order, persistent
 
     def _module_units(self, persistent: set) -> dict:
-        """Module -> the non-persistent units holding the parameters registered directly on it."""
+        """Unit root -> the non-persistent units holding the parameters registered in its domain."""
         out = {}
-        for module in self.module.modules():
-            units = {self.layout.locate(self._index[id(p)])[0].index
-                     for p in module._parameters.values() if p is not None and id(p) in self._index}
-            units -= persistent
+        for plan in self._unit_plans:
+            units = {self.layout.locate(i)[0].index for i in plan.reads} - persistent
             if units:
-                out[module] = tuple(sorted(units))
+                out[plan.root] = tuple(sorted(units))
         return out
 
     @torch.no_grad()
@@ -300,7 +304,8 @@ class ZeroEngine:
             return self.module(*args, **kwargs)
         self.gatherer.begin_forward()
         try:
-            return self.module(*args, **kwargs)
+            with self.gatherer.guard():
+                return self.module(*args, **kwargs)
         finally:
             self.gatherer.end_forward()
 
@@ -313,10 +318,14 @@ class ZeroEngine:
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
         self.reducer.begin(reduce=boundary)
-        (loss / accum if accum > 1 else loss).backward()
-        self.reducer.finish()
         if self.gatherer is not None:
-            self.gatherer.end_backward()
+            self.gatherer.begin_backward()
+        try:
+            (loss / accum if accum > 1 else loss).backward()
+            self.reducer.finish()
+        finally:
+            if self.gatherer is not None:
+                self.gatherer.end_backward()
 
     def step(self) -> bool:
         """Count a micro-step; at an accumulation boundary, clip and step the optimizer and return True.
@@ -469,8 +478,17 @@ class ZeroEngine:
         return report
 
     def comm_report(self) -> dict:
-        """Logical bytes moved on the DP group since the last reset, per op kind and ``total``."""
+        """Logical bytes moved on the DP group since the last reset, per op kind and ``total``, and the number
+        of collectives per op kind (``<op>_calls``, ``total_calls``)."""
         return self.dp_comm.report()
+
+    def gather_report(self) -> dict:
+        """Stage 3, since the last ``reset_comm``: all-gathers issued in forward and backward (``gathers``), how
+        many of them were prefetches, and how many were on-demand reads outside a unit (zeros below stage 3)."""
+        counts = self.gatherer.counts if self.gatherer is not None else {}
+        return {k: counts.get(k, 0) for k in ("gathers", "prefetches", "on_demand")}
 
     def reset_comm(self) -> None:
         self.dp_comm.reset()
+        if self.gatherer is not None:
+            self.gatherer.counts.clear()

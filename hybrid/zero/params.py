@@ -1,4 +1,4 @@
-"""Parameter gathering: the post-step all-gather (stages 1-3) and stage 3's gather/release around modules.
+"""Parameter gathering: the post-step all-gather (stages 1-3) and stage 3's gather/release around units.
 
 ``all_gather_units`` refreshes full parameters from their updated shards, unit by unit, asynchronously,
 with at most ``max_inflight_numel`` elements in flight.
@@ -6,34 +6,51 @@ with at most ``max_inflight_numel`` elements in flight.
 ``ParamGatherer`` (stage 3). Each unit owns a full-length buffer whose *storage* is freed (resized to 0
 bytes) while the unit is released, so a gather (resize + all-gather from the shards) brings every view of
 it back to life in place, including views autograd saved in forward. While released, a parameter's
-``.data`` is an empty tensor (shape ``(0,)``, as in DeepSpeed), so a stray read fails loudly instead of
-touching freed memory; a gather points it back at its view of the unit. Units of persistent parameters
+``.data`` is an empty tensor (shape ``(0,)``, as in DeepSpeed). Units of persistent parameters
 (``numel < param_persistence_threshold``) are never released and never gathered in forward/backward.
+Which modules are unit roots and which units each reads is ``hybrid.zero.units``' job (``module_units``).
 
-* Forward: a pre-forward hook on every module that directly owns sharded parameters gathers its units and
-  prefetches the units of the modules that ran next in the previous forward, up to
-  ``prefetch_numel`` elements; the post-forward hook releases them (reference-counted, so nested or
-  repeated use is safe) and hooks the module's outputs so that the first gradient reaching them (before
-  the module's own backward runs) gathers the units again, prefetching in reverse forward order.
+* Forward: a pre-forward hook on every unit root gathers the units its subtree reads and prefetches the
+  units of the roots that ran next in the previous forward, up to ``prefetch_numel`` elements; the
+  post-forward hook releases them (reference-counted, so nested or repeated use is safe) and hooks the
+  root's outputs so that the first gradient reaching them (before the subtree's backward runs) gathers
+  the units again, prefetching in the order the previous backward will need them (the reverse of the
+  order in which the roots' forwards *returned*, so a root's nested roots come right after it).
+* Reads outside every gathered unit (``guard()``, a ``TorchFunctionMode`` entered around the model's
+  forward): a tensor op that gets a parameter whose unit no running root reads (a parent reading a
+  child root's weight, e.g. a tied head ``F.linear(h, self.emb.weight)``) gathers that unit on demand and
+  keeps it gathered until its gradients are in (or until the forward ends under ``no_grad``), so the
+  value, the saved tensors and the gradient are all right; it is logged once per parameter, naming it,
+  and counted (``counts["on_demand"]``) since each such read costs an extra gather.
 * Backward: a unit is released as soon as all its parameters have accumulated their gradients
-  (``release_after_backward``, called by the gradient reducer), or at ``end_backward``.
+  (``release_after_backward``, called by the gradient reducer), or at ``end_backward``. A forward that
+  runs *inside* backward (activation-checkpoint recomputation) only makes sure its units are gathered
+  (held to the end of their backward); it neither releases, nor prefetches, nor changes the trace that
+  prefetch follows, so a unit gathered for backward is gathered once.
+
+``counts`` holds per-step-resettable tallies: ``gathers`` (all-gathers issued in forward and backward),
+``prefetches`` (of those, the ones issued ahead of need) and ``on_demand``.
 
 All DP ranks must run the same modules in the same order (as in every ZeRO-3 implementation), since each
-gather is a collective. A module's forward may read only its own parameters (direct ones, including a tied
-parameter registered on it) and its submodules' parameters inside their own forward.
+gather is a collective.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Callable
+import logging
+from collections import Counter, defaultdict
+from dataclasses import fields, is_dataclass
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybrid.comm import Comm
 from hybrid.zero.partition import FlatLayout
+
+log = logging.getLogger(__name__)
 
 
 def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Callable, max_inflight_numel: int) -> None:
@@ -53,13 +70,16 @@ def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Calla
 
 class ParamGatherer:
     def __init__(self, comm: Comm, layout: FlatLayout, full: list, shard_of: Callable, persistent: set,
-                 module_units: dict, prefetch_numel: int, views: list):
+                 module_units: dict, prefetch_numel: int, views: list, names: dict | None = None):
         self.comm, self.layout, self.full, self.shard_of = comm, layout, full, shard_of
         self._views = views  # unit -> [(parameter, its view of the unit's buffer)]
         self._empty = torch.empty(0, dtype=full[0].dtype, device=full[0].device)
         self.persistent = set(persistent)
-        self.module_units = module_units  # module -> tuple of non-persistent unit indices it reads
+        self.module_units = module_units  # unit root -> tuple of non-persistent unit indices its subtree reads
         self.prefetch_numel = prefetch_numel
+        self._names = names or {}         # id(parameter) -> its name, for messages
+        self._unit_of = {id(param): u for u, pairs in enumerate(views) if u not in self.persistent
+                         for param, _ in pairs}
         self._ready: set = set(self.persistent)  # every other unit starts released (storage freed)
         for u in range(len(layout.units)):
             if u not in self.persistent:
@@ -68,9 +88,16 @@ class ParamGatherer:
         self._pending: dict = {}          # unit -> async handle
         self._refs = defaultdict(int)     # forward references
         self._in_backward: set = set()    # units gathered for backward, not yet done
-        self._trace: list = []            # modules in the order the current forward ran them
+        self._forward_only: set = set()   # gathered on demand under no_grad: released at end_forward
+        self._trace: list = []            # roots in the order the current forward entered them
         self._prev_trace: list = []
-        self._cursor = 0                  # backward position in _trace
+        self._returned: list = []         # roots in the order their forwards returned
+        self._bwd_order: list = []        # the order the backward is expected to reach the roots
+        self._cursor = 0                  # backward position in _bwd_order
+        self._backward = False            # inside engine.backward (a forward now is a recomputation)
+        self._internal = 0                # inside our own hooks: the guard stays out of the way
+        self._warned: set = set()
+        self.counts: Counter = Counter()
         for module in module_units:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
@@ -79,15 +106,17 @@ class ParamGatherer:
     def _nbytes(self, u: int) -> int:
         return self.layout.units[u].numel * self.full[u].element_size()
 
-    def issue(self, u: int) -> None:
-        """Start gathering unit ``u`` unless it is already gathered or on its way."""
+    def issue(self, u: int) -> bool:
+        """Start gathering unit ``u`` unless it is already gathered or on its way; True if started."""
         if u in self._ready or u in self._pending:
-            return
+            return False
         full = self.full[u]
         full.untyped_storage().resize_(self._nbytes(u))
         self._pending[u] = self.comm.all_gather(full, self.shard_of(u), async_op=True)
         for param, view in self._views[u]:
             param.data = view
+        self.counts["gathers"] += 1
+        return True
 
     def wait(self, u: int) -> None:
         handle = self._pending.pop(u, None)
@@ -115,63 +144,110 @@ class ParamGatherer:
         budget = self.prefetch_numel
         for module in modules:
             for u in self.module_units[module]:
+                if u in self._ready or u in self._pending:
+                    continue
                 numel = self.layout.units[u].numel
                 if numel > budget:
                     return
                 budget -= numel
-                self.issue(u)
+                if self.issue(u):
+                    self.counts["prefetches"] += 1
 
     # -- forward --------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
-        self._prev_trace, self._trace = self._trace, []
+        self._prev_trace, self._trace, self._returned = self._trace, [], []
 
     def end_forward(self) -> None:
         """Release what was gathered (or prefetched) in forward and is not held for backward."""
         self._refs.clear()  # every module's forward has returned (or raised)
+        self._forward_only.clear()
         for u in self.gathered_units():
-            if self._refs[u] == 0 and u not in self._in_backward:
+            if u not in self._in_backward:
                 self.release(u)
-        self._cursor = len(self._trace)
+        self._bwd_order, self._cursor = list(reversed(self._returned)), 0
+
+    def guard(self) -> TorchFunctionMode:
+        """A mode to enter around the model's forward: reads of parameters outside their units gather them."""
+        return _OutOfUnitReads(self)
 
     def _pre_forward(self, module: nn.Module, args) -> None:
-        units = self.module_units[module]
-        position = len(self._trace)
-        self._trace.append(module)
-        for u in units:
-            self._refs[u] += 1
-            self.issue(u)
-        prev = self._prev_trace
-        if position < len(prev) and prev[position] is module:
-            self._prefetch(prev[position + 1:])
-        for u in units:
-            self.wait(u)
+        self._internal += 1
+        try:
+            units = self.module_units[module]
+            if self._backward:  # recomputation: gathered once for this backward, held to its end
+                for u in units:
+                    self._in_backward.add(u)
+                    self.issue(u)
+            else:
+                position = len(self._trace)
+                self._trace.append(module)
+                for u in units:
+                    self._refs[u] += 1
+                    self.issue(u)
+                prev = self._prev_trace
+                if position < len(prev) and prev[position] is module:
+                    self._prefetch(prev[position + 1:])
+            for u in units:
+                self.wait(u)
+        finally:
+            self._internal -= 1
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
-        units = self.module_units[module]
-        if torch.is_grad_enabled():
-            leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-            tensors = [t for t in leaves if t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
-            elif not leaves:  # an output we cannot see into: keep the units gathered through backward
-                self._in_backward.update(units)
-        for u in units:
-            self._refs[u] -= 1
-            if self._refs[u] == 0 and u not in self._in_backward:
-                self.release(u)
+        if self._backward:
+            return
+        self._internal += 1
+        try:
+            units = self.module_units[module]
+            self._returned.append(module)
+            if torch.is_grad_enabled():
+                tensors, opaque = _output_tensors(output)
+                tensors = [t for t in tensors if t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+                elif opaque:  # an output we cannot see into: keep the units gathered through backward
+                    self._in_backward.update(units)
+            for u in units:
+                self._refs[u] -= 1
+                if self._refs[u] == 0 and u not in self._in_backward:
+                    self.release(u)
+        finally:
+            self._internal -= 1
+
+    def read_outside_unit(self, tensor) -> None:
+        """``tensor`` is about to be read by an op; gather its unit if no running root reads that unit."""
+        u = self._unit_of.get(id(tensor))
+        if u is None or self._refs[u] > 0 or u in self._in_backward or u in self._forward_only:
+            return
+        self._internal += 1
+        try:
+            if self.issue(u):
+                self.counts["on_demand"] += 1
+                name = self._names.get(id(tensor), "a parameter")
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("stage 3: %s is read outside the forward of the unit that holds it, so it is "
+                                "gathered on demand (an extra all-gather per use); make the module that reads "
+                                "it its unit root (zero_optimization.stage3_unit) to avoid this", name)
+            self.wait(u)
+            (self._in_backward if torch.is_grad_enabled() else self._forward_only).add(u)
+        finally:
+            self._internal -= 1
 
     # -- backward -------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._backward = True
+
     def _pre_backward(self, module: nn.Module) -> None:
         units = self.module_units[module]
         for u in units:
             self._in_backward.add(u)
             self.issue(u)
-        j = next((k for k in range(min(self._cursor, len(self._trace)) - 1, -1, -1)
-                  if self._trace[k] is module), None)
-        if j is not None:
-            self._cursor = j
-            self._prefetch(reversed(self._trace[:j]))
+        order = self._bwd_order
+        k = next((k for k in range(self._cursor, len(order)) if order[k] is module), None)
+        if k is not None:
+            self._cursor = k + 1
+            self._prefetch(order[k + 1:])
         for u in units:
             self.wait(u)
 
@@ -182,8 +258,60 @@ class ParamGatherer:
             self.release(u)
 
     def end_backward(self) -> None:
+        self._backward = False
         self._in_backward.clear()
         for u in self.gathered_units():
             if self._refs[u] == 0:
                 self.release(u)
-        self._cursor = len(self._trace)
+        self._cursor = len(self._bwd_order)
+
+
+class _OutOfUnitReads(TorchFunctionMode):
+    """Sees every tensor op of the forward; hands each parameter argument to the gatherer first."""
+
+    def __init__(self, gatherer: ParamGatherer):
+        super().__init__()
+        self.gatherer = gatherer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        g = self.gatherer
+        if not g._internal:
+            params = [t for a in (*args, *(kwargs.values() if kwargs else ()))
+                      for t in (a if isinstance(a, (list, tuple)) else (a,)) if id(t) in g._unit_of]
+            if params and _reads_values(func):
+                for t in params:
+                    g.read_outside_unit(t)
+        return func(*args, **(kwargs or {}))
+
+
+# What a released parameter answers truthfully (flags, placement, hooks, its storage as it is now), so
+# these do not gather; everything else (values, but also shape and size) does.
+_METADATA = frozenset({"requires_grad", "dtype", "device", "is_leaf", "grad", "grad_fn", "_version", "layout",
+                       "is_cuda", "is_meta", "is_sparse", "is_quantized", "names", "name", "untyped_storage",
+                       "data_ptr", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_"})
+
+
+def _reads_values(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        if name != "__get__":
+            return False
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name not in _METADATA
+
+
+def _output_tensors(output) -> tuple:
+    """(tensors in ``output``, whether part of it could not be looked into): pytree containers, mappings
+    (a Hugging Face ``ModelOutput``), dataclasses."""
+    tensors, opaque, todo = [], False, [output]
+    while todo:
+        for leaf in tree_flatten(todo.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+            elif isinstance(leaf, Mapping):
+                todo.append(list(leaf.values()))
+            elif is_dataclass(leaf) and not isinstance(leaf, type):
+                todo.append([getattr(leaf, f.name) for f in fields(leaf)])
+            elif leaf is not None and not isinstance(leaf, (int, float, bool, str)):
+                opaque = True
+    return tensors, opaque

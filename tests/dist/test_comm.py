@@ -1,4 +1,4 @@
-"""Real gloo runs of hybrid.comm: results and byte accounting."""
+"""Real gloo runs of hybrid.comm: results, byte accounting and collective counts."""
 
 import pytest
 import torch
@@ -47,6 +47,9 @@ def test_collectives_and_byte_counts(world):
         assert report["reduce_scatter"] == 2 * 4 * world * 4
         assert report["all_gather"] == 4 * world * 2 + 3 * world * 4
         assert report["total"] == 48 + 32 * world + 8 * world + 12 * world
+        calls = {k: v for k, v in report.items() if k.endswith("_calls")}
+        assert calls == dict(all_reduce_calls=1, reduce_scatter_calls=2, all_gather_calls=2, broadcast_calls=0,
+                             total_calls=5)
 
 
 def test_group_of_one_moves_nothing():
@@ -55,4 +58,4 @@ def test_group_of_one_moves_nothing():
     comm.all_reduce(t).wait()
     out = torch.empty(3)
     comm.all_gather(out, t).wait()
-    assert out.tolist() == [1.0] * 3 and comm.report()["total"] == 0
+    assert out.tolist() == [1.0] * 3 and comm.report()["total"] == 0 and comm.report()["total_calls"] == 0

@@ -78,13 +78,17 @@ def config(stage: int, precision: str = "fp32", **zero) -> dict:
             "gradient_clipping": CLIP, "gradient_accumulation_steps": ACCUM}
 
 
-def reference(engine_config=None, lrs=None):
-    """ParityNet trained single-process on the global batches by the torch class of ``engine_config`` (a
-    config dict; default: ``config(0)``, AdamW) over the engine's default parameter groups, its schedule
-    as a ``LambdaLR``; the learning rate of every step is appended to ``lrs``."""
+def parity_forward(model, x, y, step: int, micro: int):
+    return model(x, y, uses_aux(step, micro))
+
+
+def reference(engine_config=None, lrs=None, make=ParityNet, forward=parity_forward, steps: int = STEPS):
+    """``make()`` (ParityNet) trained single-process on the global batches by the torch class of
+    ``engine_config`` (a config dict; default: ``config(0)``, AdamW) over the engine's default parameter
+    groups, its schedule as a ``LambdaLR``; the learning rate of every step is appended to ``lrs``."""
     cfg = TrainConfig.from_dict(engine_config or config(0))
     opt_cfg = cfg.optimizer
-    model = ParityNet()
+    model = make()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a parameter without a gradient is stepped with a zero one, as in the engine
         p.grad = torch.zeros_like(p)
@@ -95,10 +99,10 @@ def reference(engine_config=None, lrs=None):
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda i: lr_at(s.type, s.values, opt_cfg.lr, i, opt_cfg.lr) / opt_cfg.lr)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         for micro in range(ACCUM):
             x, y = batch(step, micro)
-            loss = model(x, y, uses_aux(step, micro))
+            loss = forward(model, x, y, step, micro)
             (loss / ACCUM).backward()
             losses.append(loss.item())
         norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
@@ -111,14 +115,14 @@ def reference(engine_config=None, lrs=None):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_engine(engine, rank: int, world: int):
+def train_engine(engine, rank: int, world: int, forward=parity_forward, steps: int = STEPS):
     """The same schedule through the engine, on this rank's rows; returns (losses, norms, step flags)."""
     losses, norms, stepped = [], [], []
     rows = rank_rows(rank, world)
-    for step in range(STEPS):
+    for step in range(steps):
         for micro in range(ACCUM):
             x, y = batch(step, micro)
-            loss = engine(x[rows], y[rows], uses_aux(step, micro))
+            loss = forward(engine, x[rows], y[rows], step, micro)
             engine.backward(loss)
             stepped.append(engine.step())
             losses.append(loss.item())

@@ -1,0 +1,96 @@
+"""Stage-3 units: which modules are unit roots, and which parameters each unit holds (pure, no communication).
+
+A *unit root* is a module whose whole subtree is gathered for its forward (and backward); its unit holds
+every trainable parameter registered in its *domain*: the subtree minus the subtrees of nested unit roots.
+The model itself is always a unit root, so its unit ("the rest") holds the parameters no other root claims.
+The policy (``ZeroConfig.stage3_unit``) says which other modules are roots:
+
+* ``"auto"``: every child (with trainable parameters) of the outermost ``nn.ModuleList`` / ``nn.Sequential``
+  containers -- one unit per transformer block, as FSDP2 users wrap them; a container inside a block stays
+  part of that block.
+* ``"module"``: every module that directly owns a trainable parameter (one unit per module).
+* a callable ``(qualified_name, module) -> bool``: the modules it marks (the model is a root regardless).
+
+A parameter registered on several modules (tied weights) belongs to the unit of the domain where it is
+first seen (in ``named_modules`` order, as ``named_parameters`` counts it); every root whose domain also
+registers it reads that unit too (``reads``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from torch import nn
+
+Policy = Union[str, Callable[[str, nn.Module], bool]]
+CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass
+class UnitPlan:
+    root: nn.Module
+    name: str
+    params: list = field(default_factory=list)  # indices of the parameters this unit holds
+    reads: set = field(default_factory=set)     # indices of every parameter registered in the root's domain
+
+
+def _has_trainable(module: nn.Module, index: dict) -> bool:
+    return any(id(p) in index for p in module.parameters())
+
+
+def unit_roots(model: nn.Module, policy: Policy, index: dict) -> list:
+    """``[(name, module)]`` of the unit roots in ``named_modules`` order, the model first.
+
+    ``index`` maps ``id(param)`` of each trainable parameter to its position."""
+    if callable(policy):
+        return [("", model)] + [(n, m) for n, m in model.named_modules() if n and policy(n, m)]
+    if policy == "module":
+        return [("", model)] + [(n, m) for n, m in model.named_modules()
+                                if n and any(id(p) in index for p in m._parameters.values() if p is not None)]
+    if policy != "auto":
+        raise ValueError(f"unknown stage-3 unit policy {policy!r}")
+    roots = [("", model)]
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if isinstance(module, CONTAINERS):
+            for name, child in module.named_children():
+                if _has_trainable(child, index):
+                    roots.append((prefix + name, child))
+            return
+        for name, child in module.named_children():
+            visit(prefix + name + ".", child)
+
+    if isinstance(model, CONTAINERS):
+        visit("", model)
+    else:
+        for name, child in model.named_children():
+            visit(name + ".", child)
+    return roots
+
+
+def plan_units(model: nn.Module, policy: Policy, index: dict) -> list:
+    """One ``UnitPlan`` per unit root (in ``named_modules`` order), every trainable parameter in exactly one."""
+    roots = unit_roots(model, policy, index)
+    plans = {id(m): UnitPlan(m, name) for name, m in roots}
+    owner_of: dict = {}  # id(module) -> the UnitPlan whose domain it is in
+    seen = set()
+    for name, module in model.named_modules():
+        plan = plans.get(id(module))
+        if plan is None:
+            parent = name.rpartition(".")[0] if "." in name else ""
+            plan = owner_of[id(_module_at(model, parent))]
+        owner_of[id(module)] = plan
+        for p in module._parameters.values():
+            i = index.get(id(p)) if p is not None else None
+            if i is None:
+                continue
+            plan.reads.add(i)
+            if i not in seen:
+                seen.add(i)
+                plan.params.append(i)
+    return [plans[id(m)] for _, m in roots]
+
+
+def _module_at(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name) if name else model
