@@ -15,8 +15,14 @@ good checkpoint there (rank 0 chooses, the ranks verify its checksums; reported 
 the damaged or interrupted ones skipped) and continues from its step; after every step it
 saves every ``checkpoint_every`` steps and at the last step (rank 0 reports ``checkpoint_saved``). The
 data position saved is the step itself: ``batches(step)`` must yield the same batch for the same step on
-every run, so a resumed run continues exactly as an uninterrupted one would. Each step is assumed to end
-at a gradient-accumulation boundary (the built-in GPT accumulates nothing).
+every run, so a resumed run continues exactly as an uninterrupted one would. A step is one optimizer step:
+with ``gradient_accumulation_steps`` k the step's rows are cut into k micro-batches (``train_step``).
+
+Memory: after each of the first 3 steps of an attempt, then every ``measure_every`` steps, the step's
+report carries ``memory_measured`` (``hybrid.memory_budget.MemoryMeter.measure``, baseline taken when the
+``Context`` was made, before the engine); then the budget check raises ``torch.OutOfMemoryError`` when the
+measured peak exceeds ``memory_budget_bytes`` (the driver re-plans). The checkpoint of that step is not
+written, so the last good one is the one before.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from hybrid import checkpoint
+from hybrid.memory_budget import MemoryMeter, should_measure
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,9 @@ class JobSettings:
     checkpoint_every: int = 0
     checkpoint_keep_last: int = 2
     offload: bool = False
+    gradient_accumulation_steps: int = 1  # micro-steps per step; each takes micro_batch / this rows
+    memory_budget_bytes: Optional[float] = None  # the rank's budget (None: the GPU's total; CPU: none)
+    measure_every: int = 10  # memory measured after each of the first steps, then every this many
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +78,8 @@ class Context:
         self.step = 0  # optimizer steps completed (a resumed run starts above 0)
         self._reporter = reporter
         self._stop_requested = stop_requested
+        # Made before the entrypoint builds the engine: the baseline of every measurement.
+        self.memory_meter = MemoryMeter(self.device, settings.memory_budget_bytes)
 
     @property
     def steps(self) -> int:
@@ -95,12 +107,19 @@ class Context:
 # ---------------------------------------------------------------------------------------- loop pieces
 
 
-def train_step(engine, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """One forward, backward and optimizer step on the engine; returns the rank's loss."""
-    loss = engine(inputs, targets)
-    engine.backward(loss)
-    engine.step()
-    return float(loss.detach())
+def train_step(engine, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int = 1) -> float:
+    """One optimizer step on the engine: the rows of ``inputs`` cut into ``accumulation`` equal micro-batches,
+    each a forward, backward and ``engine.step()`` (the engine's ``gradient_accumulation_steps`` must match);
+    returns the rank's loss, the mean over the micro-batches (the mean over all rows)."""
+    if accumulation > 1 and len(inputs) % accumulation:
+        raise ValueError(f"{len(inputs)} rows do not split into {accumulation} equal micro-batches")
+    total = 0.0
+    for x, y in zip(inputs.chunk(accumulation), targets.chunk(accumulation)):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += float(loss.detach())
+    return total / accumulation
 
 
 def step_metrics(engine, loss: float, seconds: float, count: int, unit: str = "tokens") -> dict:
@@ -173,20 +192,27 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
     first_loss = last_loss = None
     ctx.step = start_step
     started = time.perf_counter()
+    accumulation = ctx.settings.gradient_accumulation_steps
     for step in range(start_step, ctx.steps):
         if ctx.should_stop():
             log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)
             break
         inputs, targets = batches(step)
         t0 = time.perf_counter()
-        loss = train_step(engine, inputs, targets)
+        loss = train_step(engine, inputs, targets, accumulation)
         seconds = time.perf_counter() - t0
         ctx.step = step + 1
         if tokens_per_step:
             count, unit = tokens_per_step, "tokens"
         else:
             count, unit = samples_per_step or len(inputs) * getattr(ctx.mesh, "dp", 1), "samples"
-        ctx.report(step_metrics(engine, loss, seconds, count, unit))
+        metrics = step_metrics(engine, loss, seconds, count, unit)
+        measured = None
+        if should_measure(ctx.step - start_step, ctx.settings.measure_every):
+            measured = metrics["memory_measured"] = ctx.memory_meter.measure()
+        ctx.report(metrics)
+        if measured is not None:  # reported first, so the driver knows the figure the budget refused
+            ctx.memory_meter.check(measured)
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
         save_checkpoint(ctx, engine, ctx.step)

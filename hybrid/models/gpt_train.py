@@ -6,7 +6,8 @@ ZeRO engine at the planned stage on the mesh's DP group, and trains it on the to
 names under ``data:`` (a ``hybrid.data.TokenFile``; a relative path is relative to the model config file;
 ``model.vocab_size`` must be at least the file's vocabulary), else on ``hybrid.data.MarkovTokens``:
 each DP rank takes its own slice of the step's global batch, the TP ranks of a group take the same one.
-Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. With a checkpoint
+Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. A step is
+``micro_batch × gradient_accumulation_steps`` rows per rank, trained as micro-batches of ``micro_batch``. With a checkpoint
 directory in the job, every rank resumes from its latest checkpoint and saves on the job's cadence
 (``hybrid.train.run_steps``); the stream yields the same batch for the same step, so the data position
 is the step.
@@ -39,13 +40,15 @@ def train(ctx: Context) -> dict:
     options = train_options(ctx.model_config.get("train"))
     engine = build_engine(ctx, model_config, options)
     stream, reference = data_source(ctx, model_config, options)
-    micro_batch, mesh = ctx.settings.micro_batch, ctx.mesh
+    # A step takes micro_batch x gradient_accumulation_steps rows per rank, as micro-batches of micro_batch:
+    # a re-plan that halves the micro-batch and doubles the accumulation keeps the step's rows.
+    rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
 
     def batches(step: int):
-        inputs, targets = stream.batch(step, micro_batch, mesh.dp_rank, mesh.dp)
+        inputs, targets = stream.batch(step, rows, mesh.dp_rank, mesh.dp)
         return inputs.to(ctx.device), targets.to(ctx.device)
 
-    tokens_per_step = micro_batch * mesh.dp * model_config.seq_len
+    tokens_per_step = rows * mesh.dp * model_config.seq_len
     summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step)
     return {**summary, "reference_loss": reference, "stage": ctx.stage, "memory": engine.memory_report()}
 
@@ -103,6 +106,7 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = TrainConfig(zero=ZeroConfig(stage=ctx.stage), precision=ctx.settings.precision,
                          optimizer=OptimizerConfig(lr=float(options["lr"]), weight_decay=float(options["weight_decay"])),
-                         gradient_clipping=options["gradient_clipping"])
+                         gradient_clipping=options["gradient_clipping"],
+                         gradient_accumulation_steps=ctx.settings.gradient_accumulation_steps)
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)
