@@ -22,7 +22,12 @@ class CheckpointError(UserError):
     """A path is not a usable checkpoint for this model."""
 
 
-class NonFiniteError(UserError):
+class JobError(Exception):
+    """The job failed in a way a restart would only repeat (its message is one sentence): the launcher does not
+    retry it and exits 1."""
+
+
+class NonFiniteError(JobError):
     """Training diverged: the global gradient norm stayed NaN or inf for too many consecutive steps."""
 
 

@@ -97,8 +97,13 @@ def replace_tensor(refs: dict, old: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A parameter over ``data`` that keeps ``old``'s marks (TP slicing, initializer) and requires_grad."""
-    p = nn.Parameter(data, requires_grad=old.requires_grad)
+    """A parameter over ``data`` that keeps ``old``'s marks (TP slicing, initializer) and requires_grad.
+
+    Its version counter is its own, as for a parameter whose ``.data`` was reassigned: ``nn.Parameter(view)``
+    would share the counter of ``view``'s base, and a stage-3 gather writing into that buffer would then look
+    to autograd like an in-place change of every tensor saved for backward."""
+    p = nn.Parameter(torch.empty(0, dtype=data.dtype, device=data.device), requires_grad=old.requires_grad)
+    p.data = data
     p.__dict__.update({k: v for k, v in old.__dict__.items() if k.startswith("_hybrid")})
     return p
 

@@ -12,7 +12,8 @@ dead process before a rank's own exception before a collective that failed becau
 rank raised an error of its own, the ranks' collective heartbeats (``hybrid.heartbeat``, drained with the
 reports) decide: a rank that stopped entering collectives well before its peers timed out, and is behind
 all of them, is the hung rank they were waiting for and is named instead of its victims (``attribute``).
-A ``UserError`` raised on a rank (a bad model config, say) is not retried.
+A ``UserError`` raised on a rank (a bad model config, say) is not retried (exit 2), nor is a ``JobError``
+(training diverged: ``NonFiniteError``), which fails the job (exit 1).
 
 On GPUs every rank runs with NCCL's flight recorder on (``TORCH_FR_BUFFER_SIZE``, the current name of
 ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and dumps it when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
@@ -47,7 +48,7 @@ import ray
 
 from hybrid import heartbeat
 from hybrid.checkpoint import layout
-from hybrid.errors import PlanError, UserError
+from hybrid.errors import JobError, PlanError, UserError
 from hybrid.train import JobSettings
 from launch import ray_cluster
 from launch.display import Progress
@@ -279,6 +280,8 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     cause = getattr(err, "cause", None)
     if isinstance(cause, UserError):
         return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
+    if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
+        return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)
     return AttemptOutcome(False, failure=failure)
 
 
