@@ -216,17 +216,20 @@ class MemoryPrediction:
                 "runtime_reserve": self.runtime_reserve, "peak": self.peak, "total": self.total}
 
 
-def module_param_numels(module) -> list[list[int]]:
+def module_param_numels(module, tp: int = 1) -> list[list[int]]:
     """Per module of ``module.modules()`` (in that order), the element counts of the trainable parameters
     registered directly on it, each parameter once (tied ones at their first module) -- the input the
-    engine's unit rules read. Works on a model built on the meta device."""
+    engine's unit rules read. Works on a model built on the meta device. With ``tp`` > 1 on a full
+    (single-process) model, the tensor-parallel parameters count ``numel / tp``: one TP rank's share."""
+    from hybrid.param_attrs import tensor_parallel_dim
+
     seen, out = set(), []
     for m in module.modules():
         own = []
         for p in m._parameters.values():
             if p is not None and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                own.append(p.numel())
+                own.append(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel())
         out.append(own)
     return out
 

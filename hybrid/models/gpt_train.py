@@ -16,7 +16,10 @@ The summary names the loss to beat: ``reference_loss`` with the unigram entropy 
 below it learned more than token frequencies) or the synthetic chain's floor.
 
 The model config may carry an optional ``train:`` mapping beside ``model:`` with ``lr``,
-``weight_decay``, ``gradient_clipping`` and ``branching`` (successors per token in the synthetic chain).
+``weight_decay``, ``gradient_clipping`` and ``branching`` (successors per token in the synthetic chain),
+and an optional ``zero:`` mapping of ``hybrid.config.ZeroConfig`` sizes (``reduce_bucket_size``,
+``prefetch_bucket_size``, ``param_persistence_threshold``, ...; not ``stage``, which is the plan's); the
+launcher's memory prediction reads the same mapping (``zero_options``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,20 @@ def train_options(section: Any) -> dict:
     return options
 
 
+def zero_options(section: Any) -> dict:
+    """The ``zero:`` mapping of the model config (ZeroConfig fields but ``stage``), each value checked."""
+    import dataclasses
+
+    from hybrid.config import ZeroConfig
+
+    if section is None:
+        return {}
+    names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name != "stage"]
+    options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
+    ZeroConfig(**options)  # every field checked, named zero.<field>
+    return options
+
+
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage, on the mesh's DP group."""
     # Imported here so that importing hybrid.models.gpt (which re-exports train) stays light.
@@ -104,7 +121,8 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
 
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
-    config = TrainConfig(zero=ZeroConfig(stage=ctx.stage), precision=ctx.settings.precision,
+    config = TrainConfig(zero=ZeroConfig(stage=ctx.stage, **zero_options(ctx.model_config.get("zero"))),
+                         precision=ctx.settings.precision,
                          optimizer=OptimizerConfig(lr=float(options["lr"]), weight_decay=float(options["weight_decay"])),
                          gradient_clipping=options["gradient_clipping"],
                          gradient_accumulation_steps=ctx.settings.gradient_accumulation_steps)
