@@ -61,9 +61,11 @@ def _reset_peak_rss() -> bool:
 
 
 class MemoryMeter:
-    def __init__(self, device="cpu", budget_bytes: Optional[float] = None, nvml=None):
+    def __init__(self, device="cpu", budget_bytes: Optional[float] = None, nvml=None,
+                 gpu_index: Optional[int] = None):
         self.device = torch.device(device)
-        self.nvml = nvml
+        self.nvml = nvml  # a pynvml-compatible module (hybrid.monitor); None: pynvml, on CUDA only
+        self.gpu_index = gpu_index if gpu_index is not None else (self.device.index or 0)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -84,8 +86,7 @@ class MemoryMeter:
         probe = monitor.probe(self.nvml)
         if not probe.available or not probe.gpus:
             return None
-        index = self.device.index if self.device.index is not None else 0
-        gpu = next((g for g in probe.gpus if g.index == index), probe.gpus[0])
+        gpu = next((g for g in probe.gpus if g.index == self.gpu_index), probe.gpus[0])
         return gpu.used_bytes, gpu.total_bytes
 
     def _device_total(self) -> Optional[float]:
