@@ -85,3 +85,18 @@ def near_oom_line(rank: int, m: dict) -> Optional[str]:
     return (f"warning: rank {rank} is near out of memory at step {m.get('step', '?')}: "
             f"{human_bytes(m['used_bytes'])} of {human_bytes(m['budget_bytes'])} ({m['fraction']:.0%}, above "
             f"{NEAR_OOM:.0%})")
+
+
+def prediction_lines(stages: dict, usable: float, device: str) -> list[str]:
+    """The complete prediction per stage (stage -> ``MemoryPrediction``) as ``hybrid plan`` and ``hybrid
+    estimate`` show it."""
+    where = "peak RSS growth of a CPU rank" if device == "cpu" else "per GPU"
+    lines = [f"predicted per rank ({where}; hybrid.memory.predict_memory)",
+             f"  {'stage':<6}{'states':>11}{'in flight':>11}{'opt. step':>11}{'activ.':>11}{'reserve':>11}"
+             f"{'total':>11}  fits"]
+    for s, p in sorted(stages.items()):
+        lines.append(f"  {s:<6}{human_bytes(p.model_states):>11}{human_bytes(p.inflight):>11}"
+                     f"{human_bytes(p.optimizer_transient):>11}{human_bytes(p.activations):>11}"
+                     f"{human_bytes(p.runtime_reserve):>11}{human_bytes(p.total):>11}  "
+                     f"{'yes' if p.total <= usable else 'no'}")
+    return lines

@@ -225,3 +225,25 @@ def _nodes_that_fit(lp, choice: Choice, extra: float) -> Optional[int]:
         if nodes > 2 * cluster.nodes + 64:  # the per-rank figure stops shrinking long before this
             return None
     return None
+
+
+def from_measured(lp, record: dict) -> tuple[Choice, MemoryPrediction, Overshoot]:
+    """Re-plan ``lp`` from a run's ``memory.json`` (``launch.memory_loop``): the largest measured peak
+    against that run's prediction gives the extra every candidate must hold; the candidates are stage 0
+    to 3 at the job's micro-batch, then the rest of the ladder. Raises ``NothingFits``."""
+    measured = record.get("measured") or {}
+    if not measured:
+        raise NothingFits("the run measured nothing (it stopped before its first step), so there is nothing to "
+                          "re-plan from; run it for at least one step")
+    rank, m = max(measured.items(), key=lambda kv: kv[1]["peak_bytes"])
+    key = "peak" if m.get("device") == "cuda" else "total"
+    over = Overshoot(int(rank), float(max(m["peak_bytes"], m.get("nvml_used_bytes", 0))),
+                     float(m.get("budget_bytes") or budget_bytes(lp)), float(record["predicted"][key]),
+                     int(m.get("step", 0)))
+    start = Choice(0, lp.spec.job.micro_batch)
+    usable = usable_bytes(lp)
+    for choice in [start] + ladder(lp, start):
+        p = predict(lp, choice)
+        if p.total + over.extra <= usable:
+            return choice, p, over
+    raise NothingFits(nothing_fits(lp, start, over))

@@ -37,8 +37,9 @@ from hybrid.train import Context, run_steps
 TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "branching": 4}
 
 
-def train(ctx: Context) -> dict:
-    """Train the configured GPT for ``ctx.steps`` steps; returns this rank's summary."""
+def train(ctx: Context, after_step=()) -> dict:
+    """Train the configured GPT for ``ctx.steps`` steps; returns this rank's summary. ``after_step``: hooks
+    ``(ctx, engine, step)`` run after every step (``hybrid.train.run_steps``)."""
     model_config = GPTConfig.from_dict(ctx.model_config.get("model", {}))
     options = train_options(ctx.model_config.get("train"))
     engine = build_engine(ctx, model_config, options)
@@ -52,7 +53,7 @@ def train(ctx: Context) -> dict:
         return inputs.to(ctx.device), targets.to(ctx.device)
 
     tokens_per_step = rows * mesh.dp * model_config.seq_len
-    summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step)
+    summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step, after_step=after_step)
     return {**summary, "reference_loss": reference, "stage": ctx.stage, "memory": engine.memory_report()}
 
 
