@@ -55,6 +55,7 @@ import ray
 from hybrid import heartbeat
 from hybrid.checkpoint import layout
 from hybrid.errors import JobError, PlanError, UserError
+from hybrid.memory_budget import OutOfMemoryError
 from hybrid.train import JobSettings
 from launch import memory_loop, ray_cluster, replan
 from launch.display import Progress
@@ -311,7 +312,8 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
         return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
     if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
         return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)
-    return AttemptOutcome(False, failure=failure)
+    oom = isinstance(cause, OutOfMemoryError) or type(cause).__name__ == "OutOfMemoryError"
+    return AttemptOutcome(False, failure=failure, oom=oom)
 
 
 def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exception]]:

@@ -9,8 +9,7 @@ import torch
 
 import hybrid
 from hybrid.config import TrainConfig, ZeroConfig
-from hybrid.memory import (DTYPE_BYTES, gpt_activation_bytes, module_param_numels, predict_memory,
-                           unit_layout)
+from hybrid.memory import gpt_activation_bytes, module_param_numels, predict_memory, unit_layout
 from hybrid.memory_budget import MemoryMeter, OutOfMemoryError, near_oom, should_measure
 from hybrid.models.gpt import GPT, GPTConfig
 from hybrid.train import train_step
