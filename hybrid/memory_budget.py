@@ -21,6 +21,7 @@ handles both alike; ``NEAR_OOM`` is the fraction above which the driver warns.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from typing import Optional
@@ -65,7 +66,7 @@ class MemoryMeter:
                  gpu_index: Optional[int] = None):
         self.device = torch.device(device)
         self.nvml = nvml  # a pynvml-compatible module (hybrid.monitor); None: pynvml, on CUDA only
-        self.gpu_index = gpu_index if gpu_index is not None else (self.device.index or 0)
+        self.gpu_index = gpu_index if gpu_index is not None else nvml_index(self.device.index or 0)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -130,6 +131,14 @@ class MemoryMeter:
             raise OutOfMemoryError(
                 f"measured {used / 1e9:.3f} GB exceeds this rank's memory budget of {budget / 1e9:.3f} GB "
                 f"({measured['source']})")
+
+
+def nvml_index(cuda_index: int) -> int:
+    """NVML's index of ``cuda:<cuda_index>``: NVML ignores ``CUDA_VISIBLE_DEVICES``, CUDA does not."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if cuda_index < len(visible) and visible[cuda_index].isdigit():
+        return int(visible[cuda_index])
+    return cuda_index
 
 
 def near_oom(measured: dict) -> bool:

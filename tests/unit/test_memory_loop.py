@@ -114,6 +114,15 @@ def test_nvml_used_and_total_give_the_budget_and_the_near_oom_warning():
         meter.check(meter.measure())
 
 
+def test_nvml_index_follows_cuda_visible_devices(monkeypatch):
+    from hybrid.memory_budget import nvml_index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert (nvml_index(0), nvml_index(1)) == (3, 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert nvml_index(2) == 2
+
+
 def test_measurement_cadence():
     assert [s for s in range(1, 35) if should_measure(s, 10)] == [1, 2, 3, 10, 20, 30]
 
