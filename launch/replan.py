@@ -197,19 +197,25 @@ def replan(lp, current: Choice, overshoot: Overshoot) -> tuple[Choice, MemoryPre
 
 
 def nothing_fits(lp, current: Choice, overshoot: Overshoot) -> str:
-    """One sentence: what would fit (the smallest node count at the last rung, else a smaller micro-batch)."""
+    """One sentence: what would fit the last rung of the ladder -- the smallest node count, else the per-rank
+    memory -- and, where they are still open, optimizer offload and a smaller micro-batch."""
     rungs = ladder(lp, current) or [current]
     last = rungs[-1]
     need = predict(lp, last).total + overshoot.extra
     cluster = lp.spec.cluster
     nodes = _nodes_that_fit(lp, last, overshoot.extra)
-    more = (f"at least {nodes} nodes (cluster.nodes, now {cluster.nodes}) at {last.describe()}" if nodes
-            else "ranks with more memory")
-    offload = "" if last.offload else ", optimizer offload"
+    memory_gb = need / (1 - lp.plan.headroom) / GB
+    options = [f"at least {nodes} nodes (cluster.nodes, now {cluster.nodes})"] if nodes else []
+    options.append(f"cluster.gpu_memory_gb >= {memory_gb:.3f}" if device_of(lp) == "cpu"
+                   else f"GPUs of at least {memory_gb:.3f} GB")
+    if device_of(lp) == "cuda" and not last.offload:
+        options.append("optimizer offload")
+    if last.micro_batch > 1:
+        options.append("a smaller job.micro_batch")
     return (f"nothing fits {usable_bytes(lp) / GB:.3f} GB usable per rank: even {last.describe()} needs "
             f"{need / GB:.3f} GB (predicted {(need - overshoot.extra) / GB:.3f} GB plus the "
-            f"{overshoot.extra / GB:.3f} GB measured beyond the prediction); it would fit with {more}"
-            f"{offload} or a smaller job.micro_batch")
+            f"{overshoot.extra / GB:.3f} GB measured beyond the prediction); it would fit with "
+            f"{' or '.join(options)}")
 
 
 def _nodes_that_fit(lp, choice: Choice, extra: float) -> Optional[int]:
