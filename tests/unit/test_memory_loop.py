@@ -209,3 +209,51 @@ def test_accumulation_splits_the_step_rows_and_matches_one_big_micro_batch():
         losses.append(train_step(engine, x, x, accumulation))
         losses.append(train_step(engine, x, x, accumulation))  # after one optimizer step
     assert losses[0] == pytest.approx(losses[2], rel=1e-6) and losses[1] == pytest.approx(losses[3], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the display
+
+def _record(rank, step, used, budget):
+    return {"rank": rank, "step": step, "loss": 1.0, "step_time_s": 1.0, "tokens": 10, "throughput_unit": "tokens",
+            "memory": {"params": 100, "grads": 100, "optimizer": 200, "buffers": 0},
+            "memory_measured": {"device": "cpu", "peak_bytes": used, "used_bytes": used, "budget_bytes": budget,
+                                "fraction": used / budget, "source": "peak RSS growth"}}
+
+
+def test_progress_prints_the_table_after_the_first_measured_step_and_warns_near_oom():
+    import io
+
+    from launch.display import Progress
+
+    out = io.StringIO()
+    progress = Progress(3, 2, out, tty=False)
+    progress.new_plan(predict_memory([[100]], 1, 0, "fp32", device="cpu").as_dict())
+    progress.add({"reports": [_record(0, 1, 500, 1000), _record(1, 1, 970, 1000)]})
+    text = out.getvalue()
+    assert "warning: rank 1 is near out of memory at step 1: 970 B of 1.00 KB (97%, above 95%)" in text
+    assert "memory per rank after step 1 (largest: rank 1, step 1" in text
+    assert "mem 970 B/1.00 KB (rank 1)" in text
+    progress.add({"reports": [_record(0, 2, 500, 1000), _record(1, 2, 980, 1000)]})
+    assert out.getvalue().count("near out of memory") == 1 and out.getvalue().count("memory per rank") == 1
+
+
+def test_spec_reads_max_replans_and_the_runtime_reserve(tmp_path):
+    from hybrid.errors import ConfigError
+
+    (tmp_path / "m.yaml").write_text("model: {vocab_size: 64, seq_len: 8, n_layers: 1, hidden: 16, n_heads: 2}\n")
+
+    def spec(**extra):
+        return parse_spec({"cluster": {"address": "local", "nodes": 1, "gpus_per_node": 1, "gpu_memory_gb": 8,
+                                       **extra.get("cluster", {})},
+                           "job": {"entrypoint": "hybrid.models.gpt:train", "config": "m.yaml", "steps": 1,
+                                   **extra.get("job", {})}}, base_dir=tmp_path)
+
+    default = spec()
+    assert default.job.max_replans == 3 and default.cluster.runtime_reserve_gb is None
+    custom = spec(cluster={"runtime_reserve_gb": 2.5}, job={"max_replans": 0})
+    assert custom.job.max_replans == 0 and custom.cluster.runtime_reserve_gb == 2.5
+    assert replan.runtime_reserve(build_plan(custom)) == 2.5e9
+    with pytest.raises(ConfigError, match="cluster.runtime_reserve_gb"):
+        spec(cluster={"runtime_reserve_gb": -1})
+    with pytest.raises(ConfigError, match="job.max_replans"):
+        spec(job={"max_replans": "many"})
