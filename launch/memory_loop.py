@@ -3,7 +3,8 @@
 ``MemoryLoop(plan, progress)`` holds the plan the ranks run now (``choice``, a ``launch.replan.Choice``)
 and its prediction, which it hands to the display (``Progress.new_plan``) so the first measured step is
 followed by the predicted-vs-measured table. When an attempt ends with a rank out of memory,
-``replan(rank, step)`` takes that rank's last measurement (its budget when it raised before measuring),
+``replan(rank, step)`` takes that rank's last measurement (its budget when that was below it: CUDA raised
+mid-step, after the last measurement),
 records the overshoot, asks ``launch.replan.replan`` for the first candidate that fits the measured
 figures, switches to it and returns the one line the driver prints::
 
@@ -49,9 +50,11 @@ class MemoryLoop:
         m = self.progress.measured.get(rank) if rank is not None else None
         if m is None and self.progress.measured:  # no figure from that rank: the largest one's
             m = max(self.progress.measured.values(), key=lambda x: x["peak_bytes"])
-        measured = max(m["peak_bytes"], m.get("nvml_used_bytes", 0)) if m else budget
         if m and m.get("budget_bytes"):
             budget = m["budget_bytes"]
+        measured = max(m["peak_bytes"], m.get("nvml_used_bytes", 0)) if m else budget
+        # Below the budget: CUDA raised mid-step, after the last measurement; the rank hit the wall.
+        measured = max(measured, budget)
         predicted = self.prediction.total if not m or m.get("device") != "cuda" else self.prediction.peak
         step = m.get("step", 0) if m else 0
         return replan.Overshoot(rank if rank is not None else -1, float(measured), float(budget), float(predicted),

@@ -257,3 +257,34 @@ def test_spec_reads_max_replans_and_the_runtime_reserve(tmp_path):
         spec(cluster={"runtime_reserve_gb": -1})
     with pytest.raises(ConfigError, match="job.max_replans"):
         spec(job={"max_replans": "many"})
+
+
+def test_the_loop_replans_from_the_measurement_and_stops_at_max_replans(tmp_path):
+    import io
+    import json
+
+    from launch.display import Progress
+    from launch.memory_loop import MemoryLoop
+
+    def loop_for(max_replans):
+        lp = _plan(tmp_path, 0.5, micro_batch=4, reduce_bucket_size=500_000, prefetch_bucket_size=500_000)
+        big = dataclasses.replace(WIDE, vocab_size=2048, hidden=512, n_layers=4, n_heads=8)
+        lp = dataclasses.replace(lp, model=dataclasses.asdict(big), spec=dataclasses.replace(
+            lp.spec, job=dataclasses.replace(lp.spec.job, max_replans=max_replans, run_dir=tmp_path / "run")))
+        progress = Progress(4, 4, io.StringIO(), tty=False)
+        loop = MemoryLoop(lp, progress)
+        progress.measured[2] = {"device": "cpu", "peak_bytes": 510_000_000, "used_bytes": 510_000_000,
+                                "budget_bytes": 500_000_000, "step": 3}
+        return loop
+
+    loop = loop_for(1)
+    line = loop.replan(2, 2)
+    assert line.startswith("rank 2 ran out of memory at stage 1 (measured 510.00 MB of 500.00 MB, predicted ")
+    assert ": restarting from step 2 at stage " in line and loop.choice.stage > 1
+    loop.record_attempt(True)
+    record = json.loads(loop.save().read_text())
+    assert record["finished"] and record["overshoots"][0]["measured_bytes"] == 510_000_000
+    assert record["replans"] == [line] and record["plan"]["stage"] == loop.choice.stage
+    with pytest.raises(replan.NothingFits, match=r"job.max_replans \(0\) allows no more re-plans; it would fit at "
+                                                 r"stage [23] \(predicted"):
+        loop_for(0).replan(2, 2)
