@@ -123,9 +123,15 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else
              f"connecting to Ray at {cluster.address} (cluster.connect_timeout_s = {cluster.connect_timeout_s:g} s)")
     print(where, file=stream, flush=True)
-    with ray_cluster.connect(cluster) as connected:
+    with ray_cluster.connect(cluster, keep_logs=kept_logs_dir(spec)) as connected:
         print(connected.line(), file=stream, flush=True)
         return plan_and_run(spec, stream)
+
+
+def kept_logs_dir(spec: LaunchSpec):
+    """Where an embedded cluster's session logs are kept after it is torn down (the run directory), or None
+    for a cluster that outlives the job (its own session directory keeps them)."""
+    return spec.job.run_dir / "ray-logs" if spec.cluster.is_local and spec.job.run_dir is not None else None
 
 
 def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
@@ -184,7 +190,8 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 progress.close()
                 wall = time.perf_counter() - started
                 print(progress.summary(outcome.placement, wall), file=stream, flush=True)
-                for line in summary_lines(outcome.results, progress.history, metrics, ray_log_dir()):
+                logs = kept_logs_dir(spec) or ray_log_dir()
+                for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
                     print(line, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
                                  attempt, wall, failures, progress.resumed_from, loop.lines)

@@ -80,11 +80,12 @@ def local_env() -> dict:
 
 
 @contextlib.contextmanager
-def connect(spec: ClusterSpec) -> Iterator[Connected]:
-    """Connect to (or start) the Ray cluster of ``spec``; tear down on every way out of the block."""
+def connect(spec: ClusterSpec, keep_logs: Optional[Path] = None) -> Iterator[Connected]:
+    """Connect to (or start) the Ray cluster of ``spec``; tear down on every way out of the block. An embedded
+    cluster's session logs (every rank's stdout/stderr) are moved to ``keep_logs`` at teardown."""
     if spec.is_local:
         check_embedded(spec.nodes, spec.gpus_per_node)
-        with local_cluster(spec.nodes, spec.gpus_per_node) as cluster:
+        with local_cluster(spec.nodes, spec.gpus_per_node, keep_logs) as cluster:
             yield Connected(cluster.address, _live_nodes())
     else:
         with remote_cluster(spec.address, spec.connect_timeout_s) as connected:
@@ -92,8 +93,9 @@ def connect(spec: ClusterSpec) -> Iterator[Connected]:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int, ranks_per_node: int) -> Iterator[object]:
-    """Start an embedded Ray cluster of ``nodes`` nodes on 127.0.0.1 and connect the driver to it."""
+def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = None) -> Iterator[object]:
+    """Start an embedded Ray cluster of ``nodes`` nodes on 127.0.0.1 and connect the driver to it. Its temp
+    directory goes at teardown; its session logs are moved to ``keep_logs`` first when given."""
     os.environ.update(_LOCAL_ENV)  # for every Ray process started below, which inherit it
     with signals.as_interrupt():
         import ray
@@ -125,9 +127,26 @@ def local_cluster(nodes: int, ranks_per_node: int) -> Iterator[object]:
             with signals.ignored():  # a second Ctrl-C must not cut the teardown short
                 _shutdown(ray, cluster)
                 _kill_marked(base)
+                if keep_logs is not None:
+                    _keep_logs(base, keep_logs)
                 shutil.rmtree(base, ignore_errors=True)
                 _restore_env("RAY_TMPDIR", previous_tmpdir)
                 ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
+
+
+def _keep_logs(base: str, keep_logs: Path) -> None:
+    """Move the session logs out of the embedded cluster's temp dir before it is removed (best effort: a
+    failure to keep logs must not fail the job)."""
+    sessions = sorted(Path(base).glob("ray/session_2*/logs"))
+    if not sessions:
+        return
+    try:
+        target = Path(keep_logs)
+        shutil.rmtree(target, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(sessions[-1]), str(target))
+    except OSError as err:
+        log.warning("could not keep the embedded cluster's logs in %s: %s", keep_logs, err)
 
 
 @contextlib.contextmanager

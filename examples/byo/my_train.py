@@ -13,7 +13,8 @@ from hybrid.train import run_steps
 
 
 def train(ctx):
-    print(f"{os.environ['GREETING']} rank {ctx.rank} of {ctx.world_size} in {os.getcwd()}", flush=True)
+    here = ",".join(sorted(os.listdir(".")))  # what was shipped with the code
+    print(f"{os.environ['GREETING']} rank {ctx.rank} of {ctx.world_size} in {os.getcwd()} holding {here}", flush=True)
     config = GPTConfig.from_dict(ctx.model_config["model"])
     engine = build_engine(ctx, config, train_options(ctx.model_config.get("train")))
     data = TokenFile(data_path(ctx.model_config["data"], ctx.model_config_path), config.seq_len, seed=ctx.settings.seed)

@@ -56,12 +56,14 @@ def test_the_readme_example_runs_from_another_directory_with_its_code_shipped(tm
                      r"entropy of the data \([0-9.]+ nats\)", out), out
 
     # what a rank prints reaches the terminal named by its rank; all of it is in the session logs
-    greetings = re.findall(r"^\(rank ([01]) pid=\d+[^)]*\) hello from rank ([01]) of 2 in (\S+)$", out, re.M)
-    assert greetings and all(prefix == rank for prefix, rank, _ in greetings), out
-    for _, _, cwd in greetings:  # the rank ran in the shipped copy, which left the run directory out
-        assert Path(cwd) != byo and (Path(cwd) / "my_train.py").is_file() and (Path(cwd) / "corpus.bin").is_file()
-        assert not (Path(cwd) / "runs").exists()
+    greetings = re.findall(r"^\(rank ([01]) pid=\d+[^)]*\) hello from rank ([01]) of 2 in (\S+) holding (\S+)$",
+                           out, re.M)
+    assert greetings and all(prefix == rank for prefix, rank, _, _ in greetings), out
+    for _, _, cwd, held in greetings:  # the rank ran in the shipped copy, which left the run directory out
+        held = held.split(",")
+        assert Path(cwd) != byo and "my_train.py" in held and "corpus.bin" in held and "runs" not in held
     logs = Path(re.search(r"^full rank logs \(stdout/stderr of every worker\): (\S+)$", out, re.M).group(1))
+    assert logs == byo / "runs" / "byo" / "ray-logs"  # kept after the embedded cluster is gone
     logged = "".join(p.read_text(errors="replace") for p in logs.glob("worker-*.out"))
     assert all(f"hello from rank {r} of 2" in logged for r in (0, 1))
 

@@ -117,9 +117,9 @@ def test_job_fields_run_dir_working_dir_and_env(tmp_path, monkeypatch):
     assert spec.job.env == {"A": "1", "B": "true", "C": "x"}
     assert _spec(tmp_path, checkpoint={"dir": "ckpt"}).job.run_dir == tmp_path / "ckpt"
     for job, message in [({"working_dir": "nowhere"}, "job.working_dir is 'nowhere', but"),
-                         ({"env": ["A"]}, "job.env is ['A']; give a mapping"),
-                         ({"env": {"A": {"b": 1}}}, "job.env.A is {'b': 1}; give a string or a number."),
-                         ({"run_dir": 3}, "job.run_dir is 3; give a directory path")]:
+                         ({"env": ["A"]}, "job.env must be a mapping like {MY_FLAG: '1'}, got list ['A']."),
+                         ({"env": {"A": {"b": 1}}}, "job.env.A must be a string or a number, got {'b': 1}."),
+                         ({"run_dir": 3}, "job.run_dir must be a directory path for metrics and logs, got 3.")]:
         with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[").replace("(", r"\(")):
             _spec(tmp_path, **job)
 

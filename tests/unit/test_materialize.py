@@ -53,19 +53,28 @@ def test_plain_modules_use_their_reset_parameters_seeded_by_name():
     assert not torch.equal(a[0].weight, c[0].weight)
 
 
+def _meta_gpt():
+    return GPT(TINY, device="meta")
+
+
+@pytest.mark.parametrize("build", [_mlp, _meta_gpt])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_engine_on_meta_equals_materialize(stage):
-    ref = hybrid.materialize(_mlp().to("meta"), seed=2)
+def test_engine_on_meta_equals_materialize(stage, build):
+    ref = hybrid.materialize(build().to("meta"), seed=2)
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}  # stage 3: every unit gathered and released
-    engine = hybrid.initialize(_mlp().to("meta"), {"zero_optimization": zero, "precision": "fp32"}, seed=2)
+    engine = hybrid.initialize(build().to("meta"), {"zero_optimization": zero, "precision": "fp32"}, seed=2)
     state = engine.full_state_dict()
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
     report = engine.init_report
     assert report["source"] == "init" and report["peak_bytes"] >= report["model_state_bytes"] > 0
-    x = torch.randn(3, 12)
     for _ in range(2):  # a regathered unit must not look like an in-place change to autograd
-        engine.backward(engine(x).square().mean())
+        if build is _mlp:
+            loss = engine(torch.randn(3, 12)).square().mean()
+        else:
+            ids = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1))
+            loss = engine(ids[:, :-1], ids[:, 1:])
+        engine.backward(loss)
         assert engine.step()
 
 
