@@ -165,8 +165,8 @@ def parse_count(text, field: str = "params") -> int:
 #   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
 #   figure measured is the process's RSS growth since the Context was made, what the first engine build
 #   faults in beyond its tensors (``DEFAULT_CPU_RUNTIME_RESERVE_GB``).
-# On CPU (gloo) a reduce-scatter also holds a unit-sized copy while in flight, and the phases add up
-# differently (``MemoryPrediction.peak``).
+# On CPU the phases add up differently (``MemoryPrediction.peak``). (gloo's own reduce-scatter would hold a
+# unit-sized copy of its input; ``hybrid.comm`` all-reduces in place on CPU instead, so nothing is counted.)
 
 DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLAS workspaces ~1 GB
 # CPU: RSS growth measured right after the engine is built, beyond its model states (torch's kernels and
@@ -286,15 +286,10 @@ def predict_memory(modules: list[list[int]], dp: int, stage: int, precision: str
     master = 0 if precision == "fp32" else shard * FP32
     optimizer = master + 2 * shard * FP32
 
-    cpu = device == "cpu"
     inflight = 0
     waiting = _waiting_buckets(units, zero.reduce_bucket_size)
     if stage >= 2:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
         inflight += waiting * item
-    if cpu and stage >= 1 and zero.reduce_scatter:
-        # gloo reduce-scatters through a unit-sized copy per collective in flight (all units at stage 1,
-        # whose in-place buckets are not capped)
-        inflight += (full if stage == 1 else waiting) * item
     if stage >= 3:
         others = sorted((n for u, n in enumerate(units) if u not in persistent), reverse=True)
         if others:
