@@ -11,7 +11,9 @@ the plan's device: ``cpu`` predicts the peak RSS growth a CPU rank measures.
 activation checkpointing, then offload, then halving the micro-batch (doubling the accumulation) -- each
 rung keeping what the ones before it turned on. Activation checkpointing is a rung only where
 ``JobSettings`` carries ``activation_checkpointing`` and the GPT config can take it; offload only where the
-engine's ``ZeroConfig`` has an offload field and the ranks run on GPUs (on CPU the host *is* the device).
+engine's ``ZeroConfig`` has an offload field and the ranks run on GPUs (on CPU the host *is* the device); the
+micro-batch rungs only for a GPT model config (the built-in GPT trains ``micro_batch × accumulation`` rows
+per step as ``accumulation`` micro-batches; an entrypoint of its own would have to read both settings).
 ``replan(lp, current, overshoot)`` corrects every candidate by what the measurement showed beyond the
 prediction (``Overshoot.extra``: memory the planner cannot see, such as an entrypoint's own buffers) and
 returns the first that fits the usable budget, or raises ``NothingFits`` with one sentence naming the
@@ -180,7 +182,7 @@ def ladder(lp, current: Choice) -> list[Choice]:
     if supports_offload(lp) and not top.offload:
         top = dataclasses.replace(top, offload=True)
         out.append(top)
-    while top.micro_batch % 2 == 0:
+    while lp.model is not None and top.micro_batch % 2 == 0:
         top = dataclasses.replace(top, micro_batch=top.micro_batch // 2, accumulation=top.accumulation * 2)
         out.append(top)
     return out
