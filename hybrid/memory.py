@@ -171,3 +171,204 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
     device = Fraction(states.params) + Fraction(states.grads)
     host = Fraction(HOST_BYTES_PER_PARAM * params, tp * dp)
     return OffloadBytes(_number(device), _number(host))
+
+
+# ------------------------------------------------------------------------------ the complete prediction
+#
+# What one rank holds at its peak, by category, following the engine's real layout rules
+# (``hybrid.zero.engine.ZeroEngine._units``, ``hybrid.zero.partition``): units are gradient buckets of
+# ``reduce_bucket_size`` elements at stages 0-2 and one per module at stage 3, with every parameter under
+# ``param_persistence_threshold`` elements in one persistent unit that stays gathered; each parameter starts
+# at a multiple of ``align`` elements (16 bytes) and each unit is padded to ``n_shards · align``.
+#
+# * model states: parameters, gradients, optimizer (fp32 master when the model dtype is not fp32, plus the
+#   two Adam moments), exactly as the engine allocates them;
+# * in flight: stage 2-3 gradient buckets (a unit-sized buffer per bucket, up to ``reduce_bucket_size``
+#   elements awaiting their reduce-scatter, plus the one being filled) and stage-3 gathered units (the
+#   largest unit plus ``prefetch_bucket_size`` elements prefetched);
+# * optimizer transients: per ``sub_group_size`` piece, the fp32 copy of a non-fp32 gradient and the
+#   clipped copy (the step runs after backward, so this competes with activations, not adds to them);
+# * activations: see ``gpt_activation_bytes``;
+# * runtime reserve: CUDA context, cuBLAS workspaces and NCCL buffers, outside every allocator statistic
+#   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
+#   figure measured is the process's RSS growth since the Context was made, what the first engine build
+#   faults in beyond its tensors (``DEFAULT_CPU_RUNTIME_RESERVE_GB``).
+# On CPU the phases add up differently (``MemoryPrediction.peak``). (gloo's own reduce-scatter would hold a
+# unit-sized copy of its input; ``hybrid.comm`` all-reduces in place on CPU instead, so nothing is counted.)
+
+DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLAS workspaces ~1 GB
+# CPU: RSS growth measured right after the engine is built, beyond its model states (torch's kernels and
+# thread pools faulted in, autograd, the values drawn while materializing): ~75 MB on torch 2.13.
+DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.075
+ALIGN_BYTES = 16  # as hybrid.zero.engine.ALIGN_BYTES
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted bytes per rank, by category; ``peak`` is what the allocator reaches, ``total`` adds the
+    runtime reserve (what NVML sees used)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    inflight: int          # gradient buckets and stage-3 gathered units
+    optimizer_transient: int
+    activations: int       # layers, logits and loss, at their peak (start of backward)
+    runtime_reserve: int
+    phases_overlap: bool = False  # CPU: the step's transients land on top of the freed activations
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        # On CUDA backward (activations + buckets in flight) and the optimizer step do not overlap: the
+        # caching allocator reuses the freed activations. On CPU glibc keeps the (small) activation blocks in
+        # the heap, so RSS does not fall after backward, while every large buffer (buckets, the collectives'
+        # copies, the step's pieces) is a fresh mapping on top of them.
+        if self.phases_overlap:
+            return self.model_states + self.activations + max(self.inflight, self.optimizer_transient)
+        return self.model_states + max(self.inflight + self.activations, self.optimizer_transient)
+
+    @property
+    def total(self) -> int:
+        return self.peak + self.runtime_reserve
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "model_states": self.model_states, "inflight": self.inflight,
+                "optimizer_transient": self.optimizer_transient, "activations": self.activations,
+                "runtime_reserve": self.runtime_reserve, "peak": self.peak, "total": self.total}
+
+
+def module_param_numels(module, tp: int = 1) -> list[list[int]]:
+    """Per module of ``module.modules()`` (in that order), the element counts of the trainable parameters
+    registered directly on it, each parameter once (tied ones at their first module) -- the input the
+    engine's unit rules read. Works on a model built on the meta device. With ``tp`` > 1 on a full
+    (single-process) model, the tensor-parallel parameters count ``numel / tp``: one TP rank's share."""
+    from hybrid.param_attrs import tensor_parallel_dim
+
+    seen, out = set(), []
+    for m in module.modules():
+        own = []
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                own.append(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel())
+        out.append(own)
+    return out
+
+
+def unit_layout(modules: list[list[int]], stage: int, dp: int, precision: str = "bf16",
+                reduce_bucket_size: int = 500_000_000, param_persistence_threshold: int = 100_000):
+    """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage."""
+    from hybrid.zero.partition import bucket_groups, build_layout
+
+    align = max(1, ALIGN_BYTES // DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)])
+    numels = [n for own in modules for n in own]
+    if stage < 3:
+        groups = bucket_groups(numels, list(reversed(range(len(numels)))), reduce_bucket_size, align)
+        persistent: set = set()
+    else:
+        groups, small, index = [], [], 0
+        for own in modules:
+            big = []
+            for n in own:
+                (small if n < param_persistence_threshold else big).append(index)
+                index += 1
+            if big:
+                groups.append(big)
+        persistent = set()
+        if small:
+            groups.append(small)
+            persistent = {len(groups) - 1}
+    return build_layout(numels, groups, dp if stage >= 1 else 1, align), persistent
+
+
+def predict_memory(modules: list[list[int]], dp: int, stage: int, precision: str = "bf16", *,
+                   activations: float = 0, zero=None, clipping: bool = True,
+                   runtime_reserve: float = 0, device: str = "cuda") -> MemoryPrediction:
+    """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks for a model whose trainable
+    parameters are ``modules`` (``module_param_numels``); ``zero`` is a ``hybrid.config.ZeroConfig``
+    (default sizes when None), ``activations`` the bytes of ``gpt_activation_bytes``; ``device`` "cpu"
+    predicts the peak RSS growth instead of the CUDA allocator's peak."""
+    from hybrid.config import ZeroConfig
+
+    zero = zero or ZeroConfig()
+    v.stage("stage", stage)
+    dp = _positive_int(dp, "dp")
+    layout, persistent = unit_layout(modules, stage, dp, precision, zero.reduce_bucket_size,
+                                     zero.param_persistence_threshold)
+    item = DTYPE_BYTES[precision]
+    shard, full = layout.shard_numel, layout.full_numel
+    units = [u.numel for u in layout.units]
+    if stage >= 3:
+        kept = sum(units[u] for u in persistent)
+        params = (shard + kept) * item
+    else:
+        params = full * item
+    grads = (shard if stage >= 2 else full) * item
+    master = 0 if precision == "fp32" else shard * FP32
+    optimizer = master + 2 * shard * FP32
+
+    inflight = 0
+    waiting = _waiting_buckets(units, zero.reduce_bucket_size)
+    if stage >= 2:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
+        inflight += waiting * item
+    if stage >= 3:
+        others = sorted((n for u, n in enumerate(units) if u not in persistent), reverse=True)
+        if others:
+            prefetched, budget = 0, zero.prefetch_bucket_size
+            for n in others[1:]:
+                if n > budget:
+                    break
+                budget -= n
+                prefetched += n
+            inflight += (others[0] + prefetched) * item
+    piece = min(zero.sub_group_size, max(u.shard_numel for u in layout.units))
+    copies = (precision != "fp32") + bool(clipping)
+    transient = piece * FP32 * copies
+    return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
+                            int(activations), int(runtime_reserve), device == "cpu")
+
+
+def _waiting_buckets(units: list, cap: int) -> int:
+    """Elements of gradient buckets alive at once: the largest being filled plus up to ``cap`` waiting."""
+    order = sorted(units, reverse=True)
+    waiting = 0
+    for n in order[1:]:
+        if waiting + n > cap:
+            break
+        waiting += n
+    return order[0] + waiting
+
+
+def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
+                         tp: int = 1, precision: str = "bf16", mlp_ratio: int = 4,
+                         checkpointing: bool = False) -> int:
+    """Activation bytes of the built-in GPT at the start of backward (its peak), for one micro-batch.
+
+    Per layer, in the model dtype, with x = s·b·h elements (SDPA keeps no s×s scores, only its output and
+    a fp32 log-sum-exp per head and token): the block input and the LN1 output, the fused QKV output (3x/t),
+    SDPA's contiguous q, k, v (3x/t), the attention output and its contiguous copy (2x/t), the residual sum and the LN2 output, the MLP
+    up-projection and its GELU (2·mlp_ratio·x/t); plus the fp32 LayerNorm statistics. With activation
+    checkpointing only each layer's input is kept, and one layer is recomputed at a time. On top: the
+    final LayerNorm's input and output, and the loss: fp32 softmax, its gradient and the scaled gradient of
+    the logits (3 fp32 copies of s·b·vocab/t, plus the model-dtype logits for a non-fp32 model).
+    """
+    s, b, h = (_positive_int(x, name) for x, name in ((seq, "seq"), (micro_batch, "micro_batch"), (hidden, "hidden")))
+    a, n, t = _positive_int(heads, "heads"), _positive_int(layers, "layers"), _positive_int(tp, "tp")
+    vocab = _positive_int(vocab, "vocab")
+    item = DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)]
+    x = s * b * h
+    # (8 + 2r)x/t: SDPA's CPU flash kernel and the efficient CUDA kernel keep contiguous q, k, v too.
+    per_layer = item * (4 * x + Fraction((8 + 2 * mlp_ratio) * x, t)) + FP32 * s * b * (4 + Fraction(a, t))
+    per_layer = int(per_layer)
+    layer_stack = (n * item * x + per_layer) if checkpointing else n * per_layer
+    final = 2 * item * x
+    logits = s * b * Fraction(vocab, t)
+    loss = int(logits * (3 * FP32 + (item if item != FP32 else 0)))
+    return int(layer_stack + final + loss)

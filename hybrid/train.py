@@ -16,8 +16,14 @@ good checkpoint there (rank 0 chooses, the ranks verify its checksums; reported 
 the damaged or interrupted ones skipped) and continues from its step; after every step it
 saves every ``checkpoint_every`` steps and at the last step (rank 0 reports ``checkpoint_saved``). The
 data position saved is the step itself: ``batches(step)`` must yield the same batch for the same step on
-every run, so a resumed run continues exactly as an uninterrupted one would. Each step is assumed to end
-at a gradient-accumulation boundary (the built-in GPT accumulates nothing).
+every run, so a resumed run continues exactly as an uninterrupted one would. A step is one optimizer step:
+with ``gradient_accumulation_steps`` k the step's rows are cut into k micro-batches (``train_step``).
+
+Memory: after each of the first 3 steps of an attempt, then every ``measure_every`` steps, the step's
+report carries ``memory_measured`` (``hybrid.memory_budget.MemoryMeter.measure``, baseline taken when the
+``Context`` was made, before the engine); then the budget check raises ``torch.OutOfMemoryError`` when the
+measured peak exceeds ``memory_budget_bytes`` (the driver re-plans). The checkpoint of that step is not
+written, so the last good one is the one before.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from hybrid import checkpoint
 from hybrid.errors import UserError
+from hybrid.memory_budget import MemoryMeter, should_measure
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,9 @@ class JobSettings:
     checkpoint_keep_last: int = 2
     offload: bool = False  # optimizer states in host memory (the plan's choice)
     activation_checkpointing: bool = False  # recompute activations in backward (the plan's choice)
+    gradient_accumulation_steps: int = 1  # micro-steps per step; each takes micro_batch / this rows
+    memory_budget_bytes: Optional[float] = None  # the rank's budget (None: the GPU's total; CPU: none)
+    measure_every: int = 10  # memory measured after each of the first steps, then every this many
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +85,8 @@ class Context:
         self.step = 0  # optimizer steps completed (a resumed run starts above 0)
         self._reporter = reporter
         self._stop_requested = stop_requested
+        # Made before the entrypoint builds the engine: the baseline of every measurement.
+        self.memory_meter = MemoryMeter(self.device, settings.memory_budget_bytes)
 
     @property
     def steps(self) -> int:
@@ -102,15 +114,37 @@ class Context:
 # ---------------------------------------------------------------------------------------- loop pieces
 
 
-def train_step(engine, *args, **kwargs) -> float:
-    """One forward ``engine(*args, **kwargs)``, backward and optimizer step; returns the rank's loss.
+def train_step(engine, *args, accumulation: int = 1, **kwargs) -> float:
+    """One optimizer step: forward ``engine(*args, **kwargs)``, backward and ``engine.step()``; returns the
+    rank's loss. With ``accumulation`` > 1 every tensor argument's rows are cut into that many equal
+    micro-batches, each a forward, backward and ``engine.step()`` (the engine's
+    ``gradient_accumulation_steps`` must match), and the loss is the mean over them.
 
     The forward may return the loss (a scalar tensor) or, in the Hugging Face style, an object with a
     ``.loss`` attribute (a ``ModelOutput``, any dataclass) or a mapping with a ``"loss"`` key."""
-    loss = loss_of(engine(*args, **kwargs))
-    engine.backward(loss)
-    engine.step()
-    return float(loss.detach())
+    total = 0.0
+    for micro_args, micro_kwargs in _micro_batches(args, kwargs, accumulation):
+        loss = loss_of(engine(*micro_args, **micro_kwargs))
+        engine.backward(loss)
+        engine.step()
+        total += float(loss.detach())
+    return total / accumulation
+
+
+def _micro_batches(args: tuple, kwargs: dict, accumulation: int):
+    """``accumulation`` equal row slices of every tensor in ``args`` / ``kwargs`` (other values as they are)."""
+    if accumulation == 1:
+        return [(args, kwargs)]
+    rows = batch_rows(args, kwargs)
+    if rows % accumulation:
+        raise ValueError(f"{rows} rows do not split into {accumulation} equal micro-batches")
+    n = rows // accumulation
+
+    def cut(value, i):
+        return value[i * n:(i + 1) * n] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+    return [(tuple(cut(a, i) for a in args), {k: cut(x, i) for k, x in kwargs.items()})
+            for i in range(accumulation)]
 
 
 def loss_of(output) -> torch.Tensor:
@@ -218,20 +252,27 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
     first_loss = last_loss = None
     ctx.step = start_step
     started = time.perf_counter()
+    accumulation = ctx.settings.gradient_accumulation_steps
     for step in range(start_step, ctx.steps):
         if ctx.should_stop():
             log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)
             break
         args, kwargs = batch_args(batches(step))
         t0 = time.perf_counter()
-        loss = train_step(engine, *args, **kwargs)
+        loss = train_step(engine, *args, accumulation=accumulation, **kwargs)
         seconds = time.perf_counter() - t0
         ctx.step = step + 1
         if tokens_per_step:
             count, unit = tokens_per_step, "tokens"
         else:
             count, unit = samples_per_step or batch_rows(args, kwargs) * getattr(ctx.mesh, "dp", 1), "samples"
-        ctx.report(step_metrics(engine, loss, seconds, count, unit))
+        metrics = step_metrics(engine, loss, seconds, count, unit)
+        measured = None
+        if should_measure(ctx.step - start_step, ctx.settings.measure_every):
+            measured = metrics["memory_measured"] = ctx.memory_meter.measure()
+        ctx.report(metrics)
+        if measured is not None:  # reported first, so the driver knows the figure the budget refused
+            ctx.memory_meter.check(measured)
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
         save_checkpoint(ctx, engine, ctx.step)

@@ -3,8 +3,11 @@
 ``Progress`` collects the per-step reports of every rank. A step is shown once all ranks reported it:
 on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
 step, the loss (mean over the DP ranks), the job's throughput in the entrypoint's unit (tokens/s,
-samples/s), the per-rank model-state memory, and the latest NVML sample of each node where NVML is
-available. ``summary()`` renders the final per-rank table. ``on_step`` (the metrics writer) gets every
+samples/s), the per-rank model-state memory, the largest rank's measured memory against its budget,
+and the latest NVML sample of each node where NVML is available. With a ``prediction`` (``new_plan``),
+the first step every rank measured is followed by the predicted-vs-measured table
+(``launch.memory_view``), which the summary repeats; a rank above 95 % of its budget is warned about once
+per attempt. ``summary()`` renders the final per-rank table. ``on_step`` (the metrics writer) gets every
 entry that goes into the history, re-run steps included (they replace the earlier ones).
 
 One ``Progress`` spans every attempt of a job. Checkpoint events become plain lines: rank 0's
@@ -29,6 +32,7 @@ from collections import defaultdict
 from typing import Callable, Optional, TextIO
 
 from hybrid.units import human_bytes
+from launch.memory_view import memory_table, near_oom_line, usage_text
 
 
 from launch.metrics import model_state_bytes, step_entry  # noqa: E402,F401  (re-exported)
@@ -52,6 +56,11 @@ class Progress:
         self._notes: list[tuple[int, str]] = []  # (step, text): waiting for that step's line
         self.started = time.perf_counter()
         self._line_open = False
+        self.prediction: Optional[dict] = None  # hybrid.memory.MemoryPrediction.as_dict() of the running plan
+        self.measured: dict[int, dict] = {}  # rank -> its latest memory_measured (with its step)
+        self.reports: dict[int, dict] = {}  # rank -> the engine memory report of that measurement
+        self._table_out = False  # the predicted-vs-measured table of this attempt is printed
+        self._warned: set = set()  # ranks warned near out of memory in this attempt
 
     # ------------------------------------------------------------------------------------------ input
 
@@ -65,6 +74,8 @@ class Progress:
             elif "loss" in record:
                 self.last[record["rank"]] = record
                 self.pending[record["step"]][record["rank"]] = record
+                if record.get("memory_measured"):
+                    self._measured(record)
         if drained.get("nvml"):
             self.nvml[drained["rank"]] = drained["nvml"][-1]
         for step in sorted(self.pending):
@@ -75,6 +86,26 @@ class Progress:
                 break
             self._complete(step, self.pending.pop(step))
         self._flush_notes()
+
+    def new_plan(self, prediction: Optional[dict]) -> None:
+        """The next attempt runs a plan predicted at ``prediction``: its measurements start afresh."""
+        self.prediction = prediction
+        self.measured, self.reports, self._table_out, self._warned = {}, {}, False, set()
+
+    def memory_lines(self, title: str = "memory per rank") -> list[str]:
+        """The predicted-vs-measured table (``launch.memory_view``), or none before any measurement."""
+        if self.prediction is None:
+            return []
+        return memory_table(self.prediction, self.measured, self.reports, title)
+
+    def _measured(self, record: dict) -> None:
+        rank = record["rank"]
+        self.measured[rank] = {**record["memory_measured"], "step": record["step"]}
+        self.reports[rank] = record.get("memory") or {}
+        warning = near_oom_line(rank, self.measured[rank])
+        if warning and rank not in self._warned:
+            self._warned.add(rank)
+            self.note(warning)
 
     def restart(self, step: int) -> None:
         """A new attempt starts from checkpoint ``step``: show the steps up to it that are not out yet from
@@ -132,6 +163,10 @@ class Progress:
         if step > self._printed:
             self._printed = step
             self._print(entry)
+        if not self._table_out and self.prediction is not None and len(self.measured) >= self.world_size:
+            self._table_out = True
+            for line in self.memory_lines(f"memory per rank after step {step}"):
+                self.note(line)
         self._flush_notes()
 
     def _print(self, entry: dict) -> None:
@@ -161,7 +196,7 @@ class Progress:
         ranks = e["ranks_reported"]
         partial = f"  ({ranks} of {self.world_size} ranks reported)" if ranks < self.world_size else ""
         return (f"{head}  loss {e['loss']:.4f}  {e['throughput']:,.0f} {e['throughput_unit']}{mem_text}"
-                f"{self._nvml_text()}{partial}")
+                f"{usage_text(self.measured)}{self._nvml_text()}{partial}")
 
     def _nvml_text(self) -> str:
         parts = []
@@ -199,4 +234,5 @@ class Progress:
             mean = sum(e["throughput"] for e in reported) / len(reported)
             rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
                         f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean:,.0f} {unit} mean")
+        rows += self.memory_lines()
         return "\n".join(rows)

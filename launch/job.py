@@ -29,6 +29,12 @@ Every rank starts with ``launch.runtime_env`` (job.working_dir shipped, job.env 
 goes to ``launch.metrics.MetricsWriter`` (run_dir/metrics.jsonl), and the summary ends with the loss against
 the entrypoint's reference and where the metrics and the ranks' full logs are.
 
+Memory (``launch.memory_loop``): the display shows the plan's predicted memory against what the ranks
+measure; a rank that runs out of memory (``torch.OutOfMemoryError``, on CPU raised by the ranks' budget
+check) makes the driver re-plan from the measured figures (``launch.replan``) and restart every rank from
+the latest checkpoint with the new plan, at most ``job.max_replans`` times, without using up
+``job.max_failures``; the figures go to ``run_dir/memory.json``.
+
 Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
 exits 1); the rank's traceback is logged.
 """
@@ -49,8 +55,9 @@ import ray
 from hybrid import heartbeat
 from hybrid.checkpoint import layout
 from hybrid.errors import JobError, UserError
+from hybrid.memory_budget import OutOfMemoryError
 from hybrid.train import JobSettings
-from launch import ray_cluster
+from launch import memory_loop, ray_cluster, replan
 from launch.display import Progress
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
 from launch.plan import LaunchPlan, build_plan, format_plan
@@ -91,6 +98,7 @@ class AttemptOutcome:
     retryable: bool = True
     user_error: Optional[UserError] = None
     placement: list[RankPlacement] = field(default_factory=list)
+    oom: bool = False  # the blamed rank ran out of memory (torch.OutOfMemoryError, or over its budget)
 
 
 @dataclass
@@ -104,6 +112,7 @@ class JobResult:
     wall_s: float
     failures: list[str] = field(default_factory=list)  # one sentence per failed attempt
     resumed_from: Optional[int] = None  # the checkpoint step the final attempt started from
+    replans: list[str] = field(default_factory=list)  # the re-plan line of each out-of-memory restart
 
 
 def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
@@ -133,27 +142,48 @@ def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bo
     return run_job(plan, stream, tty=tty)
 
 
-def settings_for(plan: LaunchPlan) -> JobSettings:
+def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> JobSettings:
+    """The ranks' settings for ``plan`` run as ``choice`` (a re-plan's; default the plan's own). On CPU the
+    ranks' memory budget is the declared ``cluster.gpu_memory_gb``; on GPUs each rank reads its GPU's."""
     job = plan.spec.job
-    return JobSettings(steps=job.steps, micro_batch=job.micro_batch, stage=plan.stage,
-                       precision=plan.spec.parallel.precision, seed=job.seed,
-                       checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,
-                       checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
-                       offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing)
+    budget = None if plan.use_gpus else replan.budget_bytes(plan)
+    settings = JobSettings(steps=job.steps, micro_batch=job.micro_batch, stage=plan.stage,
+                           precision=plan.spec.parallel.precision, seed=job.seed,
+                           checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,
+                           checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
+                           offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing,
+                           memory_budget_bytes=budget)
+    return (choice or replan.initial_choice(plan)).settings(settings)
 
 
 def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
-    """Attempts until one succeeds; at most ``1 + job.max_failures`` of them, each resuming every rank from
-    the latest checkpoint."""
+    """Attempts until one succeeds; at most ``1 + job.max_failures`` failed ones, each resuming every rank
+    from the latest checkpoint, plus at most ``job.max_replans`` out-of-memory restarts with a new plan
+    (``launch.replan``), which do not count as failures."""
     spec = plan.spec
     attempts = 1 + spec.job.max_failures
     started = time.perf_counter()
     metrics = MetricsWriter(spec.job.run_dir)
     progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty, on_step=metrics.write)
     failures: list[str] = []
+    loop = memory_loop.MemoryLoop(plan, progress)
+    attempt = 0
     try:
-        for attempt in range(1, attempts + 1):
-            outcome = run_attempt(plan, progress)
+        while True:
+            attempt += 1
+            outcome = run_attempt(plan, progress, loop.choice)
+            loop.record_attempt(outcome.ok)
+            if not outcome.ok and outcome.oom:
+                failures.append(outcome.failure.sentence())
+                try:
+                    line = loop.replan(outcome.failure.rank, latest_checkpoint_step(spec.job.checkpoint.dir,
+                                                                                    progress.checkpoint_step))
+                except replan.NothingFits as err:
+                    raise JobFailed(str(err)) from None
+                progress.restart(loop.resume_step or 0)
+                progress.note(line)
+                attempt -= 1  # a re-plan is not a failed attempt
+                continue
             if outcome.ok:
                 progress.close()
                 wall = time.perf_counter() - started
@@ -162,7 +192,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
                     print(line, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
-                                 attempt, wall, failures, progress.resumed_from)
+                                 attempt, wall, failures, progress.resumed_from, loop.lines)
             if outcome.user_error is not None:
                 raise outcome.user_error
             failure = outcome.failure.sentence()
@@ -177,7 +207,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
     finally:
         progress.close()
         metrics.close()
-    raise AssertionError("unreachable")
+        loop.save()
 
 
 def restart_line(failure: str, step: Optional[int], checkpoints: bool, attempt: int, attempts: int) -> str:
@@ -206,8 +236,9 @@ def latest_checkpoint_step(run_dir, reported: Optional[int]) -> Optional[int]:
     return max(seen) if seen else None
 
 
-def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
-    """Start every rank, run the entrypoint, poll reports until all ranks return or one fails."""
+def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Choice] = None) -> AttemptOutcome:
+    """Start every rank, run the entrypoint (as ``choice``: a re-plan's; default the plan's own), poll
+    reports until all ranks return or one fails."""
     spec = plan.spec
     # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
@@ -227,7 +258,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress) -> AttemptOutcome:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             return AttemptOutcome(False, failure=Failure(None, None, f"setting up the ranks failed: {cause_of(err)}"),
                                   placement=group.placement)
-        refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan),
+        refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan, choice),
                          working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
         outcome = _collect(group, refs, progress, spec.job.collective_timeout_s)
         outcome.placement = placement
@@ -286,7 +317,8 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
         return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
     if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
         return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)
-    return AttemptOutcome(False, failure=failure)
+    oom = isinstance(cause, OutOfMemoryError) or type(cause).__name__ == "OutOfMemoryError"
+    return AttemptOutcome(False, failure=failure, oom=oom)
 
 
 def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exception]]:

@@ -66,7 +66,10 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     unit = first.get("throughput_unit", "tokens")
     count = max(r.get(unit, 0) or 0 for r in records.values())
     mem = [model_state_bytes(records[rank].get("memory")) for rank in sorted(records)]
-    return {"step": step, "loss": sum(r["loss"] for r in dp_records) / len(dp_records),
+    measured = {rank: records[rank]["memory_measured"] for rank in sorted(records)
+                if records[rank].get("memory_measured")}
+    extra = {"memory_measured": measured} if measured else {}  # hybrid.memory_budget, on measured steps
+    return {**extra, "step": step, "loss": sum(r["loss"] for r in dp_records) / len(dp_records),
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
             "throughput": count / slowest if slowest > 0 else 0.0, "throughput_unit": f"{unit}/s",
             "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}

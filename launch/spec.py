@@ -59,6 +59,8 @@ class ClusterSpec:
     inter_node: str = "unspecified"
     connect_timeout_s: float = 60.0  # auto / ray://: how long to wait for the cluster to answer
     host_memory_gb: Optional[float] = None  # per node; used where the probe cannot measure, and by `hybrid plan`
+    # CUDA context and NCCL buffers per GPU, outside the allocator; None: hybrid.memory's default on GPUs
+    runtime_reserve_gb: Optional[float] = None
 
     @property
     def is_local(self) -> bool:
@@ -90,6 +92,7 @@ class JobSpec:
     working_dir: Optional[Path] = None  # shipped to every rank; the entrypoint's module is found here
     env: dict = field(default_factory=dict)  # environment variables for the ranks
     isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
+    max_replans: int = 3  # out-of-memory re-plans (launch.replan); they do not count against max_failures
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
 
 def _cluster(d: dict) -> ClusterSpec:
     v.known_keys("cluster", d, ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
-                                "connect_timeout_s", "host_memory_gb"))
+                                "connect_timeout_s", "host_memory_gb", "runtime_reserve_gb"))
     address = check_address(v.required(d, "cluster", "address", ADDRESS_HELP))
     nodes = v.positive_int("cluster.nodes", v.required(d, "cluster", "nodes", "a whole number of nodes, at least 1"),
                            MAX_NODES)
@@ -174,7 +177,10 @@ def _cluster(d: dict) -> ClusterSpec:
     host = d.get("host_memory_gb")
     if host is not None:
         host = v.positive_number("cluster.host_memory_gb", host, MAX_HOST_MEMORY_GB, unit="GB")
-    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host)
+    reserve = d.get("runtime_reserve_gb")
+    if reserve is not None:
+        reserve = v.number("cluster.runtime_reserve_gb", reserve, 0, memory, unit="GB")
+    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve)
 
 
 def check_address(address: Any) -> str:
@@ -190,7 +196,8 @@ def check_address(address: Any) -> str:
 
 def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     v.known_keys("job", d, ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
-                            "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus"))
+                            "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus",
+                            "max_replans"))
     working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
     entrypoint = v.required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
     check_entrypoint(entrypoint, working_dir)
@@ -204,6 +211,7 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     steps = v.positive_int("job.steps", v.required(d, "job", "steps", "the number of training steps"), MAX_STEPS)
     micro_batch = v.positive_int("job.micro_batch", d.get("micro_batch", 8), MAX_MICRO_BATCH)
     max_failures = v.integer("job.max_failures", d.get("max_failures", 0), 0, MAX_FAILURES)
+    max_replans = v.integer("job.max_replans", d.get("max_replans", 3), 0, MAX_FAILURES)
     seed = v.integer("job.seed", d.get("seed", 0), 0, v.MAX_SEED)
     timeout = v.number("job.collective_timeout_s", d.get("collective_timeout_s", 300), *COLLECTIVE_TIMEOUT_S,
                        unit="seconds")
@@ -215,7 +223,7 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     run_dir = run_dir or checkpoint.dir or Path.cwd() / "runs" / name
     isolate_gpus = v.boolean("job.isolate_gpus", d.get("isolate_gpus", False))
     return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, timeout, seed,
-                   run_dir, working_dir, _env(d.get("env")), isolate_gpus)
+                   run_dir, working_dir, _env(d.get("env")), isolate_gpus, max_replans=max_replans)
 
 
 def _directory(value: Any, name: str, base_dir: Path) -> Path:

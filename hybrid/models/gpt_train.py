@@ -6,7 +6,8 @@ ZeRO engine at the planned stage on the mesh's DP group, and trains it on the to
 names under ``data:`` (a ``hybrid.data.TokenFile``; a relative path is relative to the model config file;
 ``model.vocab_size`` must be at least the file's vocabulary), else on ``hybrid.data.MarkovTokens``:
 each DP rank takes its own slice of the step's global batch, the TP ranks of a group take the same one.
-Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. With a checkpoint
+Every step reports loss, tokens/s and the engine's memory report through ``ctx.report``. A step is
+``micro_batch × gradient_accumulation_steps`` rows per rank, trained as micro-batches of ``micro_batch``. With a checkpoint
 directory in the job, every rank resumes from its latest checkpoint and saves on the job's cadence
 (``hybrid.train.run_steps``); the stream yields the same batch for the same step, so the data position
 is the step.
@@ -26,6 +27,10 @@ model config, which the driver builds under ``torch.device("meta")`` to count Ψ
 ``build_engine`` honours the plan's levers in ``ctx.settings``: ``activation_checkpointing`` through the
 GPT config's field of that name, ``offload`` through the DeepSpeed-style
 ``zero_optimization.offload_optimizer: {device: cpu}``.
+
+The model config may also carry an optional ``zero:`` mapping of ``hybrid.config.ZeroConfig`` sizes
+(``reduce_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ...; not ``stage``, which
+is the plan's); the launcher's memory prediction reads the same mapping (``zero_options``).
 """
 
 from __future__ import annotations
@@ -45,20 +50,23 @@ TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "br
                   "scheduler": None}
 
 
-def train(ctx: Context) -> dict:
-    """Train the configured GPT for ``ctx.steps`` steps; returns this rank's summary."""
+def train(ctx: Context, after_step=()) -> dict:
+    """Train the configured GPT for ``ctx.steps`` steps; returns this rank's summary. ``after_step``: hooks
+    ``(ctx, engine, step)`` run after every step (``hybrid.train.run_steps``)."""
     model_config = GPTConfig.from_dict(ctx.model_config.get("model", {}))
     options = train_options(ctx.model_config.get("train"))
     engine = build_engine(ctx, model_config, options)
     stream, reference = data_source(ctx, model_config, options)
-    micro_batch, mesh = ctx.settings.micro_batch, ctx.mesh
+    # A step takes micro_batch x gradient_accumulation_steps rows per rank, as micro-batches of micro_batch:
+    # a re-plan that halves the micro-batch and doubles the accumulation keeps the step's rows.
+    rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
 
     def batches(step: int):
-        inputs, targets = stream.batch(step, micro_batch, mesh.dp_rank, mesh.dp)
+        inputs, targets = stream.batch(step, rows, mesh.dp_rank, mesh.dp)
         return inputs.to(ctx.device), targets.to(ctx.device)
 
-    tokens_per_step = micro_batch * mesh.dp * model_config.seq_len
-    summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step)
+    tokens_per_step = rows * mesh.dp * model_config.seq_len
+    summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step, after_step=after_step)
     return {**summary, "reference_loss": reference, "stage": ctx.stage, "memory": engine.memory_report()}
 
 
@@ -129,8 +137,10 @@ def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTC
     return dataclasses.replace(model_config, activation_checkpointing=True)
 
 
-def training_config(options: dict, stage: int, precision: str, offload: bool = False):
-    """The engine's ``TrainConfig`` from checked ``train:`` options and the job's stage and precision."""
+def training_config(options: dict, stage: int, precision: str, offload: bool = False, zero: Optional[dict] = None,
+                    accumulation: int = 1):
+    """The engine's ``TrainConfig`` from checked ``train:`` options, the job's stage and precision, optimizer
+    offload, ``zero`` sizes (``zero_options``) and gradient accumulation steps."""
     from hybrid.config import TrainConfig
 
     optimizer = dict(options.get("optimizer") or {})
@@ -139,12 +149,27 @@ def training_config(options: dict, stage: int, precision: str, offload: bool = F
         optimizer["params"] = {**defaults, **v.mapping("train.optimizer.params", optimizer["params"])}
     else:
         optimizer = {**defaults, **optimizer}
-    zero = {"stage": stage}
+    zero = {**(zero or {}), "stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
                                   "scheduler": options.get("scheduler"),
-                                  "gradient_clipping": options["gradient_clipping"]})
+                                  "gradient_clipping": options["gradient_clipping"],
+                                  "gradient_accumulation_steps": accumulation})
+
+
+def zero_options(section: Any) -> dict:
+    """The ``zero:`` mapping of the model config (ZeroConfig fields but ``stage``), each value checked."""
+    import dataclasses
+
+    from hybrid.config import ZeroConfig
+
+    if section is None:
+        return {}
+    names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name != "stage"]
+    options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
+    ZeroConfig(**options)  # every field checked, named zero.<field>
+    return options
 
 
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
@@ -155,6 +180,8 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     model_config = with_levers(model_config, getattr(ctx.settings, "activation_checkpointing", False))
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
-    config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False))
+    config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False),
+                             zero=zero_options(ctx.model_config.get("zero")),
+                             accumulation=ctx.settings.gradient_accumulation_steps)
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)

@@ -6,8 +6,10 @@ choice. ``--json`` prints exactly one JSON object:
 "total_gb", "fits"}}, "recommended_stage", "offload", "activation_checkpointing", "reason"}``, plus
 ``"activations_gb"`` when the model shape is given (each ``total_gb`` then includes the activations, the
 checkpointed estimate under ``--activation-checkpointing``; without the flag the planner may still choose
-checkpointing when plain ZeRO-3 does not fit). GB means 10^9 bytes, as in the seed; sizes print through
-``hybrid.units.human_bytes``.
+checkpointing when plain ZeRO-3 does not fit), and ``"prediction"`` (stage ->
+``hybrid.memory.MemoryPrediction.as_dict()``, bytes) when ``--vocab`` is given too: the complete prediction of
+the built-in GPT of that shape, which the human output shows as a second table. GB means 10^9 bytes, as in
+the seed; sizes print through ``hybrid.units.human_bytes``.
 Any bad input ends with one ``error: ...`` line and exit status 2.
 """
 
@@ -121,9 +123,11 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
 @click.option("--seq", type=int, help="Sequence length.")
 @click.option("--micro-batch", type=int, help="Micro-batch size per GPU.")
 @click.option("--activation-checkpointing", is_flag=True, help="Estimate activations with full checkpointing.")
+@click.option("--vocab", type=int, help="Vocabulary size: with the whole shape, adds the complete prediction of the "
+              "built-in GPT of that shape (states as the engine lays them out, buckets, activations, reserve).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
-             activation_checkpointing, as_json) -> None:
+             activation_checkpointing, vocab, as_json) -> None:
     """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
     params = parse_count(params_text, field="--params")
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
@@ -142,7 +146,38 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
                             activation_checkpointing=True if activation_checkpointing else None)
     except PlanError as err:
         raise PlanError(f"--gpus: {err}") from None
+    prediction = None
+    if vocab is not None:
+        if shape["layers"] is None:
+            raise ConfigError("--vocab adds the built-in GPT's complete prediction, which needs the whole model "
+                              "shape: also give --layers, --hidden, --heads, --seq and --micro-batch.")
+        prediction = _gpt_prediction(v.positive_int("--vocab", vocab), shape, gpus // tp, tp, precision,
+                                     activation_checkpointing)
     if as_json:
-        click.echo(json.dumps(_as_json(params, gpu_memory, plan, activations)))
+        out = _as_json(params, gpu_memory, plan, activations)
+        if prediction is not None:
+            out["prediction"] = {str(s): p.as_dict() for s, p in prediction.items()}
+        click.echo(json.dumps(out))
     else:
         click.echo(_as_table(params, precision, gpu_memory, plan, activations))
+        if prediction is not None:
+            from launch.memory_view import prediction_lines
+
+            for line in prediction_lines(prediction, plan.usable_bytes, "cuda"):
+                click.echo(line)
+
+
+def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, checkpointing: bool) -> dict:
+    """``hybrid.memory.predict_memory`` per stage for the built-in GPT of this shape, on GPUs (the default
+    runtime reserve included)."""
+    from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, gpt_activation_bytes, module_param_numels, predict_memory
+    from hybrid.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
+                       n_heads=shape["heads"])
+    config.check_tp(tp)
+    modules = module_param_numels(GPT(config, device="meta"), tp)
+    acts = gpt_activation_bytes(shape["seq"], shape["micro_batch"], shape["hidden"], shape["heads"], shape["layers"],
+                                vocab, tp=tp, precision=precision, checkpointing=checkpointing)
+    return {s: predict_memory(modules, dp, s, precision, activations=acts, runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB
+                              * 10**9) for s in STAGES}

@@ -84,3 +84,17 @@ def sleep_past_timeout_on_rank_1(ctx):
         ctx.step = step + 1
         ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
     return {"rank": ctx.rank}
+
+
+def train_holding_extra(ctx):
+    """The built-in GPT training, plus memory the planner cannot see: from step 2 on (after the first
+    checkpoint; after the first step of a resumed attempt) the rank holds a buffer of HOLD_EXTRA_MB MB
+    (job.env), written so its pages are really resident."""
+    held = []
+    extra = float(os.environ.get("HOLD_EXTRA_MB", "0"))
+
+    def hold(ctx, engine, step):
+        if step >= 2 and not held and extra:
+            held.append(torch.ones(int(extra * 1e6 / 4)))
+
+    return train(ctx, after_step=[hold])

@@ -1,0 +1,154 @@
+"""What one rank measures of its own memory, and the budget check that turns an overshoot into an OOM.
+
+``MemoryMeter(device, budget_bytes=None, nvml=None)`` is made before the engine is built (``hybrid.train
+.Context`` does it), so its baseline excludes the runtime but includes everything the job allocates.
+``measure()`` returns one plain dict:
+
+* on CUDA: ``torch.cuda.max_memory_allocated`` (``peak_bytes``) and ``max_memory_reserved``
+  (``reserved_bytes``) of the rank's device since the last ``measure()``, and NVML's used and total memory
+  of that GPU (``nvml_used_bytes``, ``nvml_total_bytes``; absent where NVML is not available);
+* on CPU -- the stand-in that makes the closed loop testable without a GPU -- the process's peak RSS
+  growth since the baseline (``peak_bytes``): Linux's ``VmHWM`` reset to the current RSS through
+  ``/proc/self/clear_refs`` at the baseline, else ``ru_maxrss``, which cannot be reset (so the figure is
+  the peak since the process started, less the RSS at the baseline).
+
+``budget_bytes`` is the rank's memory budget: the GPU's total on CUDA (NVML's, else the device's), and
+on CPU the declared ``cluster.gpu_memory_gb`` the driver passes. ``used_bytes`` is what is held against it
+(NVML's used memory where known, else the peak) and ``fraction`` their ratio. ``check(measured)`` raises
+``torch.OutOfMemoryError`` when the peak exceeds the budget, the same class CUDA raises, so the driver
+handles both alike; ``NEAR_OOM`` is the fraction above which the driver warns.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from typing import Optional
+
+import torch
+
+NEAR_OOM = 0.95
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def _status_bytes(key: str) -> Optional[int]:
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _maxrss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _reset_peak_rss() -> bool:
+    """Make VmHWM equal the current RSS (Linux); False where that is not possible."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return _status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+class MemoryMeter:
+    def __init__(self, device="cpu", budget_bytes: Optional[float] = None, nvml=None,
+                 gpu_index: Optional[int] = None):
+        self.device = torch.device(device)
+        self.nvml = nvml  # a pynvml-compatible module (hybrid.monitor); None: pynvml, on CUDA only
+        self.gpu_index = gpu_index if gpu_index is not None else nvml_index(self.device.index or 0)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = 0
+            self._hwm = False
+        else:
+            self._hwm = _reset_peak_rss()
+            self.baseline = _status_bytes("VmRSS") if self._hwm else _maxrss_bytes()
+        self.budget_bytes = float(budget_bytes) if budget_bytes else self._device_total()
+
+    # -- reading --------------------------------------------------------------------------------------
+    def _nvml_gpu(self) -> Optional[tuple[int, int]]:
+        """(used, total) bytes of this rank's GPU from NVML, or None where NVML cannot tell."""
+        if not self.cuda and self.nvml is None:
+            return None
+        from hybrid import monitor
+
+        probe = monitor.probe(self.nvml)
+        if not probe.available or not probe.gpus:
+            return None
+        gpu = next((g for g in probe.gpus if g.index == self.gpu_index), probe.gpus[0])
+        return gpu.used_bytes, gpu.total_bytes
+
+    def _device_total(self) -> Optional[float]:
+        nvml = self._nvml_gpu()
+        if nvml is not None:
+            return float(nvml[1])
+        if self.cuda:
+            return float(torch.cuda.get_device_properties(self.device).total_memory)
+        return None
+
+    def measure(self) -> dict:
+        """This rank's memory now (see the module docstring); the CUDA peaks are reset for the next call."""
+        out: dict = {"device": self.device.type}
+        if self.cuda:
+            out["peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+            out["reserved_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            out["source"] = "torch.cuda.max_memory_allocated"
+        else:
+            peak = _status_bytes("VmHWM") if self._hwm else _maxrss_bytes()
+            out["peak_bytes"] = max(0, int(peak or 0) - self.baseline)
+            out["source"] = "peak RSS growth since the engine was built (CPU stand-in)"
+        nvml = self._nvml_gpu()
+        if nvml is not None:
+            out["nvml_used_bytes"], out["nvml_total_bytes"] = nvml
+        used = out.get("nvml_used_bytes", out["peak_bytes"])
+        out["used_bytes"] = int(used)
+        if self.budget_bytes:
+            out["budget_bytes"] = int(self.budget_bytes)
+            out["fraction"] = used / self.budget_bytes
+        return out
+
+    # -- the budget -----------------------------------------------------------------------------------
+    def check(self, measured: dict) -> None:
+        """Raise ``OutOfMemoryError`` when the measured peak (or NVML's used memory) exceeds the budget."""
+        budget = measured.get("budget_bytes")
+        if not budget:
+            return
+        used = max(measured["peak_bytes"], measured.get("nvml_used_bytes", 0))
+        if used > budget:
+            raise OutOfMemoryError(
+                f"measured {used / 1e9:.3f} GB exceeds this rank's memory budget of {budget / 1e9:.3f} GB "
+                f"({measured['source']})")
+
+
+def nvml_index(cuda_index: int) -> int:
+    """NVML's index of ``cuda:<cuda_index>``: NVML ignores ``CUDA_VISIBLE_DEVICES``, CUDA does not."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if cuda_index < len(visible) and visible[cuda_index].isdigit():
+        return int(visible[cuda_index])
+    return cuda_index
+
+
+def near_oom(measured: dict) -> bool:
+    """Whether a measurement is above ``NEAR_OOM`` of its budget."""
+    return (measured.get("fraction") or 0) > NEAR_OOM
+
+
+def should_measure(step: int, every: int, first: int = 3) -> bool:
+    """Measure after each of the first ``first`` steps of an attempt, then every ``every`` steps."""
+    return step <= first or (every > 0 and step % every == 0)
+
+
+__all__ = ["MemoryMeter", "OutOfMemoryError", "NEAR_OOM", "near_oom", "should_measure"]

@@ -1,0 +1,69 @@
+"""The memory prediction against the measurement, on real gloo ranks (CPU: peak RSS growth).
+
+The built-in GPT at 52.6M parameters (vocab 8192, hidden 512, 14 layers, seq 128, micro-batch 4), DP 2,
+stages 0-3, fp32 and bf16: each rank makes a ``MemoryMeter`` before building the model on meta (as
+``hybrid.train.Context`` does), trains one step, and its measured peak RSS growth is within 15 % of
+``hybrid.memory.predict_memory(...).total`` (the engine's real layout, gloo's reduce-scatter copies, the
+GPT's activations, the CPU runtime reserve). Each case runs in fresh processes (RSS is per process).
+With activation checkpointing (a parametrization that skips while the GPT config has no such field).
+Figures, as the test prints them, are in bench/RESULTS.md.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import hybrid
+from hybrid.config import TrainConfig, ZeroConfig
+from hybrid.local_launch import run_local
+from hybrid.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, gpt_activation_bytes, module_param_numels, predict_memory
+from hybrid.memory_budget import MemoryMeter
+from hybrid.models.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.slow
+
+SHAPE = dict(vocab_size=8192, seq_len=128, n_layers=14, hidden=512, n_heads=8)
+MICRO_BATCH, DP, TOLERANCE = 4, 2, 0.15
+AC_FIELD = "activation_checkpointing"
+
+
+def _case(stage: int, precision: str, checkpointing: bool) -> dict:
+    import torch.distributed as dist
+
+    shape = dict(SHAPE, **({AC_FIELD: True} if checkpointing else {}))
+    meter = MemoryMeter("cpu")
+    model = GPT(GPTConfig(**shape), device="meta")
+    modules = module_param_numels(model)
+    engine = hybrid.initialize(model, TrainConfig(zero=ZeroConfig(stage=stage), precision=precision,
+                                                  gradient_clipping=1.0))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(1):  # the peak is reached in the first step: every state exists from the start
+        x = torch.randint(0, SHAPE["vocab_size"], (MICRO_BATCH, SHAPE["seq_len"]), generator=g)
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+    measured = meter.measure()["peak_bytes"]
+    activations = gpt_activation_bytes(SHAPE["seq_len"], MICRO_BATCH, SHAPE["hidden"], SHAPE["n_heads"],
+                                       SHAPE["n_layers"], SHAPE["vocab_size"], precision=precision,
+                                       checkpointing=checkpointing)
+    predicted = predict_memory(modules, DP, stage, precision, activations=activations, device="cpu",
+                               runtime_reserve=DEFAULT_CPU_RUNTIME_RESERVE_GB * GB)
+    return {"measured": measured, "predicted": predicted.total, "parts": predicted.as_dict(),
+            "params": sum(sum(m) for m in modules)}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ac", "ac"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_prediction_within_15_percent_of_measured_peak(stage, precision, checkpointing):
+    if checkpointing and AC_FIELD not in {f.name for f in dataclasses.fields(GPTConfig)}:
+        pytest.skip("GPTConfig has no activation_checkpointing field yet (the issue 'The guide's last row made "
+                    "real' adds it)")
+    results = run_local(_case, DP, stage, precision, checkpointing, timeout_s=600)
+    assert results[0]["params"] >= 50_000_000
+    for rank, r in enumerate(results):
+        dev = (r["measured"] - r["predicted"]) / r["predicted"]
+        print(f"stage {stage} {precision} ac={checkpointing} rank {rank}: predicted {r['predicted'] / 1e6:.1f} MB, "
+              f"measured {r['measured'] / 1e6:.1f} MB ({100 * dev:+.1f}%) {r['parts']}")
+        assert abs(dev) <= TOLERANCE, (rank, r)

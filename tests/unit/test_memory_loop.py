@@ -1,0 +1,290 @@
+"""The closed memory loop's pure parts: the complete prediction against the engine's real layout, the
+rank-side meter and budget check (CPU RSS, an injected fake NVML), the re-plan ladder and its sentences,
+the predicted-vs-measured table, and gradient accumulation keeping a step's rows."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import hybrid
+from hybrid.config import TrainConfig, ZeroConfig
+from hybrid.memory import gpt_activation_bytes, module_param_numels, predict_memory, unit_layout
+from hybrid.memory_budget import MemoryMeter, OutOfMemoryError, near_oom, should_measure
+from hybrid.models.gpt import GPT, GPTConfig
+from hybrid.train import train_step
+from launch import replan
+from launch.memory_view import memory_table, near_oom_line, usage_text
+from launch.plan import build_plan
+from launch.spec import parse_spec
+from tests.unit.test_monitor import FakeNvml, _two_h100s
+
+GiB = 2**30
+TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
+WIDE = GPTConfig(vocab_size=512, seq_len=32, n_layers=2, hidden=128, n_heads=4)  # units above the threshold
+
+
+# ------------------------------------------------------------------------------------------- prediction
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("cfg", [TINY, WIDE], ids=["tiny", "wide"])
+def test_model_states_equal_what_the_engine_holds(cfg, stage, precision):
+    modules = module_param_numels(GPT(cfg, device="meta"))
+    zero = ZeroConfig(stage=stage, reduce_bucket_size=20_000, param_persistence_threshold=10_000)
+    engine = hybrid.initialize(GPT(cfg, device="meta"), TrainConfig(zero=zero, precision=precision))
+    held = engine.memory_report()
+    p = predict_memory(modules, 1, stage, precision, zero=zero)
+    assert (p.params, p.grads, p.optimizer) == (held["params"], held["grads"], held["optimizer"])
+
+
+def test_gpt_tiny_stage3_counts_the_persistent_parameters():
+    """The issue's figure: at stage 3 the default threshold keeps every small gpt-tiny parameter gathered."""
+    modules = module_param_numels(GPT(TINY, device="meta"))
+    p = predict_memory(modules, 2, 3, "fp32")
+    layout, persistent = unit_layout(modules, 3, 2, "fp32")
+    assert persistent and p.params == sum(layout.units[u].numel for u in persistent) * 4 + layout.shard_numel * 4
+
+
+def test_stage2_buckets_and_stage3_gathered_units_are_in_flight():
+    modules = module_param_numels(GPT(WIDE, device="meta"))
+    zero = ZeroConfig(reduce_bucket_size=40_000, prefetch_bucket_size=1, param_persistence_threshold=10_000)
+    p1, p2, p3 = (predict_memory(modules, 2, s, "fp32", zero=zero) for s in (1, 2, 3))
+    assert p1.inflight == 0 and p2.inflight > 0
+    layout, persistent = unit_layout(modules, 3, 2, "fp32", zero.reduce_bucket_size, zero.param_persistence_threshold)
+    largest = max(u.numel for u in layout.units if u.index not in persistent)
+    assert p3.inflight >= largest * 4  # the running unit is gathered in full
+    more = predict_memory(modules, 2, 3, "fp32", zero=dataclasses.replace(zero, prefetch_bucket_size=10**9))
+    assert more.inflight > p3.inflight  # prefetch gathers the next units too
+
+
+def test_optimizer_transients_are_per_sub_group_piece():
+    modules = module_param_numels(GPT(WIDE, device="meta"))
+    whole = predict_memory(modules, 1, 0, "bf16")
+    pieces = predict_memory(modules, 1, 0, "bf16", zero=ZeroConfig(sub_group_size=1000))
+    assert pieces.optimizer_transient == 1000 * 4 * 2 < whole.optimizer_transient  # fp32 grad copy + clipped copy
+
+
+def test_activations_are_dtype_aware_and_checkpointing_keeps_less():
+    args = (128, 4, 512, 8, 12, 8192)
+    fp32, bf16 = gpt_activation_bytes(*args, precision="fp32"), gpt_activation_bytes(*args, precision="bf16")
+    assert 1.5 < fp32 / bf16 < 2.0  # layers double; the loss is fp32 in both
+    assert gpt_activation_bytes(*args, precision="fp32", checkpointing=True) < fp32 / 3
+    s, b, h = 128, 4, 512
+    # SDPA: nothing grows with s^2 (no attention scores kept)
+    long = gpt_activation_bytes(4 * s, b, h, 8, 12, 8192, precision="fp32")
+    assert long == pytest.approx(4 * fp32, rel=0.01)
+
+
+def test_runtime_reserve_is_in_the_total_only():
+    p = predict_memory([[1000]], 1, 0, "fp32", runtime_reserve=5 * GiB)
+    assert p.total == p.peak + 5 * GiB
+
+
+# ------------------------------------------------------------------------------------------- the meter
+
+def test_cpu_meter_measures_rss_growth_and_refuses_over_budget():
+    meter = MemoryMeter("cpu", budget_bytes=10**12)
+    hold = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    m = meter.measure()
+    assert m["peak_bytes"] >= 60 * 2**20 and "RSS" in m["source"] and m["fraction"] < 1
+    meter.check(m)  # within budget
+    small = MemoryMeter("cpu", budget_bytes=2**20)
+    more = torch.ones(16 * 2**20 // 4)
+    with pytest.raises(OutOfMemoryError, match="exceeds this rank's memory budget"):
+        small.check(small.measure())
+    del hold, more
+
+
+def test_nvml_used_and_total_give_the_budget_and_the_near_oom_warning():
+    gpus = _two_h100s()
+    meter = MemoryMeter("cpu", nvml=FakeNvml(gpus), gpu_index=1)
+    assert meter.budget_bytes == 80 * GiB  # the GPU's total
+    m = meter.measure()
+    assert m["nvml_used_bytes"] == 3 * GiB and m["used_bytes"] == 3 * GiB and not near_oom(m)
+    gpus[1]["used"] = 77 * GiB
+    m = {**meter.measure(), "step": 7}
+    assert near_oom(m)
+    assert near_oom_line(5, m) == ("warning: rank 5 is near out of memory at step 7: 82.68 GB of 85.90 GB "
+                                   "(96%, above 95%)")
+    assert usage_text({5: m}) == "  mem 82.68 GB/85.90 GB (rank 5)"
+    meter.check(m)
+    gpus[1]["used"] = 81 * GiB - 1
+    with pytest.raises(OutOfMemoryError):
+        meter.check(meter.measure())
+
+
+def test_nvml_index_follows_cuda_visible_devices(monkeypatch):
+    from hybrid.memory_budget import nvml_index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert (nvml_index(0), nvml_index(1)) == (3, 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert nvml_index(2) == 2
+
+
+def test_measurement_cadence():
+    assert [s for s in range(1, 35) if should_measure(s, 10)] == [1, 2, 3, 10, 20, 30]
+
+
+# ------------------------------------------------------------------------------------------- re-plan
+
+def _plan(tmp_path, gpu_memory_gb, micro_batch=8, **zero):
+    cfg = tmp_path / "model.yaml"
+    import yaml
+
+    doc = {"model": dataclasses.asdict(WIDE)}
+    if zero:
+        doc["zero"] = zero
+    cfg.write_text(yaml.safe_dump(doc))
+    spec = parse_spec({"cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2,
+                                   "gpu_memory_gb": gpu_memory_gb},
+                       "job": {"entrypoint": "hybrid.models.gpt:train", "config": str(cfg), "steps": 4,
+                               "micro_batch": micro_batch},
+                       "parallel": {"tp": 1, "precision": "fp32"}}, base_dir=tmp_path)
+    return build_plan(spec)
+
+
+def test_ladder_goes_up_the_stages_then_halves_the_micro_batch(tmp_path):
+    lp = _plan(tmp_path, 80)
+    rungs = [c.describe() for c in replan.ladder(lp, replan.Choice(1, 8))]
+    assert rungs[:2] == ["stage 2", "stage 3"]
+    assert rungs[2:] == ["stage 3 with micro-batch 4 x 2 accumulation steps",
+                         "stage 3 with micro-batch 2 x 4 accumulation steps",
+                         "stage 3 with micro-batch 1 x 8 accumulation steps"][:len(rungs) - 2]
+    for c in replan.ladder(lp, replan.Choice(1, 8)):
+        assert c.micro_batch * c.accumulation == 8  # the global batch is unchanged
+
+
+def test_replan_takes_the_first_rung_that_fits_the_measured_figures(tmp_path):
+    lp = _plan(tmp_path, 0.2, reduce_bucket_size=100_000, prefetch_bucket_size=1)
+    current = replan.Choice(1, 8)
+    rungs = replan.ladder(lp, current)
+    totals = [replan.predict(lp, c).total for c in rungs]
+    usable = replan.usable_bytes(lp)
+    extra = usable - min(totals) - 1  # what the run held beyond the prediction: only the smallest rung fits
+    p1 = replan.predict(lp, current).total
+    over = replan.Overshoot(3, p1 + extra, replan.budget_bytes(lp), p1, 2)
+    assert over.extra == pytest.approx(extra)
+    choice, prediction = replan.replan(lp, current, over)
+    assert choice == rungs[totals.index(min(totals))] and prediction.total + over.extra <= usable
+    assert all(t + over.extra > usable for t in totals[:rungs.index(choice)])
+
+
+def test_nothing_fits_names_the_smallest_configuration(tmp_path):
+    lp = _plan(tmp_path, 0.2)
+    over = replan.Overshoot(0, 10 * GiB, 0.2e9, 1e8, 1)
+    with pytest.raises(replan.NothingFits) as err:
+        replan.replan(lp, replan.Choice(1, 8), over)
+    text = str(err.value)
+    assert text.startswith("nothing fits 0.180 GB usable per rank: even stage 3 with micro-batch 1 x 8")
+    assert re.search(r"; it would fit with cluster\.gpu_memory_gb >= [\d.]+$", text)  # no node count helps
+    assert "\n" not in text
+
+
+# ------------------------------------------------------------------------------------------- the table
+
+def test_table_compares_per_category_and_the_peak():
+    pred = predict_memory([[1000, 2000]], 1, 0, "fp32", activations=10_000, runtime_reserve=1000,
+                          device="cpu").as_dict()
+    m = {"device": "cpu", "peak_bytes": int(pred["total"] * 1.1), "used_bytes": int(pred["total"] * 1.1),
+         "budget_bytes": 10**6, "fraction": 0.05, "step": 1, "source": "peak RSS growth"}
+    report = {"params": pred["params"], "grads": pred["grads"], "optimizer": pred["optimizer"], "buffers": 0}
+    lines = memory_table(pred, {0: m}, {0: report})
+    assert lines[0].startswith("memory per rank (largest: rank 0, step 1")
+    assert any(line.split()[:1] == ["parameters"] and line.rstrip().endswith("+0.0%") for line in lines)
+    assert lines[-2].lstrip().startswith("peak (RSS growth)") and lines[-2].rstrip().endswith("+10.0%")
+
+
+# ------------------------------------------------------------------------------------------- accumulation
+
+def test_accumulation_splits_the_step_rows_and_matches_one_big_micro_batch():
+    torch.manual_seed(0)
+    x = torch.randint(0, TINY.vocab_size, (8, TINY.seq_len))
+    losses = []
+    for accumulation in (1, 2):
+        engine = hybrid.initialize(GPT(TINY, device="meta"), TrainConfig(
+            zero=ZeroConfig(stage=0), precision="fp32", gradient_accumulation_steps=accumulation))
+        losses.append(train_step(engine, x, x, accumulation))
+        losses.append(train_step(engine, x, x, accumulation))  # after one optimizer step
+    assert losses[0] == pytest.approx(losses[2], rel=1e-6) and losses[1] == pytest.approx(losses[3], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the display
+
+def _record(rank, step, used, budget):
+    return {"rank": rank, "step": step, "loss": 1.0, "step_time_s": 1.0, "tokens": 10, "throughput_unit": "tokens",
+            "memory": {"params": 100, "grads": 100, "optimizer": 200, "buffers": 0},
+            "memory_measured": {"device": "cpu", "peak_bytes": used, "used_bytes": used, "budget_bytes": budget,
+                                "fraction": used / budget, "source": "peak RSS growth"}}
+
+
+def test_progress_prints_the_table_after_the_first_measured_step_and_warns_near_oom():
+    import io
+
+    from launch.display import Progress
+
+    out = io.StringIO()
+    progress = Progress(3, 2, out, tty=False)
+    progress.new_plan(predict_memory([[100]], 1, 0, "fp32", device="cpu").as_dict())
+    progress.add({"reports": [_record(0, 1, 500, 1000), _record(1, 1, 970, 1000)]})
+    text = out.getvalue()
+    assert "warning: rank 1 is near out of memory at step 1: 970 B of 1.00 KB (97%, above 95%)" in text
+    assert "memory per rank after step 1 (largest: rank 1, step 1" in text
+    assert "mem 970 B/1.00 KB (rank 1)" in text
+    progress.add({"reports": [_record(0, 2, 500, 1000), _record(1, 2, 980, 1000)]})
+    assert out.getvalue().count("near out of memory") == 1 and out.getvalue().count("memory per rank") == 1
+
+
+def test_spec_reads_max_replans_and_the_runtime_reserve(tmp_path):
+    from hybrid.errors import ConfigError
+
+    (tmp_path / "m.yaml").write_text("model: {vocab_size: 64, seq_len: 8, n_layers: 1, hidden: 16, n_heads: 2}\n")
+
+    def spec(**extra):
+        return parse_spec({"cluster": {"address": "local", "nodes": 1, "gpus_per_node": 1, "gpu_memory_gb": 8,
+                                       **extra.get("cluster", {})},
+                           "job": {"entrypoint": "hybrid.models.gpt:train", "config": "m.yaml", "steps": 1,
+                                   **extra.get("job", {})}}, base_dir=tmp_path)
+
+    default = spec()
+    assert default.job.max_replans == 3 and default.cluster.runtime_reserve_gb is None
+    custom = spec(cluster={"runtime_reserve_gb": 2.5}, job={"max_replans": 0})
+    assert custom.job.max_replans == 0 and custom.cluster.runtime_reserve_gb == 2.5
+    assert replan.runtime_reserve(build_plan(custom)) == 2.5e9
+    with pytest.raises(ConfigError, match="cluster.runtime_reserve_gb"):
+        spec(cluster={"runtime_reserve_gb": -1})
+    with pytest.raises(ConfigError, match="job.max_replans"):
+        spec(job={"max_replans": "many"})
+
+
+def test_the_loop_replans_from_the_measurement_and_stops_at_max_replans(tmp_path):
+    import io
+    import json
+
+    from launch.display import Progress
+    from launch.memory_loop import MemoryLoop
+
+    def loop_for(max_replans):
+        lp = _plan(tmp_path, 0.5, micro_batch=4, reduce_bucket_size=500_000, prefetch_bucket_size=500_000)
+        big = dataclasses.replace(WIDE, vocab_size=2048, hidden=512, n_layers=4, n_heads=8)
+        lp = dataclasses.replace(lp, model=dataclasses.asdict(big), spec=dataclasses.replace(
+            lp.spec, job=dataclasses.replace(lp.spec.job, max_replans=max_replans, run_dir=tmp_path / "run")))
+        progress = Progress(4, 4, io.StringIO(), tty=False)
+        loop = MemoryLoop(lp, progress)
+        progress.measured[2] = {"device": "cpu", "peak_bytes": 510_000_000, "used_bytes": 510_000_000,
+                                "budget_bytes": 500_000_000, "step": 3}
+        return loop
+
+    loop = loop_for(1)
+    line = loop.replan(2, 2)
+    assert line.startswith("rank 2 ran out of memory at stage 1 (measured 510.00 MB of 500.00 MB, predicted ")
+    assert ": restarting from step 2 at stage " in line and loop.choice.stage > 1
+    loop.record_attempt(True)
+    record = json.loads(loop.save().read_text())
+    assert record["finished"] and record["overshoots"][0]["measured_bytes"] == 510_000_000
+    assert record["replans"] == [line] and record["plan"]["stage"] == loop.choice.stage
+    with pytest.raises(replan.NothingFits, match=r"job.max_replans \(0\) allows no more re-plans; it would fit at "
+                                                 r"stage [23] \(predicted"):
+        loop_for(0).replan(2, 2)
