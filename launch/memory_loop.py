@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch import replan
-from launch.plan import human_bytes
+from hybrid.units import human_bytes
 
 MEMORY_FILE = "memory.json"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hybrid.memory_budget import NEAR_OOM, near_oom
-from launch.plan import human_bytes
+from hybrid.units import human_bytes
 
 SPLIT = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"))
 PREDICTED_ONLY = (("inflight", "buckets + gathered units in flight"), ("optimizer_transient", "optimizer step copies"),

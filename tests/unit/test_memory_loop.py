@@ -106,9 +106,9 @@ def test_nvml_used_and_total_give_the_budget_and_the_near_oom_warning():
     gpus[1]["used"] = 77 * GiB
     m = {**meter.measure(), "step": 7}
     assert near_oom(m)
-    assert near_oom_line(5, m) == ("warning: rank 5 is near out of memory at step 7: 82.68 GB of 85.90 GB "
+    assert near_oom_line(5, m) == ("warning: rank 5 is near out of memory at step 7: 82.678 GB of 85.899 GB "
                                    "(96%, above 95%)")
-    assert usage_text({5: m}) == "  mem 82.68 GB/85.90 GB (rank 5)"
+    assert usage_text({5: m}) == "  mem 82.678 GB/85.899 GB (rank 5)"
     meter.check(m)
     gpus[1]["used"] = 81 * GiB - 1
     with pytest.raises(OutOfMemoryError):
@@ -146,13 +146,13 @@ def _plan(tmp_path, gpu_memory_gb, micro_batch=8, **zero):
     return build_plan(spec)
 
 
-def test_ladder_goes_up_the_stages_then_halves_the_micro_batch(tmp_path):
+def test_ladder_goes_up_the_stages_then_checkpoints_then_halves_the_micro_batch(tmp_path):
     lp = _plan(tmp_path, 80)
     rungs = [c.describe() for c in replan.ladder(lp, replan.Choice(1, 8))]
-    assert rungs[:2] == ["stage 2", "stage 3"]
-    assert rungs[2:] == ["stage 3 with micro-batch 4 x 2 accumulation steps",
-                         "stage 3 with micro-batch 2 x 4 accumulation steps",
-                         "stage 3 with micro-batch 1 x 8 accumulation steps"][:len(rungs) - 2]
+    assert rungs[:3] == ["stage 2", "stage 3", "stage 3 with activation checkpointing"]  # CPU: no offload rung
+    ac = "stage 3 with activation checkpointing, "
+    assert rungs[3:] == [ac + "micro-batch 4 x 2 accumulation steps", ac + "micro-batch 2 x 4 accumulation steps",
+                         ac + "micro-batch 1 x 8 accumulation steps"][:len(rungs) - 3]
     for c in replan.ladder(lp, replan.Choice(1, 8)):
         assert c.micro_batch * c.accumulation == 8  # the global batch is unchanged
 
@@ -178,7 +178,8 @@ def test_nothing_fits_names_the_smallest_configuration(tmp_path):
     with pytest.raises(replan.NothingFits) as err:
         replan.replan(lp, replan.Choice(1, 8), over)
     text = str(err.value)
-    assert text.startswith("nothing fits 0.180 GB usable per rank: even stage 3 with micro-batch 1 x 8")
+    assert text.startswith("nothing fits 0.180 GB usable per rank: even stage 3 with activation checkpointing, "
+                           "micro-batch 1 x 8")
     assert re.search(r"; it would fit with cluster\.gpu_memory_gb >= [\d.]+$", text)  # no node count helps
     assert "\n" not in text
 
@@ -206,8 +207,8 @@ def test_accumulation_splits_the_step_rows_and_matches_one_big_micro_batch():
     for accumulation in (1, 2):
         engine = hybrid.initialize(GPT(TINY, device="meta"), TrainConfig(
             zero=ZeroConfig(stage=0), precision="fp32", gradient_accumulation_steps=accumulation))
-        losses.append(train_step(engine, x, x, accumulation))
-        losses.append(train_step(engine, x, x, accumulation))  # after one optimizer step
+        losses.append(train_step(engine, x, x, accumulation=accumulation))
+        losses.append(train_step(engine, x, x, accumulation=accumulation))  # after one optimizer step
     assert losses[0] == pytest.approx(losses[2], rel=1e-6) and losses[1] == pytest.approx(losses[3], rel=1e-5)
 
 
@@ -230,9 +231,9 @@ def test_progress_prints_the_table_after_the_first_measured_step_and_warns_near_
     progress.new_plan(predict_memory([[100]], 1, 0, "fp32", device="cpu").as_dict())
     progress.add({"reports": [_record(0, 1, 500, 1000), _record(1, 1, 970, 1000)]})
     text = out.getvalue()
-    assert "warning: rank 1 is near out of memory at step 1: 970 B of 1.00 KB (97%, above 95%)" in text
+    assert "warning: rank 1 is near out of memory at step 1: 970 B of 1 KB (97%, above 95%)" in text
     assert "memory per rank after step 1 (largest: rank 1, step 1" in text
-    assert "mem 970 B/1.00 KB (rank 1)" in text
+    assert "mem 970 B/1 KB (rank 1)" in text
     progress.add({"reports": [_record(0, 2, 500, 1000), _record(1, 2, 980, 1000)]})
     assert out.getvalue().count("near out of memory") == 1 and out.getvalue().count("memory per rank") == 1
 
@@ -279,7 +280,7 @@ def test_the_loop_replans_from_the_measurement_and_stops_at_max_replans(tmp_path
 
     loop = loop_for(1)
     line = loop.replan(2, 2)
-    assert line.startswith("rank 2 ran out of memory at stage 1 (measured 510.00 MB of 500.00 MB, predicted ")
+    assert line.startswith("rank 2 ran out of memory at stage 1 (measured 510 MB of 500 MB, predicted ")
     assert ": restarting from step 2 at stage " in line and loop.choice.stage > 1
     loop.record_attempt(True)
     record = json.loads(loop.save().read_text())
