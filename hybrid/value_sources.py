@@ -137,6 +137,11 @@ class ModuleValues:
                               "attach one with set_initializer or build the model off meta.")
         return self._fallback_values()[entry.name].reshape(-1)[lo:hi].float()
 
+    @property
+    def init_bytes(self) -> int:
+        """Bytes the module's own init holds (its direct tensors on the CPU), 0 when it did not run."""
+        return sum(t.numel() * t.element_size() for t in (self._fallback or {}).values())
+
     def _fallback_values(self) -> dict:
         if self._fallback is None:
             self._fallback = self._run_module_init()

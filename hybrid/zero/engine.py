@@ -64,10 +64,11 @@ from torch import nn
 
 from hybrid.comm import Comm
 from hybrid.config import TrainConfig
-from hybrid.value_sources import ValueSources, has_meta, new_parameter, references, replace_tensor
+from hybrid.value_sources import ValueSources, has_meta
 from hybrid.param_attrs import is_tensor_parallel
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
+from hybrid.zero.construct import materialize, resolve_device
 from hybrid.schedule import lr_at
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
@@ -119,7 +120,7 @@ class ZeroEngine:
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.device = self._resolve_device(device)
+        self.device = resolve_device(self.params, device)
         tp_rank, tp = (self.tp_comm.rank, self.tp_comm.size) if self.tp_comm is not None else (0, 1)
         # Weights are checked (names, shapes) before anything is allocated.
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
@@ -135,7 +136,8 @@ class ZeroEngine:
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
                                    pin_memory=offload.pin_memory)
-            views, transient = self._materialize(sources)
+            views, transient = materialize(self.module, self.params, self.shapes, self.state, sources,
+                                           self.device)
         finally:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -175,64 +177,6 @@ class ZeroEngine:
         self.dp_comm.reset()
 
     # -- construction ---------------------------------------------------------------------------------
-    def _resolve_device(self, device) -> torch.device:
-        """Where the model states live: ``device``, else the parameters' device, else (a meta-built model)
-        the rank's CUDA device under NCCL, or the CPU."""
-        if device is not None:
-            return torch.device(device)
-        devices = {p.device for p in self.params if not p.is_meta}
-        if len(devices) > 1:
-            raise ValueError("all trainable parameters must be on one device")
-        if devices:
-            return devices.pop()
-        dist = torch.distributed
-        if torch.cuda.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    @torch.no_grad()
-    def _materialize(self, sources: ValueSources) -> tuple:
-        """Fill the state with every parameter's values, module by module, then bind the parameters to their
-        views (meta parameters are replaced by real ones); frozen meta tensors are materialized in place.
-        Returns (per unit ``[(parameter, view)]``, the largest transient bytes held on the way)."""
-        refs = references(self.module)
-        largest = 0
-        for group in sources.modules():
-            for e in group.entries:
-                i = self._index.get(id(e.tensor)) if e.is_param else None
-                if i is not None:
-                    lo, hi = self.state.needed_range(i)
-                    if hi > lo:
-                        values = group.values(e, lo, hi)
-                        largest = max(largest, values.numel() * 4)
-                        self.state.write(i, lo, values)
-                elif e.tensor.is_meta or (sources.weights is not None and e.persistent):
-                    data = group.values(e, 0, e.tensor.numel()).view(e.tensor.shape)
-                    data = data.to(device=self.device, dtype=e.tensor.dtype)
-                    replace_tensor(refs, e.tensor, new_parameter(e.tensor, data) if e.is_param else data)
-            if group._fallback is not None:
-                largest = max(largest, sum(t.numel() * t.element_size() for t in group._fallback.values()))
-
-        def bind(i: int, view: torch.Tensor) -> None:
-            old = self.params[i]
-            if old.is_meta:
-                # Bound through .data, as below, so the parameter keeps its own version counter: stage 3's
-                # gathers rewrite the unit buffer in place, which must not invalidate tensors saved for backward.
-                new = new_parameter(old, view.new_empty(0))
-                new.data = view
-                replace_tensor(refs, old, new)
-                self.params[i] = new
-            else:
-                old.data = view
-
-        views = []
-        for unit in self.layout.units:
-            pairs = self.state.bind_unit(unit.index, self.shapes, bind)
-            views.append([(self.params[i], view) for i, view in pairs])
-            if self.policy.shard_params and unit.index not in self.state.persistent:
-                largest = max(largest, unit.numel * self.state.dtype.itemsize)
-        return views, largest
-
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         for t in list(self.module.parameters()) + list(self.module.buffers()):
