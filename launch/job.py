@@ -144,9 +144,11 @@ def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bo
 
 def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> JobSettings:
     """The ranks' settings for ``plan`` run as ``choice`` (a re-plan's; default the plan's own). On CPU the
-    ranks' memory budget is the declared ``cluster.gpu_memory_gb``; on GPUs each rank reads its GPU's."""
+    ranks' memory budget is the declared ``cluster.gpu_memory_gb`` when ``cluster.enforce_memory_budget`` is
+    set (else none: there the declared figure only plans); on GPUs each rank reads its GPU's."""
     job = plan.spec.job
-    budget = None if plan.use_gpus else replan.budget_bytes(plan)
+    enforce = plan.spec.cluster.enforce_memory_budget
+    budget = None if plan.use_gpus or not enforce else replan.budget_bytes(plan)
     settings = JobSettings(steps=job.steps, micro_batch=job.micro_batch, stage=plan.stage,
                            precision=plan.spec.parallel.precision, seed=job.seed,
                            checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,

@@ -61,6 +61,9 @@ class ClusterSpec:
     host_memory_gb: Optional[float] = None  # per node; used where the probe cannot measure, and by `hybrid plan`
     # CUDA context and NCCL buffers per GPU, outside the allocator; None: hybrid.memory's default on GPUs
     runtime_reserve_gb: Optional[float] = None
+    # Without GPUs, gpu_memory_gb is a planning figure; true makes it each rank's enforced memory budget too
+    # (measured RSS growth above it is an out-of-memory error and a re-plan). On GPUs the budget is the GPU's.
+    enforce_memory_budget: bool = False
 
     @property
     def is_local(self) -> bool:
@@ -157,7 +160,8 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
 
 def _cluster(d: dict) -> ClusterSpec:
     v.known_keys("cluster", d, ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
-                                "connect_timeout_s", "host_memory_gb", "runtime_reserve_gb"))
+                                "connect_timeout_s", "host_memory_gb", "runtime_reserve_gb",
+                                "enforce_memory_budget"))
     address = check_address(v.required(d, "cluster", "address", ADDRESS_HELP))
     nodes = v.positive_int("cluster.nodes", v.required(d, "cluster", "nodes", "a whole number of nodes, at least 1"),
                            MAX_NODES)
@@ -180,7 +184,8 @@ def _cluster(d: dict) -> ClusterSpec:
     reserve = d.get("runtime_reserve_gb")
     if reserve is not None:
         reserve = v.number("cluster.runtime_reserve_gb", reserve, 0, memory, unit="GB")
-    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve)
+    enforce = v.boolean("cluster.enforce_memory_budget", d.get("enforce_memory_budget", False))
+    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve, enforce)
 
 
 def check_address(address: Any) -> str:

@@ -42,7 +42,8 @@ def make_spec(tmp: Path, run: str, extra_mb: float, stage="auto"):
     config = tmp / "model.yaml"
     config.write_text(yaml.safe_dump(MODEL))
     return parse_spec({
-        "cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": BUDGET_GB},
+        "cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": BUDGET_GB,
+                    "enforce_memory_budget": True},
         "job": {"entrypoint": "tests.launch.entrypoints:train_holding_extra", "config": str(config), "steps": STEPS,
                 "micro_batch": 2, "checkpoint": {"dir": str(tmp / run), "every": 2, "keep_last": 10},
                 "collective_timeout_s": 120, "env": {"HOLD_EXTRA_MB": str(extra_mb)}},
