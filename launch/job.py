@@ -62,7 +62,7 @@ from launch.display import Progress
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
 from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
-from launch.runtime_env import runtime_env, ship
+from launch.runtime_env import client_runtime_env, runtime_env, ship
 from launch.spec import LaunchSpec
 from launch.workers import PlacementFailed, RankPlacement, WorkerGroup
 
@@ -123,7 +123,8 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else
              f"connecting to Ray at {cluster.address} (cluster.connect_timeout_s = {cluster.connect_timeout_s:g} s)")
     print(where, file=stream, flush=True)
-    with ray_cluster.connect(cluster, keep_logs=kept_logs_dir(spec)) as connected:
+    with ray_cluster.connect(cluster, keep_logs=kept_logs_dir(spec), client_runtime_env=client_runtime_env(spec)) \
+            as connected:
         print(connected.line(), file=stream, flush=True)
         return plan_and_run(spec, stream)
 
@@ -245,7 +246,11 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
     # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
     shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
-    env = ship(runtime_env(spec))
+    env = runtime_env(spec)
+    if spec.cluster.address.startswith("ray://"):  # the working dir went with the job at connect time
+        env = {"env_vars": env["env_vars"]}
+    else:
+        env = ship(env)
     group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus),
                         env=env.pop("env_vars"), shared_dir=shared_dir, runtime_env=env,
                         isolate_gpus=spec.job.isolate_gpus)

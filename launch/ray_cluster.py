@@ -80,15 +80,19 @@ def local_env() -> dict:
 
 
 @contextlib.contextmanager
-def connect(spec: ClusterSpec, keep_logs: Optional[Path] = None) -> Iterator[Connected]:
+def connect(spec: ClusterSpec, keep_logs: Optional[Path] = None,
+            client_runtime_env: Optional[dict] = None) -> Iterator[Connected]:
     """Connect to (or start) the Ray cluster of ``spec``; tear down on every way out of the block. An embedded
-    cluster's session logs (every rank's stdout/stderr) are moved to ``keep_logs`` at teardown."""
+    cluster's session logs (every rank's stdout/stderr) are moved to ``keep_logs`` at teardown. Through Ray
+    Client (``ray://``) a local working directory can only be shipped as the job's ``runtime_env`` at
+    connect time: ``client_runtime_env``."""
     if spec.is_local:
         check_embedded(spec.nodes, spec.gpus_per_node)
         with local_cluster(spec.nodes, spec.gpus_per_node, keep_logs) as cluster:
             yield Connected(cluster.address, _live_nodes())
     else:
-        with remote_cluster(spec.address, spec.connect_timeout_s) as connected:
+        env = client_runtime_env if spec.address.startswith("ray://") else None
+        with remote_cluster(spec.address, spec.connect_timeout_s, env) as connected:
             yield connected
 
 
@@ -150,7 +154,7 @@ def _keep_logs(base: str, keep_logs: Path) -> None:
 
 
 @contextlib.contextmanager
-def remote_cluster(address: str, timeout_s: float = 60.0) -> Iterator[Connected]:
+def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[dict] = None) -> Iterator[Connected]:
     """Attach to a running Ray cluster (``auto`` or ``ray://host:port``) within ``timeout_s``; start
     nothing."""
     with signals.as_interrupt():
@@ -162,7 +166,7 @@ def remote_cluster(address: str, timeout_s: float = 60.0) -> Iterator[Connected]
 
         connected = False
         try:
-            _init_within(ray, address, target, max(0.5, deadline - time.monotonic()), timeout_s)
+            _init_within(ray, address, target, max(0.5, deadline - time.monotonic()), timeout_s, runtime_env)
             connected = True
             yield Connected(target, _live_nodes())
         finally:
@@ -244,14 +248,15 @@ def probe_tcp(address: str, host: str, port: int, timeout_s: float) -> None:
                       f"cluster.connect_timeout_s = {timeout_s:g} s ({reason}); {_NO_CLUSTER_FIX}.")
 
 
-def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float) -> None:
+def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float,
+                 runtime_env: Optional[dict] = None) -> None:
     """``ray.init(target)`` in a helper thread, so a cluster that accepts connections but never answers
     cannot hang the driver past ``wait_s``; Ctrl-C stays live meanwhile."""
     outcome: dict = {}
 
     def init():
         try:
-            ray.init(address=target, logging_level=logging.WARNING)
+            ray.init(address=target, logging_level=logging.WARNING, runtime_env=runtime_env)
             outcome["ok"] = True
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             outcome["error"] = err

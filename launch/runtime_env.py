@@ -86,6 +86,14 @@ def runtime_env(spec: LaunchSpec) -> dict:
     return env
 
 
+def client_runtime_env(spec: LaunchSpec) -> Optional[dict]:
+    """The job-level ``runtime_env`` for a Ray Client connection: the working directory and its excludes
+    (Ray Client uploads it at ``ray.init``; a local directory cannot be given per actor there)."""
+    if spec.job.working_dir is None:
+        return None
+    return {"working_dir": str(spec.job.working_dir), "excludes": working_dir_excludes(spec)}
+
+
 def ship(env: dict) -> dict:
     """``env`` with its local ``working_dir`` uploaded to the connected Ray cluster and replaced by the
     package's URI (the ``excludes`` are applied and dropped); ``env`` without one is returned as it is."""
