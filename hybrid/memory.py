@@ -264,27 +264,18 @@ def module_param_numels(module, tp: int = 1) -> list[list[int]]:
 
 def unit_layout(modules: list[list[int]], stage: int, dp: int, precision: str = "bf16",
                 reduce_bucket_size: int = 500_000_000, param_persistence_threshold: int = 100_000):
-    """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage."""
-    from hybrid.zero.partition import bucket_groups, build_layout
+    """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage, with one
+    stage-3 unit root per module (the ``module`` unit policy): ``hybrid.zero.partition.unit_groups``."""
+    from hybrid.zero.partition import build_layout, unit_groups
 
     align = max(1, ALIGN_BYTES // DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)])
     numels = [n for own in modules for n in own]
-    if stage < 3:
-        groups = bucket_groups(numels, list(reversed(range(len(numels)))), reduce_bucket_size, align)
-        persistent: set = set()
-    else:
-        groups, small, index = [], [], 0
-        for own in modules:
-            big = []
-            for n in own:
-                (small if n < param_persistence_threshold else big).append(index)
-                index += 1
-            if big:
-                groups.append(big)
-        persistent = set()
-        if small:
-            groups.append(small)
-            persistent = {len(groups) - 1}
+    unit_params, start = [], 0
+    for own in modules:
+        unit_params.append(list(range(start, start + len(own))))
+        start += len(own)
+    groups, _, persistent = unit_groups(numels, unit_params if stage >= 3 else None, reduce_bucket_size,
+                                        param_persistence_threshold, align)
     return build_layout(numels, groups, dp if stage >= 1 else 1, align), persistent
 
 

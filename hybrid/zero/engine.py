@@ -73,7 +73,7 @@ from hybrid.schedule import lr_at
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
-from hybrid.zero.partition import bucket_groups, build_layout
+from hybrid.zero.partition import build_layout, unit_groups
 from hybrid.zero.policy import policy_for
 from hybrid.zero.units import plan_units
 from hybrid.zero.state import FlatState
@@ -185,24 +185,11 @@ class ZeroEngine:
     def _units(self, numels: list, align: int) -> tuple:
         """(groups of param indices, reduce order of units, persistent unit indices) for this stage."""
         zero = self.config.zero
-        if not self.policy.module_units:
-            groups = bucket_groups(numels, list(reversed(range(len(numels)))), zero.reduce_bucket_size, align)
-            return groups, list(range(len(groups))), set()
-        self._unit_plans = plan_units(self.module, zero.stage3_unit, self._index)
-        groups, small = [], []
-        for plan in self._unit_plans:
-            own = []
-            for i in plan.params:
-                (small if numels[i] < zero.param_persistence_threshold else own).append(i)
-            if own:
-                groups.append(own)
-        order = list(reversed(range(len(groups))))
-        persistent = set()
-        if small:
-            groups.append(small)
-            persistent = {len(groups) - 1}
-            order.append(len(groups) - 1)
-        return groups, order, persistent
+        unit_params = None
+        if self.policy.module_units:
+            self._unit_plans = plan_units(self.module, zero.stage3_unit, self._index)
+            unit_params = [plan.params for plan in self._unit_plans]
+        return unit_groups(numels, unit_params, zero.reduce_bucket_size, zero.param_persistence_threshold, align)
 
     def _module_units(self, persistent: set) -> dict:
         """Unit root -> the non-persistent units holding the parameters registered in its domain."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 def align_up(n: int, multiple: int) -> int:
@@ -162,3 +162,31 @@ def build_layout(numels: Sequence[int], groups: Sequence[Sequence[int]], n_shard
         full_off += padded
         shard_off += unit.shard_numel
     return FlatLayout(tuple(units), tuple(int(n) for n in numels), n_shards, align)
+
+
+def unit_groups(numels: Sequence[int], unit_params: Optional[Sequence[Sequence[int]]], reduce_bucket_size: int,
+                persistence_threshold: int, align: int = 1) -> tuple:
+    """The engine's units: ``(groups of param indices, reduce order of the units, persistent unit indices)``.
+
+    Without ``unit_params`` (stages 0-2) the units are gradient buckets of ``reduce_bucket_size`` aligned
+    elements over the parameters in reverse order, reduced in that order. With it (stage 3: the parameter
+    indices of each unit root, in forward order) every root's parameters of at least
+    ``persistence_threshold`` elements form one unit, reduced in reverse; the smaller ones are pooled in one
+    persistent unit, last in both."""
+    if unit_params is None:
+        groups = bucket_groups(numels, list(reversed(range(len(numels)))), reduce_bucket_size, align)
+        return groups, list(range(len(groups))), set()
+    groups, small = [], []
+    for params in unit_params:
+        own = []
+        for i in params:
+            (small if numels[i] < persistence_threshold else own).append(i)
+        if own:
+            groups.append(own)
+    order = list(reversed(range(len(groups))))
+    persistent = set()
+    if small:
+        groups.append(small)
+        persistent = {len(groups) - 1}
+        order.append(len(groups) - 1)
+    return groups, order, persistent
