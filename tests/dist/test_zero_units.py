@@ -67,7 +67,7 @@ def _rel(actual, expected) -> float:
 
 def _check(world, names):
     out = run_local(_run, world, names, timeout_s=240)
-    refs = {m: reference(MODELS[m], plain_forward, STEPS) for m in {CASES[n][0] for n in names}}
+    refs = {m: reference(make=MODELS[m], forward=plain_forward, steps=STEPS) for m in {CASES[n][0] for n in names}}
     for name in names:
         ref_losses, ref_norms, ref_state = refs[CASES[name][0]]
         runs = [res[name] for res in out]
