@@ -177,7 +177,7 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 #
 # What one rank holds at its peak, by category, following the engine's real layout rules
 # (``hybrid.zero.engine.ZeroEngine._units``, ``hybrid.zero.partition``): units are gradient buckets of
-# ``reduce_bucket_size`` elements at stages 0-2 and one per module at stage 3, with every parameter under
+# ``reduce_bucket_size`` elements at stages 0-2 and those of ``zero.stage3_unit`` at stage 3, with every parameter under
 # ``param_persistence_threshold`` elements in one persistent unit that stays gathered; each parameter starts
 # at a multiple of ``align`` elements (16 bytes) and each unit is padded to ``n_shards · align``.
 #
@@ -186,8 +186,9 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # * in flight: stage 2-3 gradient buckets (a unit-sized buffer per bucket, up to ``reduce_bucket_size``
 #   elements awaiting their reduce-scatter, plus the one being filled) and stage-3 gathered units (the
 #   largest unit plus ``prefetch_bucket_size`` elements prefetched);
-# * optimizer transients: per ``sub_group_size`` piece, the fp32 copy of a non-fp32 gradient and the
-#   clipped copy (the step runs after backward, so this competes with activations, not adds to them);
+# * optimizer transients: per ``sub_group_size`` piece, the fp32 copy of a non-fp32 gradient (clipping
+#   scales in place; the optimizer's state is the flat buffers from the start, so its first step allocates
+#   none); the step runs after backward, so this competes with activations, not adds to them;
 # * activations: see ``gpt_activation_bytes``;
 # * runtime reserve: CUDA context, cuBLAS workspaces and NCCL buffers, outside every allocator statistic
 #   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
@@ -244,46 +245,61 @@ class MemoryPrediction:
                 "runtime_reserve": self.runtime_reserve, "peak": self.peak, "total": self.total}
 
 
-def module_param_numels(module, tp: int = 1) -> list[list[int]]:
-    """Per module of ``module.modules()`` (in that order), the element counts of the trainable parameters
-    registered directly on it, each parameter once (tied ones at their first module) -- the input the
-    engine's unit rules read. Works on a model built on the meta device. With ``tp`` > 1 on a full
+@dataclass(frozen=True)
+class ModelUnits:
+    """What the engine's unit rules read of a model: the trainable parameters' element counts in
+    ``named_parameters`` order (each parameter once), and the parameter indices of each stage-3 unit."""
+
+    numels: tuple
+    stage3_units: tuple
+
+    @classmethod
+    def from_lists(cls, units) -> "ModelUnits":
+        """``[[numel, ...], ...]``: the parameters in order, each inner list one stage-3 unit."""
+        numels, groups, start = [], [], 0
+        for own in units:
+            numels += [int(n) for n in own]
+            groups.append(tuple(range(start, start + len(own))))
+            start += len(own)
+        return cls(tuple(numels), tuple(groups))
+
+
+def model_units(module, tp: int = 1, stage3_unit="auto") -> ModelUnits:
+    """``ModelUnits`` of ``module`` (a model on the meta device is enough) under the stage-3 unit policy
+    ``stage3_unit`` (``hybrid.zero.units``), exactly as the engine plans it. With ``tp`` > 1 on a full
     (single-process) model, the tensor-parallel parameters count ``numel / tp``: one TP rank's share."""
     from hybrid.param_attrs import tensor_parallel_dim
+    from hybrid.zero.units import plan_units
 
-    seen, out = set(), []
-    for m in module.modules():
-        own = []
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                own.append(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel())
-        out.append(own)
-    return out
+    params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields tied ones once
+    index = {id(p): i for i, p in enumerate(params)}
+    numels = tuple(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel() for p in params)
+    plans = plan_units(module, stage3_unit, index)
+    return ModelUnits(numels, tuple(tuple(plan.params) for plan in plans))
 
 
-def unit_layout(modules: list[list[int]], stage: int, dp: int, precision: str = "bf16",
+def _as_units(units) -> ModelUnits:
+    return units if isinstance(units, ModelUnits) else ModelUnits.from_lists(units)
+
+
+def unit_layout(units, stage: int, dp: int, precision: str = "bf16",
                 reduce_bucket_size: int = 500_000_000, param_persistence_threshold: int = 100_000):
-    """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage, with one
-    stage-3 unit root per module (the ``module`` unit policy): ``hybrid.zero.partition.unit_groups``."""
+    """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage
+    (``hybrid.zero.partition.unit_groups``); ``units`` is a ``ModelUnits`` or a list of per-unit numel lists."""
     from hybrid.zero.partition import build_layout, unit_groups
 
+    units = _as_units(units)
     align = max(1, ALIGN_BYTES // DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)])
-    numels = [n for own in modules for n in own]
-    unit_params, start = [], 0
-    for own in modules:
-        unit_params.append(list(range(start, start + len(own))))
-        start += len(own)
-    groups, _, persistent = unit_groups(numels, unit_params if stage >= 3 else None, reduce_bucket_size,
-                                        param_persistence_threshold, align)
-    return build_layout(numels, groups, dp if stage >= 1 else 1, align), persistent
+    groups, _, persistent = unit_groups(list(units.numels), [list(u) for u in units.stage3_units] if stage >= 3
+                                        else None, reduce_bucket_size, param_persistence_threshold, align)
+    return build_layout(list(units.numels), groups, dp if stage >= 1 else 1, align), persistent
 
 
-def predict_memory(modules: list[list[int]], dp: int, stage: int, precision: str = "bf16", *,
-                   activations: float = 0, zero=None, clipping: bool = True,
+def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
+                   activations: float = 0, zero=None,
                    runtime_reserve: float = 0, device: str = "cuda") -> MemoryPrediction:
     """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks for a model whose trainable
-    parameters are ``modules`` (``module_param_numels``); ``zero`` is a ``hybrid.config.ZeroConfig``
+    parameters are ``units`` (``model_units``, made with the ``stage3_unit`` of ``zero``); ``zero`` is a ``hybrid.config.ZeroConfig``
     (default sizes when None), ``activations`` the bytes of ``gpt_activation_bytes``; ``device`` "cpu"
     predicts the peak RSS growth instead of the CUDA allocator's peak."""
     from hybrid.config import ZeroConfig
@@ -291,7 +307,7 @@ def predict_memory(modules: list[list[int]], dp: int, stage: int, precision: str
     zero = zero or ZeroConfig()
     v.stage("stage", stage)
     dp = _positive_int(dp, "dp")
-    layout, persistent = unit_layout(modules, stage, dp, precision, zero.reduce_bucket_size,
+    layout, persistent = unit_layout(units, stage, dp, precision, zero.reduce_bucket_size,
                                      zero.param_persistence_threshold)
     item = DTYPE_BYTES[precision]
     shard, full = layout.shard_numel, layout.full_numel
@@ -320,8 +336,7 @@ def predict_memory(modules: list[list[int]], dp: int, stage: int, precision: str
                 prefetched += n
             inflight += (others[0] + prefetched) * item
     piece = min(zero.sub_group_size, max(u.shard_numel for u in layout.units))
-    copies = (precision != "fp32") + bool(clipping)
-    transient = piece * FP32 * copies
+    transient = piece * FP32 if precision != "fp32" else 0  # the fp32 copy of a non-fp32 gradient piece
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
                             int(activations), int(runtime_reserve), device == "cpu")
 

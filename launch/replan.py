@@ -29,7 +29,7 @@ from typing import Optional
 
 from hybrid.errors import JobError
 from hybrid.memory import (DEFAULT_CPU_RUNTIME_RESERVE_GB, DEFAULT_RUNTIME_RESERVE_GB, GB, MemoryPrediction,
-                           gpt_activation_bytes, module_param_numels, predict_memory)
+                           ModelUnits, gpt_activation_bytes, model_units, predict_memory)
 from hybrid.train import JobSettings
 
 MAX_NODES_SEARCHED = 4096
@@ -110,11 +110,11 @@ def usable_bytes(lp) -> float:
 
 
 @lru_cache(maxsize=16)
-def _gpt_modules(shape: tuple, tp: int) -> tuple:
-    """``module_param_numels`` of the GPT of ``shape`` as one TP rank of ``tp`` holds it (meta, nothing allocated)."""
+def _gpt_units(shape: tuple, tp: int, stage3_unit) -> ModelUnits:
+    """``model_units`` of the GPT of ``shape`` as one TP rank of ``tp`` holds it (meta, nothing allocated)."""
     from hybrid.models.gpt import GPT, GPTConfig
 
-    return tuple(tuple(m) for m in module_param_numels(GPT(GPTConfig(**dict(shape)), device="meta"), tp))
+    return model_units(GPT(GPTConfig(**dict(shape)), device="meta"), tp, stage3_unit)
 
 
 def _model_doc(lp) -> dict:
@@ -133,12 +133,6 @@ def zero_config(lp, stage: int):
     return ZeroConfig(stage=stage, **(zero_options(_model_doc(lp).get("zero")) if builtin else {}))
 
 
-def _clipping(lp) -> bool:
-    from hybrid.models.gpt_train import train_options
-
-    return lp.model is None or train_options(_model_doc(lp).get("train"))["gradient_clipping"] is not None
-
-
 def supports_activation_checkpointing(lp) -> bool:
     names = {f.name for f in dataclasses.fields(JobSettings)}
     return "activation_checkpointing" in names and lp.model is not None
@@ -155,18 +149,19 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     """Predicted per-rank bytes of ``lp`` run with ``choice``."""
     precision, tp, dp = lp.spec.parallel.precision, lp.layout.tp, lp.layout.dp
     device, reserve = device_of(lp), runtime_reserve(lp)
+    zero = zero_config(lp, choice.stage)
     if lp.model is None:  # a bare parameter count: one flat module, no activation estimate
-        modules = [[-(-lp.params // tp)]]
+        units = ModelUnits.from_lists([[-(-lp.params // tp)]])
         activations = 0
     else:
-        modules = [list(m) for m in _gpt_modules(tuple(sorted(lp.model.items())), tp)]
+        units = _gpt_units(tuple(sorted(lp.model.items())), tp, zero.stage3_unit)
         m = lp.model
         activations = gpt_activation_bytes(m["seq_len"], choice.micro_batch, m["hidden"], m["n_heads"],
                                            m["n_layers"], m["vocab_size"], tp=tp, precision=precision,
                                            mlp_ratio=m.get("mlp_ratio", 4),
                                            checkpointing=choice.activation_checkpointing)
-    p = predict_memory(modules, dp, choice.stage, precision, activations=activations, runtime_reserve=reserve,
-                       device=device, zero=zero_config(lp, choice.stage), clipping=_clipping(lp))
+    p = predict_memory(units, dp, choice.stage, precision, activations=activations, runtime_reserve=reserve,
+                       device=device, zero=zero)
     if choice.offload:  # master weights and moments live in host memory
         p = dataclasses.replace(p, optimizer=0, optimizer_transient=0)
     return p

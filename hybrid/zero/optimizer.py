@@ -6,14 +6,16 @@ offloaded), of the model-dtype parameter shard that receives the updated values.
 shard order into batches of at most ``sub_group_size`` elements (a larger piece is cut); each batch is one
 ``torch.optim`` instance whose parameter groups are the batch's pieces by ``param_groups.Group``, so one
 fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size, all of a
-rank's pieces at once. Temporaries (fp32 copies of bf16 gradients, scaled gradients, the optimizer's own
-state on its first step) never exceed one batch.
+rank's pieces at once. The only temporary is the fp32 copy of a batch's non-fp32 gradients (clipping scales
+the reduced gradient in place: it is zeroed after the step anyway).
 
 The optimizer's per-element state (``exp_avg`` and ``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD,
 whatever an elementwise class keeps: found by stepping it once on a 2-element probe) lives in one flat
 fp32 buffer per key in shard space (``buffers``), so a checkpoint writes it per parameter like the master.
-torch creates a piece's state on its first step; it is then copied into the flat buffer and the piece's
-state points there (every later step updates it in place). A scalar ``step`` entry is this optimizer's
+Where the class steps from zeroed state exactly as from the state it would make itself
+(``zero_state_is_initial``: Adam(W), SGD without dampening, ...) every piece's state points at the buffers
+from the start; otherwise torch creates a piece's state on its first step, it is copied into the flat
+buffer and the piece's state points there (every later step updates it in place). A scalar ``step`` entry is this optimizer's
 ``step_count``; any other scalar state makes the class not elementwise (refused in one sentence).
 ``restore(step_count)`` re-creates the state entries over the (just loaded) buffers, so a resumed run takes
 exactly the steps an uninterrupted one would.
@@ -64,6 +66,31 @@ def probe_state(cls, kwargs: dict) -> tuple:
     return tuple(keys), step_dtype
 
 
+def zero_state_is_initial(cls, kwargs: dict, keys: tuple, step_dtype) -> bool:
+    """Whether ``cls`` stepping from state it is handed -- every per-element key zeros, ``step`` 0 -- takes
+    exactly the steps it takes from the state it would create itself (Adam(W): yes; SGD with dampening: no,
+    its first step copies the gradient). Checked on a probe, so the flat buffers can hold the state from the
+    start instead of torch allocating a whole second copy on the first step."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(8, generator=g) for _ in range(3)]
+    start = torch.randn(8, generator=g)
+    runs = []
+    for prefill in (False, True):
+        p = start.clone()
+        opt = cls([p], **kwargs, foreach=False)
+        if prefill:
+            if opt.state.get(p):  # state made at construction (Adagrad): already the initial state
+                return False
+            opt.state[p] = {key: torch.zeros_like(p) for key in keys}
+            if step_dtype is not None:
+                opt.state[p]["step"] = torch.tensor(0.0, dtype=step_dtype)
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+        runs.append(p)
+    return torch.equal(runs[0], runs[1])
+
+
 def _implementation(cls, implementation: str, device: torch.device) -> list:
     """Keyword sets to try in order for ``implementation``."""
     import inspect
@@ -87,12 +114,15 @@ class FlatOptimizer:
         self.cls = config.torch_class
         self.kwargs = config.torch_kwargs()
         self.keys, self._step_dtype = probe_state(self.cls, self.kwargs)
+        self._prefill = zero_state_is_initial(self.cls, self.kwargs, self.keys, self._step_dtype)
         self.state_device = torch.device(state_device)
         self.sub_group_size = int(sub_group_size)
         self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
         self.step_count = 0
         self.pieces = list(pieces)
         self.batches = self._build_batches()
+        if self._prefill:
+            self._point_state()
 
     # -- construction ---------------------------------------------------------------------------------
     def _cut(self):
@@ -146,10 +176,9 @@ class FlatOptimizer:
                 grad = piece.grad[lo:hi]
                 if grad.dtype != torch.float32:
                     grad = grad.float()
-                    if grad_scale is not None:
-                        grad.mul_(grad_scale)
-                elif grad_scale is not None:
-                    grad = grad.mul(grad_scale)
+                # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
+                if grad_scale is not None:
+                    grad.mul_(grad_scale)
                 view.grad = grad
             batch.opt.step()
             for view, piece, lo, hi in batch.views:
@@ -176,8 +205,11 @@ class FlatOptimizer:
     def restore(self, step_count: int) -> None:
         """After the buffers were loaded: this many steps were taken; point every piece's state at them."""
         self.step_count = int(step_count)
-        if self.step_count == 0:
-            return
+        if self.step_count or self._prefill:  # else torch makes the state on the first step, as before
+            self._point_state()
+
+    def _point_state(self) -> None:
+        """Every piece's torch state is its views of the flat buffers, at ``step_count``."""
         for batch in self.batches:
             for view, piece, lo, hi in batch.views:
                 a = piece.pos + lo

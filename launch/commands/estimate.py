@@ -170,14 +170,14 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
 def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, checkpointing: bool) -> dict:
     """``hybrid.memory.predict_memory`` per stage for the built-in GPT of this shape, on GPUs (the default
     runtime reserve included)."""
-    from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, gpt_activation_bytes, module_param_numels, predict_memory
+    from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, gpt_activation_bytes, model_units, predict_memory
     from hybrid.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
                        n_heads=shape["heads"])
     config.check_tp(tp)
-    modules = module_param_numels(GPT(config, device="meta"), tp)
+    units = model_units(GPT(config, device="meta"), tp)
     acts = gpt_activation_bytes(shape["seq"], shape["micro_batch"], shape["hidden"], shape["heads"], shape["layers"],
                                 vocab, tp=tp, precision=precision, checkpointing=checkpointing)
-    return {s: predict_memory(modules, dp, s, precision, activations=acts, runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB
+    return {s: predict_memory(units, dp, s, precision, activations=acts, runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB
                               * 10**9) for s in STAGES}
