@@ -14,7 +14,8 @@ A group of size 1 moves nothing: the call is a no-op (all-gather / reduce-scatte
 nothing is counted. Async ops return a handle with ``.wait()`` in every case, so callers never branch on
 the group size.
 
-gloo has no ``ReduceOp.AVG``; callers that want a mean pass ``average=True`` and the division happens here.
+Callers that want a mean pass ``average=True``: on NCCL that is ``ReduceOp.AVG`` inside the collective;
+gloo has no AVG, so there the sum is divided by the group size here.
 
 gloo's own reduce-scatter copies its whole input and all-reduces it, and its all-gather is several times
 slower than one broadcast per rank (bench/RESULTS.md). On CPU tensors (gloo) two faster equivalents are
@@ -87,9 +88,11 @@ class Comm:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "dp"):
         self.name = name
         self.group = group
+        self.native_avg = False  # the backend averages in the collective (NCCL's ReduceOp.AVG)
         if dist.is_available() and dist.is_initialized():
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
+            self.native_avg = str(dist.get_backend(group)).lower() == "nccl"
         else:
             self.size, self.rank = 1, 0
         self.bytes: Counter = Counter()
@@ -122,6 +125,8 @@ class Comm:
         if self.size == 1:
             return _Done()
         self._count("all_reduce", 2 * _nbytes(tensor))
+        if average and op is None and self.native_avg:
+            op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.all_reduce"):
             work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         if not average:
@@ -141,12 +146,14 @@ class Comm:
             output.copy_(input)
             return _Done()
         self._count("reduce_scatter", _nbytes(input))
+        op = dist.ReduceOp.SUM
+        if average and self.native_avg:
+            op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.reduce_scatter"):
             if input.device.type == "cpu" and _is_own_slice(output, input, self.rank):
-                work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+                work = dist.all_reduce(input, op=op, group=self.group, async_op=async_op)
             else:
-                work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group,
-                                                  async_op=async_op)
+                work = dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
         if not average:
             return work if async_op else _Done()
         if async_op:

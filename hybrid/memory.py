@@ -362,8 +362,9 @@ def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, la
     SDPA's contiguous q, k, v (3x/t), the attention output and its contiguous copy (2x/t), the residual sum and the LN2 output, the MLP
     up-projection and its GELU (2·mlp_ratio·x/t); plus the fp32 LayerNorm statistics. With activation
     checkpointing only each layer's input is kept, and one layer is recomputed at a time. On top: the
-    final LayerNorm's input and output, and the loss: fp32 softmax, its gradient and the scaled gradient of
-    the logits (3 fp32 copies of s·b·vocab/t, plus the model-dtype logits for a non-fp32 model).
+    final LayerNorm's input and output, and the loss: ``hybrid.tp.loss`` keeps one fp32 copy of the
+    s·b·vocab/t logits (the softmax, turned into the gradient in place), beside the model-dtype logits at the
+    end of the forward (or their gradient's cast at the start of backward).
     """
     s, b, h = (_positive_int(x, name) for x, name in ((seq, "seq"), (micro_batch, "micro_batch"), (hidden, "hidden")))
     a, n, t = _positive_int(heads, "heads"), _positive_int(layers, "layers"), _positive_int(tp, "tp")
@@ -376,5 +377,5 @@ def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, la
     layer_stack = (n * item * x + per_layer) if checkpointing else n * per_layer
     final = 2 * item * x
     logits = s * b * Fraction(vocab, t)
-    loss = int(logits * (3 * FP32 + (item if item != FP32 else 0)))
+    loss = int(logits * (FP32 + item))
     return int(layer_stack + final + loss)

@@ -14,6 +14,10 @@ function                       forward                 backward
 
 Split and gather work on the last dimension in rank order: rank r owns columns
 ``[r·d/t, (r+1)·d/t)``.
+
+The forward all-reduce is in place on the partial result (a fresh, contiguous tensor no one else holds:
+the row-parallel matmul's output), marked dirty for autograd; anything else is cloned first. The backward
+all-reduce always works on a copy: autograd may hand the same gradient tensor to several inputs.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
+        if x.is_contiguous() and x._base is None and not x.is_leaf:
+            comm.all_reduce(x)
+            ctx.mark_dirty(x)
+            return x
         return _all_reduce(x, comm)
 
     @staticmethod

@@ -6,6 +6,10 @@ three global quantities come from TP all-reduces of per-token scalars: the max (
 (only the owning rank contributes, SUM) and the sum of exponentials (SUM). The gradient with respect to
 the local logits is ``softmax − onehot(y)`` restricted to the local slice, so backward needs no
 communication.
+
+Memory: one fp32 copy of the local logits (shifted, exponentiated and normalised in place, saved as the
+softmax); backward turns that saved softmax into the gradient in place (so the loss can be back-propagated
+once: a second backward through it raises), then casts to the logits' dtype (a copy only when not fp32).
 """
 
 from __future__ import annotations
@@ -27,18 +31,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * local_vocab
         ctx.logits_dtype = logits.dtype
 
-        logits = logits.float()
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.max(dim=-1).values.float()
         if tp > 1:
             comm.all_reduce(logits_max, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        shifted = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        shifted.sub_(logits_max.unsqueeze(-1))
 
         local_targets = targets - start
         outside = (local_targets < 0) | (local_targets >= local_vocab)
         local_targets = local_targets.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         if tp > 1:
             # One all-reduce for both per-token sums.
@@ -49,15 +53,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = sum_exp.log() - target_logit
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_targets, outside)
+        ctx.consumed = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy: backward ran twice through the same loss "
+                               "(its saved softmax becomes the gradient in place); recompute the loss instead "
+                               "of retain_graph=True")
+        ctx.consumed = True
         softmax, local_targets, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # in place: the saved softmax is not needed again
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,

@@ -28,10 +28,11 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
     """The 2-norm (fp32, 0-dim) of all gradients; ``runs`` are ``(grad_view, is_tensor_parallel)`` pairs."""
     device = runs[0][0].device if runs else torch.device("cpu")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tensor-parallel, replicated]
-    for grad, is_tp in runs:
-        for lo in range(0, grad.numel(), chunk):
-            norm = torch.linalg.vector_norm(grad[lo:lo + chunk], 2, dtype=torch.float32)
-            sums[0 if is_tp else 1] += norm.double() ** 2
+    for k, flag in enumerate((True, False)):
+        pieces = [grad[lo:lo + chunk] for grad, is_tp in runs if is_tp == flag and grad.numel()
+                  for lo in range(0, grad.numel(), chunk)]
+        if pieces:  # one multi-tensor kernel over every piece, no host sync
+            sums[k] = torch.stack(_norms(pieces)).double().square().sum()
     if dp_comm is not None:
         dp_comm.all_reduce(sums)
     if tp_comm is not None and tp_comm.size > 1:
@@ -39,6 +40,14 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
         tp_comm.all_reduce(tp_part)
         sums[0] = tp_part[0]
     return sums.sum().sqrt().float()
+
+
+def _norms(pieces: list) -> list:
+    """fp32 2-norms of ``pieces`` (``torch._foreach_norm`` where it takes a dtype, else one by one)."""
+    try:
+        return list(torch._foreach_norm(pieces, 2, dtype=torch.float32))
+    except (AttributeError, TypeError, RuntimeError):
+        return [torch.linalg.vector_norm(p, 2, dtype=torch.float32) for p in pieces]
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
