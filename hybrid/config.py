@@ -14,7 +14,10 @@ on construction; a bad value raises ``ConfigError`` naming the field and the fix
   "params": {...}}}``; ``stage3_prefetch_bucket_size`` and ``stage3_param_persistence_threshold`` are
   aliases of the plain names. ``fp16`` is refused (use bf16).
   ``stage3_unit`` (``auto`` | ``module`` | a callable ``(name, module) -> bool``) cuts stage 3's units
-  (``hybrid.zero.units``).
+  (``hybrid.zero.units``). ``reduce_dtype`` (``fp32`` | ``bf16``; default the model's precision, the
+  seed's bf16 gradients) is the dtype a bf16 model's gradients are summed over DP and accumulated over
+  micro-steps in: ``fp32`` keeps them in fp32 buffers (2 more bytes per gradient element held, twice the
+  gradient traffic, no fp32 copy at the optimizer step).
 
 The optimizer is any elementwise ``torch.optim`` class by name (``AdamW`` default, ``Adam``, ``SGD``,
 ``RMSprop``, ...); its keyword arguments go in ``optimizer.params`` (or beside ``type``) and are checked
@@ -111,6 +114,7 @@ class ZeroConfig:
     contiguous_gradients: bool = True          # accepted for DeepSpeed configs; gradients are always flat
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: states in host memory
     stage3_unit: Any = "auto"                  # stage 3: auto | module | callable(name, module) -> bool
+    reduce_dtype: Optional[str] = None         # gradients summed/accumulated in: fp32 | bf16; None = the model's
 
     def __post_init__(self) -> None:
         _check_zero(self, "zero")
@@ -130,6 +134,8 @@ def _check_zero(cfg: ZeroConfig, where: str) -> None:
         raise ConfigError(f"{where}.stage3_unit must be auto, module or a function (module_name, module) -> bool "
                           f"marking the unit roots, got {unit!r}; use auto (one unit per block) unless you "
                           f"need another cut.")
+    if cfg.reduce_dtype is not None:
+        set_("reduce_dtype", v.one_of(f"{where}.reduce_dtype", cfg.reduce_dtype, PRECISIONS))
     offload = _offload_from(cfg.offload_optimizer, f"{where}.offload_optimizer")
     set_("offload_optimizer", offload)
     from hybrid.zero.policy import policy_for  # pure table; imported here to keep config import-light
@@ -332,6 +338,9 @@ class TrainConfig:
         if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         v.one_of("precision", self.precision, PRECISIONS)
+        if self.precision == "fp32" and self.zero.reduce_dtype == "bf16":
+            raise ConfigError("zero.reduce_dtype is bf16 but precision is fp32: an fp32 model's gradients are "
+                              "reduced in fp32; remove zero.reduce_dtype or set precision to bf16.")
         clip = self.gradient_clipping
         if clip is not None:
             clip = _float(clip, "gradient_clipping") or None  # DeepSpeed writes 0.0 for "off"
@@ -341,6 +350,11 @@ class TrainConfig:
         for name in ("micro_batch_size", "train_batch_size"):
             if getattr(self, name) is not None:
                 set_(name, _int(getattr(self, name), name, 1))
+
+    @property
+    def grad_precision(self) -> str:
+        """The dtype gradients are reduced and accumulated in: ``zero.reduce_dtype``, else the model's."""
+        return self.zero.reduce_dtype or self.precision
 
     def check_batch(self, dp: int) -> None:
         """``train_batch_size`` must equal micro batch × accumulation × dp when both batch sizes are set."""

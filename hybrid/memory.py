@@ -310,6 +310,7 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
     layout, persistent = unit_layout(units, stage, dp, precision, zero.reduce_bucket_size,
                                      zero.param_persistence_threshold)
     item = DTYPE_BYTES[precision]
+    grad_item = DTYPE_BYTES[zero.reduce_dtype or precision]  # gradients and their buckets
     shard, full = layout.shard_numel, layout.full_numel
     units = [u.numel for u in layout.units]
     if stage >= 3:
@@ -317,14 +318,14 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
         params = (shard + kept) * item
     else:
         params = full * item
-    grads = (shard if stage >= 2 else full) * item
+    grads = (shard if stage >= 2 else full) * grad_item
     master = 0 if precision == "fp32" else shard * FP32
     optimizer = master + 2 * shard * FP32
 
     inflight = 0
     waiting = _waiting_buckets(units, zero.reduce_bucket_size)
     if stage >= 2:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
-        inflight += waiting * item
+        inflight += waiting * grad_item
     if stage >= 3:
         others = sorted((n for u, n in enumerate(units) if u not in persistent), reverse=True)
         if others:
@@ -336,7 +337,7 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
                 prefetched += n
             inflight += (others[0] + prefetched) * item
     piece = min(zero.sub_group_size, max(u.shard_numel for u in layout.units))
-    transient = piece * FP32 if precision != "fp32" else 0  # the fp32 copy of a non-fp32 gradient piece
+    transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 copy of a non-fp32 gradient piece
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
                             int(activations), int(runtime_reserve), device == "cpu")
 

@@ -11,6 +11,11 @@ A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind
   rank's part added into the persistent gradient shard. This runs at every micro-step, so only the shard
   (plus buckets in flight) is ever held.
 
+When the gradient buffers are in another dtype than the parameters (``zero.reduce_dtype: fp32`` for a bf16
+model), autograd cannot accumulate into them: in the first two modes the post-accumulate hook adds each
+``param.grad`` into its view of the flat buffer (at every micro-step) and drops it; buckets are in the
+buffers' dtype, so the sum over DP is taken in it too.
+
 A unit is *complete* once every parameter in it has fired its post-accumulate-grad hook. Units are launched
 strictly in ``order`` (the same list on every rank), so the sequence of collectives matches across ranks
 even when some parameter gets no gradient on some rank; ``finish()`` (end of backward) launches the rest
@@ -48,6 +53,9 @@ class GradReducer:
         self.on_unit_done = on_unit_done
         self.on_unit_reduced = on_unit_reduced  # a unit's reduced gradient is in place (optimizer offload)
         self.rank = comm.rank if layout.n_shards > 1 else 0
+        storage = flat_grad if flat_grad is not None else grad_shard
+        # Gradients land in another dtype than autograd's: the hook adds them in (stages 0-1).
+        self._by_hook = mode != "scatter_shard" and any(p.dtype != storage.dtype for p in params)
         self._unit_of = [layout.locate(i) for i in range(len(params))]
         self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
         self._inflight: deque = deque()
@@ -58,7 +66,7 @@ class GradReducer:
         self._next = 0
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._hook(i))
-        if mode != "scatter_shard":
+        if mode != "scatter_shard" and not self._by_hook:
             self.attach_grads()
 
     # -- views ----------------------------------------------------------------------------------------
@@ -73,6 +81,10 @@ class GradReducer:
 
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its view of the flat buffer (again, if the user replaced it)."""
+        if self._by_hook:
+            for p in self.params:
+                p.grad = None
+            return
         for i, p in enumerate(self.params):
             view = self._grad_view(i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
@@ -104,6 +116,9 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if self._by_hook:
+            self._grad_view(i).add_(param.grad)
+            param.grad = None
         if not self._active:  # a micro-step that only accumulates (stages 0, 1)
             return
         unit, slot = self._unit_of[i]

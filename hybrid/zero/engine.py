@@ -39,7 +39,9 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   set, steps AdamW on this rank's shard, refreshes the parameters and zeroes the gradients; it returns
   True then and False on the other micro-steps. A parameter that received no gradient in a step is
   stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``).
-* bf16: the model's parameters, gradients and communication are bf16; master weights and moments fp32.
+* bf16: the model's parameters are bf16, master weights and moments fp32; gradients are summed over DP and
+  accumulated over micro-steps in ``zero.reduce_dtype`` (default bf16, the seed's bytes; fp32 as torchtitan
+  and Megatron do: autograd's bf16 gradient is added into fp32 buffers by the post-accumulate hook).
   fp32: the fp32 parameters are the master weights (no second copy).
 * ``zero.offload_optimizer.device: cpu`` (stages 1-3): the fp32 master and the optimizer state live in host
   memory; each unit's reduced gradient shard is copied to the host as soon as it is reduced (on CUDA on a
@@ -135,7 +137,7 @@ class ZeroEngine:
             offload = zero.offload_optimizer
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
-                                   pin_memory=offload.pin_memory)
+                                   pin_memory=offload.pin_memory, grad_dtype=DTYPES[config.grad_precision])
             views, transient = materialize(self.module, self.params, self.shapes, self.state, sources,
                                            self.device)
         finally:

@@ -5,7 +5,8 @@ micro-steps skip) is trained 10 steps with gradient accumulation 2 and a clip th
 Each rank sees its slice of every global micro-batch; the reference sees the whole batch. fp32 losses,
 gradient norms and the final ``full_state_dict()`` match to a relative error < 1e-5; bf16 losses < 2e-2.
 The same runs check ``shard_views()`` (one owner per element, views equal to the consolidated weights),
-``sync_params_from_master()`` and that nothing stays gathered or bucketed between steps.
+``sync_params_from_master()`` and that nothing stays gathered or bucketed between steps. The bf16 cases run
+with the gradients reduced in bf16 (the default) and in fp32 (``zero.reduce_dtype: fp32``).
 All cases of a world size share one spawned process group.
 """
 
@@ -27,9 +28,10 @@ CASES = {
     "stage2-no-overlap-all-reduce": config(2, overlap_comm=False, reduce_scatter=False),
     "stage0-bf16": config(0, "bf16"), "stage1-bf16": config(1, "bf16"),
     "stage2-bf16": config(2, "bf16"), "stage3-bf16": config(3, "bf16"),
+    **{f"stage{s}-fp32-reduce-bf16": config(s, "bf16", reduce_dtype="fp32") for s in range(4)},
 }
 WORLD2 = list(CASES)
-WORLD4 = ["stage1", "stage2", "stage3", "stage3-bf16"]
+WORLD4 = ["stage1", "stage2", "stage3", "stage3-bf16", "stage2-fp32-reduce-bf16"]
 
 
 def _run_cases(names):

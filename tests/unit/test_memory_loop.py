@@ -27,12 +27,14 @@ WIDE = GPTConfig(vocab_size=512, seq_len=32, n_layers=2, hidden=128, n_heads=4) 
 
 # ------------------------------------------------------------------------------------------- prediction
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-fp32-reduce"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("cfg", [TINY, WIDE], ids=["tiny", "wide"])
 def test_model_states_equal_what_the_engine_holds(cfg, stage, precision):
     modules = model_units(GPT(cfg, device="meta"))
-    zero = ZeroConfig(stage=stage, reduce_bucket_size=20_000, param_persistence_threshold=10_000)
+    precision, _, reduce = precision.partition("-")
+    zero = ZeroConfig(stage=stage, reduce_bucket_size=20_000, param_persistence_threshold=10_000,
+                      reduce_dtype="fp32" if reduce else None)
     engine = hybrid.initialize(GPT(cfg, device="meta"), TrainConfig(zero=zero, precision=precision))
     held = engine.memory_report()
     p = predict_memory(modules, 1, stage, precision, zero=zero)

@@ -107,3 +107,13 @@ def test_direct_construction_is_checked_too():
         TrainConfig(precision="fp16")
     with pytest.raises(ConfigError, match=r"^config must be a mapping"):
         TrainConfig.from_dict([("zero", {})])
+
+
+def test_reduce_dtype_is_checked_and_defaults_to_the_model_precision():
+    assert TrainConfig(precision="bf16").grad_precision == "bf16"  # the seed's bf16 gradients
+    cfg = TrainConfig.from_dict({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_dtype": "fp32"}})
+    assert cfg.zero.reduce_dtype == "fp32" and cfg.grad_precision == "fp32"
+    with pytest.raises(ConfigError, match="zero_optimization.reduce_dtype"):
+        TrainConfig.from_dict({"zero_optimization": {"reduce_dtype": "fp16"}})
+    with pytest.raises(ConfigError, match="reduce_dtype is bf16 but precision is fp32"):
+        TrainConfig(zero=ZeroConfig(reduce_dtype="bf16"), precision="fp32")
