@@ -186,7 +186,8 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # * in flight: stage 2-3 gradient buckets (a unit-sized buffer per bucket, up to ``reduce_bucket_size``
 #   elements awaiting their reduce-scatter, plus the one being filled) and stage-3 gathered units (the
 #   largest unit plus ``prefetch_bucket_size`` elements prefetched);
-# * optimizer transients: per ``sub_group_size`` piece, the fp32 copy of a non-fp32 gradient (clipping
+# * optimizer transients: the reused fp32 scratch a non-fp32 gradient is converted into, one batch of at
+#   most ``min(sub_group_size, optimizer.CONVERT_NUMEL)`` elements (clipping
 #   scales in place; the optimizer's state is the flat buffers from the start, so its first step allocates
 #   none); the step runs after backward, so this competes with activations, not adds to them;
 # * activations: see ``gpt_activation_bytes``;
@@ -336,8 +337,10 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
                 budget -= n
                 prefetched += n
             inflight += (others[0] + prefetched) * item
-    piece = min(zero.sub_group_size, max(u.shard_numel for u in layout.units))
-    transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 copy of a non-fp32 gradient piece
+    from hybrid.zero.optimizer import batch_numel
+
+    piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
+    transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
                             int(activations), int(runtime_reserve), device == "cpu")
 

@@ -5,9 +5,10 @@ as a view of the fp32 master, of the reduced gradient and, when the master is a 
 offloaded), of the model-dtype parameter shard that receives the updated values. Pieces are packed in
 shard order into batches of at most ``sub_group_size`` elements (a larger piece is cut); each batch is one
 ``torch.optim`` instance whose parameter groups are the batch's pieces by ``param_groups.Group``, so one
-fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size, all of a
-rank's pieces at once. The only temporary is the fp32 copy of a batch's non-fp32 gradients (clipping scales
-the reduced gradient in place: it is zeroed after the step anyway).
+fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size and fp32
+gradients, all of a rank's pieces at once. Non-fp32 (bf16) gradients are converted into one reused fp32
+scratch buffer, so their batches are at most ``CONVERT_NUMEL`` elements: the only temporary is that scratch
+(clipping scales the reduced gradient in place: it is zeroed after the step anyway).
 
 The optimizer's per-element state (``exp_avg`` and ``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD,
 whatever an elementwise class keeps: found by stepping it once on a 2-element probe) lives in one flat
@@ -36,6 +37,15 @@ import torch
 from hybrid.config import OptimizerConfig
 from hybrid.errors import ConfigError
 from hybrid.zero.partition import bucket_groups
+
+# Elements of bf16 gradients converted to fp32 at a time (one reused 16 MB scratch): a few fused calls per
+# step instead of one, and no shard-sized fp32 copy.
+CONVERT_NUMEL = 1 << 22
+
+
+def batch_numel(sub_group_size: int, grad_is_fp32: bool) -> int:
+    """The most elements one optimizer batch steps at once (``hybrid.memory`` counts its scratch)."""
+    return int(sub_group_size) if grad_is_fp32 else min(int(sub_group_size), CONVERT_NUMEL)
 
 
 @dataclass
@@ -116,11 +126,13 @@ class FlatOptimizer:
         self.keys, self._step_dtype = probe_state(self.cls, self.kwargs)
         self._prefill = zero_state_is_initial(self.cls, self.kwargs, self.keys, self._step_dtype)
         self.state_device = torch.device(state_device)
-        self.sub_group_size = int(sub_group_size)
+        self.pieces = list(pieces)
+        fp32_grads = all(p.grad.dtype == torch.float32 for p in self.pieces)
+        self.sub_group_size = batch_numel(sub_group_size, fp32_grads)
         self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
         self.step_count = 0
-        self.pieces = list(pieces)
         self.batches = self._build_batches()
+        self._scratch = None  # fp32 staging of non-fp32 gradients, one batch at a time
         if self._prefill:
             self._point_state()
 
@@ -172,10 +184,12 @@ class FlatOptimizer:
         for batch in self.batches:
             for g, group in zip(batch.groups, batch.opt.param_groups):
                 group["lr"] = lrs[g]
+            at = 0
             for view, piece, lo, hi in batch.views:
                 grad = piece.grad[lo:hi]
                 if grad.dtype != torch.float32:
-                    grad = grad.float()
+                    grad = self._staging(at, hi - lo).view_as(grad).copy_(grad)
+                    at += hi - lo
                 # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
                 if grad_scale is not None:
                     grad.mul_(grad_scale)
@@ -186,6 +200,13 @@ class FlatOptimizer:
                 if piece.out is not None:
                     piece.out[lo:hi].copy_(view)
             self._adopt(batch)
+
+    def _staging(self, at: int, n: int) -> torch.Tensor:
+        """Elements ``[at, at + n)`` of the reused fp32 scratch (allocated on first use, one batch long)."""
+        if self._scratch is None:
+            size = max((sum(hi - lo for _, _, lo, hi in b.views) for b in self.batches), default=0)
+            self._scratch = torch.empty(size, dtype=torch.float32, device=self.state_device)
+        return self._scratch[at:at + n]
 
     def _adopt(self, batch: "_Batch") -> None:
         """Move state torch created for a piece into the flat buffers, and point the piece's state there."""
