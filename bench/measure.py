@@ -4,7 +4,8 @@
 and returns plain data: the loss and wall time of every step, the RSS before the model was built and the
 peak RSS of the process, the model-state bytes held, and (hybrid only) the traffic per timed step.
 
-Each step is framed by barriers, so its time on every rank is the time of the slowest rank. Model-state
+Each step is framed by barriers, so its time on every rank is the time of the slowest rank; a world of one
+rank (the compute floor) has no barrier, so its step issues no collective at all. Model-state
 bytes are read between backward and optimizer step of the last warm-up step: gradients are alive and the
 optimizer state has been allocated by the earlier steps, and no timed step pays for the counting.
 With ``profile=True`` the timed steps run under ``torch.profiler`` and the op table comes back too.
@@ -28,6 +29,7 @@ def run_rank(impl: str, stage: int, w: Workload, profile: bool = False) -> dict:
     if w.warmup < 2:
         raise ValueError("warmup must be >= 2: the optimizer state exists only after the first step")
     rank = dist.get_rank()
+    sync = dist.barrier if dist.get_world_size() > 1 else _no_barrier
     peers.import_library(impl)
     rss_before = current_rss_bytes()
     model = build_model(w)
@@ -39,13 +41,13 @@ def run_rank(impl: str, stage: int, w: Workload, profile: bool = False) -> dict:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
         idx, targets = batch(w, step, rank)
-        dist.barrier()
+        sync()
         t0 = time.perf_counter()
         loss = runner.forward_backward(idx, targets)
         if step == w.warmup - 1:
             state_bytes = runner.model_state_bytes()
         runner.optimizer_step()
-        dist.barrier()
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
         if step == w.warmup - 1:
@@ -60,6 +62,10 @@ def run_rank(impl: str, stage: int, w: Workload, profile: bool = False) -> dict:
         traffic = {k: v / w.steps for k, v in traffic.items()}
     return dict(rank=rank, losses=losses, times=times[w.warmup:], rss_before=rss_before,
                 peak_rss=peak_rss_bytes(), state_bytes=state_bytes, traffic=traffic, profile=profile_table)
+
+
+def _no_barrier() -> None:
+    """A one-rank world has nobody to wait for."""
 
 
 def current_rss_bytes() -> int:

@@ -8,6 +8,18 @@
 * ``traffic() -> dict | None`` and ``reset_traffic()``: logical bytes per collective kind (hybrid only; the
   peers call their collectives from C++ where they cannot be counted).
 
+``world_size(impl, workload)`` is how many ranks a run of ``impl`` spawns: the workload's world size for
+hybrid and its peers, 1 for the compute floor.
+
+The compute floor (``floor``) is not a peer but the bound hybrid is measured against: the same per-rank work
+in one process with no process group collectives in its step -- the same GPT, rank 0's rows of each step's
+batch, the model in the workload precision the way hybrid computes it (fp32: fp32 parameters stepped by
+torch.optim.AdamW, fused where the build has the CPU kernel, else foreach; bf16: bf16 module parameters and
+gradients, an fp32 master copy stepped by the same AdamW, copied back to bf16: hybrid stage 0's arithmetic
+without its all-reduce). It trains on half of every global batch, so its losses are shown but left out of
+the agreement check (``math_note``), and it has no traffic. It runs once per workload and precision and
+serves every stage (``FLOOR_STAGE`` is only its row key).
+
 Stage 3 shards every parameter in all three implementations: FSDP2 has no replicated "persistent" small
 parameters, so hybrid and DeepSpeed run with ``param_persistence_threshold = 0`` (the seed's stage 3:
 16Ψ/N bytes of model state, 1.5x the traffic of stage 0). Bucket sizes are the seed's defaults, which are
@@ -36,6 +48,9 @@ import torch.distributed as dist
 
 from bench.workload import Workload
 
+FLOOR = "floor"
+FLOOR_STAGE = 0  # the floor has no ZeRO stage; it is stored as stage 0 and compared with every stage
+
 # implementation -> the ZeRO stages it implements
 STAGES = {
     "hybrid": (0, 1, 2, 3),
@@ -43,6 +58,7 @@ STAGES = {
     "zero1": (1,),
     "fsdp2": (2, 3),
     "deepspeed": (0, 1, 2, 3),
+    FLOOR: (FLOOR_STAGE,),
 }
 PERSISTENCE_THRESHOLD = 0  # stage 3: shard every parameter, as FSDP2 does
 LABELS = {
@@ -51,6 +67,7 @@ LABELS = {
     "zero1": "ZeroRedundancyOptimizer+DDP",
     "fsdp2": "FSDP2 fully_shard",
     "deepspeed": "DeepSpeed ZeRO",
+    FLOOR: "compute floor (1 process, no collectives)",
 }
 
 
@@ -64,8 +81,25 @@ MATH_NOTES = {
 }
 
 
+FLOOR_NOTE = ("one process training rank 0's rows of each batch (half the global batch, its gradient not "
+              "averaged with rank 1's), so its losses are those of other batches; left out of the loss check")
+
+
 def math_note(impl: str, stage: int, precision: str) -> str:
+    """Why the run ``impl:stage`` at ``precision`` is not expected to match the others' losses ("" if it is)."""
+    if impl == FLOOR:
+        return FLOOR_NOTE
     return MATH_NOTES.get((impl, stage, precision), "")
+
+
+def is_peer(impl: str) -> bool:
+    """Whether ``impl`` is one of the implementations hybrid competes with (not hybrid, not the floor)."""
+    return impl not in ("hybrid", FLOOR)
+
+
+def world_size(impl: str, w: Workload) -> int:
+    """Ranks a run of ``impl`` spawns: one for the floor, else the workload's data-parallel world."""
+    return 1 if impl == FLOOR else w.world_size
 
 
 def deepspeed_available() -> bool:
@@ -98,11 +132,23 @@ def setup(impl: str, stage: int, model: torch.nn.Module, w: Workload):
         return _DeepSpeedRunner(model, stage, w)
     if impl == "fsdp2":
         return _fsdp2(model, stage, w)
+    if impl == FLOOR:
+        return _FloorRunner(model, w)
     return _torch_dp(model, impl, w)
 
 
-def _adamw(params, w: Workload) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=w.lr, betas=w.betas, eps=w.eps, weight_decay=w.weight_decay)
+def _adamw(params, w: Workload, **impl) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=w.lr, betas=w.betas, eps=w.eps, weight_decay=w.weight_decay, **impl)
+
+
+def _fused_adamw(params, w: Workload) -> torch.optim.AdamW:
+    """AdamW with the fused kernel where this torch build has it for the parameters' device, else foreach
+    (the order hybrid's ``optimizer.implementation: auto`` tries)."""
+    params = list(params)
+    try:
+        return _adamw(params, w, fused=True)
+    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+        return _adamw(params, w, foreach=True)
 
 
 # --- torch peers ---------------------------------------------------------------------------------
@@ -198,6 +244,52 @@ class _DeepSpeedRunner:
 
     def model_state_bytes(self) -> int:
         return reachable_tensor_bytes(self.engine.module, self.optimizer)
+
+    def traffic(self):
+        return None
+
+    def reset_traffic(self):
+        pass
+
+
+# --- the compute floor ---------------------------------------------------------------------------
+
+class _FloorRunner:
+    """One process, no wrapper and no collectives: forward, backward and AdamW on the model in the workload
+    precision (bf16: on an fp32 master copy, the update copied back into the bf16 parameters)."""
+
+    def __init__(self, model, w: Workload):
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if w.precision == "bf16":
+            with torch.no_grad():
+                self.masters = [p.detach().clone() for p in self.params]  # fp32: the model is built in fp32
+            model.to(torch.bfloat16)
+        else:
+            self.masters = None
+        self.optimizer = _fused_adamw(self.masters or self.params, w)
+
+    def forward_backward(self, idx, targets):
+        loss = self.module(idx, targets)
+        loss.backward()
+        return loss.detach().float()
+
+    @torch.no_grad()
+    def optimizer_step(self):
+        if self.masters is None:
+            self.optimizer.step()
+        else:
+            for master, p in zip(self.masters, self.params):
+                master.grad = p.grad.float()
+            self.optimizer.step()
+            for master, p in zip(self.masters, self.params):
+                p.copy_(master)
+                master.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def model_state_bytes(self) -> int:
+        return reachable_tensor_bytes(self.module, self.optimizer)
 
     def traffic(self):
         return None

@@ -15,7 +15,7 @@ import torch
 
 @dataclass(frozen=True)
 class Workload:
-    name: str                      # "4M", "100M", "quick"
+    name: str                      # "4M", "4M-seq256", "100M", "quick"
     model: dict                    # GPTConfig fields
     micro_batch: int               # sequences per rank per step
     warmup: int                    # untimed steps (the last one is where model-state bytes are measured)
@@ -45,7 +45,11 @@ class Workload:
 
 # ~4M parameters: per-step overhead (hooks, launches, bookkeeping) dominates.
 SMALL = dict(vocab_size=2048, seq_len=64, n_layers=4, hidden=256, n_heads=4)
-# ~100M parameters: compute and traffic dominate. Short sequences keep `make bench` under 30 min on 2 cores.
+# The same ~4M model on 16x the tokens per step (seq 256, micro-batch 8): compute-bound, where per-step
+# overhead hardly shows and the gap to the compute floor is the cost of the parallelism itself.
+COMPUTE = dict(vocab_size=2048, seq_len=256, n_layers=4, hidden=256, n_heads=4)
+# ~100M parameters: parameter-sized work (optimizer, traffic) dominates. Short sequences keep `make bench`
+# about 30 min on 2 cores.
 LARGE = dict(vocab_size=8192, seq_len=64, n_layers=12, hidden=768, n_heads=12)
 # Smoke test: seconds per implementation.
 TINY = dict(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
@@ -54,8 +58,14 @@ TINY = dict(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
 def workloads(quick: bool) -> list[Workload]:
     if quick:
         return [Workload("quick", TINY, micro_batch=2, warmup=2, steps=1)]
-    return [Workload("4M", SMALL, micro_batch=2, warmup=3, steps=30),
-            Workload("100M", LARGE, micro_batch=2, warmup=3, steps=10, lr=3e-4)]
+    # Step counts sized so that `make bench` (13 rows with DeepSpeed x 3 workloads x 2 precisions x 2 passes)
+    # takes about 30 min on 2 cores. Estimate per pass, from the step times of the 13.8-min single pass of
+    # 2026-11-29 (start-up ~2.3 s a 4M row, ~6.8 s a 100M row) and short filtered runs of 4M-seq256
+    # (~0.5-1.3 s/step): 4M 3+15 steps ~1.7 min, 4M-seq256 2+8 ~4.3 min, 100M 2+5 ~7.8 min; ~28 min for 2
+    # passes on an idle machine (the run prints its own estimate after each pass).
+    return [Workload("4M", SMALL, micro_batch=2, warmup=3, steps=15),
+            Workload("4M-seq256", COMPUTE, micro_batch=8, warmup=2, steps=8),
+            Workload("100M", LARGE, micro_batch=2, warmup=2, steps=5, lr=3e-4)]
 
 
 def build_model(w: Workload) -> torch.nn.Module:

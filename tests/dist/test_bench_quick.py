@@ -1,7 +1,9 @@
-"""`bench/compare.py --quick` runs end to end: hybrid at stages 0 and 3 against DDP, FSDP2 and (when importable)
-DeepSpeed on a tiny GPT, with agreeing losses and hybrid's traffic on the seed's ratios (else exit 1)."""
+"""`bench/compare.py --quick` runs end to end: hybrid at stages 0 and 3 against DDP, FSDP2, (when importable)
+DeepSpeed and the one-process compute floor on a tiny GPT, with agreeing losses and hybrid's traffic on the
+seed's ratios (else exit 1), and the summary's hybrid / floor ratio at both stages."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +33,7 @@ def test_quick_benchmark_runs_and_agrees():
     assert "| FSDP2 fully_shard | 3 |" in table
     assert ("| DeepSpeed ZeRO | 3 |" in table) == _deepspeed_importable()
     assert "stage 3: 1.500x (seed 1.5x)" in table
+    assert "| compute floor (1 process, no collectives) (*) | any |" in table
+    assert "| hybrid time / floor |" in table
+    for stage, target in ((0, "1.05"), (3, "1.15")):
+        assert re.search(rf"^\| {stage} \| [0-9.]+ \| <= {target}: (yes|no \([0-9.]+\)) \|", table, re.M)
