@@ -1,7 +1,8 @@
 """One implementation's training run on one rank, timed and measured.
 
 ``run_rank(impl, stage, workload)`` runs inside a freshly spawned rank (``hybrid.local_launch.run_local``)
-and returns plain data: the loss and wall time of every step, the RSS before the model was built and the
+and returns plain data: the loss and wall time of every step, the RSS before the model was built (after the
+implementation's and the model's imports) and the
 peak RSS of the process, the model-state bytes held, and (hybrid only) the traffic per timed step.
 
 Each step is framed by barriers, so its time on every rank is the time of the slowest rank; a world of one
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bench import peers
-from bench.workload import Workload, batch, build_model
+from bench.workload import Workload, batch, build_model, import_model_code
 
 
 def run_rank(impl: str, stage: int, w: Workload, profile: bool = False) -> dict:
@@ -31,6 +32,7 @@ def run_rank(impl: str, stage: int, w: Workload, profile: bool = False) -> dict:
     rank = dist.get_rank()
     sync = dist.barrier if dist.get_world_size() > 1 else _no_barrier
     peers.import_library(impl)
+    import_model_code()  # the workload's, not the implementation's: before the baseline for every row
     rss_before = current_rss_bytes()
     model = build_model(w)
     runner = peers.setup(impl, stage, model, w)

@@ -68,6 +68,14 @@ def workloads(quick: bool) -> list[Workload]:
             Workload("100M", LARGE, micro_batch=2, warmup=2, steps=5, lr=3e-4)]
 
 
+def import_model_code() -> None:
+    """Import what every implementation runs: the benchmark model's code and torch.optim's first-use import
+    of ``torch._dynamo`` (~50 MB: every optimizer's constructor triggers it), so no row's RSS growth counts them."""
+    import torch._dynamo  # noqa: F401
+
+    import hybrid.models.gpt  # noqa: F401
+
+
 def build_model(w: Workload) -> torch.nn.Module:
     """The benchmark model, fp32 on CPU, identical on every rank (same seed)."""
     from hybrid.models.gpt import GPT, GPTConfig
