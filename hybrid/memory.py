@@ -194,14 +194,16 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # * runtime reserve: CUDA context, cuBLAS workspaces and NCCL buffers, outside every allocator statistic
 #   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
 #   figure measured is the process's RSS growth since the Context was made, what the first engine build
-#   faults in beyond its tensors (``DEFAULT_CPU_RUNTIME_RESERVE_GB``).
+#   faults in beyond its tensors plus the heap's slack after the first steps (``DEFAULT_CPU_RUNTIME_RESERVE_GB``).
 # On CPU the phases add up differently (``MemoryPrediction.peak``). (gloo's own reduce-scatter would hold a
 # unit-sized copy of its input; ``hybrid.comm`` all-reduces in place on CPU instead, so nothing is counted.)
 
 DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLAS workspaces ~1 GB
 # CPU: RSS growth measured right after the engine is built, beyond its model states (torch's kernels and
-# thread pools faulted in, autograd, the values drawn while materializing): ~75 MB on torch 2.13.
-DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.075
+# thread pools faulted in, autograd, the values drawn while materializing): ~75 MB on torch 2.13; and
+# what glibc's heap keeps beyond the live tensors once the first steps have run (freed activations and
+# step buffers not reused: RSS grows ~75-100 MB from step 1 to step 2 at 27-53M parameters, then stays).
+DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.15
 ALIGN_BYTES = 16  # as hybrid.zero.engine.ALIGN_BYTES
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 FP32 = 4

@@ -31,7 +31,7 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
     for k, flag in enumerate((True, False)):
         pieces = [grad[lo:lo + chunk] for grad, is_tp in runs if is_tp == flag and grad.numel()
                   for lo in range(0, grad.numel(), chunk)]
-        if pieces:  # one multi-tensor kernel over every piece, no host sync
+        if pieces:  # no host sync
             sums[k] = torch.stack(_norms(pieces)).double().square().sum()
     if dp_comm is not None:
         dp_comm.all_reduce(sums)
@@ -43,11 +43,21 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
 
 
 def _norms(pieces: list) -> list:
-    """fp32 2-norms of ``pieces`` (``torch._foreach_norm`` where it takes a dtype, else one by one)."""
-    try:
-        return list(torch._foreach_norm(pieces, 2, dtype=torch.float32))
-    except (AttributeError, TypeError, RuntimeError):
-        return [torch.linalg.vector_norm(p, 2, dtype=torch.float32) for p in pieces]
+    """fp32 2-norms of ``pieces``: fp32 ones in one ``torch._foreach_norm``; others converted a bounded
+    chunk at a time into one reused fp32 scratch (a norm with ``dtype=float32`` would upcast a whole copy)."""
+    from hybrid.zero.optimizer import CONVERT_NUMEL
+
+    fp32 = [p for p in pieces if p.dtype == torch.float32]
+    out = list(torch._foreach_norm(fp32, 2)) if fp32 else []
+    other = [p for p in pieces if p.dtype != torch.float32]
+    if other:
+        scratch = torch.empty(min(CONVERT_NUMEL, max(p.numel() for p in other)), dtype=torch.float32,
+                              device=other[0].device)
+        for p in other:
+            for lo in range(0, p.numel(), scratch.numel()):
+                part = p[lo:lo + scratch.numel()]
+                out.append(torch.linalg.vector_norm(scratch[:part.numel()].copy_(part), 2))
+    return out
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ def cluster():
         yield
 
 
-def make_spec(tmp: Path, run: str, extra_mb: float, stage="auto"):
+def make_spec(tmp: Path, run: str, extra_mb: float, stage="auto", checkpointing="auto"):
     config = tmp / "model.yaml"
     config.write_text(yaml.safe_dump(MODEL))
     return parse_spec({
@@ -47,7 +47,7 @@ def make_spec(tmp: Path, run: str, extra_mb: float, stage="auto"):
         "job": {"entrypoint": "tests.launch.entrypoints:train_holding_extra", "config": str(config), "steps": STEPS,
                 "micro_batch": 2, "checkpoint": {"dir": str(tmp / run), "every": 2, "keep_last": 10},
                 "collective_timeout_s": 120, "env": {"HOLD_EXTRA_MB": str(extra_mb)}},
-        "parallel": {"tp": 1, "zero_stage": stage, "precision": "fp32"},
+        "parallel": {"tp": 1, "zero_stage": stage, "precision": "fp32", "activation_checkpointing": checkpointing},
     }, base_dir=Path(__file__).resolve().parents[2])
 
 
@@ -57,9 +57,10 @@ def test_a_rank_over_budget_is_replanned_to_a_higher_stage_and_continues_the_run
     text = out.getvalue()
     assert result.plan.stage == 1, text
     lines = re.findall(r"rank \d ran out of memory at stage ([12]) \(measured [\d.]+ MB of 550(?:\.0+)? MB, predicted "
-                       r"[\d.]+ MB\): restarting from step 2 at stage ([23]) \(predicted [\d.]+ MB\)", text)
+                       r"[\d.]+ MB\): restarting from step 2 at stage ([23])( with activation checkpointing)? "
+                       r"\(predicted [\d.]+ MB\)", text)
     assert lines and lines[0][0] == "1", text  # stage 2 may still be over budget: then a second re-plan to 3
-    new_stage = int(lines[-1][1])
+    new_stage, checkpointing = int(lines[-1][1]), bool(lines[-1][2])
     assert len(result.replans) == len(lines) and result.attempts == 1, text  # a re-plan is not a failure
     assert all(r["stage"] == new_stage for r in result.results.values())
     assert "memory per rank after step 1" in text and "peak (RSS growth)" in text
@@ -70,7 +71,8 @@ def test_a_rank_over_budget_is_replanned_to_a_higher_stage_and_continues_the_run
     # the reference: the same job forced to the new stage from a copy of the step-2 checkpoint
     step2 = next(e.path for e in layout.scan(tmp_path / "run") if e.step == 2)
     shutil.copytree(step2, layout.checkpoints_dir(tmp_path / "ref") / step2.name)
-    reference = plan_and_run(make_spec(tmp_path, "ref", EXTRA_MB, stage=new_stage), io.StringIO(), tty=False)
+    reference = plan_and_run(make_spec(tmp_path, "ref", EXTRA_MB, stage=new_stage, checkpointing=checkpointing),
+                             io.StringIO(), tty=False)
     after = {e["step"]: e["loss"] for e in result.history if e["step"] > 2}
     assert sorted(after) == [3, 4, 5]
     assert after == {e["step"]: e["loss"] for e in reference.history if e["step"] > 2}
