@@ -88,13 +88,27 @@ def sleep_past_timeout_on_rank_1(ctx):
 
 def train_holding_extra(ctx):
     """The built-in GPT training, plus memory the planner cannot see: from step 2 on (after the first
-    checkpoint; after the first step of a resumed attempt) the rank holds a buffer of HOLD_EXTRA_MB MB
-    (job.env), written so its pages are really resident."""
+    checkpoint; after the first step of a resumed attempt) the rank holds a buffer, written so its pages are
+    really resident: HOLD_EXTRA_MB MB (job.env), or with HOLD_OVER_BUDGET_MB what takes the rank's measured
+    peak that far over its budget at the first hold -- sized once per rank (kept in the run directory), so
+    every later attempt holds the same bytes whatever stage it runs at."""
     held = []
     extra = float(os.environ.get("HOLD_EXTRA_MB", "0"))
+    over = os.environ.get("HOLD_OVER_BUDGET_MB")
+
+    def size_mb(ctx) -> float:
+        if over is None:
+            return extra
+        path = Path(ctx.settings.checkpoint_dir) / f"hold-rank{ctx.rank}.mb"
+        if not path.exists():
+            meter = ctx.memory_meter
+            path.write_text(str(max(0.0, (meter.budget_bytes - meter.measure()["peak_bytes"]) / 1e6 + float(over))))
+        return float(path.read_text())
 
     def hold(ctx, engine, step):
-        if step >= 2 and not held and extra:
-            held.append(torch.ones(int(extra * 1e6 / 4)))
+        if step >= 2 and not held:
+            mb = size_mb(ctx)
+            if mb:
+                held.append(torch.ones(int(mb * 1e6 / 4)))
 
     return train(ctx, after_step=[hold])
