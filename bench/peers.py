@@ -254,12 +254,11 @@ class _DeepSpeedRunner:
 
 # --- the compute floor ---------------------------------------------------------------------------
 
-class _FloorRunner:
+class _FloorRunner(_TorchRunner):
     """One process, no wrapper and no collectives: forward, backward and AdamW on the model in the workload
     precision (bf16: on an fp32 master copy, the update copied back into the bf16 parameters)."""
 
     def __init__(self, model, w: Workload):
-        self.module = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         if w.precision == "bf16":
             with torch.no_grad():
@@ -267,12 +266,7 @@ class _FloorRunner:
             model.to(torch.bfloat16)
         else:
             self.masters = None
-        self.optimizer = _fused_adamw(self.masters or self.params, w)
-
-    def forward_backward(self, idx, targets):
-        loss = self.module(idx, targets)
-        loss.backward()
-        return loss.detach().float()
+        super().__init__(model, model, _fused_adamw(self.masters or self.params, w), autocast_bf16=False)
 
     @torch.no_grad()
     def optimizer_step(self):
@@ -287,15 +281,6 @@ class _FloorRunner:
                 master.grad = None
         for p in self.params:
             p.grad = None
-
-    def model_state_bytes(self) -> int:
-        return reachable_tensor_bytes(self.module, self.optimizer)
-
-    def traffic(self):
-        return None
-
-    def reset_traffic(self):
-        pass
 
 
 # --- hybrid --------------------------------------------------------------------------------------
