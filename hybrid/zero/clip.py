@@ -24,15 +24,17 @@ from hybrid.comm import Comm
 from hybrid.errors import NonFiniteError
 
 
-def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm], chunk: int) -> torch.Tensor:
-    """The 2-norm (fp32, 0-dim) of all gradients; ``runs`` are ``(grad_view, is_tensor_parallel)`` pairs."""
+def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm], chunk: int,
+                     scratch=None) -> torch.Tensor:
+    """The 2-norm (fp32, 0-dim) of all gradients; ``runs`` are ``(grad_view, is_tensor_parallel)`` pairs;
+    ``scratch`` (``optimizer.Fp32Scratch``, a new one when None) stages non-fp32 gradients in fp32."""
     device = runs[0][0].device if runs else torch.device("cpu")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tensor-parallel, replicated]
     for k, flag in enumerate((True, False)):
         pieces = [grad[lo:lo + chunk] for grad, is_tp in runs if is_tp == flag and grad.numel()
                   for lo in range(0, grad.numel(), chunk)]
         if pieces:  # no host sync
-            sums[k] = torch.stack(_norms(pieces)).double().square().sum()
+            sums[k] = torch.stack(_norms(pieces, scratch)).double().square().sum()
     if dp_comm is not None:
         dp_comm.all_reduce(sums)
     if tp_comm is not None and tp_comm.size > 1:
@@ -42,21 +44,20 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
     return sums.sum().sqrt().float()
 
 
-def _norms(pieces: list) -> list:
+def _norms(pieces: list, scratch) -> list:
     """fp32 2-norms of ``pieces``: fp32 ones in one ``torch._foreach_norm``; others converted a bounded
-    chunk at a time into one reused fp32 scratch (a norm with ``dtype=float32`` would upcast a whole copy)."""
-    from hybrid.zero.optimizer import CONVERT_NUMEL
+    chunk at a time into the reused fp32 scratch (a norm with ``dtype=float32`` would upcast a whole copy)."""
+    from hybrid.zero.optimizer import CONVERT_NUMEL, Fp32Scratch
 
     fp32 = [p for p in pieces if p.dtype == torch.float32]
     out = list(torch._foreach_norm(fp32, 2)) if fp32 else []
     other = [p for p in pieces if p.dtype != torch.float32]
     if other:
-        scratch = torch.empty(min(CONVERT_NUMEL, max(p.numel() for p in other)), dtype=torch.float32,
-                              device=other[0].device)
+        buf = (scratch or Fp32Scratch()).view(min(CONVERT_NUMEL, max(p.numel() for p in other)), other[0].device)
         for p in other:
-            for lo in range(0, p.numel(), scratch.numel()):
-                part = p[lo:lo + scratch.numel()]
-                out.append(torch.linalg.vector_norm(scratch[:part.numel()].copy_(part), 2))
+            for lo in range(0, p.numel(), buf.numel()):
+                part = p[lo:lo + buf.numel()]
+                out.append(torch.linalg.vector_norm(buf[:part.numel()].copy_(part), 2))
     return out
 
 

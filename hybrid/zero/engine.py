@@ -272,7 +272,7 @@ class ZeroEngine:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
-                                self.config.zero.sub_group_size)
+                                self.config.zero.sub_group_size, scratch=self.optimizer.scratch)
         self.last_grad_norm = float(norm)
         if self.nonfinite.skip(self.last_grad_norm):  # every rank sees the same norm: all skip together
             self.reducer.zero_()

@@ -48,6 +48,22 @@ def batch_numel(sub_group_size: int, grad_is_fp32: bool) -> int:
     return int(sub_group_size) if grad_is_fp32 else min(int(sub_group_size), CONVERT_NUMEL)
 
 
+class Fp32Scratch:
+    """One reused fp32 buffer per device into which non-fp32 gradients are converted a bounded chunk at a
+    time -- by the optimizer's batches and by the gradient norm (``clip``), which run one after the other, so
+    the engine gives both the same instance. Allocated on first use, regrown only when a longer view is asked."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def view(self, n: int, device) -> torch.Tensor:
+        device = torch.device(device)
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[device] = torch.empty(n, dtype=torch.float32, device=device)
+        return buf[:n]
+
+
 @dataclass
 class Piece:
     master: torch.Tensor           # fp32, updated in place
@@ -118,7 +134,8 @@ def _implementation(cls, implementation: str, device: torch.device) -> list:
 
 class FlatOptimizer:
     def __init__(self, pieces: Sequence[Piece], shard_numel: int, state_device, config: OptimizerConfig,
-                 sub_group_size: int, groups: Sequence = (), pin_memory: bool = False):
+                 sub_group_size: int, groups: Sequence = (), pin_memory: bool = False,
+                 scratch: Optional[Fp32Scratch] = None):
         self.config = config
         self.weight_decays = [g.weight_decay for g in groups] or [config.weight_decay]
         self.cls = config.torch_class
@@ -132,7 +149,8 @@ class FlatOptimizer:
         self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
         self.step_count = 0
         self.batches = self._build_batches()
-        self._scratch = None  # fp32 staging of non-fp32 gradients, one batch at a time
+        self.scratch = scratch or Fp32Scratch()  # fp32 staging of non-fp32 gradients, one batch at a time
+        self._largest_batch = max((sum(hi - lo for _, _, lo, hi in b.views) for b in self.batches), default=0)
         if self._prefill:
             self._point_state()
 
@@ -202,11 +220,8 @@ class FlatOptimizer:
             self._adopt(batch)
 
     def _staging(self, at: int, n: int) -> torch.Tensor:
-        """Elements ``[at, at + n)`` of the reused fp32 scratch (allocated on first use, one batch long)."""
-        if self._scratch is None:
-            size = max((sum(hi - lo for _, _, lo, hi in b.views) for b in self.batches), default=0)
-            self._scratch = torch.empty(size, dtype=torch.float32, device=self.state_device)
-        return self._scratch[at:at + n]
+        """Elements ``[at, at + n)`` of the reused fp32 scratch (one batch long)."""
+        return self.scratch.view(self._largest_batch, self.state_device)[at:at + n]
 
     def _adopt(self, batch: "_Batch") -> None:
         """Move state torch created for a piece into the flat buffers, and point the piece's state there."""
