@@ -2,10 +2,17 @@
 
 A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind of gradient storage:
 
-* ``all_reduce`` (stage 0): ``param.grad`` are views of the full flat gradient buffer, so autograd
-  accumulates into it in place. At an accumulation boundary each unit is all-reduced (averaged) in place.
+* ``all_reduce`` (stage 0): the full flat gradient buffer. At an accumulation boundary each unit is
+  all-reduced (averaged) in place.
 * ``scatter_full`` (stage 1): the same buffer; each unit is reduce-scattered in place, after which this
   rank's shard of the unit holds the averaged gradient (the rest of the buffer is never read).
+
+  In both, the first backward after the buffer was emptied (``zero_()``, which sets every ``param.grad`` to
+  None as torch's ``zero_grad`` does, instead of writing zeros) lets autograd hand over fresh gradients and
+  the post-accumulate hook copies each into its view of the buffer; a parameter that got none has its view
+  zero-filled at the end of that backward. Later micro-steps of the same step accumulate in place:
+  ``param.grad`` are views of the buffer again from the end of each backward. (Accumulating into a zeroed
+  buffer read it twice and wrote it twice per step; the copy reads and writes it once.)
 * ``scatter_shard`` (stages 2, 3): the post-accumulate hook copies ``param.grad`` into a transient bucket
   buffer (unit length, zero-filled) and drops it; the full bucket is reduce-scattered in place and this
   rank's part added into the persistent gradient shard. This runs at every micro-step, so only the shard
@@ -15,6 +22,10 @@ When the gradient buffers are in another dtype than the parameters (``zero.reduc
 model), autograd cannot accumulate into them: in the first two modes the post-accumulate hook adds each
 ``param.grad`` into its view of the flat buffer (at every micro-step) and drops it; buckets are in the
 buffers' dtype, so the sum over DP is taken in it too.
+
+The mean over DP: where the backend averages inside the collective (NCCL's ``ReduceOp.AVG``) it does;
+elsewhere the engine divides the loss by ``loss_divisor`` (the DP size) before backward and the collective
+sums, so no pass over the reduced gradients divides them afterwards.
 
 A unit is *complete* once every parameter in it has fired its post-accumulate-grad hook. Units are launched
 strictly in ``order`` (the same list on every rank), so the sequence of collectives matches across ranks
@@ -56,6 +67,12 @@ class GradReducer:
         storage = flat_grad if flat_grad is not None else grad_shard
         # Gradients land in another dtype than autograd's: the hook adds them in (stages 0-1).
         self._by_hook = mode != "scatter_shard" and any(p.dtype != storage.dtype for p in params)
+        # Where the collective cannot average, the backward pre-divides by the group size (engine.backward).
+        self._average_in_collective = True
+        self.loss_divisor = 1
+        self._empty = True            # the flat buffer holds no gradient since zero_() (stages 0, 1)
+        self._handoff = False         # this backward copies fresh gradients into the emptied buffer
+        self._written = [False] * len(params)
         self._unit_of = [layout.locate(i) for i in range(len(params))]
         self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
         self._inflight: deque = deque()
@@ -66,8 +83,7 @@ class GradReducer:
         self._next = 0
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._hook(i))
-        if mode != "scatter_shard" and not self._by_hook:
-            self.attach_grads()
+            p.grad = None
 
     # -- views ----------------------------------------------------------------------------------------
     def _unit_range(self, flat: torch.Tensor, u: int) -> torch.Tensor:
@@ -80,8 +96,9 @@ class GradReducer:
         return self.flat_grad[start:start + slot.numel].view_as(self.params[i])
 
     def attach_grads(self) -> None:
-        """Point every ``param.grad`` at its view of the flat buffer (again, if the user replaced it)."""
-        if self._by_hook:
+        """Point every ``param.grad`` at its view of the flat buffer (again, if the user replaced it); None
+        where the hook adds gradients in (another dtype) or while the buffer is empty."""
+        if self._by_hook or self._empty:
             for p in self.params:
                 p.grad = None
             return
@@ -99,6 +116,8 @@ class GradReducer:
         self._fired = [False] * len(self.params)
         self._next = 0
         if self.mode != "scatter_shard":
+            self._handoff = self._empty
+            self._written = [False] * len(self.params)
             self.attach_grads()
         else:  # gradients only ever live in buckets and the shard
             for p in self.params:
@@ -116,8 +135,13 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        if self._by_hook:
-            self._grad_view(i).add_(param.grad)
+        if self._by_hook or self._handoff:
+            view = self._grad_view(i)
+            if self._handoff and not self._written[i]:
+                view.copy_(param.grad)
+            else:
+                view.add_(param.grad)
+            self._written[i] = True
             param.grad = None
         if not self._active:  # a micro-step that only accumulates (stages 0, 1)
             return
@@ -164,10 +188,11 @@ class GradReducer:
                 data = self._new_bucket(u)
         else:
             data = self._unit_range(self.flat_grad, u)
+        average = self._average_in_collective
         if self.mode == "all_reduce" or not self.use_reduce_scatter:
-            handle = self.comm.all_reduce(data, average=True, async_op=self.overlap)
+            handle = self.comm.all_reduce(data, average=average, async_op=self.overlap)
         else:
-            handle = self.comm.reduce_scatter(data[lo:hi], data, average=True, async_op=self.overlap)
+            handle = self.comm.reduce_scatter(data[lo:hi], data, average=average, async_op=self.overlap)
         self._inflight.append((u, handle, data))
         if not self.overlap:
             self._complete_oldest()
@@ -188,6 +213,11 @@ class GradReducer:
     @torch.no_grad()
     def finish(self) -> None:
         """End of backward: launch every unit not yet launched, in order, and wait for all of them."""
+        if self._handoff:  # a parameter that got no gradient holds zeros, not the previous step's
+            for i, written in enumerate(self._written):
+                if not written:
+                    self._grad_view(i).zero_()
+            self._handoff = self._empty = False
         if self._active:
             for u in range(len(self._pending)):
                 if self._pending[u] > 0:
@@ -199,6 +229,8 @@ class GradReducer:
             self._complete_oldest()
         self._buckets.clear()
         self._active = False
+        if self.mode != "scatter_shard":
+            self.attach_grads()
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def transient_tensors(self) -> list:
@@ -206,4 +238,17 @@ class GradReducer:
         return list(self._buckets.values()) + [d for _, _, d in self._inflight if self.mode == "scatter_shard"]
 
     def zero_(self) -> None:
-        (self.flat_grad if self.mode != "scatter_shard" else self.grad_shard).zero_()
+        """Forget the gradients: the shard is zeroed (stages 2, 3); the flat buffer is marked empty and the
+        next backward overwrites it (stages 0, 1)."""
+        if self.mode == "scatter_shard":
+            self.grad_shard.zero_()
+            return
+        self._empty = True
+        self.attach_grads()
+
+    def fill_if_empty(self) -> None:
+        """Make an emptied flat buffer read as zeros (an optimizer step with no backward since zero_())."""
+        if self.mode != "scatter_shard" and self._empty:
+            self.flat_grad.zero_()
+            self._empty = False
+            self.attach_grads()

@@ -29,7 +29,8 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   (tied weights) is one parameter. Every parameter and buffer is broadcast from DP rank 0 at
   ``initialize``, then the traffic counters are reset.
 * ``engine.backward(loss)`` back-propagates ``loss / gradient_accumulation_steps``; gradients are summed
-  over the micro-steps and averaged over the DP ranks. So with equal per-rank micro-batches and ``loss``
+  over the micro-steps and averaged over the DP ranks (inside the collective on NCCL; on other backends
+  the backward also divides by the DP size and the collective sums). So with equal per-rank micro-batches and ``loss``
   the mean over the rank's micro-batch, the gradients are those of the mean loss over the global batch.
   Stages 0 and 1 communicate once per optimizer step (at the last micro-step); stages 2 and 3
   reduce-scatter at every micro-step (so only the gradient shard is kept), which multiplies their
@@ -243,7 +244,8 @@ class ZeroEngine:
             self.gatherer.end_forward()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss / gradient_accumulation_steps`` and reduce the gradients of this stage."""
+        """Back-propagate ``loss / gradient_accumulation_steps`` (and / DP size where the collective cannot
+        average) and reduce the gradients of this stage."""
         if self._awaiting_step:
             raise RuntimeError("engine.backward() was called twice without engine.step(); call step() after "
                                "every backward (it only steps the optimizer at accumulation boundaries)")
@@ -254,7 +256,8 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.begin_backward()
         try:
-            (loss / accum if accum > 1 else loss).backward()
+            divisor = accum * self.reducer.loss_divisor
+            (loss / divisor if divisor > 1 else loss).backward()
             self.reducer.finish()
         finally:
             if self.gatherer is not None:
@@ -271,6 +274,7 @@ class ZeroEngine:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
+        self.reducer.fill_if_empty()
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
                                 self.config.zero.sub_group_size, scratch=self.optimizer.scratch)
         self.last_grad_norm = float(norm)
@@ -382,14 +386,17 @@ class ZeroEngine:
     # -- reports --------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         """Bytes of the tensors this rank holds now on its device: params, grads, optimizer (fp32 master +
-        optimizer state), and buffers (gradient buckets in flight, stage-3 units gathered right now, the
-        module's buffers). With the optimizer offloaded, ``host`` says what lives in host memory instead:
-        ``{"optimizer": master + state, "grads": the gradient shard's host copy}`` (device ``optimizer`` is 0)."""
+        optimizer state), buffers (gradient buckets in flight, stage-3 units gathered right now, the
+        module's buffers) and scratch (the fp32 buffer non-fp32 gradients are converted through for the
+        norm and the optimizer step: allocated at the first step, then kept). With the optimizer offloaded, ``host`` says what lives in host memory instead:
+        ``{"optimizer": master + state, "grads": the gradient shard's host copy, "scratch": ...}`` (device
+        ``optimizer`` is 0)."""
         kinds = self.state.tensors()
         offloaded = self.state.host is not None
         kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
         kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
         kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
+        kinds["scratch"] = self.optimizer.scratch.tensors(self.device)
         if self.policy.shard_params:
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
@@ -404,10 +411,11 @@ class ZeroEngine:
                     out += storage.nbytes()
             return out
 
-        for kind in ("params", "grads", "optimizer", "buffers"):
+        for kind in ("params", "grads", "optimizer", "buffers", "scratch"):
             report[kind] = total(kinds[kind])
         if offloaded:
-            report["host"] = {"optimizer": total(kinds["host_optimizer"]), "grads": total(kinds["host_grads"])}
+            report["host"] = {"optimizer": total(kinds["host_optimizer"]), "grads": total(kinds["host_grads"]),
+                              "scratch": total(self.optimizer.scratch.tensors(self.state.master_device))}
         return report
 
     def comm_report(self) -> dict:

@@ -63,6 +63,11 @@ class Fp32Scratch:
             buf = self._buffers[device] = torch.empty(n, dtype=torch.float32, device=device)
         return buf[:n]
 
+    def tensors(self, device) -> list:
+        """The buffer held on ``device`` (empty until first use)."""
+        buf = self._buffers.get(torch.device(device))
+        return [] if buf is None else [buf]
+
 
 @dataclass
 class Piece:

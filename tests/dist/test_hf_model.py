@@ -4,7 +4,7 @@
 ``GPT2LMHeadModel`` is built from a small ``GPT2Config`` (no download; ``transformers`` is a test extra):
 its blocks sit in a ``ModuleList`` and its head is tied to the token embedding. ``batches(step)`` returns a
 dict of keyword arguments (``input_ids``, ``labels``); the losses and final weights match the model trained
-single-process with ``torch.optim.AdamW`` (fp32, relative error < 1e-5).
+single-process with ``torch.optim.AdamW`` over the engine's default parameter groups (fp32, relative error < 1e-5).
 """
 
 import pytest
@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import hybrid
+from hybrid.config import TrainConfig
+from hybrid.zero.param_groups import torch_param_groups
 from hybrid.local_launch import run_local
 from hybrid.mesh import build_mesh
 from hybrid.train import Context, JobSettings, run_steps
@@ -61,8 +63,8 @@ def _rank(stages):
 
 def _reference():
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                            foreach=False)
+    groups = torch_param_groups(model, TrainConfig.from_dict(_train_config(0)).optimizer)  # the engine's groups
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
     losses = []
     for step in range(STEPS):
         loss = model(input_ids=_ids(step), labels=_ids(step)).loss
