@@ -20,8 +20,11 @@ gloo has no AVG, so there the sum is divided by the group size here.
 gloo's own reduce-scatter copies its whole input and all-reduces it, and its all-gather is several times
 slower than one broadcast per rank (bench/RESULTS.md). On CPU tensors (gloo) two faster equivalents are
 used, with the same logical byte counts: a reduce-scatter whose output is this rank's slice of the input
-(how the engine always calls it) is an in-place all-reduce of the input (the other slices then hold sums
-too; callers never read them), and an all-gather is one async broadcast per rank into the output's chunks.
+(how the engine always calls it) is a pairwise exchange -- every rank sends each peer that peer's slice and
+adds the slices it receives into its own, so each rank moves (N-1)/N of the input, half of what an
+all-reduce moves (the other slices of the input are left as they were; callers never read them) -- and an
+all-gather is one async broadcast per rank into the output's chunks. The exchange goes in slices of at most
+``EXCHANGE_NUMEL`` elements per peer, two in flight, so its receive buffers stay bounded whatever the unit.
 
 Every collective issued is recorded in ``hybrid.heartbeat`` (entered, and inside it until it returns), so
 the launcher can tell which rank its peers were waiting for when they time out.
@@ -63,6 +66,65 @@ class _AverageOnWait:
         return True
 
 
+EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
+_TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
+
+
+class _PairwiseReduceScatter:
+    """Reduce-scatter by pairwise exchange (gloo): peer q gets slice q of ``input`` from this rank and this
+    rank receives its own slice from every peer, in slices of ``EXCHANGE_NUMEL`` with two in flight; the
+    received parts are added into ``output`` (this rank's slice of ``input``) in rank order. The first two
+    slices are posted at construction, the rest by ``wait``."""
+
+    def __init__(self, comm: "Comm", output: torch.Tensor, input: torch.Tensor, average: bool):
+        self._comm, self._out, self._average = comm, output, average
+        self._chunks = input.view(-1).chunk(comm.size)
+        n = output.numel()
+        self._bounds = [(lo, min(n, lo + EXCHANGE_NUMEL)) for lo in range(0, n, EXCHANGE_NUMEL)]
+        width = min(n, EXCHANGE_NUMEL)
+        self._recv = [[torch.empty(width, dtype=output.dtype, device=output.device) for _ in range(comm.size)]
+                      for _ in range(min(2, len(self._bounds)))]
+        self._posted: list = []  # (slice index, works)
+        self._next = 0
+        self._done = False
+        for _ in self._recv:
+            self._post()
+
+    def _post(self) -> None:
+        k, (lo, hi) = self._next, self._bounds[self._next]
+        self._next += 1
+        comm, rank, works = self._comm, self._comm.rank, []
+        tag = comm._next_tag()
+        bufs = self._recv[k % len(self._recv)]
+        for q in range(comm.size):
+            if q != rank:
+                peer = comm.global_rank(q)
+                works.append(dist.isend(self._chunks[q][lo:hi], peer, group=comm.group, tag=tag))
+                works.append(dist.irecv(bufs[q][:hi - lo], peer, group=comm.group, tag=tag))
+        self._posted.append((k, works))
+
+    def wait(self) -> bool:
+        if self._done:
+            return True
+        while self._posted:
+            k, works = self._posted.pop(0)
+            for w in works:
+                w.wait()
+            lo, hi = self._bounds[k]
+            out = self._out[lo:hi]
+            bufs = self._recv[k % len(self._recv)]
+            for q in range(self._comm.size):
+                if q != self._comm.rank:
+                    out.add_(bufs[q][:hi - lo])
+            if self._average:
+                out.div_(self._comm.size)
+            if self._next < len(self._bounds):
+                self._post()
+        self._recv = []
+        self._done = True
+        return True
+
+
 class _AllDone:
     """Handle for several async ops: ``wait`` waits for each."""
 
@@ -97,7 +159,18 @@ class Comm:
             self.size, self.rank = 1, 0
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
-        self._ranks = None  # global ranks of the group, for the broadcast all-gather
+        self._ranks = None  # global ranks of the group, for the broadcast all-gather and the exchange
+        self._tag = 0
+
+    def global_rank(self, rank_in_group: int) -> int:
+        if self._ranks is None:
+            self._ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
+                           else list(range(self.size)))
+        return self._ranks[rank_in_group]
+
+    def _next_tag(self) -> int:
+        self._tag = (self._tag + 1) % _TAGS
+        return self._tag
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, op: str, nbytes: int) -> None:
@@ -151,9 +224,11 @@ class Comm:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.reduce_scatter"):
             if input.device.type == "cpu" and _is_own_slice(output, input, self.rank):
-                work = dist.all_reduce(input, op=op, group=self.group, async_op=async_op)
-            else:
-                work = dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+                work = _PairwiseReduceScatter(self, output, input, average)
+                if not async_op:
+                    work.wait()
+                return work if async_op else _Done()
+            work = dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
         if not average:
             return work if async_op else _Done()
         if async_op:
@@ -181,14 +256,11 @@ class Comm:
 
     def _broadcast_gather(self, output: torch.Tensor, input: torch.Tensor) -> _AllDone:
         """All-gather as one async broadcast per rank into the chunks of ``output`` (gloo: faster)."""
-        if self._ranks is None:
-            self._ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
-                           else list(range(self.size)))
         chunks = output.view(-1).chunk(self.size)
         own = chunks[self.rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input.reshape(-1))
-        return _AllDone([dist.broadcast(chunk, src=self._ranks[r], group=self.group, async_op=True)
+        return _AllDone([dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True)
                          for r, chunk in enumerate(chunks)])
 
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0, *, async_op: bool = False):

@@ -59,3 +59,30 @@ def test_group_of_one_moves_nothing():
     out = torch.empty(3)
     comm.all_gather(out, t).wait()
     assert out.tolist() == [1.0] * 3 and comm.report()["total"] == 0 and comm.report()["total_calls"] == 0
+
+
+def _exchange_in_slices():
+    import hybrid.comm as comm_module
+
+    comm_module.EXCHANGE_NUMEL = 3  # 7 elements per rank: slices of 3, 3 and 1, two in flight
+    comm = Comm(name="world")
+    r, n = comm.rank, comm.size
+    buckets = [torch.arange(7 * n, dtype=torch.float32) * (k + 1) + r for k in range(3)]
+    own = [b[7 * r:7 * r + 7] for b in buckets]
+    handles = [comm.reduce_scatter(o, b, async_op=True) for o, b in zip(own, buckets)]  # three in flight
+    for h in reversed(handles):
+        h.wait()
+    untouched = [b[7 * ((r + 1) % n):7 * ((r + 1) % n) + 7].tolist() for b in buckets]
+    return [o.tolist() for o in own], untouched
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pairwise_reduce_scatter_in_slices(world):
+    """The gloo reduce-scatter exchanges slices pairwise: several in flight, waited out of order, a short
+    last slice; each rank's slice holds the sum and the others keep this rank's own values."""
+    for rank, (own, untouched) in enumerate(run_local(_exchange_in_slices, world)):
+        for k in range(3):
+            full = torch.arange(7 * world, dtype=torch.float32) * (k + 1)
+            assert own[k] == (full[7 * rank:7 * rank + 7] * world + sum(range(world))).tolist()
+            peer = (rank + 1) % world
+            assert untouched[k] == (full[7 * peer:7 * peer + 7] + rank).tolist()
