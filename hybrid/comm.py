@@ -18,13 +18,21 @@ Callers that want a mean pass ``average=True``: on NCCL that is ``ReduceOp.AVG``
 gloo has no AVG, so there the sum is divided by the group size here.
 
 gloo's own reduce-scatter copies its whole input and all-reduces it, and its all-gather is several times
-slower than one broadcast per rank (bench/RESULTS.md). On CPU tensors (gloo) two faster equivalents are
-used, with the same logical byte counts: a reduce-scatter whose output is this rank's slice of the input
-(how the engine always calls it) is a pairwise exchange -- every rank sends each peer that peer's slice and
-adds the slices it receives into its own, so each rank moves (N-1)/N of the input, half of what an
-all-reduce moves (the other slices of the input are left as they were; callers never read them) -- and an
-all-gather is one async broadcast per rank into the output's chunks. The exchange goes in slices of at most
-``EXCHANGE_NUMEL`` elements per peer, two in flight, so its receive buffers stay bounded whatever the unit.
+slower than one broadcast per rank (bench/RESULTS.md). On CPU tensors (gloo) faster equivalents are used,
+with the same logical byte counts:
+
+* a reduce-scatter whose output is this rank's slice of the input (how the engine always calls it) is a
+  pairwise exchange: every rank sends each peer that peer's slice and adds the slices it receives into its
+  own, so each rank moves (N-1)/N of the input, half of what an all-reduce moves (the other slices of the
+  input keep this rank's values; callers never read them);
+* an all-gather is one async broadcast per rank into the output's chunks;
+* an all-reduce (sum) of ``EXCHANGE_MIN_NUMEL`` elements or more is the exchange followed by that
+  all-gather (16 MB on 2 ranks: ~1.3x faster than gloo's all-reduce); smaller ones stay gloo's.
+
+The exchange goes in slices of at most ``EXCHANGE_NUMEL`` elements per peer, ``EXCHANGE_SLICES`` in
+flight; its receive buffers are kept for later calls (``Comm.buffer_tensors()``; a fresh buffer
+page-faults in on every call), and in use and kept together stay within ``exchange_cap_numel(N)``
+elements while handles are waited in launch order.
 
 Every collective issued is recorded in ``hybrid.heartbeat`` (entered, and inside it until it returns), so
 the launcher can tell which rank its peers were waiting for when they time out.
@@ -67,62 +75,125 @@ class _AverageOnWait:
 
 
 EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
+EXCHANGE_SLICES = 2       # slices in flight (so ``EXCHANGE_SLICES · (N-1) · EXCHANGE_NUMEL`` elements at most)
+EXCHANGE_MIN_NUMEL = 1 << 16  # gloo all-reduces from this many elements go as exchange + broadcasts
 _TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
 
 
 class _PairwiseReduceScatter:
-    """Reduce-scatter by pairwise exchange (gloo): peer q gets slice q of ``input`` from this rank and this
-    rank receives its own slice from every peer, in slices of ``EXCHANGE_NUMEL`` with two in flight; the
-    received parts are added into ``output`` (this rank's slice of ``input``) in rank order. The first two
-    slices are posted at construction, the rest by ``wait``."""
+    """Reduce-scatter by pairwise exchange (gloo). ``input`` is cut into N parts (``tensor_split``: sizes
+    differ by at most one); peer q gets part q from this rank and this rank receives its own part from every
+    peer, in slices of ``EXCHANGE_NUMEL`` with ``EXCHANGE_SLICES`` in flight, and adds them into its part
+    in rank order. The first slices are posted at construction (unless the receive buffers in use are at
+    the cap), the rest by ``wait``."""
 
-    def __init__(self, comm: "Comm", output: torch.Tensor, input: torch.Tensor, average: bool):
-        self._comm, self._out, self._average = comm, output, average
-        self._chunks = input.view(-1).chunk(comm.size)
-        n = output.numel()
-        self._bounds = [(lo, min(n, lo + EXCHANGE_NUMEL)) for lo in range(0, n, EXCHANGE_NUMEL)]
-        width = min(n, EXCHANGE_NUMEL)
-        self._recv = [[torch.empty(width, dtype=output.dtype, device=output.device) for _ in range(comm.size)]
-                      for _ in range(min(2, len(self._bounds)))]
+    def __init__(self, comm: "Comm", input: torch.Tensor, average: bool):
+        self._comm, self._average = comm, average
+        self._parts = input.view(-1).tensor_split(comm.size)
+        self._own = self._parts[comm.rank]
+        longest = self._parts[0].numel()
+        self._width = min(longest, EXCHANGE_NUMEL)
+        self._n_slices = -(-longest // EXCHANGE_NUMEL)
+        self._slots = min(EXCHANGE_SLICES, self._n_slices)
+        self._recv: list = []
         self._posted: list = []  # (slice index, works)
         self._next = 0
-        self._done = False
+        self._done = self._n_slices == 0
+        if not self._done and comm._exchange_may_start(self._slots * (comm.size - 1) * self._width):
+            self._start()
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self._own
+
+    def _start(self) -> None:
+        self._recv = [self._comm._exchange_buffer(self._own, self._width) for _ in range(self._slots)]
         for _ in self._recv:
             self._post()
 
+    @staticmethod
+    def _cut(part: torch.Tensor, k: int) -> torch.Tensor:
+        return part[k * EXCHANGE_NUMEL:(k + 1) * EXCHANGE_NUMEL]
+
     def _post(self) -> None:
-        k, (lo, hi) = self._next, self._bounds[self._next]
+        k = self._next
         self._next += 1
-        comm, rank, works = self._comm, self._comm.rank, []
+        comm, works = self._comm, []
         tag = comm._next_tag()
-        bufs = self._recv[k % len(self._recv)]
-        for q in range(comm.size):
-            if q != rank:
-                peer = comm.global_rank(q)
-                works.append(dist.isend(self._chunks[q][lo:hi], peer, group=comm.group, tag=tag))
-                works.append(dist.irecv(bufs[q][:hi - lo], peer, group=comm.group, tag=tag))
+        mine = self._cut(self._own, k).numel()
+        for q, buf in self._peer_parts(k):
+            peer = comm.global_rank(q)
+            send = self._cut(self._parts[q], k)
+            if send.numel():
+                works.append(dist.isend(send, peer, group=comm.group, tag=tag))
+            if mine:
+                works.append(dist.irecv(buf[:mine], peer, group=comm.group, tag=tag))
         self._posted.append((k, works))
 
     def wait(self) -> bool:
         if self._done:
             return True
+        if not self._recv:  # deferred at launch: the buffers in use were at the cap
+            self._start()
         while self._posted:
             k, works = self._posted.pop(0)
             for w in works:
                 w.wait()
-            lo, hi = self._bounds[k]
-            out = self._out[lo:hi]
-            bufs = self._recv[k % len(self._recv)]
-            for q in range(self._comm.size):
-                if q != self._comm.rank:
-                    out.add_(bufs[q][:hi - lo])
+            out = self._cut(self._own, k)
+            for _, buf in self._peer_parts(k):
+                out.add_(buf[:out.numel()])
             if self._average:
                 out.div_(self._comm.size)
-            if self._next < len(self._bounds):
+            if self._next < self._n_slices:
                 self._post()
+        self._comm._release_exchange_buffers(self._recv)
         self._recv = []
         self._done = True
         return True
+
+    def _peer_parts(self, k: int) -> list:
+        """``(peer, its receive part)`` of the buffer slice ``k`` uses."""
+        buf = self._recv[k % len(self._recv)]
+        peers = [q for q in range(self._comm.size) if q != self._comm.rank]
+        return [(q, buf[j * self._width:(j + 1) * self._width]) for j, q in enumerate(peers)]
+
+
+class _ExchangeAllReduce:
+    """All-reduce (sum) on gloo as the pairwise reduce-scatter, then one broadcast per rank of its reduced
+    part (the all-gather of ``Comm._broadcast_gather``), started by ``wait``."""
+
+    def __init__(self, comm: "Comm", tensor: torch.Tensor):
+        self._comm, self._tensor = comm, tensor
+        self._scatter = _PairwiseReduceScatter(comm, tensor, average=False)
+        self._done = False
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._scatter.wait()
+            self._comm._broadcast_gather(self._tensor, self._scatter.output).wait()
+            self._done = True
+        return True
+
+
+def exchange_cap_numel(size: int) -> int:
+    """Elements of receive buffers the pairwise reduce-scatter of a group of ``size`` holds at most (in use
+    and kept for reuse, handles waited in launch order): ``EXCHANGE_SLICES`` slices of ``EXCHANGE_NUMEL``
+    from each of the N-1 peers."""
+    return EXCHANGE_SLICES * (size - 1) * EXCHANGE_NUMEL
+
+
+def exchange_numel(unit_numels, size: int, stage: int) -> int:
+    """Elements of receive buffers kept after a step's gradient collectives over units of ``unit_numels``
+    elements on gloo (stage 0 all-reduces, from ``EXCHANGE_MIN_NUMEL``; stages 1-3 reduce-scatter), each
+    unit counted with its own buffers, within the cap (pure; the memory model's figure)."""
+    need = 0
+    for n in unit_numels:
+        if stage == 0 and n < EXCHANGE_MIN_NUMEL:
+            continue
+        part = -(-n // size)
+        if part:
+            need += min(EXCHANGE_SLICES, -(-part // EXCHANGE_NUMEL)) * (size - 1) * min(part, EXCHANGE_NUMEL)
+    return min(need, exchange_cap_numel(size))
 
 
 class _AllDone:
@@ -161,6 +232,8 @@ class Comm:
         self.calls: Counter = Counter()
         self._ranks = None  # global ranks of the group, for the broadcast all-gather and the exchange
         self._tag = 0
+        self._free_buffers: dict = {}  # (dtype, device, width) -> exchange receive buffers not in use
+        self._exchange_in_use = 0      # elements of exchange receive buffers held by unfinished calls
 
     def global_rank(self, rank_in_group: int) -> int:
         if self._ranks is None:
@@ -168,9 +241,35 @@ class Comm:
                            else list(range(self.size)))
         return self._ranks[rank_in_group]
 
+    # -- the pairwise exchange's receive buffers ------------------------------------------------------
+    # Reused by later calls of the same width (a fresh buffer page-faults its way in on every call; a
+    # layout's units come in a few sizes). In use plus kept stays within exchange_cap_numel(): a call that
+    # would pass it waits for its handle's wait() to start (unless nothing is in use), and a released
+    # buffer that would pass it is dropped.
+    def _exchange_may_start(self, numel: int) -> bool:
+        return self._exchange_in_use == 0 or self._exchange_in_use + numel <= exchange_cap_numel(self.size)
+
+    def _exchange_buffer(self, like: torch.Tensor, width: int) -> torch.Tensor:
+        free = self._free_buffers.get((like.dtype, like.device, width))
+        buf = free.pop() if free else torch.empty((self.size - 1) * width, dtype=like.dtype, device=like.device)
+        self._exchange_in_use += buf.numel()
+        return buf
+
+    def _release_exchange_buffers(self, buffers: list) -> None:
+        for buf in buffers:
+            self._exchange_in_use -= buf.numel()
+            kept = sum(b.numel() for b in self.buffer_tensors())
+            if kept + self._exchange_in_use + buf.numel() <= exchange_cap_numel(self.size):
+                key = (buf.dtype, buf.device, buf.numel() // (self.size - 1))
+                self._free_buffers.setdefault(key, []).append(buf)
+
     def _next_tag(self) -> int:
         self._tag = (self._tag + 1) % _TAGS
         return self._tag
+
+    def buffer_tensors(self) -> list:
+        """The receive buffers this comm keeps between calls (for memory reports)."""
+        return [b for bufs in self._free_buffers.values() for b in bufs]
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, op: str, nbytes: int) -> None:
@@ -201,7 +300,13 @@ class Comm:
         if average and op is None and self.native_avg:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.all_reduce"):
-            work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            if (op is None and tensor.device.type == "cpu" and tensor.is_contiguous()
+                    and tensor.numel() >= EXCHANGE_MIN_NUMEL):
+                work = _ExchangeAllReduce(self, tensor)
+                if not async_op:
+                    work.wait()
+            else:
+                work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         if not average:
             return work if async_op else _Done()
         if async_op:
@@ -224,7 +329,7 @@ class Comm:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.reduce_scatter"):
             if input.device.type == "cpu" and _is_own_slice(output, input, self.rank):
-                work = _PairwiseReduceScatter(self, output, input, average)
+                work = _PairwiseReduceScatter(self, input, average)
                 if not async_op:
                     work.wait()
                 return work if async_op else _Done()
@@ -256,7 +361,7 @@ class Comm:
 
     def _broadcast_gather(self, output: torch.Tensor, input: torch.Tensor) -> _AllDone:
         """All-gather as one async broadcast per rank into the chunks of ``output`` (gloo: faster)."""
-        chunks = output.view(-1).chunk(self.size)
+        chunks = output.view(-1).tensor_split(self.size)
         own = chunks[self.rank]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input.reshape(-1))

@@ -222,6 +222,7 @@ class MemoryPrediction:
     activations: int       # layers, logits and loss, at their peak (start of backward)
     runtime_reserve: int
     phases_overlap: bool = False  # CPU: the step's transients land on top of the freed activations
+    comm_buffers: int = 0  # CPU (gloo): the pairwise exchange's kept receive buffers (hybrid.comm)
 
     @property
     def model_states(self) -> int:
@@ -233,9 +234,10 @@ class MemoryPrediction:
         # caching allocator reuses the freed activations. On CPU glibc keeps the (small) activation blocks in
         # the heap, so RSS does not fall after backward, while every large buffer (buckets, the collectives'
         # copies, the step's pieces) is a fresh mapping on top of them.
+        held = self.model_states + self.comm_buffers
         if self.phases_overlap:
-            return self.model_states + self.activations + max(self.inflight, self.optimizer_transient)
-        return self.model_states + max(self.inflight + self.activations, self.optimizer_transient)
+            return held + self.activations + max(self.inflight, self.optimizer_transient)
+        return held + max(self.inflight + self.activations, self.optimizer_transient)
 
     @property
     def total(self) -> int:
@@ -245,7 +247,8 @@ class MemoryPrediction:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "model_states": self.model_states, "inflight": self.inflight,
                 "optimizer_transient": self.optimizer_transient, "activations": self.activations,
-                "runtime_reserve": self.runtime_reserve, "peak": self.peak, "total": self.total}
+                "runtime_reserve": self.runtime_reserve, "comm_buffers": self.comm_buffers, "peak": self.peak,
+                "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -343,8 +346,13 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
 
     piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
     transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
+    comm_buffers = 0
+    if device == "cpu" and dp > 1:
+        from hybrid.comm import exchange_numel
+
+        comm_buffers = exchange_numel(units, dp, stage) * grad_item
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
-                            int(activations), int(runtime_reserve), device == "cpu")
+                            int(activations), int(runtime_reserve), device == "cpu", int(comm_buffers))
 
 
 def _waiting_buckets(units: list, cap: int) -> int:

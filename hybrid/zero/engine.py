@@ -387,8 +387,9 @@ class ZeroEngine:
     def memory_report(self) -> dict:
         """Bytes of the tensors this rank holds now on its device: params, grads, optimizer (fp32 master +
         optimizer state), buffers (gradient buckets in flight, stage-3 units gathered right now, the
-        module's buffers) and scratch (the fp32 buffer non-fp32 gradients are converted through for the
-        norm and the optimizer step: allocated at the first step, then kept). With the optimizer offloaded, ``host`` says what lives in host memory instead:
+        module's buffers) and scratch (working buffers allocated at the first step, then kept: the fp32
+        buffer non-fp32 gradients are converted through for the norm and the optimizer step, and the
+        receive buffers of gloo's pairwise reduce-scatter, ``hybrid.comm``). With the optimizer offloaded, ``host`` says what lives in host memory instead:
         ``{"optimizer": master + state, "grads": the gradient shard's host copy, "scratch": ...}`` (device
         ``optimizer`` is 0)."""
         kinds = self.state.tensors()
@@ -396,7 +397,7 @@ class ZeroEngine:
         kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
         kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
         kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
-        kinds["scratch"] = self.optimizer.scratch.tensors(self.device)
+        kinds["scratch"] = self.optimizer.scratch.tensors(self.device) + self.dp_comm.buffer_tensors()
         if self.policy.shard_params:
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]

@@ -86,3 +86,29 @@ def test_pairwise_reduce_scatter_in_slices(world):
             assert own[k] == (full[7 * rank:7 * rank + 7] * world + sum(range(world))).tolist()
             peer = (rank + 1) % world
             assert untouched[k] == (full[7 * peer:7 * peer + 7] + rank).tolist()
+
+
+def _exchange_all_reduce():
+    import hybrid.comm as comm_module
+
+    comm_module.EXCHANGE_NUMEL, comm_module.EXCHANGE_MIN_NUMEL = 2, 4  # several slices, uneven parts
+    comm = Comm(name="world")
+    r = comm.rank
+    summed = torch.arange(11, dtype=torch.float32) * (r + 1)  # 11 elements: parts of 4/4/3 on 3 ranks
+    comm.all_reduce(summed).wait()
+    averaged = torch.full((9,), float(r + 1))
+    handle = comm.all_reduce(averaged, average=True, async_op=True)
+    small = torch.full((3,), float(r))  # below EXCHANGE_MIN_NUMEL: gloo's own all-reduce
+    comm.all_reduce(small).wait()
+    handle.wait()
+    return summed.tolist(), averaged.tolist(), small.tolist(), comm.report()["all_reduce"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_as_exchange_and_broadcasts(world):
+    total = sum(range(1, world + 1))
+    for summed, averaged, small, counted in run_local(_exchange_all_reduce, world):
+        assert summed == (torch.arange(11, dtype=torch.float32) * total).tolist()
+        assert averaged == [total / world] * 9
+        assert small == [float(sum(range(world)))] * 3
+        assert counted == 2 * 4 * (11 + 9 + 3)  # counted as the all-reduces they stand for
