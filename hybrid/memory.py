@@ -222,7 +222,7 @@ class MemoryPrediction:
     activations: int       # layers, logits and loss, at their peak (start of backward)
     runtime_reserve: int
     phases_overlap: bool = False  # CPU: the step's transients land on top of the freed activations
-    comm_buffers: int = 0  # CPU (gloo): the pairwise exchange's kept receive buffers (hybrid.comm)
+    comm_buffers: int = 0  # CPU: the gloo exchange's receive buffers and stage 2-3 buckets, kept
 
     @property
     def model_states(self) -> int:
@@ -347,10 +347,12 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
     piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
     transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
     comm_buffers = 0
-    if device == "cpu" and dp > 1:
+    if device == "cpu":
         from hybrid.comm import exchange_numel
+        from hybrid.zero.buckets import kept_bucket_numel
 
-        comm_buffers = exchange_numel(units, dp, stage) * grad_item
+        exchange = exchange_numel(units, dp, stage) if dp > 1 else 0
+        comm_buffers = (exchange + kept_bucket_numel(units, stage)) * grad_item
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
                             int(activations), int(runtime_reserve), device == "cpu", int(comm_buffers))
 

@@ -14,8 +14,9 @@ A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind
   ``param.grad`` are views of the buffer again from the end of each backward. (Accumulating into a zeroed
   buffer read it twice and wrote it twice per step; the copy reads and writes it once.)
 * ``scatter_shard`` (stages 2, 3): the post-accumulate hook copies ``param.grad`` into a transient bucket
-  buffer (unit length, zero-filled) and drops it; the full bucket is reduce-scattered in place and this
-  rank's part added into the persistent gradient shard. This runs at every micro-step, so only the shard
+  buffer (unit length; slots that got no gradient are zeroed at launch) and drops it; the full bucket is
+  reduce-scattered in place and this rank's part added into the persistent gradient shard; on CPU reduced
+  buckets are kept for the next backward, up to ``KEEP_BUCKET_NUMEL`` elements. This runs at every micro-step, so only the shard
   (plus buckets in flight) is ever held.
 
 When the gradient buffers are in another dtype than the parameters (``zero.reduce_dtype: fp32`` for a bf16
@@ -47,6 +48,21 @@ from hybrid.comm import Comm
 from hybrid.zero.partition import FlatLayout
 
 MODES = ("all_reduce", "scatter_full", "scatter_shard")
+KEEP_BUCKET_NUMEL = 1 << 22  # CPU, stages 2-3: elements of reduced buckets kept for the next backward
+
+
+def kept_bucket_numel(unit_numels, stage: int) -> int:
+    """Elements of buckets a CPU rank keeps between backward passes at ``stage`` (pure; for the memory
+    model): at stages 2-3 units reduce one after another, so their buckets are kept smallest-first until
+    ``KEEP_BUCKET_NUMEL`` -- an upper bound on what ``_keep_bucket`` keeps."""
+    if stage < 2:
+        return 0
+    kept = 0
+    for n in sorted(unit_numels):
+        if kept + n > KEEP_BUCKET_NUMEL:
+            break
+        kept += n
+    return kept
 
 
 class GradReducer:
@@ -75,6 +91,7 @@ class GradReducer:
         self._written = [False] * len(params)
         self._unit_of = [layout.locate(i) for i in range(len(params))]
         self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
+        self._free_buckets: dict = {}  # length -> reduced buckets kept for reuse (scatter_shard)
         self._inflight: deque = deque()
         self._active = False
         self._pending = [0] * len(layout.units)
@@ -171,7 +188,29 @@ class GradReducer:
             self._launch_ready()
 
     def _new_bucket(self, u: int) -> torch.Tensor:
+        """A unit-length bucket: a kept one of that length if any (its padding is still zero: nothing writes
+        padding, and a sum of zeros is zero; every slot is overwritten by its first gradient or zeroed at
+        launch), else a zeroed new one. Fresh buffers page-fault in on every use; kept ones do not."""
+        free = self._free_buckets.get(self.layout.units[u].numel)
+        if free:
+            return free.pop()
         return torch.zeros(self.layout.units[u].numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+
+    def _keep_bucket(self, data: torch.Tensor) -> None:
+        """On CPU, keep a reduced bucket for reuse while the kept ones stay within ``KEEP_BUCKET_NUMEL``
+        elements (CUDA's caching allocator already reuses freed blocks without faulting them in)."""
+        if data.device.type != "cpu":
+            return
+        kept = sum(b.numel() for b in self.kept_tensors())
+        if kept + data.numel() <= KEEP_BUCKET_NUMEL:
+            self._free_buckets.setdefault(data.numel(), []).append(data)
+
+    def _zero_unfired(self, u: int, data: torch.Tensor) -> None:
+        """Zero the slots of unit ``u``'s parameters that got no gradient in this backward (a kept bucket
+        still holds the last step's sums there)."""
+        for slot in self.layout.units[u].slots:
+            if not self._fired[slot.param]:
+                data[slot.offset:slot.offset + slot.numel].zero_()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.order) and self._pending[self.order[self._next]] == 0:
@@ -186,6 +225,7 @@ class GradReducer:
             data = self._buckets.pop(u, None)
             if data is None:
                 data = self._new_bucket(u)
+            self._zero_unfired(u, data)
         else:
             data = self._unit_range(self.flat_grad, u)
         average = self._average_in_collective
@@ -207,6 +247,7 @@ class GradReducer:
             unit = self.layout.units[u]
             lo, hi = unit.shard_range(self.rank)
             self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel].add_(data[lo:hi])
+            self._keep_bucket(data)
         if self.on_unit_reduced is not None:
             self.on_unit_reduced(u)
 
@@ -236,6 +277,10 @@ class GradReducer:
     def transient_tensors(self) -> list:
         """Bucket buffers alive right now (between begin() and finish())."""
         return list(self._buckets.values()) + [d for _, _, d in self._inflight if self.mode == "scatter_shard"]
+
+    def kept_tensors(self) -> list:
+        """Reduced buckets kept for reuse by the next backward (scatter_shard)."""
+        return [b for bufs in self._free_buckets.values() for b in bufs]
 
     def zero_(self) -> None:
         """Forget the gradients: the shard is zeroed (stages 2, 3); the flat buffer is marked empty and the

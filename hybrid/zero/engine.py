@@ -388,8 +388,9 @@ class ZeroEngine:
         """Bytes of the tensors this rank holds now on its device: params, grads, optimizer (fp32 master +
         optimizer state), buffers (gradient buckets in flight, stage-3 units gathered right now, the
         module's buffers) and scratch (working buffers allocated at the first step, then kept: the fp32
-        buffer non-fp32 gradients are converted through for the norm and the optimizer step, and the
-        receive buffers of gloo's pairwise reduce-scatter, ``hybrid.comm``). With the optimizer offloaded, ``host`` says what lives in host memory instead:
+        buffer non-fp32 gradients are converted through for the norm and the optimizer step, the
+        receive buffers of gloo's pairwise exchange, ``hybrid.comm``, and stage 2-3 gradient buckets kept
+        for the next backward). With the optimizer offloaded, ``host`` says what lives in host memory instead:
         ``{"optimizer": master + state, "grads": the gradient shard's host copy, "scratch": ...}`` (device
         ``optimizer`` is 0)."""
         kinds = self.state.tensors()
@@ -397,7 +398,8 @@ class ZeroEngine:
         kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
         kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
         kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
-        kinds["scratch"] = self.optimizer.scratch.tensors(self.device) + self.dp_comm.buffer_tensors()
+        kinds["scratch"] = (self.optimizer.scratch.tensors(self.device) + self.dp_comm.buffer_tensors()
+                            + self.reducer.kept_tensors())
         if self.policy.shard_params:
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
