@@ -153,7 +153,17 @@ def _fused_adamw(params, w: Workload) -> torch.optim.AdamW:
 
 # --- torch peers ---------------------------------------------------------------------------------
 
-class _TorchRunner:
+class _Uncounted:
+    """Peers issue their collectives from C++: no traffic is counted for them."""
+
+    def traffic(self):
+        return None
+
+    def reset_traffic(self):
+        pass
+
+
+class _TorchRunner(_Uncounted):
     def __init__(self, module, wrapped, optimizer, autocast_bf16: bool):
         self.module, self.wrapped, self.optimizer = module, wrapped, optimizer
         self.autocast_bf16 = autocast_bf16
@@ -170,12 +180,6 @@ class _TorchRunner:
 
     def model_state_bytes(self) -> int:
         return reachable_tensor_bytes(self.module, self.optimizer)
-
-    def traffic(self):
-        return None
-
-    def reset_traffic(self):
-        pass
 
 
 def _torch_dp(model, impl: str, w: Workload) -> _TorchRunner:
@@ -212,7 +216,7 @@ def _fsdp2(model, stage: int, w: Workload) -> _TorchRunner:
 
 # --- DeepSpeed -----------------------------------------------------------------------------------
 
-class _DeepSpeedRunner:
+class _DeepSpeedRunner(_Uncounted):
     def __init__(self, model, stage: int, w: Workload):
         import deepspeed
 
@@ -244,12 +248,6 @@ class _DeepSpeedRunner:
 
     def model_state_bytes(self) -> int:
         return reachable_tensor_bytes(self.engine.module, self.optimizer)
-
-    def traffic(self):
-        return None
-
-    def reset_traffic(self):
-        pass
 
 
 # --- the compute floor ---------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class _AverageOnWait:
 
 EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
 EXCHANGE_SLICES = 2       # slices in flight (so ``EXCHANGE_SLICES · (N-1) · EXCHANGE_NUMEL`` elements at most)
-EXCHANGE_MIN_NUMEL = 1 << 16  # gloo all-reduces from this many elements go as exchange + broadcasts
+EXCHANGE_MIN_NUMEL = 1 << 22  # gloo all-reduces from this many elements (16 MB fp32) go as exchange + broadcasts
 _TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
 
 
