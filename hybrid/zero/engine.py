@@ -50,6 +50,10 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   copied back into the device's parameter shard in the model dtype. The result is that of the same stage
   without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
 
+Gradients: after ``engine.step()`` every ``param.grad`` is None (as after torch's ``zero_grad()``); after
+``engine.backward`` they are views of the flat gradient at stages 0-1 (reduced at an accumulation boundary)
+and None at stages 2-3 (only the shard is kept).
+
 Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
 stage 3 every DP rank must run the same modules in the same order (each gather is a collective). A unit
 root's forward may read any parameter of its subtree, however it reads it; a parameter read by a tensor op
