@@ -1,0 +1,124 @@
+"""A/B of one engine change in the same two gloo processes: alternating blocks of steps with the change on
+and off, so both variants see the same machine load (the 2-core bench machine's load moves step times by
+up to 50 % between runs; interleaved blocks inside one process pair do not).
+
+    .venv/bin/python bench/ab_engine.py CHANGE WORKLOAD PRECISION STAGE [--blocks B] [--steps S]
+
+CHANGE (off = the behaviour before it):
+  exchange-rs   gloo reduce-scatter as the pairwise exchange (off: an in-place all-reduce of the unit)
+  exchange-ar   large gloo all-reduces as exchange + broadcasts (off: gloo's all-reduce)
+  handoff       stages 0-1 copy fresh gradients into the emptied buffer (off: zero it, accumulate into it)
+  keep-buckets  stages 2-3 on CPU reuse reduced buckets (off: a fresh zeroed bucket every time)
+
+Prints the median step time (ms, rank 0, first step of each block left out) of both variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+CHANGES = ("exchange-rs", "exchange-ar", "handoff", "keep-buckets")
+
+
+class _AllReduceScatter:
+    """The old gloo reduce-scatter: an in-place all-reduce of the whole unit."""
+
+    def __init__(self, comm, input, average):
+        self._work = dist.all_reduce(input, group=comm.group, async_op=True)
+        self._own, self._average, self._size = input.view(-1).tensor_split(comm.size)[comm.rank], average, comm.size
+
+    def wait(self):
+        self._work.wait()
+        if self._average:
+            self._own.div_(self._size)
+        return True
+
+
+class _GlooAllReduce:
+    def __init__(self, comm, tensor):
+        self._work = dist.all_reduce(tensor, group=comm.group, async_op=True)
+
+    def wait(self):
+        self._work.wait()
+        return True
+
+
+def _switch(change: str, on: bool, engine, originals: dict) -> None:
+    import hybrid.comm as hc
+    import hybrid.zero.buckets as hb
+
+    if change == "exchange-rs":
+        hc._PairwiseReduceScatter = originals["rs"] if on else _AllReduceScatter
+    elif change == "exchange-ar":
+        hc._ExchangeAllReduce = originals["ar"] if on else _GlooAllReduce
+    elif change == "keep-buckets":
+        hb.KEEP_BUCKET_NUMEL = originals["keep"] if on else 0
+        engine.reducer._free_buckets.clear()
+
+
+def _after_step(change: str, on: bool, engine) -> None:
+    if change == "handoff" and not on:  # the old path: a zeroed buffer that autograd accumulates into
+        engine.reducer._empty = False
+        engine.reducer.flat_grad.zero_()
+        engine.reducer.attach_grads()
+
+
+def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, steps: int) -> dict:
+    import hybrid
+    import hybrid.comm as hc
+    import hybrid.zero.buckets as hb
+    from bench.workload import batch, build_model, workloads
+
+    torch.set_num_threads(1)
+    w = next(x for x in workloads(False) if x.name == workload).with_precision(precision)
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": w.lr}}, "gradient_clipping": 1.0}
+    engine = hybrid.initialize(build_model(w), config)
+    originals = {"rs": hc._PairwiseReduceScatter, "ar": hc._ExchangeAllReduce, "keep": hb.KEEP_BUCKET_NUMEL}
+    rank, times, step = dist.get_rank(), {"on": [], "off": []}, 0
+    for b in range(blocks):
+        for on in ((True, False) if b % 2 == 0 else (False, True)):
+            _switch(change, on, engine, originals)
+            for i in range(steps):
+                x, y = batch(w, step, rank)
+                step += 1
+                dist.barrier()
+                start = time.perf_counter()
+                engine.backward(engine(x, y))
+                engine.step()
+                _after_step(change, on, engine)
+                dist.barrier()
+                if i:
+                    times["on" if on else "off"].append(time.perf_counter() - start)
+    _switch(change, True, engine, originals)
+    return {k: round(statistics.median(v) * 1e3, 1) for k, v in times.items()}
+
+
+def main() -> None:
+    from hybrid.local_launch import run_local
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("change", choices=CHANGES)
+    p.add_argument("workload")
+    p.add_argument("precision", choices=("fp32", "bf16"))
+    p.add_argument("stage", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--steps", type=int, default=6)
+    a = p.parse_args()
+    res = run_local(_rank, 2, a.change, a.workload, a.precision, a.stage, a.blocks, a.steps, timeout_s=1800,
+                    threads=1)[0]
+    print(f"{a.change} {a.workload} {a.precision} stage {a.stage}: on {res['on']} ms, off {res['off']} ms "
+          f"(on/off {res['on'] / res['off']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
