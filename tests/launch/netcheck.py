@@ -130,12 +130,15 @@ class NetWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> "NetWatch":
+        # Processes already below the root (e.g. the multiprocessing resource tracker an earlier test's
+        # spawned ranks started for pytest) are not this test's, so they are not survivors of it.
+        self._before = descendants(self.root_pid) - {self.root_pid}
         self._thread.start()
         return self
 
     def sample(self) -> None:
         pids = descendants(self.root_pid)
-        for pid in pids - {self.root_pid}:
+        for pid in pids - {self.root_pid} - getattr(self, "_before", set()):
             self.seen.setdefault(pid, _start_time(pid))
         inodes = socket_inodes(pids)
         found = peers(inodes)
