@@ -126,6 +126,7 @@ class NetWatch:
         self.samples = 0
         self.connected_seen = 0
         self.seen: dict[int, Optional[str]] = {}  # every descendant process seen: pid -> its start time
+        self._before: set[int] = set()  # descendants already running when the watch started
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -138,7 +139,7 @@ class NetWatch:
 
     def sample(self) -> None:
         pids = descendants(self.root_pid)
-        for pid in pids - {self.root_pid} - getattr(self, "_before", set()):
+        for pid in pids - {self.root_pid} - self._before:
             self.seen.setdefault(pid, _start_time(pid))
         inodes = socket_inodes(pids)
         found = peers(inodes)
