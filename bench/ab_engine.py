@@ -61,8 +61,8 @@ def _switch(change: str, on: bool, engine, originals: dict) -> None:
     elif change == "exchange-ar":
         hc._ExchangeAllReduce = originals["ar"] if on else _GlooAllReduce
     elif change == "keep-buckets":
-        hb.KEEP_BUCKET_NUMEL = originals["keep"] if on else 0
-        engine.reducer._free_buckets.clear()
+        engine.reducer.bucket_pool.cap_numel = hb.KEEP_BUCKET_NUMEL if on else 0
+        engine.reducer.bucket_pool.clear()
 
 
 def _after_step(change: str, on: bool, engine) -> None:
@@ -75,7 +75,6 @@ def _after_step(change: str, on: bool, engine) -> None:
 def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, steps: int) -> dict:
     import hybrid
     import hybrid.comm as hc
-    import hybrid.zero.buckets as hb
     from bench.workload import batch, build_model, workloads
 
     torch.set_num_threads(1)
@@ -83,7 +82,7 @@ def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, s
     config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
               "optimizer": {"type": "AdamW", "params": {"lr": w.lr}}, "gradient_clipping": 1.0}
     engine = hybrid.initialize(build_model(w), config)
-    originals = {"rs": hc._PairwiseReduceScatter, "ar": hc._ExchangeAllReduce, "keep": hb.KEEP_BUCKET_NUMEL}
+    originals = {"rs": hc._PairwiseReduceScatter, "ar": hc._ExchangeAllReduce}
     rank, times, step = dist.get_rank(), {"on": [], "off": []}, 0
     for b in range(blocks):
         for on in ((True, False) if b % 2 == 0 else (False, True)):

@@ -31,9 +31,9 @@ with the same logical byte counts:
   was as fast at 4M elements and keeps no receive buffers.
 
 The exchange goes in slices of at most ``EXCHANGE_NUMEL`` elements per peer, ``EXCHANGE_SLICES`` in
-flight; its receive buffers are kept for later calls (``Comm.buffer_tensors()``; a fresh buffer
-page-faults in on every call), and in use and kept together stay within ``exchange_cap_numel(N)``
-elements while handles are waited in launch order.
+flight; its receive buffers are kept for later calls in a ``BufferPool`` (``Comm.buffer_tensors()``), and
+in use and kept together stay within ``exchange_cap_numel(N)`` elements while handles are waited in launch
+order.
 
 Every collective issued is recorded in ``hybrid.heartbeat`` (entered, and inside it until it returns), so
 the launcher can tell which rank its peers were waiting for when they time out.
@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid import heartbeat
+from hybrid.buffer_pool import BufferPool
 
 
 class _Done:
@@ -100,7 +101,7 @@ class _PairwiseReduceScatter:
         self._posted: list = []  # (slice index, works)
         self._next = 0
         self._done = self._n_slices == 0
-        if not self._done and comm._exchange_may_start(self._slots * (comm.size - 1) * self._width):
+        if not self._done and comm.exchange_pool.may_take(self._slots * (comm.size - 1) * self._width):
             self._start()
 
     @property
@@ -108,7 +109,8 @@ class _PairwiseReduceScatter:
         return self._own
 
     def _start(self) -> None:
-        self._recv = [self._comm._exchange_buffer(self._own, self._width) for _ in range(self._slots)]
+        numel, pool = (self._comm.size - 1) * self._width, self._comm.exchange_pool
+        self._recv = [pool.take(numel, self._own.dtype, self._own.device) for _ in range(self._slots)]
         for _ in self._recv:
             self._post()
 
@@ -147,7 +149,8 @@ class _PairwiseReduceScatter:
                 out.div_(self._comm.size)
             if self._next < self._n_slices:
                 self._post()
-        self._comm._release_exchange_buffers(self._recv)
+        for buf in self._recv:
+            self._comm.exchange_pool.give(buf)
         self._recv = []
         self._done = True
         return True
@@ -233,8 +236,9 @@ class Comm:
         self.calls: Counter = Counter()
         self._ranks = None  # global ranks of the group, for the broadcast all-gather and the exchange
         self._tag = 0
-        self._free_buffers: dict = {}  # (dtype, device, width) -> exchange receive buffers not in use
-        self._exchange_in_use = 0      # elements of exchange receive buffers held by unfinished calls
+        # The exchange's receive buffers, reused by later calls (a layout's units come in a few sizes); a
+        # call that would pass the cap starts in its handle's wait() instead (unless none is in use).
+        self.exchange_pool = BufferPool(exchange_cap_numel(self.size))
 
     def global_rank(self, rank_in_group: int) -> int:
         if self._ranks is None:
@@ -242,35 +246,13 @@ class Comm:
                            else list(range(self.size)))
         return self._ranks[rank_in_group]
 
-    # -- the pairwise exchange's receive buffers ------------------------------------------------------
-    # Reused by later calls of the same width (a fresh buffer page-faults its way in on every call; a
-    # layout's units come in a few sizes). In use plus kept stays within exchange_cap_numel(): a call that
-    # would pass it waits for its handle's wait() to start (unless nothing is in use), and a released
-    # buffer that would pass it is dropped.
-    def _exchange_may_start(self, numel: int) -> bool:
-        return self._exchange_in_use == 0 or self._exchange_in_use + numel <= exchange_cap_numel(self.size)
-
-    def _exchange_buffer(self, like: torch.Tensor, width: int) -> torch.Tensor:
-        free = self._free_buffers.get((like.dtype, like.device, width))
-        buf = free.pop() if free else torch.empty((self.size - 1) * width, dtype=like.dtype, device=like.device)
-        self._exchange_in_use += buf.numel()
-        return buf
-
-    def _release_exchange_buffers(self, buffers: list) -> None:
-        for buf in buffers:
-            self._exchange_in_use -= buf.numel()
-            kept = sum(b.numel() for b in self.buffer_tensors())
-            if kept + self._exchange_in_use + buf.numel() <= exchange_cap_numel(self.size):
-                key = (buf.dtype, buf.device, buf.numel() // (self.size - 1))
-                self._free_buffers.setdefault(key, []).append(buf)
-
     def _next_tag(self) -> int:
         self._tag = (self._tag + 1) % _TAGS
         return self._tag
 
     def buffer_tensors(self) -> list:
         """The receive buffers this comm keeps between calls (for memory reports)."""
-        return [b for bufs in self._free_buffers.values() for b in bufs]
+        return self.exchange_pool.kept()
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, op: str, nbytes: int) -> None:

@@ -16,8 +16,8 @@ A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind
 * ``scatter_shard`` (stages 2, 3): the post-accumulate hook copies ``param.grad`` into a transient bucket
   buffer (unit length; slots that got no gradient are zeroed at launch) and drops it; the full bucket is
   reduce-scattered in place and this rank's part added into the persistent gradient shard; on CPU reduced
-  buckets are kept for the next backward, up to ``KEEP_BUCKET_NUMEL`` elements. This runs at every micro-step, so only the shard
-  (plus buckets in flight) is ever held.
+  buckets are kept for the next backward (a ``BufferPool`` of ``KEEP_BUCKET_NUMEL`` elements, in use and
+  kept). This runs at every micro-step, so only the shard (plus buckets in flight and kept) is ever held.
 
 When the gradient buffers are in another dtype than the parameters (``zero.reduce_dtype: fp32`` for a bf16
 model), autograd cannot accumulate into them: in the first two modes the post-accumulate hook adds each
@@ -44,17 +44,18 @@ from typing import Callable, Optional
 
 import torch
 
+from hybrid.buffer_pool import BufferPool
 from hybrid.comm import Comm
 from hybrid.zero.partition import FlatLayout
 
 MODES = ("all_reduce", "scatter_full", "scatter_shard")
-KEEP_BUCKET_NUMEL = 1 << 22  # CPU, stages 2-3: elements of reduced buckets kept for the next backward
+KEEP_BUCKET_NUMEL = 1 << 22  # CPU, stages 2-3: elements of buckets in use and kept for the next backward
 
 
 def kept_bucket_numel(unit_numels, stage: int) -> int:
     """Elements of buckets a CPU rank keeps between backward passes at ``stage`` (pure; for the memory
     model): at stages 2-3 units reduce one after another, so their buckets are kept smallest-first until
-    ``KEEP_BUCKET_NUMEL`` -- an upper bound on what ``_keep_bucket`` keeps."""
+    ``KEEP_BUCKET_NUMEL`` -- an upper bound on what the bucket pool keeps."""
     if stage < 2:
         return 0
     kept = 0
@@ -91,7 +92,7 @@ class GradReducer:
         self._written = [False] * len(params)
         self._unit_of = [layout.locate(i) for i in range(len(params))]
         self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
-        self._free_buckets: dict = {}  # length -> reduced buckets kept for reuse (scatter_shard)
+        self.bucket_pool = BufferPool(KEEP_BUCKET_NUMEL)  # buckets in use and kept for reuse (scatter_shard)
         self._inflight: deque = deque()
         self._active = False
         self._pending = [0] * len(layout.units)
@@ -188,22 +189,11 @@ class GradReducer:
             self._launch_ready()
 
     def _new_bucket(self, u: int) -> torch.Tensor:
-        """A unit-length bucket: a kept one of that length if any (its padding is still zero: nothing writes
-        padding, and a sum of zeros is zero; every slot is overwritten by its first gradient or zeroed at
-        launch), else a zeroed new one. Fresh buffers page-fault in on every use; kept ones do not."""
-        free = self._free_buckets.get(self.layout.units[u].numel)
-        if free:
-            return free.pop()
-        return torch.zeros(self.layout.units[u].numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
-
-    def _keep_bucket(self, data: torch.Tensor) -> None:
-        """On CPU, keep a reduced bucket for reuse while the kept ones stay within ``KEEP_BUCKET_NUMEL``
-        elements (CUDA's caching allocator already reuses freed blocks without faulting them in)."""
-        if data.device.type != "cpu":
-            return
-        kept = sum(b.numel() for b in self.kept_tensors())
-        if kept + data.numel() <= KEEP_BUCKET_NUMEL:
-            self._free_buckets.setdefault(data.numel(), []).append(data)
+        """A unit-length bucket: a kept one if any (its padding is still zero: nothing writes padding, and a
+        sum of zeros is zero; every slot is overwritten by its first gradient or zeroed at launch), else a
+        zeroed new one."""
+        return self.bucket_pool.take(self.layout.units[u].numel, self.grad_shard.dtype, self.grad_shard.device,
+                                     zeroed=True)
 
     def _zero_unfired(self, u: int, data: torch.Tensor) -> None:
         """Zero the slots of unit ``u``'s parameters that got no gradient in this backward (a kept bucket
@@ -247,7 +237,8 @@ class GradReducer:
             unit = self.layout.units[u]
             lo, hi = unit.shard_range(self.rank)
             self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel].add_(data[lo:hi])
-            self._keep_bucket(data)
+            # Kept on CPU only: CUDA's caching allocator already reuses freed blocks without faulting them in.
+            self.bucket_pool.give(data, keep=data.device.type == "cpu")
         if self.on_unit_reduced is not None:
             self.on_unit_reduced(u)
 
@@ -280,7 +271,7 @@ class GradReducer:
 
     def kept_tensors(self) -> list:
         """Reduced buckets kept for reuse by the next backward (scatter_shard)."""
-        return [b for bufs in self._free_buckets.values() for b in bufs]
+        return self.bucket_pool.kept()
 
     def zero_(self) -> None:
         """Forget the gradients: the shard is zeroed (stages 2, 3); the flat buffer is marked empty and the

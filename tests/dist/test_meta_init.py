@@ -136,7 +136,9 @@ def _construction_peak(kind, stage, weights):
                 report=engine.init_report)
 
 
-MEMORY_CASES = [(kind, stage, world) for kind in ("gpt", "linear") for stage in (1, 3) for world in (2, 4)]
+# The own-model stack at world 2 only: world 4 costs ~13 s a case, and the GPT's cases already show the
+# peak falling with the shard.
+MEMORY_CASES = [(kind, stage, world) for kind, world in (("gpt", 2), ("gpt", 4), ("linear", 2)) for stage in (1, 3)]
 
 
 @pytest.mark.parametrize("kind, stage, world", MEMORY_CASES + [("gpt-weights", 3, 2)])
