@@ -82,6 +82,15 @@ EXCHANGE_MIN_NUMEL = 1 << 24  # gloo all-reduces from this many elements (64 MB 
 _TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
 
 
+def _exchange_shape(numel: int, size: int) -> tuple:
+    """``(width, slices, slots)`` of the pairwise exchange of ``numel`` elements over ``size`` ranks: the
+    elements per peer of one receive slice, the slices the longest part (``tensor_split``'s first) is sent
+    in, and the slices in flight -- one receive buffer of ``(size - 1) · width`` elements each."""
+    longest = -(-numel // size)
+    slices = -(-longest // EXCHANGE_NUMEL)
+    return min(longest, EXCHANGE_NUMEL), slices, min(EXCHANGE_SLICES, slices)
+
+
 class _PairwiseReduceScatter:
     """Reduce-scatter by pairwise exchange (gloo). ``input`` is cut into N parts (``tensor_split``: sizes
     differ by at most one); peer q gets part q from this rank and this rank receives its own part from every
@@ -93,10 +102,8 @@ class _PairwiseReduceScatter:
         self._comm, self._average = comm, average
         self._parts = input.view(-1).tensor_split(comm.size)
         self._own = self._parts[comm.rank]
-        longest = self._parts[0].numel()
-        self._width = min(longest, EXCHANGE_NUMEL)
-        self._n_slices = -(-longest // EXCHANGE_NUMEL)
-        self._slots = min(EXCHANGE_SLICES, self._n_slices)
+        self._peers = [q for q in range(comm.size) if q != comm.rank]
+        self._width, self._n_slices, self._slots = _exchange_shape(input.numel(), comm.size)
         self._recv: list = []
         self._posted: list = []  # (slice index, works)
         self._next = 0
@@ -158,8 +165,7 @@ class _PairwiseReduceScatter:
     def _peer_parts(self, k: int) -> list:
         """``(peer, its receive part)`` of the buffer slice ``k`` uses."""
         buf = self._recv[k % len(self._recv)]
-        peers = [q for q in range(self._comm.size) if q != self._comm.rank]
-        return [(q, buf[j * self._width:(j + 1) * self._width]) for j, q in enumerate(peers)]
+        return [(q, buf[j * self._width:(j + 1) * self._width]) for j, q in enumerate(self._peers)]
 
 
 class _ExchangeAllReduce:
@@ -194,9 +200,8 @@ def exchange_numel(unit_numels, size: int, stage: int) -> int:
     for n in unit_numels:
         if stage == 0 and n < EXCHANGE_MIN_NUMEL:
             continue
-        part = -(-n // size)
-        if part:
-            need += min(EXCHANGE_SLICES, -(-part // EXCHANGE_NUMEL)) * (size - 1) * min(part, EXCHANGE_NUMEL)
+        width, _, slots = _exchange_shape(n, size)
+        need += slots * (size - 1) * width
     return min(need, exchange_cap_numel(size))
 
 
