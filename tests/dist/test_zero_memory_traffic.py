@@ -111,9 +111,9 @@ def test_memory_and_traffic_per_stage():
             assert (mem["params"], mem["grads"], mem["optimizer"]) == (expected.params + extra, expected.grads,
                                                                        expected.optimizer), f"{case}: {mem}"
             assert mem["buffers"] == 0, f"{case}: {mem}"
-            # bf16 gradients go through one fp32 scratch (norm and step), allocated at the first step, kept.
-            # Kept working buffers: bf16 gradients' fp32 staging (norm and step) and the receive
-            # buffers of gloo's pairwise exchange (hybrid.comm.exchange_numel), stage 2-3 buckets kept on CPU.
+            # Working buffers allocated at the first step and kept: bf16 gradients' fp32 scratch (norm and
+            # step), gloo's pairwise-exchange receive buffers (hybrid.comm.exchange_numel) and, at stages 2-3
+            # on CPU, reduced buckets kept for the next backward.
             owned = psi if stage == 0 else psi // 2  # the elements this rank's optimizer steps
             bound = (4 * min(owned, CONVERT_NUMEL) if precision == "bf16" else 0)
             bound += size * (exchange_numel(r["unit_numels"], 2, stage) + kept_bucket_numel(r["unit_numels"], stage))

@@ -14,7 +14,7 @@ def test_a_given_back_buffer_is_handed_out_again_for_the_same_shape_only():
     pool.give(a)
     b = pool.take(11, torch.float32, "cpu")
     assert b is not a and b.numel() == 11
-    assert [t for t in pool.kept()] == [a]
+    assert pool.kept() == [a]
 
 
 def test_the_cap_counts_buffers_in_use_with_the_kept_ones():
