@@ -171,10 +171,12 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
     room = usable - activations
     ac = " with activation checkpointing" if with_ac else ""
     if room <= 0:
-        fix = "lower seq or micro-batch, or raise tp" if with_ac else \
-            "lower seq or micro-batch, enable activation checkpointing, or raise tp"
+        fix = ("lower the sequence length (model.seq_len, --seq) or the micro-batch (job.micro_batch, "
+               "--micro-batch), " + ("" if with_ac else "enable activation checkpointing "
+                                     "(parallel.activation_checkpointing), ") +
+               "raise the TP degree (parallel.tp, --tp) or use GPUs with more memory (cluster.gpu_memory_gb)")
         return PlanError(f"activations{ac} alone need {_gb(activations)} per GPU but only {_gb(usable)} is "
-                         f"usable: {fix}")
+                         f"usable: {fix}.")
     p_bytes, g_bytes, o_bytes = BYTES_PER_PARAM[precision]
     gpus_zero3 = _min_dp(p_bytes + g_bytes + o_bytes, params, tp, room) * tp
     gpus = f"{dp * tp} GPU{'s' if dp * tp > 1 else ''}"

@@ -52,13 +52,20 @@ def invalid(path: str, need: str, value: Any) -> ConfigError:
 
 
 def _yaml_hint(value: Any) -> str:
-    """Why a number-like value is a string: YAML 1.1 reads ``1e3`` (no dot) as one; or it was quoted."""
+    """Why a number-like value is a string: YAML 1.1 reads scientific notation as a float only with a dot
+    and a signed exponent (``1.0e+3``; ``1e3``, ``1.0e3``, ``1e-3`` are strings); or it was quoted."""
     if not isinstance(value, str) or len(value) > 40:
         return ""
     text = value.strip()
-    if _YAML_STRING_FLOAT.fullmatch(text):
-        mantissa, exponent = re.split("[eE]", text)
-        return f" (YAML reads {text} without a dot as a string: write {mantissa}.0e{exponent} or the plain number)"
+    match = _YAML_STRING_FLOAT.fullmatch(text)
+    if match and not ("." in match[1] and match[2]):  # 1.0e+3 itself is a string only when quoted
+        mantissa, sign, exponent = match.groups()
+        if "." not in mantissa:
+            mantissa += ".0"
+        elif mantissa.endswith("."):
+            mantissa += "0"
+        return (f" (YAML reads {text} as a string, a float needs a dot and a signed exponent: write "
+                f"{mantissa}e{sign or '+'}{exponent} or the plain number)")
     try:
         float(text)
     except ValueError:
@@ -66,7 +73,7 @@ def _yaml_hint(value: Any) -> str:
     return " (a string: write the number without quotes)"
 
 
-_YAML_STRING_FLOAT = re.compile(r"[+-]?[0-9]+[eE][+-]?[0-9]+")
+_YAML_STRING_FLOAT = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))[eE]([+-]?)([0-9]+)")
 
 
 def yaml_number(value: Any) -> Any:

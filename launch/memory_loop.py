@@ -115,7 +115,10 @@ def load(run_dir) -> dict:
 
     path = Path(run_dir) / MEMORY_FILE
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        return record
     except FileNotFoundError:
         raise ConfigError(f"--measured {run_dir}: there is no {MEMORY_FILE} in it; give the run_dir of a job "
                           "launched with this version (its metrics.jsonl sits beside memory.json)") from None

@@ -2,8 +2,8 @@
 
 ``build_plan(spec, reports=None)``: Ψ measured from the model (``launch.model_size``: the entrypoint's
 ``build_model`` hook on the meta device, nothing allocated; ``params:`` as a checked override), the TP
-degree (``choose_tp``: ``parallel.tp``, or under ``auto`` gpus_per_node for a model with tensor-parallel
-layers and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory from the NVML probes
+degree (``choose_tp``: ``parallel.tp``, or under ``auto`` for a model with tensor-parallel layers the
+largest divisor of gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory from the NVML probes
 when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host memory per node from
 the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
 and why), activation estimates for one micro-batch with and without checkpointing, and
@@ -118,7 +118,9 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None) -> LaunchPl
 
 
 def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, facts: ModelFacts) -> tuple[int, str]:
-    """The TP degree and why: ``parallel.tp`` as given, else gpus_per_node only for a model with TP layers."""
+    """The TP degree and why: ``parallel.tp`` as given, else for a model with TP layers the largest divisor of
+    gpus_per_node that splits it (every divisor is tried on the built-in GPT's shape; another model's
+    constraints are unknown here, so gpus_per_node)."""
     if requested is not None:
         if requested > 1 and facts.tensor_parallel is False:
             raise ConfigError(f"parallel.tp is {requested}, but the model has no tensor-parallel layers (no "
@@ -126,8 +128,19 @@ def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, fac
                               "all compute the same thing; set parallel.tp to 1 or auto.")
         return requested, f"tp {requested} as requested (parallel.tp)"
     if facts.tensor_parallel:
-        return gpus_per_node, (f"tp auto: {gpus_per_node} = gpus_per_node, since the model has tensor-parallel "
-                               "layers")
+        if facts.shape is None:
+            return gpus_per_node, (f"tp auto: {gpus_per_node} = gpus_per_node, since the model has "
+                                   "tensor-parallel layers")
+        refusals = {}
+        for tp in (d for d in range(gpus_per_node, 0, -1) if gpus_per_node % d == 0):
+            refusals[tp] = _tp_refusal(facts.shape, tp)
+            if refusals[tp] is None:
+                break
+        if tp == gpus_per_node:
+            return tp, (f"tp auto: {tp} = gpus_per_node, since the model has tensor-parallel layers"
+                        if tp > 1 else "tp auto: 1 = gpus_per_node")
+        return tp, (f"tp auto: {tp}, the largest divisor of gpus_per_node={gpus_per_node} that splits the model "
+                    f"(tp {gpus_per_node}: {refusals[gpus_per_node]})")
     why = ("the model has no tensor-parallel layers (no parameter is marked tensor-parallel)"
            if facts.tensor_parallel is False else
            "the model was not built on the driver (a params: count without a build_model hook), so whether it "
@@ -153,10 +166,22 @@ def host_memory(spec: LaunchSpec, reports: Optional[Sequence]) -> tuple[Optional
     return None, "host memory unknown (declare cluster.host_memory_gb to check it when planning offline)"
 
 
-def _check_tp(model: dict, tp: int) -> None:
+def _tp_refusal(model: dict, tp: int) -> Optional[str]:
+    """Why the built-in GPT of shape ``model`` cannot be split ``tp`` ways, or None when it can."""
     from hybrid.models.gpt import GPTConfig
 
-    GPTConfig.from_dict(model).check_tp(tp)
+    try:
+        GPTConfig.from_dict(model).check_tp(tp)
+    except ConfigError as err:
+        return str(err).rstrip(".")
+    return None
+
+
+def _check_tp(model: dict, tp: int) -> None:
+    refusal = _tp_refusal(model, tp)
+    if refusal is not None:
+        raise ConfigError(f"parallel.tp={tp} cannot split this model: {refusal}; set parallel.tp to a divisor "
+                          f"of gpus_per_node that works, or auto.")
 
 
 def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, float, str, str]:

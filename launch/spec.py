@@ -226,6 +226,7 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
         run_dir = _resolve(v.text("job.run_dir", run_dir, "a directory path for metrics and logs"), base_dir,
                            "job.run_dir")
     run_dir = run_dir or checkpoint.dir or Path.cwd() / "runs" / name
+    check_writable_dir(run_dir, "job.run_dir", only_if_here=not local)  # the driver writes metrics there
     isolate_gpus = v.boolean("job.isolate_gpus", d.get("isolate_gpus", False))
     return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, timeout, seed,
                    run_dir, working_dir, _env(d.get("env")), isolate_gpus, max_replans=max_replans)

@@ -123,6 +123,7 @@ class ZeroEngine:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        _refuse_sparse_gradients(module)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
@@ -185,6 +186,18 @@ class ZeroEngine:
 
     # -- construction ---------------------------------------------------------------------------------
     @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        """DP rank 0's persistent buffers (BatchNorm running statistics, step counters) to every DP rank at
+        each optimizer step, as DDP broadcasts them: every rank's forward updated its own copy from its own
+        rows, and rank 0's is the one a checkpoint saves. Non-persistent buffers (caches) stay as they are."""
+        if self.dp_comm.size == 1:
+            return
+        handles = [self.dp_comm.broadcast(buf, async_op=True)
+                   for sub in self.module.modules() for name, buf in sub._buffers.items()
+                   if buf is not None and name not in sub._non_persistent_buffers_set]
+        for handle in handles:
+            handle.wait()
+
     def _broadcast_from_rank0(self) -> None:
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             self.dp_comm.broadcast(t.data)
@@ -274,11 +287,16 @@ class ZeroEngine:
         and global_step untouched, gradients zeroed; returns False; ``nonfinite.skipped`` counts it), and
         ``max_nonfinite_skips`` of them in a row raise ``NonFiniteError`` (``zero.clip.NonFiniteGuard``).
         """
+        if not self._awaiting_step:
+            raise RuntimeError("engine.step() was called without engine.backward(loss) since the last step "
+                               "(loss.backward() bypasses the engine: its gradients are never reduced); call "
+                               "engine.backward(loss) before every step()")
         self._awaiting_step = False
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
         self.reducer.fill_if_empty()
+        self._sync_buffers()
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
                                 self.config.zero.sub_group_size, scratch=self.optimizer.scratch)
         self.last_grad_norm = float(norm)
@@ -440,3 +458,12 @@ class ZeroEngine:
         self.dp_comm.reset()
         if self.gatherer is not None:
             self.gatherer.counts.clear()
+
+
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    """The engine reduces dense gradients; an embedding with ``sparse=True`` would hand it sparse ones."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            where = f"module {name!r}" if name else "the model"
+            raise ValueError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
+                             f"the ZeRO engine reduces dense gradients: build it with sparse=False")

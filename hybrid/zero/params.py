@@ -22,6 +22,12 @@ Which modules are unit roots and which units each reads is ``hybrid.zero.units``
   keeps it gathered until its gradients are in (or until the forward ends under ``no_grad``), so the
   value, the saved tensors and the gradient are all right; it is logged once per parameter, naming it,
   and counted (``counts["on_demand"]``) since each such read costs an extra gather.
+* Saved parameters (``guard()`` also installs saved-tensor hooks around the forward): a parameter (or a
+  view of one) that autograd saves is marked with its unit, and unpacking it in backward makes sure the
+  unit is gathered (waiting for an in-flight prefetch, or gathering on demand, logged once per unit and
+  counted in ``counts["on_demand"]``). So a backward that reaches a unit's parameters by another route
+  than the root's outputs -- an auxiliary loss the block stored, a router's loss, a ``detach``ed read --
+  sees full values, never a released or half-gathered buffer.
 * Backward: a unit is released as soon as all its parameters have accumulated their gradients
   (``release_after_backward``, called by the gradient reducer), or at ``end_backward``. A forward that
   runs *inside* backward (activation-checkpoint recomputation) only makes sure its units are gathered
@@ -37,6 +43,7 @@ gather is a collective.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter, defaultdict
 from dataclasses import fields, is_dataclass
@@ -86,6 +93,7 @@ class ParamGatherer:
                 for param, _ in views[u]:
                     param.data = self._empty
         self._pending: dict = {}          # unit -> async handle
+        self._unit_at: dict = {}          # data_ptr of a gathered unit's buffer -> the unit (saved-tensor hooks)
         self._refs = defaultdict(int)     # forward references
         self._in_backward: set = set()    # units gathered for backward, not yet done
         self._forward_only: set = set()   # gathered on demand under no_grad: released at end_forward
@@ -112,6 +120,7 @@ class ParamGatherer:
             return False
         full = self.full[u]
         full.untyped_storage().resize_(self._nbytes(u))
+        self._unit_at[full.untyped_storage().data_ptr()] = u
         self._pending[u] = self.comm.all_gather(full, self.shard_of(u), async_op=True)
         for param, view in self._views[u]:
             param.data = view
@@ -131,6 +140,7 @@ class ParamGatherer:
         self._ready.discard(u)
         for param, _ in self._views[u]:
             param.data = self._empty
+        self._unit_at.pop(self.full[u].untyped_storage().data_ptr(), None)
         self.full[u].untyped_storage().resize_(0)
 
     def gathered_units(self) -> list:
@@ -166,9 +176,44 @@ class ParamGatherer:
                 self.release(u)
         self._bwd_order, self._cursor = list(reversed(self._returned)), 0
 
-    def guard(self) -> TorchFunctionMode:
-        """A mode to enter around the model's forward: reads of parameters outside their units gather them."""
-        return _OutOfUnitReads(self)
+    @contextlib.contextmanager
+    def guard(self):
+        """Enter around the model's forward: reads of parameters outside their units gather them, and the
+        parameters autograd saves gather their unit again when backward unpacks them."""
+        with _OutOfUnitReads(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor):
+        try:
+            u = self._unit_at.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # sparse or storage-less tensors are never parameters
+            return tensor
+        return tensor if u is None else _SavedParam(u, tensor)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _SavedParam):
+            self._gather_for_backward(saved.unit)
+            return saved.tensor
+        return saved
+
+    def _gather_for_backward(self, u: int) -> None:
+        """Backward needs unit ``u``'s values (a saved parameter): gathered and held to its gradients."""
+        if u in self._ready and u in self._in_backward:
+            return
+        self._internal += 1
+        try:
+            if self.issue(u):
+                self.counts["on_demand"] += 1
+                name = self._names.get(id(self._views[u][0][0]), f"unit {u}")
+                if ("backward", u) not in self._warned:
+                    self._warned.add(("backward", u))
+                    log.warning("stage 3: backward needed the unit holding %s before any gradient reached its "
+                                "root's outputs (a loss from a tensor the module kept rather than returned?), so "
+                                "it is gathered on demand (an extra all-gather)", name)
+            self.wait(u)
+            self._in_backward.add(u)
+        finally:
+            self._internal -= 1
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         self._internal += 1
@@ -264,6 +309,15 @@ class ParamGatherer:
             if self._refs[u] == 0:
                 self.release(u)
         self._cursor = len(self._bwd_order)
+
+
+class _SavedParam:
+    """What the pack hook saves for a parameter: its unit and the tensor (a view of the unit's buffer)."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: int, tensor: torch.Tensor):
+        self.unit, self.tensor = unit, tensor
 
 
 class _OutOfUnitReads(TorchFunctionMode):

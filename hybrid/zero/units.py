@@ -5,15 +5,18 @@ every trainable parameter registered in its *domain*: the subtree minus the subt
 The model itself is always a unit root, so its unit ("the rest") holds the parameters no other root claims.
 The policy (``ZeroConfig.stage3_unit``) says which other modules are roots:
 
-* ``"auto"``: every child (with trainable parameters) of the outermost ``nn.ModuleList`` / ``nn.Sequential``
-  containers -- one unit per transformer block, as FSDP2 users wrap them; a container inside a block stays
-  part of that block.
+* ``"auto"``: every child (with trainable parameters) of the outermost ``nn.ModuleList`` / ``nn.ModuleDict``
+  / ``nn.Sequential`` containers -- one unit per transformer block, as FSDP2 users wrap them; a child that
+  is itself a container without a forward of its own (``ModuleList`` / ``ModuleDict``: only its children
+  ever run) is looked through, so its children are the roots; a container inside a block stays part of
+  that block.
 * ``"module"``: every module that directly owns a trainable parameter (one unit per module).
 * a callable ``(qualified_name, module) -> bool``: the modules it marks (the model is a root regardless).
 
 A parameter registered on several modules (tied weights) belongs to the unit of the domain where it is
 first seen (in ``named_modules`` order, as ``named_parameters`` counts it); every root whose domain also
-registers it reads that unit too (``reads``).
+registers it reads that unit too (``reads``). A module registered at several places (shared by two
+blocks) is in the domain of each place, so every root it sits under reads its parameters.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from typing import Callable, Union
 from torch import nn
 
 Policy = Union[str, Callable[[str, nn.Module], bool]]
-CONTAINERS = (nn.ModuleList, nn.Sequential)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _has_no_forward(module: nn.Module) -> bool:
+    """A container nothing calls (``ModuleList``, ``ModuleDict``): a hook on it would never fire."""
+    return type(module).forward is nn.Module.forward
 
 
 @dataclass
@@ -55,7 +63,11 @@ def unit_roots(model: nn.Module, policy: Policy, index: dict) -> list:
     def visit(prefix: str, module: nn.Module) -> None:
         if isinstance(module, CONTAINERS):
             for name, child in module.named_children():
-                if _has_trainable(child, index):
+                if not _has_trainable(child, index):
+                    continue
+                if isinstance(child, CONTAINERS) and _has_no_forward(child):
+                    visit(prefix + name + ".", child)
+                else:
                     roots.append((prefix + name, child))
             return
         for name, child in module.named_children():
@@ -73,14 +85,11 @@ def plan_units(model: nn.Module, policy: Policy, index: dict) -> list:
     """One ``UnitPlan`` per unit root (in ``named_modules`` order), every trainable parameter in exactly one."""
     roots = unit_roots(model, policy, index)
     plans = {id(m): UnitPlan(m, name) for name, m in roots}
-    owner_of: dict = {}  # id(module) -> the UnitPlan whose domain it is in
+    owner_of: dict = {}  # module path -> the UnitPlan whose domain it is in
     seen = set()
-    for name, module in model.named_modules():
-        plan = plans.get(id(module))
-        if plan is None:
-            parent = name.rpartition(".")[0] if "." in name else ""
-            plan = owner_of[id(_module_at(model, parent))]
-        owner_of[id(module)] = plan
+    for name, module in model.named_modules(remove_duplicate=False):  # a shared module at each of its paths
+        plan = plans.get(id(module)) or owner_of[name.rpartition(".")[0]]
+        owner_of[name] = plan
         for p in module._parameters.values():
             i = index.get(id(p)) if p is not None else None
             if i is None:
@@ -91,6 +100,3 @@ def plan_units(model: nn.Module, policy: Policy, index: dict) -> list:
                 plan.params.append(i)
     return [plans[id(m)] for _, m in roots]
 
-
-def _module_at(model: nn.Module, name: str) -> nn.Module:
-    return model.get_submodule(name) if name else model

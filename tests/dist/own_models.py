@@ -5,6 +5,9 @@
   weight the root's forward reads with ``F.linear`` (a tied head).
 * ``FunctionalNet``: blocks that read their children's weights functionally (``F.linear(x, self.fc1.weight)``,
   ``x @ self.fc2.weight.t()``), never calling the children.
+* ``AuxLossNet``: blocks that keep an auxiliary loss on themselves (as MoE routers do) after computing what
+  they return; the model adds them to its loss, so backward reaches each block's weights before (and
+  besides) the gradient of its output.
 * ``SequentialNet``: an ``nn.Sequential`` of blocks; ``CheckpointedNet`` the same with the whole
   ``Sequential`` in one ``torch.utils.checkpoint`` region (so backward recomputes two units at once).
 
@@ -65,6 +68,34 @@ class FunctionalNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class AuxBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        out = x + self.fc(self.ln(x))
+        self.aux_loss = self.fc(self.ln(x)).pow(2).mean()  # made after the output, kept on the module
+        return out
+
+
+class AuxLossNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(AuxBlock() for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        return loss + 0.1 * sum(block.aux_loss for block in self.blocks)
 
 
 class SequentialNet(nn.Module):

@@ -5,7 +5,9 @@ their children's weights functionally, an ``nn.Sequential`` of blocks) is traine
 gradient accumulation 2, clipping) under the ``auto`` unit policy, and the encoder also under ``module``
 (one unit per module: the MultiheadAttention's ``out_proj.weight`` and the head's ``emb.weight`` are then
 read outside their units, so they are gathered on demand, logged by name) and under a callable policy;
-the ``Sequential`` one also with both blocks in one activation-checkpoint region (same gathers as without).
+the ``Sequential`` one also with both blocks in one activation-checkpoint region (same gathers as without);
+blocks that keep an auxiliary loss (``AuxLossNet``) get their units gathered again when backward unpacks
+their saved weights, before any gradient reaches their outputs (without that: wrong gradients, NaN norms).
 Losses, gradient norms and final weights match the single-process reference to < 1e-5 at world 2 and 4;
 the unit counts, the on-demand reads and the warnings are checked too.
 """
@@ -18,20 +20,20 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid.local_launch import run_local
-from tests.dist.own_models import CheckpointedNet, EncoderNet, FunctionalNet, SequentialNet, plain_forward
+from tests.dist.own_models import AuxLossNet, CheckpointedNet, EncoderNet, FunctionalNet, SequentialNet, plain_forward
 from tests.dist.zero_models import ACCUM, config, reference, train_engine
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
 MODELS = {"encoder": EncoderNet, "functional": FunctionalNet, "sequential": SequentialNet,
-          "checkpointed": CheckpointedNet}
+          "checkpointed": CheckpointedNet, "auxloss": AuxLossNet}
 CASES = {
     "encoder": ("encoder", "auto"), "functional": ("functional", "auto"), "sequential": ("sequential", "auto"),
-    "checkpointed": ("checkpointed", "auto"), "encoder-module": ("encoder", "module"),
+    "checkpointed": ("checkpointed", "auto"), "auxloss": ("auxloss", "auto"), "encoder-module": ("encoder", "module"),
     "encoder-callable": ("encoder", lambda name, m: name.startswith("encoder.layers.") and name.count(".") == 2),
 }
-WORLD4 = ["encoder", "functional", "sequential"]
+WORLD4 = ["encoder", "functional", "sequential", "auxloss"]
 
 
 class _Messages(logging.Handler):
@@ -84,6 +86,8 @@ def _check(world, names):
                 assert on_demand > 0, case
                 assert any("emb.weight is read outside" in w for w in run["warnings"]), run["warnings"]
                 assert any("self_attn.out_proj.weight is read outside" in w for w in run["warnings"]), run["warnings"]
+            elif name == "auxloss":  # whatever backward reached first, no read was outside a unit in forward
+                assert all("backward needed the unit holding blocks." in w for w in run["warnings"]), run["warnings"]
             else:
                 assert on_demand == 0 and run["warnings"] == [], f"{case}: {run['warnings']}"
     if "sequential" in names:  # the rest (emb, ln_f, head) + one unit per block of the Sequential

@@ -218,7 +218,7 @@ def test_values_are_quoted_short_and_yaml_strings_explained(tmp_path, capsys):
     assert "'999" in line and len(line) < 200 + QUOTE_LIMIT
     path.write_text(FILES["steps 1e3 read as a string"][0])
     line = assert_one_error_line(main(["plan", str(path)]), capsys.readouterr().err, "job.steps")
-    assert "YAML reads 1e3 without a dot as a string: write 1.0e3 or the plain number" in line
+    assert "YAML reads 1e3 as a string, a float needs a dot and a signed exponent: write 1.0e+3 or the plain number" in line
 
 
 def test_the_cluster_file_itself(tmp_path, capsys):

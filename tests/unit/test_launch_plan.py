@@ -75,8 +75,43 @@ def test_forced_stage_and_tp_reach_the_plan():
 def test_tp_that_cannot_split_the_model_is_a_config_error(tmp_path):
     model = tmp_path / "m.yaml"
     model.write_text("model: {vocab_size: 255, seq_len: 8, n_layers: 1, hidden: 8, n_heads: 2}\n")
-    with pytest.raises(ConfigError, match="vocab_size"):
-        build_plan(spec_for(config=str(model)))
+    with pytest.raises(ConfigError, match=r"^parallel\.tp=2 cannot split this model: model\.vocab_size=255"):
+        build_plan(spec_for(config=str(model), tp=2))
+    assert build_plan(spec_for(config=str(model))).layout.tp == 1  # auto: the divisor that splits it
+
+
+def test_tp_auto_takes_the_largest_divisor_of_gpus_per_node_that_splits_the_model(tmp_path):
+    lp = build_plan(spec_for(nodes=1, gpus=3))  # gpt-tiny has 4 heads: tp 3 cannot split it
+    assert (lp.layout.tp, lp.layout.dp) == (1, 3)
+    assert lp.tp_reason.startswith("tp auto: 1, the largest divisor of gpus_per_node=3 that splits the model "
+                                   "(tp 3: model.n_heads=4 is not divisible")
+    assert build_plan(spec_for(nodes=1, gpus=8)).layout.tp == 4
+    with pytest.raises(ConfigError, match=r"^parallel\.tp=3 cannot split this model: model\.n_heads=4 .*or auto\.$"):
+        build_plan(spec_for(nodes=1, gpus=3, tp=3))
+
+
+def test_plan_measured_from_a_run_that_measured_nothing_is_a_user_error(tmp_path, capsys):
+    from launch.cli import main
+
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"cluster: {{address: local, nodes: 2, gpus_per_node: 1, gpu_memory_gb: 80}}\n"
+                       f"job: {{entrypoint: 'hybrid.models.gpt:train', config: {ROOT / 'configs/gpt-tiny.yaml'}, "
+                       f"steps: 3, run_dir: {tmp_path / 'run'}}}\n")
+    (tmp_path / "run").mkdir()
+    for record, expected in (({"measured": {}, "predicted": {}}, "the run measured nothing"),
+                             ([1, 2], "a JSON list, not an object"),
+                             ({"measured": {"0": {"step": 1}}}, "lacks or garbles a field")):
+        (tmp_path / "run" / "memory.json").write_text(json.dumps(record))
+        assert main(["plan", str(cluster), "--measured", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --measured ") and expected in err and err.count("\n") == 1, err
+
+
+def test_an_unwritable_run_dir_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"^job\.run_dir '/proc/hybrid-run' is not writable"):
+        parse_spec({"cluster": {"address": "local", "nodes": 1, "gpus_per_node": 1, "gpu_memory_gb": 80},
+                    "job": {"entrypoint": "hybrid.models.gpt:train", "config": "configs/gpt-tiny.yaml", "steps": 3,
+                            "run_dir": "/proc/hybrid-run"}}, base_dir=ROOT)
 
 
 def test_plain_params_count_is_accepted_for_foreign_models(tmp_path):

@@ -38,8 +38,13 @@ def test_checkers_return_normalised_values():
     (lambda: v.mapping("zero", {"stag": 1}, ("stage",)), "zero.stag is not a known setting; use one of: stage."),
     (lambda: v.required({}, "job", "steps", "the step count"), "job.steps is missing; add it (the step count)."),
     (lambda: v.number("lr", "1e-3"),
-     "lr must be a finite number, got '1e-3' (YAML reads 1e-3 without a dot as a string: write 1.0e-3 or the "
-     "plain number)."),
+     "lr must be a finite number, got '1e-3' (YAML reads 1e-3 as a string, a float needs a dot and a signed "
+     "exponent: write 1.0e-3 or the plain number)."),
+    (lambda: v.number("lr", "1.0e3"),
+     "lr must be a finite number, got '1.0e3' (YAML reads 1.0e3 as a string, a float needs a dot and a signed "
+     "exponent: write 1.0e+3 or the plain number)."),
+    (lambda: v.number("lr", "1.0e+3"), "lr must be a finite number, got '1.0e+3' (a string: write the number "
+     "without quotes)."),
 ])
 def test_each_error_is_one_sentence_naming_the_field(check, message):
     with pytest.raises(ConfigError) as err:

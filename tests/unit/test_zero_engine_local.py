@@ -57,6 +57,22 @@ def test_backward_twice_without_step_is_refused():
     assert engine.step() is False  # first micro-step of two
 
 
+def test_step_without_engine_backward_is_refused():
+    from tests.dist.zero_models import batch
+
+    engine = hybrid.initialize(ParityNet(), config(1))
+    x, y = batch(0, 0)
+    engine(x, y).backward()  # loss.backward() instead of engine.backward(loss)
+    with pytest.raises(RuntimeError, match=r"without engine\.backward\(loss\)"):
+        engine.step()
+
+
+def test_sparse_embedding_is_refused_at_initialize():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"^module '0' is an Embedding with sparse=True.*sparse=False$"):
+        hybrid.initialize(model, config(2))
+
+
 def test_stage3_parameters_are_empty_outside_forward():
     engine = hybrid.initialize(ParityNet(), config(3, stage3_param_persistence_threshold=0))
     weight = engine.module.blocks[0].fc1.weight

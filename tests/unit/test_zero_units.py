@@ -57,6 +57,35 @@ def test_auto_on_a_sequential_model_and_without_containers():
     assert [n for n, _ in unit_roots(lin, "auto", {id(p): i for i, p in enumerate(lin.parameters())})] == [""]
 
 
+def test_auto_looks_through_containers_that_have_no_forward():
+    # torchtitan keeps its blocks in an nn.ModuleDict; a ModuleList of ModuleLists / ModuleDicts is never
+    # called itself, so its children are the modules that run (a hook on the container would never fire).
+    class Titan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(10, 4)
+            self.layers = nn.ModuleDict({"0": Block(), "1": Block()})
+            self.stages = nn.ModuleList([nn.ModuleList([Block(), Block()]), nn.ModuleDict({"a": Block()})])
+            self.out = nn.Linear(4, 10)
+
+    model = Titan()
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    assert [n for n, _ in unit_roots(model, "auto", index)] == [
+        "", "layers.0", "layers.1", "stages.0.0", "stages.0.1", "stages.1.a"]
+    assert all(isinstance(m, Block) for _, m in unit_roots(model, "auto", index)[1:])
+
+
+def test_a_module_shared_by_two_blocks_is_read_by_both():
+    model = Net()
+    shared = nn.Linear(4, 4)
+    model.blocks[0].extra, model.blocks[1].extra = shared, shared
+    index, plans, objs = _plan(model, "auto")
+    first, second = objs[1], objs[2]  # blocks.0, blocks.1
+    shared_ids = {index[id(shared.weight)], index[id(shared.bias)]}
+    assert shared_ids <= set(first.params) and not shared_ids & set(second.params)  # owned once
+    assert shared_ids <= second.reads  # but read by the second block's unit too
+
+
 def test_module_policy_and_tied_reads():
     model = Net()
     _, plans, objs = _plan(model, "module")
