@@ -68,6 +68,11 @@ class JobSettings:
         return asdict(self)
 
 
+def rank_seed(seed: int, dp_rank: int) -> int:
+    """The seed of DP rank ``dp_rank``'s global generator for ``job.seed``: distinct per rank, reproducible."""
+    return (seed * 1_000_003 + dp_rank) % (1 << 63)
+
+
 class Context:
     """What one rank's entrypoint gets: mesh, configs, step counter, ``report`` and ``should_stop``."""
 
@@ -87,6 +92,9 @@ class Context:
         self._stop_requested = stop_requested
         # Made before the entrypoint builds the engine: the baseline of every measurement.
         self.memory_meter = MemoryMeter(self.device, settings.memory_budget_bytes)
+        # torch's global generator (dropout, user code) from job.seed, one stream per DP rank (TP ranks of a
+        # group compute replicated activations, so they share it); a resume then restores the saved state.
+        torch.manual_seed(rank_seed(settings.seed, getattr(mesh, "dp_rank", rank)))
 
     @property
     def steps(self) -> int:
@@ -207,7 +215,7 @@ def resume(ctx: Context, engine) -> int:
     skipped = []
     run_dir = ctx.settings.checkpoint_dir
     resumed = checkpoint.resume_if_available(run_dir, engine, on_skip=lambda p, problem: skipped.append(
-        f"{p.name} ({problem})"))
+        f"{p.name} ({problem})"), model_config=ctx.model_config)
     if resumed is None:
         if skipped and ctx.rank == 0:
             warning = (f"no good checkpoint in {run_dir} (skipped {', '.join(skipped)}); "

@@ -317,11 +317,12 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
         cause = hung_cause(rank, failures, beats, failed_at, timeout_s)
         log.error("rank %d hung: %s", rank, cause)
         return AttemptOutcome(False, failure=Failure(rank, where.node_index if where else None, cause))
-    log.error("rank %d failed:\n%s", rank, err)
     failure = Failure(rank, where.node_index if where else None, cause_of(err, where.pid if where else None))
     cause = getattr(err, "cause", None)
-    if isinstance(cause, UserError):
+    if isinstance(cause, UserError):  # one sentence is the whole story: no traceback (it stays in the rank's log)
+        log.debug("rank %d failed:\n%s", rank, err)
         return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
+    log.error("rank %d failed:\n%s", rank, err)
     if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
         return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)
     oom = isinstance(cause, OutOfMemoryError) or type(cause).__name__ == "OutOfMemoryError"

@@ -264,6 +264,8 @@ def _checkpoint(d: Any, base_dir: Path, local: bool) -> CheckpointSpec:
     keep_last = v.positive_int("job.checkpoint.keep_last", d.get("keep_last", 2), MAX_STEPS)
     path = _resolve(directory, base_dir, "job.checkpoint.dir")
     check_writable_dir(path, "job.checkpoint.dir", only_if_here=not local)
+    if (path / "checkpoints").is_dir():  # where the saves go (hybrid.checkpoint.layout): it may be another mount
+        check_writable_dir(path / "checkpoints", "job.checkpoint.dir", only_if_here=not local)
     return CheckpointSpec(path, every, keep_last)
 
 

@@ -5,7 +5,8 @@ A run directory holds ``checkpoints/``; each checkpoint is one directory in it::
     RUN_DIR/checkpoints/
         step-000010/          a complete checkpoint: DCP files, .metadata, hybrid.json, COMPLETE
         step-000020/
-        .tmp-step-000030/     being written (or left behind by a crash): never loaded
+        .tmp-step-000030/     being written (or left behind by a crash): loaded only if sealed (COMPLETE
+                              written, the crash came before the rename)
         latest                "step-000020": the newest published checkpoint, replaced atomically
 
 A checkpoint is written under ``.tmp-step-NNNNNN``; only when every rank has finished, rank 0 writes the

@@ -114,6 +114,25 @@ def read(directory: Path) -> dict:
     return manifest
 
 
+def check_same_model_config(manifest: Mapping[str, Any], model_config: Optional[Mapping[str, Any]],
+                            where: Path) -> None:
+    """Raise CheckpointError unless the ``model:`` section of this run's model config is the checkpoint's
+    (when both have one): equal parameter shapes can hold another architecture (another head count). The
+    rest of the config (``train:``, ``data:``) may change at a resume."""
+    saved = (manifest.get("model_config") or {}).get("model")
+    mine = (model_config or {}).get("model")
+    if not isinstance(saved, Mapping) or not isinstance(mine, Mapping):
+        return
+    mine = json.loads(json.dumps(mine, default=str))  # as the manifest stored it
+    unset = object()
+    diffs = [k for k in sorted(set(saved) | set(mine)) if saved.get(k, unset) != mine.get(k, unset)]
+    if diffs:
+        shown = ", ".join(f"model.{k} is {mine.get(k, 'unset')!r} here but was {saved.get(k, 'unset')!r}"
+                          for k in diffs[:3])
+        raise CheckpointError(f"{where} is a checkpoint of another model: {shown}; resume with the model config "
+                              f"it was trained with, or use a new run directory.")
+
+
 def check_same_model(manifest: Mapping[str, Any], params: Mapping[str, Any], tp: int, where: Path,
                      frozen: Optional[Mapping[str, Any]] = None, buffers: Optional[Mapping[str, Any]] = None) -> None:
     """Raise CheckpointError unless this run's specs (trainable ``params``, ``frozen`` parameters,

@@ -91,10 +91,13 @@ def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]
         row = {"name": entry.path.name, "step": entry.step, "bytes": layout.disk_bytes(entry.path),
                "status": "writing or interrupted" if entry.temporary else "incomplete (no marker)"}
         doc = None
-        if entry.complete:
+        sealed = entry.temporary and layout.is_complete(entry.path)  # a crash between marker and rename
+        if entry.complete or sealed:
             row["status"], doc = _verified_status(entry.path, checksums)
             if row["status"].startswith("complete"):
                 good = entry.path
+                if sealed:  # the resume loads it too (hybrid.checkpoint.agreement)
+                    row["status"] += ", sealed but not renamed (a crash before publishing)"
         if doc is None:
             try:
                 doc = manifest.read(entry.path)

@@ -210,8 +210,10 @@ def load(path, engine) -> Resumed:
 
 
 def resume_if_available(run_dir, engine,
-                        on_skip: Optional[Callable[[Path, integrity.Problem], None]] = None) -> Optional[Resumed]:
+                        on_skip: Optional[Callable[[Path, integrity.Problem], None]] = None,
+                        model_config: Optional[Mapping[str, Any]] = None) -> Optional[Resumed]:
     """``load`` the newest good checkpoint of ``run_dir``, or return None when it has none (collective).
+    With ``model_config`` (the run's model config document) its ``model:`` section must be the checkpoint's.
 
     Newer directories that are not good -- interrupted saves (no marker), a missing, truncated or corrupt
     file -- are skipped: each is logged (rank 0) and passed to ``on_skip(directory, problem)`` on every rank,
@@ -222,7 +224,7 @@ def resume_if_available(run_dir, engine,
     choice = agreement.choose(run_dir, _everyone(), engine.device, fallback=True)
     for ckpt, problem in choice.skipped if on_skip is not None else ():
         on_skip(ckpt, problem)
-    return _load(choice, engine) if choice.path is not None else None
+    return _load(choice, engine, model_config) if choice.path is not None else None
 
 
 def _optimizer_doc(engine) -> dict:
@@ -237,9 +239,10 @@ def _everyone() -> Comm:
     return Comm(None, name="checkpoint")
 
 
-def _load(choice: "agreement.Choice", engine) -> Resumed:
+def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str, Any]] = None) -> Resumed:
     world = _World.of(engine)
     ckpt, doc = choice.path, choice.inventory.manifest
+    manifest.check_same_model_config(doc, model_config, ckpt)
     views = engine.shard_views()
     plain = _PlainState.of(engine.module)
     manifest.check_same_model(doc, _param_specs(engine, views), world.tp, ckpt,

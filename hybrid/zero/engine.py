@@ -39,7 +39,9 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   norm (``last_grad_norm``, before clipping), clips like ``clip_grad_norm_`` when ``gradient_clipping`` is
   set, steps AdamW on this rank's shard, refreshes the parameters and zeroes the gradients; it returns
   True then and False on the other micro-steps. A parameter that received no gradient in a step is
-  stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``).
+  stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``). At each boundary the module's
+  persistent buffers are broadcast from DP rank 0 (``_sync_buffers``, as DDP does); a ``step()`` with no
+  ``engine.backward`` since the last one raises (a plain ``loss.backward()`` would bypass the reduction).
 * bf16: the model's parameters are bf16, master weights and moments fp32; gradients are summed over DP and
   accumulated over micro-steps in ``zero.reduce_dtype`` (default bf16, the seed's bytes; fp32 as torchtitan
   and Megatron do: autograd's bf16 gradient is added into fp32 buffers by the post-accumulate hook).
@@ -58,7 +60,8 @@ Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step``
 stage 3 every DP rank must run the same modules in the same order (each gather is a collective). A unit
 root's forward may read any parameter of its subtree, however it reads it; a parameter read by a tensor op
 outside every running unit (a tied head reading a child root's weight) is gathered on demand, logged once
-and counted (``gather_report()``); outside the forward a released parameter is an empty tensor. Read weights through ``full_state_dict()`` (a collective
+and counted (``gather_report()``), and a parameter autograd saved gathers its unit again when backward
+unpacks it (``hybrid.zero.params``); outside the forward a released parameter is an empty tensor. Read weights through ``full_state_dict()`` (a collective
 at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' shapes.
 """
 

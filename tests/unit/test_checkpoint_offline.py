@@ -93,6 +93,25 @@ def test_interrupted_checkpoints_are_skipped_and_pruned(tmp_path):
     assert again == newer and layout.is_complete(again)
 
 
+def test_a_sealed_but_unrenamed_checkpoint_is_what_inspect_and_resume_use(tmp_path):
+    _write_checkpoint(tmp_path, 10)
+    sealed = _write_checkpoint(tmp_path, 20, publish=False)  # the crash came after the marker, before the rename
+    (sealed / layout.MARKER).write_text(integrity.seal_text(sealed, layout.final_dir(tmp_path, 20).name))
+    doc = describe(tmp_path)
+    assert doc["latest"] == ".tmp-step-000020"
+    row = {r["name"]: r["status"] for r in doc["checkpoints"]}[".tmp-step-000020"]
+    assert row == "complete, sealed but not renamed (a crash before publishing)"
+
+
+def test_a_checkpoint_of_another_model_config_is_refused():
+    saved = {"model_config": {"model": {"hidden": 6, "n_heads": 4}, "train": {"lr": 1e-3}}}
+    manifest.check_same_model_config(saved, {"model": {"hidden": 6, "n_heads": 4}, "train": {"lr": 5e-4}}, Path("c"))
+    manifest.check_same_model_config(saved, None, Path("c"))  # nothing to compare: an engine loaded by hand
+    with pytest.raises(CheckpointError, match=r"^c is a checkpoint of another model: model\.n_heads is 2 here but "
+                                              r"was 4; resume with the model config it was trained with"):
+        manifest.check_same_model_config(saved, {"model": {"hidden": 6, "n_heads": 2}}, Path("c"))
+
+
 def test_consolidate_merges_tp_slices(tmp_path):
     _write_checkpoint(tmp_path, 5)
     state, ckpt, doc = consolidate(tmp_path)

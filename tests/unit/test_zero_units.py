@@ -142,3 +142,16 @@ def test_batch_args_and_rows():
     assert batch_args((x, y)) == ((x, y), {})
     assert batch_args(x) == ((x,), {})
     assert batch_rows((), {"input_ids": x}) == 4 and batch_rows((), {}) == 0
+
+
+def test_the_context_seeds_torch_per_dp_rank_from_the_job_seed():
+    from types import SimpleNamespace
+
+    from hybrid.train import Context, JobSettings, rank_seed
+
+    seeds = set()
+    for dp_rank in range(3):
+        Context(SimpleNamespace(dp_rank=dp_rank), {}, JobSettings(steps=1, micro_batch=1, stage=0, seed=7))
+        assert torch.initial_seed() == rank_seed(7, dp_rank)
+        seeds.add(torch.initial_seed())
+    assert len(seeds) == 3 and rank_seed(8, 0) not in seeds  # each DP rank its own stream; the job seed counts
