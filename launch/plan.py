@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import GB, activation_bytes
+from hybrid.memory import GB, gpt_activation_bytes
 from hybrid.planner import Plan, choose_stage
 from hybrid.units import human_bytes
 from launch.model_size import ModelFacts, model_facts
@@ -105,9 +105,12 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None) -> LaunchPl
     activations, checkpointed = 0.0, None
     if facts.shape is not None:
         m = facts.shape
-        shape = (m["seq_len"], spec.job.micro_batch, m["hidden"], m["n_heads"], m["n_layers"])
-        activations = activation_bytes(*shape, tp=layout.tp)
-        checkpointed = activation_bytes(*shape, tp=layout.tp, checkpointing=True)
+        # The built-in GPT's own estimate (SDPA, dtype, logits and loss), the one its memory prediction uses.
+        shape = dict(seq=m["seq_len"], micro_batch=spec.job.micro_batch, hidden=m["hidden"], heads=m["n_heads"],
+                     layers=m["n_layers"], vocab=m["vocab_size"], tp=layout.tp, precision=parallel.precision,
+                     mlp_ratio=m.get("mlp_ratio", 4))
+        activations = gpt_activation_bytes(**shape)
+        checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
     plan = choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
                         activation_bytes=activations, forced_stage=parallel.zero_stage,
                         checkpointed_activation_bytes=checkpointed, offload=parallel.offload,

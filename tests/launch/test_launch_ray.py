@@ -121,12 +121,13 @@ def test_ranks_sit_on_nodes_by_tp_group(cluster):
     assert_loopback_only(*cluster)
 
 
-@pytest.mark.parametrize("gpu_memory_gb, expected_stage", [(0.0016, 3), (80.0, 1)])
+@pytest.mark.parametrize("gpu_memory_gb, expected_stage", [(0.0025, 3), (80.0, 1)])
 def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memory_gb, expected_stage):
     spec = make_spec(steps=30, gpu_memory_gb=gpu_memory_gb)
     offline = build_plan(spec)  # what the planner predicts from the declared facts
     predicted = choose_stage(offline.params, 2, 2, gpu_memory_gb * GB, precision="fp32",
-                             activation_bytes=offline.plan.activation_bytes).stage
+                             activation_bytes=offline.plan.activation_bytes,
+                             checkpointed_activation_bytes=offline.plan.checkpointed_activation_bytes).stage
     assert predicted == offline.stage == expected_stage
     out = io.StringIO()
     result = plan_and_run(spec, out, tty=False)

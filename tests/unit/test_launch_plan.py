@@ -57,11 +57,12 @@ def test_local_layout_is_two_tp_pairs_and_two_dp_pairs():
         mesh_layout(2, 6, 4)
 
 
-@pytest.mark.parametrize("memory_gb, stage", [(0.0016, 3), (80.0, 1)])
+@pytest.mark.parametrize("memory_gb, stage", [(0.0025, 3), (80.0, 1)])
 def test_declared_plan_is_the_planners_choice(memory_gb, stage):
     lp = build_plan(spec_for(memory=memory_gb))
     expected = choose_stage(lp.params, 2, 2, memory_gb * GB, precision="fp32",
-                            activation_bytes=lp.plan.activation_bytes)
+                            activation_bytes=lp.plan.activation_bytes,
+                            checkpointed_activation_bytes=lp.plan.checkpointed_activation_bytes)
     assert lp.stage == expected.stage == stage
     assert lp.params == 134_912 and lp.memory_source == "declared" and "no Ray cluster contacted" in lp.memory_note
     assert lp.use_gpus is None
@@ -138,9 +139,9 @@ def test_probed_memory_is_used_when_every_node_measured():
 
 
 def test_declared_memory_is_used_and_said_without_nvml():
-    lp = build_plan(spec_for(memory=0.0016), [_report(0, 0, cpus=2), _report(1, 0, cpus=2)])
+    lp = build_plan(spec_for(memory=0.0025), [_report(0, 0, cpus=2), _report(1, 0, cpus=2)])
     assert lp.use_gpus is False and lp.memory_source == "declared" and lp.stage == 3
-    assert "no GPUs" in lp.memory_note and "gpu_memory_gb = 0.0016 GB" in lp.memory_note
+    assert "no GPUs" in lp.memory_note and "gpu_memory_gb = 0.0025 GB" in lp.memory_note
     lp = build_plan(spec_for(gpus=8, tp=4), [_report(0, 8, nvml=False), _report(1, 8, nvml=False)])
     assert lp.use_gpus is True and lp.memory_source == "declared" and "NVML unavailable on 2 of 2" in lp.memory_note
 
@@ -326,7 +327,7 @@ def test_host_memory_is_probed_per_node_and_shared_by_nodes_on_one_machine(tmp_p
     got, note = host_memory(spec, reports)
     assert got == 5 * GB and note == ("host memory probed: 5 GB available per node (smallest node, shared by the 2 "
                                       "Ray nodes at 127.0.0.1)")
-    lp = build_plan(spec_for(memory=0.0014, cluster={"host_memory_gb": 64}, activation_checkpointing=False), reports)
+    lp = build_plan(spec_for(memory=0.0026, cluster={"host_memory_gb": 64}, activation_checkpointing=False), reports)
     assert lp.plan.offload and lp.plan.host_memory_bytes == 5 * GB and "of 4.5 GB usable per node" in lp.plan.reason
 
 
@@ -341,15 +342,15 @@ def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
     def write(memory, ac, extra=""):
         cluster.write_text(text.replace("MEMORY", str(memory)).replace("AC", ac + extra))
 
-    write(0.0014, "false")
+    write(0.0026, "false")
     assert main(["plan", str(cluster)]) == 0
     out = capsys.readouterr().out
-    assert "  3 + offload         1.155 MB 809.472 KB  yes   <- chosen" in out
+    assert "  3 + offload         2.248 MB 809.472 KB  yes   <- chosen" in out
     assert "levers  activation checkpointing off (parallel.activation_checkpointing: false), optimizer offload on " \
            "(parallel.offload: auto)" in out
     assert "stage   ZeRO-3 with optimizer states offloaded to CPU: too large even for ZeRO-3" in out
     assert "host: 404.736 KB per rank x 2 = 809.472 KB of 900 MB usable per node" in out
-    write(0.0005, "auto")  # now even that needs checkpointing too
+    write(0.0019, "auto")  # now even that needs checkpointing too
     assert main(["plan", str(cluster), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["stage"], doc["offload"], doc["activation_checkpointing"]) == (3, True, True)
@@ -364,7 +365,7 @@ def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
 def test_settings_carry_the_plans_levers():
     from launch.job import settings_for
 
-    lp = build_plan(spec_for(memory=0.0005))
+    lp = build_plan(spec_for(memory=0.0019))
     settings = settings_for(lp)
     assert (settings.stage, settings.offload, settings.activation_checkpointing) == (3, True, True)
 
