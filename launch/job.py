@@ -57,6 +57,7 @@ from hybrid.checkpoint import layout
 from hybrid.errors import JobError, UserError
 from hybrid.memory_budget import OutOfMemoryError
 from hybrid.train import JobSettings
+from hybrid.units import count
 from launch import memory_loop, ray_cluster, replan
 from launch.display import Progress
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
@@ -64,7 +65,7 @@ from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
 from launch.runtime_env import client_runtime_env, runtime_env, ship
 from launch.spec import LaunchSpec
-from launch.workers import PlacementFailed, RankPlacement, WorkerGroup
+from launch.workers import PlacementFailed, RankPlacement, SetupFailed, WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
     """Run the job of ``spec`` end to end on the cluster it names (printing to ``stream``, default stdout)."""
     stream = stream or sys.stdout  # looked up per call: stdout may have been replaced since import
     cluster = spec.cluster
-    where = (f"starting an embedded Ray cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks on "
+    where = (f"starting an embedded Ray cluster: {count(cluster.nodes, 'node')} x {count(cluster.gpus_per_node, 'rank')} on "
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else
              f"connecting to Ray at {cluster.address} (cluster.connect_timeout_s = {cluster.connect_timeout_s:g} s)")
     print(where, file=stream, flush=True)
@@ -262,6 +263,11 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
             progress.note(describe_placement(placement))
         except PlacementFailed as err:
             return AttemptOutcome(False, failure=Failure(None, None, str(err)), retryable=False)
+        except SetupFailed as err:
+            p = err.placement
+            cause = f"setting up the rank failed: {cause_of(err.error, p.pid if p else None)}"
+            return AttemptOutcome(False, failure=Failure(p.rank if p else None, p.node_index if p else None, cause),
+                                  placement=group.placement)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             return AttemptOutcome(False, failure=Failure(None, None, f"setting up the ranks failed: {cause_of(err)}"),
                                   placement=group.placement)

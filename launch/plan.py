@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import GB, gpt_activation_bytes
 from hybrid.planner import Plan, choose_stage
-from hybrid.units import human_bytes
+from hybrid.units import count, human_bytes
 from launch.model_size import ModelFacts, model_facts
 from launch.spec import LaunchSpec
 
@@ -254,7 +254,7 @@ def format_plan(lp: LaunchPlan) -> str:
     c, p, layout, par = lp.spec.cluster, lp.plan, lp.layout, lp.spec.parallel
     lines = [f"model   {lp.spec.job.config.name}: {lp.params:,} parameters ({lp.params_source}), precision "
              f"{par.precision}",
-             f"mesh    {c.nodes} nodes x {c.gpus_per_node} ranks = {c.world_size} ranks; tp={layout.tp} (inside a node), "
+             f"mesh    {count(c.nodes, 'node')} x {count(c.gpus_per_node, 'rank')} = {count(c.world_size, 'rank')}; tp={layout.tp} (inside a node), "
              f"dp={layout.dp}; backend {lp.backend}",
              f"  {lp.tp_reason}"]
     lines += [f"  node {n}: ranks {_ranks(r)}" for n, r in enumerate(layout.node_ranks)]

@@ -54,6 +54,14 @@ class PlacementFailed(RuntimeError):
     """The Ray cluster could not host the requested ranks."""
 
 
+class SetupFailed(RuntimeError):
+    """A rank's ``setup`` (joining the process group, building the mesh) failed: which rank, and the error."""
+
+    def __init__(self, placement: Optional["RankPlacement"], error: Exception):
+        super().__init__(str(error))
+        self.placement, self.error = placement, error
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where the ranks meet: rank 0's node address and a port free there (a TCPStore, and MASTER_ADDR/PORT
@@ -323,7 +331,20 @@ class WorkerGroup:
                 visible, device = cuda_devices(p, node_ranks, self.isolate_gpus)
             refs.append(actor.setup.remote(p.rank, self.world_size, tp, rendezvous, env, device, visible, timeout_s,
                                            sample_nvml and p.local_rank == 0))
-        return ray.get(refs, timeout=timeout_s + 60)
+        try:
+            return ray.get(refs, timeout=timeout_s + 60)
+        except ray.exceptions.RayError as err:
+            raise SetupFailed(self._first_failed(refs), err) from err
+
+    def _first_failed(self, refs: list) -> Optional["RankPlacement"]:
+        """The placement of the lowest rank whose finished ``setup`` raised (None if none has yet)."""
+        for placement, ref in zip(self.placement, refs):
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayError:
+                    return placement
+        return None
 
     def run(self, entrypoint: str, model_config_path: str, settings: JobSettings,
             working_dir: Optional[str] = None) -> list:
