@@ -147,11 +147,15 @@ def parse_count(text, field: str = "params") -> int:
 
 # --------------------------------------------------------------------------- optimizer-state offload
 # With the optimizer offloaded (DeepSpeed's offload_optimizer: {device: cpu}), each rank's fp32 master shard
-# and both Adam moments live in host memory: 4 + 4 + 4 bytes per parameter of its shard in either precision
-# (with fp32 the device keeps the fp32 parameters it computes with, the host the master copy it steps).
+# and both Adam moments live in host memory, 4 + 4 + 4 bytes per parameter of its shard in either precision
+# (with fp32 the device keeps the fp32 parameters it computes with, the host the master copy it steps), and
+# so does the copy of the reduced gradient shard the host steps from (``FlatState.host_grad``: the model's
+# gradient bytes, 2 in bf16, 4 in fp32), as in ZeRO-Offload.
 # The device keeps the parameters and gradients of its stage: 2Ψ/(t·N) + 2Ψ/(t·N) at stage 3 in bf16.
 # Transients of the copies (one unit's gradient shard in flight) are left to the prediction model.
-HOST_BYTES_PER_PARAM = 12
+def host_bytes_per_param(precision: str) -> int:
+    """Host bytes per parameter of a rank's shard with the optimizer offloaded: master, moments, gradient."""
+    return 12 + _check_precision(precision)[1]
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,7 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
         raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
                           "states); choose a stage from 1 to 3")
     device = Fraction(states.params) + Fraction(states.grads)
-    host = Fraction(HOST_BYTES_PER_PARAM * params, tp * dp)
+    host = Fraction(host_bytes_per_param(precision) * params, tp * dp)
     return OffloadBytes(_number(device), _number(host))
 
 

@@ -34,7 +34,7 @@ from typing import Optional
 
 from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import BYTES_PER_PARAM, HOST_BYTES_PER_PARAM, ModelStateBytes, all_stages, offload_bytes
+from hybrid.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, offload_bytes
 from hybrid.units import human_bytes as _gb
 from hybrid.validate import STAGES
 
@@ -194,7 +194,7 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
 
 def _host_error(params, dp, tp, option: Option, ranks_per_node: int, host_usable: Fraction) -> PlanError:
     need = Fraction(option.host_bytes) * ranks_per_node
-    min_dp = max(dp, math.ceil(Fraction(HOST_BYTES_PER_PARAM * params * ranks_per_node, tp) / host_usable))
+    min_dp = max(dp, math.ceil(Fraction(option.host_bytes) * dp * ranks_per_node / host_usable))  # host ∝ 1/dp
     return PlanError(
         f"{params:,} parameters fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-"
         f"{option.label}), but a node's {ranks_per_node} ranks need {_gb(option.host_bytes)} each = {_gb(need)} "
@@ -309,7 +309,7 @@ def _offload_reason(o: Option, plain: Option, forced: bool, base_ac: bool, budge
 def _host_text(o: Option, ranks_per_node: int, host_usable: Optional[Fraction]) -> str:
     need = Fraction(o.host_bytes) * ranks_per_node
     if host_usable is None:
-        return (f"host memory not checked (unknown): the optimizer states need {_gb(o.host_bytes)} per rank x "
+        return (f"host memory not checked (unknown): the optimizer states and gradients need {_gb(o.host_bytes)} per rank x "
                 f"{ranks_per_node} = {_gb(need)} per node")
     return (f"host: {_gb(o.host_bytes)} per rank x {ranks_per_node} = {_gb(need)} of {_gb(host_usable)} usable "
             f"per node")

@@ -345,11 +345,11 @@ def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
     write(0.0026, "false")
     assert main(["plan", str(cluster)]) == 0
     out = capsys.readouterr().out
-    assert "  3 + offload         2.248 MB 809.472 KB  yes   <- chosen" in out
+    assert "  3 + offload         2.248 MB   1.079 MB  yes   <- chosen" in out
     assert "levers  activation checkpointing off (parallel.activation_checkpointing: false), optimizer offload on " \
            "(parallel.offload: auto)" in out
     assert "stage   ZeRO-3 with optimizer states offloaded to CPU: too large even for ZeRO-3" in out
-    assert "host: 404.736 KB per rank x 2 = 809.472 KB of 900 MB usable per node" in out
+    assert "host: 539.648 KB per rank x 2 = 1.079 MB of 900 MB usable per node" in out
     write(0.0019, "auto")  # now even that needs checkpointing too
     assert main(["plan", str(cluster), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

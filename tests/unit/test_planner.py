@@ -130,7 +130,8 @@ def test_bad_inputs_raise_config_error(kwargs):
 
 # --- the levers: activation checkpointing, then offload (+AC), and the host memory -------------------------
 # 1B parameters in bf16 on 8 GPUs of 10 GB (no headroom): stage 3 holds 2 GB of model states, 0.5 GB of them
-# on the GPU with the optimizer offloaded (1.5 GB per rank on the host).
+# on the GPU with the optimizer offloaded (1.75 GB per rank on the host: 12Ψ/N of optimizer states and the
+# 2Ψ/N gradient copy the host steps from).
 B1 = 10**9
 
 
@@ -154,9 +155,9 @@ def test_offload_when_checkpointing_is_off_or_not_enough():
     plan = lever_plan(9, 1, activation_checkpointing=False)  # offloaded: 0.5 GB + 9 GB
     assert (plan.stage, plan.activation_checkpointing, plan.offload) == (3, False, True)
     assert plan.reason == (f"{ROW_OFFLOAD}: stage 3 needs 11 GB, 9.5 GB with the optimizer on CPU, of 10 GB usable "
-                           "per GPU; host memory not checked (unknown): the optimizer states need 1.5 GB per rank "
-                           "x 1 = 1.5 GB per node")
-    assert plan.per_gpu_bytes == 9.5 * GB and plan.host_bytes == 1.5 * GB
+                           "per GPU; host memory not checked (unknown): the optimizer states and gradients need 1.75 GB "
+                           "per rank x 1 = 1.75 GB per node")
+    assert plan.per_gpu_bytes == 9.5 * GB and plan.host_bytes == 1.75 * GB
 
 
 def test_offload_with_checkpointing_is_the_last_row():
@@ -164,10 +165,10 @@ def test_offload_with_checkpointing_is_the_last_row():
     plan = lever_plan(20, 8.5, host_memory_bytes=64 * GB, ranks_per_node=8)
     assert (plan.stage, plan.activation_checkpointing, plan.offload) == (3, True, True)
     assert plan.reason == (f"{ROW_OFFLOAD_AC}: stage 3 needs 22 GB, 9 GB with the optimizer on CPU and "
-                           "activation checkpointing, of 10 GB usable per GPU; host: 1.5 GB per rank x 8 = 12 GB of "
+                           "activation checkpointing, of 10 GB usable per GPU; host: 1.75 GB per rank x 8 = 14 GB of "
                            "64 GB usable per node")
     assert [o.label for o in plan.options] == ["0", "1", "2", "3", "3 + AC", "3 + offload", "3 + offload + AC"]
-    assert plan.per_gpu_bytes == 9 * GB and plan.host_bytes_per_node == 12 * GB
+    assert plan.per_gpu_bytes == 9 * GB and plan.host_bytes_per_node == 14 * GB
 
 
 def test_host_memory_too_small_for_the_offloaded_states_is_said():
@@ -175,13 +176,13 @@ def test_host_memory_too_small_for_the_offloaded_states_is_said():
         lever_plan(9, None, host_memory_bytes=10 * GB, ranks_per_node=8)
     assert str(err.value) == (
         "1,000,000,000 parameters fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-3 + "
-        "offload), but a node's 8 ranks need 1.5 GB each = 12 GB of host memory and a node has 10 GB usable: use "
-        "at least 10 GPUs (more DP ranks shard the states further) or nodes with more host memory "
+        "offload), but a node's 8 ranks need 1.75 GB each = 14 GB of host memory and a node has 10 GB usable: use "
+        "at least 12 GPUs (more DP ranks shard the states further) or nodes with more host memory "
         "(cluster.host_memory_gb)")
     # at the GPU count it names, the host memory holds them
-    plan = choose_stage(B1, 10, 1, 10 * GB, headroom=0, activation_bytes=9 * GB, host_memory_bytes=10 * GB,
+    plan = choose_stage(B1, 12, 1, 10 * GB, headroom=0, activation_bytes=9 * GB, host_memory_bytes=10 * GB,
                         ranks_per_node=8)
-    assert plan.offload and "host: 1.2 GB per rank x 8 = 9.6 GB of 10 GB usable per node" in plan.reason
+    assert plan.offload and "host: 1.167 GB per rank x 8 = 9.333 GB of 10 GB usable per node" in plan.reason
 
 
 def test_offload_off_ends_in_an_error_that_says_so():
@@ -193,7 +194,7 @@ def test_offload_off_ends_in_an_error_that_says_so():
 def test_offload_forced_on_takes_the_lowest_stage_that_fits_with_it():
     plan = lever_plan(0, None, offload=True)  # stage 1 with offload: 2 + 2 GB on the GPU
     assert (plan.stage, plan.offload) == (1, True) and "as requested (parallel.offload: true)" in plan.reason
-    assert plan.per_gpu_bytes == 4 * GB and plan.host_bytes == 1.5 * GB
+    assert plan.per_gpu_bytes == 4 * GB and plan.host_bytes == 1.75 * GB
 
 
 def test_checkpointing_forced_on_counts_the_checkpointed_activations_everywhere():
@@ -223,9 +224,9 @@ def test_offload_with_stage_0_is_refused_with_the_reason():
 def test_offload_bytes_are_the_issues_formula():
     from hybrid.memory import offload_bytes
 
-    split = offload_bytes(B13, 8, 3, precision="bf16")  # 2Ψ/N + 2Ψ/N on the GPU, 12Ψ/N on the host
-    assert (split.device, split.host) == (6.5 * GB, 19.5 * GB)
+    split = offload_bytes(B13, 8, 3, precision="bf16")  # 2Ψ/N + 2Ψ/N on the GPU, 12Ψ/N + 2Ψ/N on the host
+    assert (split.device, split.host) == (6.5 * GB, 22.75 * GB)
     split = offload_bytes(B13, 8, 1, tp=2, precision="fp32")  # fp32: 4Ψ/t + 4Ψ/t kept, master + moments moved
-    assert (split.device, split.host) == (52 * GB, 9.75 * GB)
+    assert (split.device, split.host) == (52 * GB, 13 * GB)  # 12Ψ/(tN) + the 4Ψ/(tN) fp32 gradient copy
     with pytest.raises(ConfigError, match="offload needs ZeRO stage 1, 2 or 3"):
         offload_bytes(B13, 8, 0)
