@@ -171,6 +171,9 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
     progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty, on_step=metrics.write)
     failures: list[str] = []
     loop = memory_loop.MemoryLoop(plan, progress)
+    start = replan.start_note(plan)
+    if start is not None:
+        progress.note(start)
     attempt = 0
     try:
         while True:

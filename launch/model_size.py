@@ -19,7 +19,7 @@ one is a ``hybrid.models.gpt.GPT``) also gives its shape, for the activation est
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
@@ -39,6 +39,7 @@ class ModelFacts:
     tensor_parallel: Optional[bool]  # has parameters marked tensor-parallel; None: not known (not built)
     source: str  # how Ψ was found, for the plan's text
     shape: Optional[dict] = None  # the GPT shape (GPTConfig.to_dict()) when the model is the built-in GPT
+    module: Any = field(default=None, compare=False, repr=False)  # the model on the meta device, when built
 
 
 def model_facts(spec) -> ModelFacts:
@@ -73,7 +74,7 @@ def model_facts(spec) -> ModelFacts:
     if stated is not None:
         check_override(stated, counted, path, where)
         params, source = stated, f"params: {stated:,} in {path.name}, within 1% of the {counted:,} {source}"
-    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model))
+    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model)
 
 
 def find_hook(entrypoint: str, working_dir=None) -> tuple[Optional[Callable], Optional[str]]:

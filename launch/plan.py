@@ -18,8 +18,8 @@ ranks; DP groups of ranks with equal r % tp); ``plan_dict`` and ``format_plan`` 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import GB, gpt_activation_bytes
@@ -71,6 +71,7 @@ class LaunchPlan:
     params_source: str = ""  # how Ψ was found
     host_note: str = ""  # where the host memory figure came from
     tensor_parallel_layers: Optional[bool] = None  # None: not known (the model was not built)
+    module: Any = field(default=None, compare=False, repr=False)  # the model on meta (units for the prediction)
 
     @property
     def stage(self) -> int:
@@ -117,7 +118,7 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None) -> LaunchPl
                         activation_checkpointing=parallel.activation_checkpointing, host_memory_bytes=host,
                         ranks_per_node=cluster.gpus_per_node)
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
-                      facts.source, host_note, facts.tensor_parallel)
+                      facts.source, host_note, facts.tensor_parallel, facts.module)
 
 
 def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, facts: ModelFacts) -> tuple[int, str]:

@@ -31,6 +31,7 @@ from hybrid.errors import JobError
 from hybrid.memory import (DEFAULT_CPU_RUNTIME_RESERVE_GB, DEFAULT_RUNTIME_RESERVE_GB, GB, MemoryPrediction,
                            ModelUnits, gpt_activation_bytes, model_units, predict_memory)
 from hybrid.train import JobSettings
+from hybrid.units import human_bytes
 
 MAX_NODES_SEARCHED = 4096
 
@@ -82,8 +83,32 @@ class Overshoot:
         return max(0.0, self.measured - self.predicted)
 
 
-def initial_choice(lp) -> Choice:
+def planned_choice(lp) -> Choice:
+    """The planner's choice as it stands (``hybrid.planner``: model states and activations)."""
     return Choice(lp.stage, lp.spec.job.micro_batch, 1, lp.plan.activation_checkpointing, lp.plan.offload)
+
+
+def initial_choice(lp) -> Choice:
+    """What the job starts with: the planner's choice, unless the stage was left on auto and the complete
+    prediction (buckets and gathered units in flight, the runtime reserve) says it does not fit while a rung
+    above it does -- then that rung, instead of an out-of-memory restart after the first steps."""
+    planned = planned_choice(lp)
+    if lp.spec.parallel.zero_stage is not None:
+        return planned
+    usable = usable_bytes(lp)
+    if predict(lp, planned).total <= usable:
+        return planned
+    return next((c for c in ladder(lp, planned) if predict(lp, c).total <= usable), planned)
+
+
+def start_note(lp) -> Optional[str]:
+    """One line when the job starts above the planner's choice (``initial_choice``), else None."""
+    planned, start = planned_choice(lp), initial_choice(lp)
+    if start == planned:
+        return None
+    return (f"starting at {start.describe()} (predicted {human_bytes(predict(lp, start).total)}), not the planner's "
+            f"{planned.describe()}: its complete prediction, {human_bytes(predict(lp, planned).total)}, exceeds "
+            f"the {human_bytes(usable_bytes(lp))} usable")
 
 
 def device_of(lp) -> str:
@@ -150,7 +175,10 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     precision, tp, dp = lp.spec.parallel.precision, lp.layout.tp, lp.layout.dp
     device, reserve = device_of(lp), runtime_reserve(lp)
     zero = zero_config(lp, choice.stage)
-    if lp.model is None:  # a bare parameter count: one flat module, no activation estimate
+    if lp.model is None and lp.module is not None:  # your own model, built on meta: its real units
+        units = model_units(lp.module, tp, zero.stage3_unit)
+        activations = 0  # no estimate for a model whose forward we do not know; the ranks measure them
+    elif lp.model is None:  # a bare parameter count: one flat module, no activation estimate
         units = ModelUnits.from_lists([[-(-lp.params // tp)]])
         activations = 0
     else:

@@ -386,11 +386,15 @@ class ZeroEngine:
         self._refresh_params()
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """fp32 CPU copies of every parameter by name (tied ones once), identical on all DP ranks.
+    def full_state_dict(self, rank0_only: bool = False) -> dict:
+        """fp32 CPU copies of every parameter by name (tied ones once), identical on all DP ranks; with
+        ``rank0_only`` only DP rank 0 keeps them (the others return ``{}``), so one rank, not every rank,
+        holds the whole model in host memory (FSDP's ``rank0_only``).
 
-        A collective at stages 1-3 (the master shards are all-gathered): call it on every DP rank.
+        A collective at stages 1-3 (the master shards are all-gathered, one unit at a time): call it on every
+        DP rank.
         """
+        keep = not rank0_only or self.dp_comm.rank == 0
         full_by_param = {}
         for unit in self.layout.units:
             master = self.state.unit_master(unit.index)
@@ -399,9 +403,14 @@ class ZeroEngine:
             else:
                 full = torch.empty(unit.numel, dtype=torch.float32, device=master.device)
                 self.dp_comm.all_gather(full, master)
+            if not keep:
+                continue
             for slot in unit.slots:
                 shape = self.shapes[slot.param]
                 full_by_param[slot.param] = full[slot.offset:slot.offset + slot.numel].view(shape).cpu().clone()
+            del full  # the unit's gather buffer goes before the next one is made
+        if not keep:
+            return {}
         out = {}
         for name, p in self.module.named_parameters():
             i = self._index.get(id(p))

@@ -35,8 +35,10 @@ def plan_command(cluster_file: str, as_json: bool, run_dir: Optional[str]) -> No
     plan = build_plan(load_spec(cluster_file))
     stages = {s: replan.predict(plan, replan.Choice(s, plan.spec.job.micro_batch)) for s in range(4)}
     measured = _measured(plan, run_dir) if run_dir else None
+    start = replan.start_note(plan)
     if as_json:
-        out = {**plan_dict(plan), "prediction": {str(s): p.as_dict() for s, p in stages.items()}}
+        out = {**plan_dict(plan), "prediction": {str(s): p.as_dict() for s, p in stages.items()},
+               "start": dataclasses.asdict(replan.initial_choice(plan)), "start_note": start}
         if measured is not None:
             out["measured"] = measured
         click.echo(json.dumps(out, indent=2))
@@ -44,6 +46,8 @@ def plan_command(cluster_file: str, as_json: bool, run_dir: Optional[str]) -> No
     click.echo(format_plan(plan))
     for line in prediction_lines(stages, replan.usable_bytes(plan), replan.device_of(plan)):
         click.echo(line)
+    if start is not None:
+        click.echo(f"launch  {start}")
     if measured is not None:
         click.echo(measured["line"])
 

@@ -1,6 +1,7 @@
 """Persistent buffers updated in forward (BatchNorm running statistics) agree on every DP rank after each
 optimizer step: DP rank 0's copy is broadcast, as DDP does, so an eval forward on any rank and the
-checkpoint (which saves rank 0's) see the same values. Non-persistent buffers are left alone."""
+checkpoint (which saves rank 0's) see the same values. Non-persistent buffers are left alone.
+``full_state_dict(rank0_only=True)`` gives DP rank 0 the full weights and every other rank nothing."""
 
 import pytest
 import torch
@@ -36,6 +37,9 @@ def _train(stage):
         x, y = torch.randn(ROWS, 4, generator=g), torch.randn(ROWS, 1, generator=g)
         engine.backward(engine(x, y))
         engine.step()
+    full, only0 = engine.full_state_dict(), engine.full_state_dict(rank0_only=True)
+    assert only0.keys() == full.keys() and all(torch.equal(only0[k], full[k]) for k in full) if rank == 0 \
+        else only0 == {}
     bn = engine.module.body[1]
     return bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked), \
         float(engine.module.rank_scratch)

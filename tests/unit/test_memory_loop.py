@@ -304,3 +304,19 @@ def test_the_loop_replans_from_the_measurement_and_stops_at_max_replans(tmp_path
     with pytest.raises(replan.NothingFits, match=r"job.max_replans \(0\) allows no more re-plans; it would fit at "
                                                  r"stage [23]( with activation checkpointing)? \(predicted"):
         loop_for(0).replan(2, 2)
+
+
+def test_the_job_starts_on_the_first_rung_the_complete_prediction_fits(tmp_path):
+    lp = _plan(tmp_path, 0.18, reduce_bucket_size=100_000, prefetch_bucket_size=1)
+    usable = replan.usable_bytes(lp)
+    planned = replan.planned_choice(lp)
+    assert planned.stage == 1 and replan.predict(lp, planned).total > usable  # the planner's formulas say it fits
+    start = replan.initial_choice(lp)
+    rungs = replan.ladder(lp, planned)
+    assert start in rungs and replan.predict(lp, start).total <= usable
+    assert all(replan.predict(lp, c).total > usable for c in rungs[:rungs.index(start)])
+    assert replan.start_note(lp).startswith(f"starting at {start.describe()} (predicted ")
+    assert replan.start_note(_plan(tmp_path, 80)) is None  # it fits: the planner's choice stands
+    forced = dataclasses.replace(lp, spec=dataclasses.replace(
+        lp.spec, parallel=dataclasses.replace(lp.spec.parallel, zero_stage=1)))
+    assert replan.initial_choice(forced) == planned  # a stage the user chose is run as chosen
