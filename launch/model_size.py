@@ -101,9 +101,10 @@ def build_on_meta(hook: Callable, model_config: Any, where: str):
     except ConfigError:
         raise
     except Exception as err:  # the user's code: any failure is theirs to see, in one line
-        text = str(err).strip().splitlines()[0] if str(err).strip() else "no message"
+        # All its lines, joined: validators (Hugging Face's) give the reason on the second.
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or "no message"
         raise ConfigError(f"{where} failed on the driver (called under torch.device('meta') to count the "
-                          f"parameters): {type(err).__name__}: {text[:200]}; fix build_model or the model "
+                          f"parameters): {type(err).__name__}: {text[:400]}; fix build_model or the model "
                           "config.") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{where} returned {type(model).__name__}, not a torch.nn.Module; return the model "

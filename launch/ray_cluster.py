@@ -329,8 +329,19 @@ def _processes(proc: Path = Path("/proc")) -> Iterator[tuple[int, str]]:
 
 
 def marked_pids(base: str, proc: Path = Path("/proc")) -> list[int]:
-    """Pids of live processes whose command line names the embedded cluster's temp dir ``base``."""
-    return [pid for pid, cmdline in _processes(proc) if base in cmdline]
+    """Pids of live processes whose command line names the embedded cluster's temp dir ``base``, or whose
+    environment has it as ``RAY_TMPDIR`` (Ray's dashboard and runtime-env agents retitle themselves
+    ``ray::...``, so only their inherited environment still says whose they are)."""
+    mark = f"\0RAY_TMPDIR={base}\0".encode()
+    return [pid for pid, cmdline in _processes(proc) if base in cmdline or mark in _environ(proc, pid)]
+
+
+def _environ(proc: Path, pid: int) -> bytes:
+    """``/proc/PID/environ`` as NUL-terminated entries (empty when it cannot be read: another user's)."""
+    try:
+        return b"\0" + (proc / str(pid) / "environ").read_bytes() + b"\0"
+    except OSError:
+        return b""
 
 
 def _kill_marked(base: str, grace_s: float = 3.0) -> None:

@@ -108,6 +108,13 @@ def test_auto_never_takes_an_embedded_cluster_of_another_hybrid_process(tmp_path
     assert not is_embedded("127.0.0.1:6379", proc)  # a cluster the user started
     assert is_embedded("127.0.0.1:7000", proc) and is_embedded("127.0.0.1:7100", proc)
     assert marked_pids(f"/tmp/{EMBEDDED_PREFIX}ab12", proc) == [13]
+    (proc / "14").mkdir()  # an agent that retitled itself: only its environment names the cluster
+    (proc / "14" / "cmdline").write_bytes(b"ray::DashboardAgent")
+    (proc / "14" / "environ").write_bytes(f"HOME=/root\0RAY_TMPDIR=/tmp/{EMBEDDED_PREFIX}ab12\0".encode())
+    (proc / "15").mkdir()  # another cluster's agent, whose temp dir only starts like ours
+    (proc / "15" / "cmdline").write_bytes(b"ray::DashboardAgent")
+    (proc / "15" / "environ").write_bytes(f"RAY_TMPDIR=/tmp/{EMBEDDED_PREFIX}ab123\0".encode())
+    assert sorted(marked_pids(f"/tmp/{EMBEDDED_PREFIX}ab12", proc)) == [13, 14]
     assert split_host_port("ray://head:10001") == ("head", 10001) and split_host_port("10.0.0.5:6379")[1] == 6379
     with pytest.raises(ConfigError, match="not host:port"):
         split_host_port("head")
