@@ -69,6 +69,9 @@ class Progress:
         for record in drained.get("reports", []):
             if "resumed_from" in record:
                 self._resumed(record)
+            elif "checkpoint_warning" in record:
+                if record["rank"] == 0:
+                    self.note(f"warning: {record['checkpoint_warning']}")
             elif "checkpoint_saved" in record:
                 self._saved(record)
             elif "loss" in record:
@@ -133,7 +136,9 @@ class Progress:
         self.resumed_from = step
         self._rewind(step)
         left = "nothing left to train" if step >= self.total_steps else f"continuing at step {step + 1}"
-        self.note(f"resumed from checkpoint step {step} ({record.get('checkpoint', '?')}); {left}")
+        skipped = record.get("skipped_checkpoints")
+        skipped = f", skipping the damaged or unfinished {', '.join(skipped)}" if skipped else ""
+        self.note(f"resumed from checkpoint step {step} ({record.get('checkpoint', '?')}{skipped}); {left}")
 
     def _saved(self, record: dict) -> None:
         step = int(record["checkpoint_saved"])

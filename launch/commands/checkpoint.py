@@ -102,7 +102,7 @@ def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
             save_file(tensors, str(tmp), metadata={"format": "pt", "step": str(doc["step"])})
             state = tensors
     tmp.replace(out)
-    params = sum(t.numel() for t in state.values())
+    params = sum(t.numel() for k, t in state.items() if k not in doc["aliases"])  # a tied weight once
     click.echo(f"wrote {out}: {len(state)} tensors, {params:,} parameters (fp32) from {ckpt} "
                f"(step {doc['step']}, saved at {_layout_text(doc['world'])})")
 

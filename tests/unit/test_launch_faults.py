@@ -88,6 +88,13 @@ def test_progress_orders_checkpoint_lines_after_their_step_and_forgets_steps_aft
     done = Progress(total_steps=4, world_size=1, stream=io.StringIO(), tty=False)
     done.add({"rank": 0, "reports": [{"rank": 0, "step": 4, "resumed_from": 4, "checkpoint": "ck/step-4"}]})
     assert "resumed from checkpoint step 4 (ck/step-4); nothing left to train" in done.stream.getvalue()
+    shown = Progress(total_steps=4, world_size=1, stream=io.StringIO(), tty=False)
+    shown.add({"rank": 0, "reports": [{"rank": 0, "step": 2, "resumed_from": 2, "checkpoint": "ck/step-2",
+                                       "skipped_checkpoints": ["step-000003 (corrupt: __0_0.distcp)"]}]})
+    shown.add({"rank": 0, "reports": [{"rank": 0, "step": 0, "checkpoint_warning": "no good checkpoint in ck"}]})
+    assert shown.stream.getvalue().splitlines() == [
+        "resumed from checkpoint step 2 (ck/step-2, skipping the damaged or unfinished step-000003 (corrupt: "
+        "__0_0.distcp)); continuing at step 3", "warning: no good checkpoint in ck"]
 
 
 def _step_lines(text: str) -> list[int]:
