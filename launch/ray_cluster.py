@@ -56,6 +56,7 @@ _LOCAL_ENV = {
 # An embedded node needs little shared memory: only metrics and small results travel through it.
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before the address counts as dead
+CLIENT_RETRY_S = 2.0  # pause before Ray Client's join is tried again after its server failed to start
 _NO_CLUSTER_FIX = "start one with `ray start --head` (and `ray start --address=...` on the other nodes), or use " \
                   "address: local"
 
@@ -253,13 +254,22 @@ def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float
     """``ray.init(target)`` in a helper thread, so a cluster that accepts connections but never answers
     cannot hang the driver past ``wait_s``; Ctrl-C stays live meanwhile."""
     outcome: dict = {}
+    deadline = time.monotonic() + wait_s
 
     def init():
-        try:
-            ray.init(address=target, logging_level=logging.WARNING, runtime_env=runtime_env)
-            outcome["ok"] = True
-        except BaseException as err:  # noqa: BLE001 - handed to the main thread
-            outcome["error"] = err
+        while True:
+            try:
+                ray.init(address=target, logging_level=logging.WARNING, runtime_env=runtime_env)
+                outcome["ok"] = True
+                return
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread
+                if _server_not_ready(err) and time.monotonic() + CLIENT_RETRY_S < deadline:
+                    with contextlib.suppress(Exception):
+                        ray.shutdown()
+                    time.sleep(CLIENT_RETRY_S)
+                    continue
+                outcome["error"] = err
+                return
 
     quiet = _DropMessage("SIGTERM handler is not set")  # we handle SIGTERM ourselves
     logging.getLogger("ray._private.worker").addFilter(quiet)
@@ -280,6 +290,11 @@ def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float
     first = text.splitlines()[0] if text else type(err).__name__
     raise ConfigError(f"cluster.address is {quote(address)}, but joining the Ray cluster at {target} failed "
                       f"({quote(first)[1:-1]}); {_NO_CLUSTER_FIX}.")
+
+
+def _server_not_ready(err: BaseException) -> bool:
+    """Ray Client's proxy could not start this driver's server in time (a loaded head): worth another try."""
+    return "Initialization failure from server" in str(err)
 
 
 class _DropMessage(logging.Filter):
