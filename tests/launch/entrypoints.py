@@ -89,8 +89,8 @@ def sleep_past_timeout_on_rank_1(ctx):
 def train_holding_extra(ctx):
     """The built-in GPT training, plus memory the planner cannot see: from step 2 on (after the first
     checkpoint; after the first step of a resumed attempt) the rank holds a buffer, written so its pages are
-    really resident: HOLD_EXTRA_MB MB (job.env), or with HOLD_OVER_BUDGET_MB what takes the rank's measured
-    peak that far over its budget at the first hold -- sized once per rank (kept in the run directory), so
+    really resident: HOLD_EXTRA_MB MB (job.env), or with HOLD_OVER_BUDGET_MB what takes the rank's resident
+    memory that far over its budget at the first hold -- sized once per rank (kept in the run directory), so
     every later attempt holds the same bytes whatever stage it runs at."""
     held = []
     extra = float(os.environ.get("HOLD_EXTRA_MB", "0"))
@@ -101,8 +101,14 @@ def train_holding_extra(ctx):
             return extra
         path = Path(ctx.settings.checkpoint_dir) / f"hold-rank{ctx.rank}.mb"
         if not path.exists():
+            from hybrid.memory_budget import _status_bytes
+
             meter = ctx.memory_meter
-            path.write_text(str(max(0.0, (meter.budget_bytes - meter.measure()["peak_bytes"]) / 1e6 + float(over))))
+            # From the resident memory now, not the peak: the buffer (fresh mmap'ed pages) adds to what is
+            # resident, and freed heap pages below the peak would otherwise absorb part of it (seen in CI:
+            # a hold sized from the peak left the rank 7 MB under its budget).
+            now = (_status_bytes("VmRSS") or 0) - meter.baseline
+            path.write_text(str(max(0.0, (meter.budget_bytes - now) / 1e6 + float(over))))
         return float(path.read_text())
 
     def hold(ctx, engine, step):
