@@ -188,7 +188,6 @@ class ZeroEngine:
         self.dp_comm.reset()
 
     # -- construction ---------------------------------------------------------------------------------
-    @torch.no_grad()
     def _sync_buffers(self) -> None:
         """DP rank 0's persistent buffers (BatchNorm running statistics, step counters) to every DP rank at
         each optimizer step, as DDP broadcasts them: every rank's forward updated its own copy from its own
@@ -201,6 +200,7 @@ class ZeroEngine:
         for handle in handles:
             handle.wait()
 
+    @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             self.dp_comm.broadcast(t.data)
