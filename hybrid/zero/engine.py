@@ -188,18 +188,6 @@ class ZeroEngine:
         self.dp_comm.reset()
 
     # -- construction ---------------------------------------------------------------------------------
-    def _sync_buffers(self) -> None:
-        """DP rank 0's persistent buffers (BatchNorm running statistics, step counters) to every DP rank at
-        each optimizer step, as DDP broadcasts them: every rank's forward updated its own copy from its own
-        rows, and rank 0's is the one a checkpoint saves. Non-persistent buffers (caches) stay as they are."""
-        if self.dp_comm.size == 1:
-            return
-        handles = [self.dp_comm.broadcast(buf, async_op=True)
-                   for sub in self.module.modules() for name, buf in sub._buffers.items()
-                   if buf is not None and name not in sub._non_persistent_buffers_set]
-        for handle in handles:
-            handle.wait()
-
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         for t in list(self.module.parameters()) + list(self.module.buffers()):
@@ -328,6 +316,18 @@ class ZeroEngine:
         if (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0:
             self.state.copy_grads_to_host(u)
             self._on_host.add(u)
+
+    def _sync_buffers(self) -> None:
+        """DP rank 0's persistent buffers (BatchNorm running statistics, step counters) to every DP rank at
+        each optimizer step, as DDP broadcasts them: every rank's forward updated its own copy from its own
+        rows, and rank 0's is the one a checkpoint saves. Non-persistent buffers (caches) stay as they are."""
+        if self.dp_comm.size == 1:
+            return
+        handles = [self.dp_comm.broadcast(buf, async_op=True)
+                   for sub in self.module.modules() for name, buf in sub._buffers.items()
+                   if buf is not None and name not in sub._non_persistent_buffers_set]
+        for handle in handles:
+            handle.wait()
 
     @torch.no_grad()
     def _refresh_params(self) -> None:

@@ -200,18 +200,24 @@ class ParamGatherer:
         """Backward needs unit ``u``'s values (a saved parameter): gathered and held to its gradients."""
         if u in self._ready and u in self._in_backward:
             return
+        name = self._names.get(id(self._views[u][0][0]), f"unit {u}")
+        self._gather_on_demand(u, self._in_backward, ("backward", u),
+                               f"stage 3: backward needed the unit holding {name} before any gradient reached its "
+                               "root's outputs (a loss from a tensor the module kept rather than returned?), so "
+                               "it is gathered on demand (an extra all-gather)")
+
+    def _gather_on_demand(self, u: int, held: set, warn_key, message: str) -> None:
+        """Gather unit ``u`` outside the hook schedule (counted, ``message`` logged once per ``warn_key``),
+        wait for it, and hold it in ``held`` until that set is released."""
         self._internal += 1
         try:
             if self.issue(u):
                 self.counts["on_demand"] += 1
-                name = self._names.get(id(self._views[u][0][0]), f"unit {u}")
-                if ("backward", u) not in self._warned:
-                    self._warned.add(("backward", u))
-                    log.warning("stage 3: backward needed the unit holding %s before any gradient reached its "
-                                "root's outputs (a loss from a tensor the module kept rather than returned?), so "
-                                "it is gathered on demand (an extra all-gather)", name)
+                if warn_key not in self._warned:
+                    self._warned.add(warn_key)
+                    log.warning("%s", message)
             self.wait(u)
-            self._in_backward.add(u)
+            held.add(u)
         finally:
             self._internal -= 1
 
@@ -264,20 +270,11 @@ class ParamGatherer:
         u = self._unit_of.get(id(tensor))
         if u is None or self._refs[u] > 0 or u in self._in_backward or u in self._forward_only:
             return
-        self._internal += 1
-        try:
-            if self.issue(u):
-                self.counts["on_demand"] += 1
-                name = self._names.get(id(tensor), "a parameter")
-                if name not in self._warned:
-                    self._warned.add(name)
-                    log.warning("stage 3: %s is read outside the forward of the unit that holds it, so it is "
-                                "gathered on demand (an extra all-gather per use); make the module that reads "
-                                "it its unit root (zero_optimization.stage3_unit) to avoid this", name)
-            self.wait(u)
-            (self._in_backward if torch.is_grad_enabled() else self._forward_only).add(u)
-        finally:
-            self._internal -= 1
+        name = self._names.get(id(tensor), "a parameter")
+        self._gather_on_demand(u, self._in_backward if torch.is_grad_enabled() else self._forward_only, name,
+                               f"stage 3: {name} is read outside the forward of the unit that holds it, so it is "
+                               "gathered on demand (an extra all-gather per use); make the module that reads "
+                               "it its unit root (zero_optimization.stage3_unit) to avoid this")
 
     # -- backward -------------------------------------------------------------------------------------
     def begin_backward(self) -> None:
