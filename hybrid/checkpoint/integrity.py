@@ -8,7 +8,9 @@ What a checkpoint of format 3 records:
 * ``hybrid.json`` lists, under ``files``, the size and crc32 of every file DCP wrote (its data files and
   ``.metadata``);
 * the ``COMPLETE`` marker *seals* the manifest: it holds ``hybrid.json``'s size and crc32, and a crc32 of
-  its own content, so a changed byte in the marker is told apart from one in the manifest.
+  its own content, so a changed byte in the marker is told apart from one in the manifest; and it names
+  the checkpoint, so a step directory copied or renamed under another step's name is ``misplaced``
+  (resuming it would restart the step count and data position from the wrong step).
 
 So a byte changed anywhere in the directory is reported against the file that holds it: ``corrupt: F``
 (checksum or size differs, or the file cannot be decoded), ``truncated: F`` (shorter than recorded),
@@ -30,13 +32,13 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from hybrid.checkpoint import manifest as manifest_doc
-from hybrid.checkpoint.layout import DCP_METADATA, MANIFEST, MARKER
+from hybrid.checkpoint.layout import DCP_METADATA, MANIFEST, MARKER, step_name, step_of
 from hybrid.errors import CheckpointError
 
 CHUNK = 4 << 20
 UNVERIFIED = "unverified: saved by an older hybrid without checksums, only the file sizes were checked"
-MISSING, TRUNCATED, CORRUPT = "missing", "truncated", "corrupt"
-KINDS = (MISSING, TRUNCATED, CORRUPT)  # a problem's code in a collective verdict is its index + 1
+MISSING, TRUNCATED, CORRUPT, MISPLACED = "missing", "truncated", "corrupt", "misplaced"
+KINDS = (MISSING, TRUNCATED, CORRUPT, MISPLACED)  # a problem's code in a collective verdict is its index + 1
 _LEGACY_MARKER = re.compile(r"^step-\d+\s*$")
 # the fix in every CheckpointDamaged sentence
 FIX = "resume or consolidate an older checkpoint (hybrid checkpoint inspect lists them), or delete this one."
@@ -53,10 +55,12 @@ class Expected:
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # missing | truncated | corrupt
+    kind: str  # missing | truncated | corrupt | misplaced
     file: str
 
     def __str__(self) -> str:
+        if self.kind == MISPLACED:  # intact, but written as another step's checkpoint
+            return f"{self.kind}: {self.file} names another step (a checkpoint copied or renamed here)"
         return f"{self.kind}: {self.file}"
 
 
@@ -134,6 +138,10 @@ def inventory(directory) -> Inventory:
     """
     directory = Path(directory)
     seal = _read_seal(directory)
+    named = _named_step(directory)
+    sealed_name = (directory / MARKER).read_text().strip() if seal is None else seal["checkpoint"]
+    if named is not None and sealed_name != step_name(named):
+        raise CheckpointDamaged(directory, Problem(MISPLACED, MARKER), FIX)
     path = directory / MANIFEST
     if seal is not None:
         try:
@@ -154,12 +162,22 @@ def inventory(directory) -> Inventory:
         if seal is None:  # format 2 sealed nothing: a manifest that does not parse is damaged
             raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX) from None
         raise  # sealed and intact, so it really is another format
+    if named is not None and doc.get("step") is not None and int(doc["step"]) != named:
+        raise CheckpointDamaged(directory, Problem(MISPLACED, MANIFEST), FIX)
     if "files" in doc:
         if seal is None:  # a format-3 manifest is always sealed: the marker was rewritten
             raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX)
         files = {name: Expected(int(f["bytes"]), int(f["crc32"])) for name, f in sorted(doc["files"].items())}
         return Inventory(doc, files, True)
     return Inventory(doc, _legacy_files(directory), False)
+
+
+def _named_step(directory: Path) -> Optional[int]:
+    """The step a checkpoint directory's name says (``step-N`` or ``.tmp-step-N``), None if not so named."""
+    try:
+        return step_of(directory)
+    except ValueError:
+        return None
 
 
 def _legacy_files(directory: Path) -> dict:

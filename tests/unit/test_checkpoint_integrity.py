@@ -199,6 +199,37 @@ def test_the_seal_tells_marker_from_manifest(pristine, tmp_path):
     assert isinstance(integrity.CheckpointDamaged(ckpt, integrity.Problem("missing", "x"), "fix"), CheckpointError)
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_checkpoint_under_another_steps_name_is_misplaced(tmp_path, capsys, legacy):
+    """Step GOOD's directory copied over step NEWEST's (a user "restoring" by hand): intact files, but the
+    seal names step GOOD, so resuming it would claim step NEWEST with step GOOD's counters."""
+    run = tmp_path / "run"
+    _write_checkpoint(run, GOOD, legacy=legacy)
+    _write_checkpoint(run, NEWEST, legacy=legacy)
+    newest = layout.final_dir(run, NEWEST)
+    shutil.rmtree(newest)
+    shutil.copytree(layout.final_dir(run, GOOD), newest)
+    expected = "misplaced: COMPLETE names another step"
+    row, uses = _status(run, capsys)
+    assert expected in row and uses == f"resume uses: {layout.step_name(GOOD)}", row
+    choice = _chosen(run, capsys)
+    assert choice.path == layout.final_dir(run, GOOD)
+    assert [(p.name, str(problem).split(" (")[0]) for p, problem in choice.skipped] == \
+        [(layout.step_name(NEWEST), expected)]
+    err = _refused(["checkpoint", "consolidate", str(newest), "--out", str(tmp_path / "x.pt")], capsys)
+    assert expected in err and str(newest) in err
+
+
+def test_a_manifest_of_another_step_behind_a_good_seal_is_misplaced(pristine, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    newest = layout.final_dir(run, NEWEST)
+    shutil.copy(layout.final_dir(run, GOOD) / layout.MANIFEST, newest / layout.MANIFEST)
+    (newest / layout.MARKER).write_text(integrity.seal_text(newest, newest.name))  # resealed by hand
+    with pytest.raises(integrity.CheckpointDamaged, match="misplaced: hybrid.json"):
+        integrity.inventory(newest)
+
+
 def test_verification_is_spread_over_the_ranks_by_bytes():
     files = {name: integrity.Expected(size, 0) for name, size in
              (("a", 100), ("b", 60), ("c", 50), ("d", 10), ("e", 0))}
