@@ -38,6 +38,9 @@ from hybrid.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, offload_
 from hybrid.units import human_bytes as _gb
 from hybrid.validate import STAGES
 
+# The largest GPU count the planner suggests or takes (``hybrid estimate --gpus``): beyond any real cluster.
+MAX_GPUS = 10**7
+
 ROW_STANDARD_DP = "fits with standard DP"
 ROW_STAGE1 = "OOM with standard DP, fits with optimizer sharding"
 ROW_STAGE2 = "still OOM with sharded optimizer, fits with gradient sharding"
@@ -161,6 +164,11 @@ def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage
     check_offload_stage(offload, forced_stage)
 
 
+def _gpu_count_text(gpus: int) -> str:
+    """A suggested GPU count, or what to say when it is beyond any cluster the planner reasons about."""
+    return f"at least {gpus}" if gpus <= MAX_GPUS else f"more than {MAX_GPUS:,}"
+
+
 def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:
     """Smallest DP degree at which ``bytes_per_param · Ψ / (tp · dp)`` fits in ``room``."""
     return max(1, math.ceil(Fraction(bytes_per_param * params, tp) / room))
@@ -182,12 +190,13 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
     gpus = f"{dp * tp} GPU{'s' if dp * tp > 1 else ''}"
     if not offload_allowed:
         return PlanError(f"{params:,} parameters do not fit on {gpus} (tp={tp}, {_gb(usable)} usable each) even "
-                         f"with ZeRO-3{ac}, and offload is off (parallel.offload: false): use at least "
-                         f"{gpus_zero3} GPUs, GPUs with more memory, or allow offload (auto)")
+                         f"with ZeRO-3{ac}, and offload is off (parallel.offload: false): use "
+                         f"{_gpu_count_text(gpus_zero3)} GPUs, GPUs with more memory, or allow offload (auto)")
     gpus_offload = _min_dp(p_bytes + g_bytes, params, tp, room) * tp  # optimizer states on the host
     return PlanError(
         f"{params:,} parameters do not fit on {gpus} (tp={tp}, {_gb(usable)} usable each) even with "
-        f"ZeRO-3{ac} and CPU offload: use at least {gpus_offload} GPUs ({gpus_zero3} without offload) or GPUs "
+        f"ZeRO-3{ac} and CPU offload: use {_gpu_count_text(gpus_offload)} GPUs "
+        f"({_gpu_count_text(gpus_zero3).removeprefix('at least ')} without offload) or GPUs "
         "with more memory"
     )
 
@@ -198,7 +207,7 @@ def _host_error(params, dp, tp, option: Option, ranks_per_node: int, host_usable
     return PlanError(
         f"{params:,} parameters fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-"
         f"{option.label}), but a node's {ranks_per_node} ranks need {_gb(option.host_bytes)} each = {_gb(need)} "
-        f"of host memory and a node has {_gb(host_usable)} usable: use at least {min_dp * tp} GPUs (more DP "
+        f"of host memory and a node has {_gb(host_usable)} usable: use {_gpu_count_text(min_dp * tp)} GPUs (more DP "
         "ranks shard the states further) or nodes with more host memory (cluster.host_memory_gb)"
     )
 

@@ -23,12 +23,10 @@ import click
 from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import activation_bytes, parse_count
-from hybrid.planner import Plan, check_headroom, choose_stage
+from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage
 from hybrid.units import human_bytes
 from hybrid.validate import PRECISIONS, STAGES
 from launch.spec import MAX_GPU_MEMORY_GB
-
-MAX_GPUS = 10**7
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 

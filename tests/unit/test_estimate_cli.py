@@ -129,3 +129,14 @@ def test_the_estimate_reaches_for_activation_checkpointing_before_offload(capsys
         3, True, False)
     code, out, _ = run(capsys, "estimate", "--params", "13B", "--gpus", "8", "--tp", "8", *shape)
     assert "Recommended: ZeRO stage 3 with activation checkpointing" in out
+
+
+@pytest.mark.parametrize("params", ["1e18", "1e15"])
+def test_no_suggested_gpu_count_is_beyond_what_estimate_accepts(capsys, params):
+    from hybrid.planner import MAX_GPUS
+
+    code, out, err = run(capsys, "estimate", "--params", params, "--gpus", "8", "--gpu-memory", "0.5")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    counts = [int(word) for word in err.replace("(", " ").split() if word.isdigit()]
+    assert counts and all(n <= MAX_GPUS for n in counts), err
+    assert f"more than {MAX_GPUS:,}" in err
