@@ -8,7 +8,10 @@ non-overlapping layout) describe it directly. These planners teach the stock DCP
   1-D tensor under ``key``. Each piece becomes one SHARD write item of the global tensor. Identical
   pieces on several ranks (DP-replicated state, ZeRO stage 0) share one ``(key, offset)`` index, so DCP's
   own de-duplication writes them once; DCP's global-plan validation rejects pieces that overlap otherwise.
-  After the save, ``final_plan`` holds the items this rank wrote.
+  After the save, ``final_plan`` holds the items this rank wrote. A piece is a view of a larger flat
+  buffer, which DCP's writer would clone (it copies any tensor smaller than its storage, and holds every
+  copy until the file is written: the whole shard again); a CPU piece is handed over as a zero-copy alias
+  with a storage of its own size (``exact_storage``), so saving costs no memory.
 * ``FlatLoadPlanner(offsets)``: the state dict holds the local 1-D tensor to fill under ``key``;
   DCP reads exactly the overlap of ``[offset, offset + n)`` with every saved piece, so any new layout
   (another DP size, another stage) loads from any saved one.
@@ -31,6 +34,16 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 def _piece_chunk(offset: int, local: torch.Tensor) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([local.numel()]))
+
+
+def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or (a contiguous CPU view of a larger storage) an alias of the same bytes whose
+    storage is exactly its size."""
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0
+            or tensor.untyped_storage().nbytes() == tensor.nbytes):
+        return tensor
+    raw = tensor.detach().reshape(-1).view(torch.uint8).numpy()  # numpy wraps the bytes, no copy
+    return torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape)
 
 
 class FlatSavePlanner(DefaultSavePlanner):
@@ -59,7 +72,7 @@ class FlatSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.pieces:
-            return self.state_dict[index.fqn]
+            return exact_storage(self.state_dict[index.fqn])
         return super().lookup_object(index)
 
 
