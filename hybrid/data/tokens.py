@@ -63,10 +63,10 @@ def dtype_for(vocab_size: int) -> str:
 
 def unigram_entropy(counts: np.ndarray) -> float:
     """Entropy in nats of the token distribution with the given counts: the loss of a model that knows
-    only how often each token occurs."""
+    only how often each token occurs. Never negative: a single token's 0 is +0.0, not -0.0."""
     counts = np.asarray(counts, dtype=np.float64)
     p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+    return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0 turns -0.0 (one token: -(1 * log 1)) into 0.0
 
 
 def read_metadata(path: Path) -> TokenFileMeta:

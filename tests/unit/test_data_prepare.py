@@ -2,6 +2,8 @@
 and the built-in GPT's checks on the file its model config names."""
 
 import json
+import math
+import os
 
 import numpy as np
 import pytest
@@ -117,3 +119,94 @@ def test_the_built_in_gpt_reads_data_relative_to_its_model_config_and_checks_the
     ctx, config = _ctx(tmp_path, "nowhere.bin")
     with pytest.raises(DataError, match="does not exist"):
         data_source(ctx, config, {"branching": 4})
+
+
+def _one_error_line(code, err, expected):
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_an_out_that_cannot_be_written_is_one_sentence_and_leaves_nothing(tmp_path, capsys):
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    (tmp_path / "ro" / "x.bin.json").mkdir(parents=True)  # the metadata path is taken by a directory
+    cases = [(good / "x.bin", "is inside"),                       # a file where --out's directory should be
+             (tmp_path / "ro" / "x.bin", "needs its metadata file"),
+             ("/dev/null", "which is not a regular file")]
+    for out, expected in cases:
+        code, _, err = run_cli([good, "--out", out], capsys)
+        _one_error_line(code, err, expected)
+    assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == ["x.bin.json"], "a token file without metadata"
+    assert good.read_text() == TEXT
+
+
+def test_an_os_error_writing_out_is_one_sentence_naming_out(tmp_path, capsys, monkeypatch):
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    real_open = open
+
+    def refuse_temporaries(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refuse_temporaries)  # what /proc does to a new file
+    code, _, err = run_cli([good, "--out", tmp_path / "o.bin"], capsys)
+    _one_error_line(code, err, f"cannot write --out {tmp_path / 'o.bin'}: No such file or directory")
+    assert not list(tmp_path.glob("*o.bin*"))
+
+
+@pytest.mark.parametrize("failing", ["metadata", "tokens"])
+def test_a_failed_publish_leaves_neither_file(tmp_path, capsys, monkeypatch, failing):
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    out = tmp_path / "o.bin"
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith(".json") == (failing == "metadata"):
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr("hybrid.data.prepare.os.replace", replace)
+    code, _, err = run_cli([good, "--out", out], capsys)
+    _one_error_line(code, err, "Permission denied")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.txt"]
+
+
+def test_out_never_overwrites_a_source(tmp_path, capsys, monkeypatch):
+    text, other = tmp_path / "same.txt", tmp_path / "x.bin.json"
+    text.write_text(TEXT)
+    other.write_text(TEXT)
+    (tmp_path / "link.bin").symlink_to(text)
+    monkeypatch.chdir(tmp_path)
+    cases = [([text, "--out", text], ""),
+             (["same.txt", "--out", tmp_path / "same.txt"], ""),           # relative and absolute spellings
+             ([text, "--out", "link.bin"], ""),                            # a link to the source
+             ([text, other, "--out", tmp_path / "x.bin"], " with its metadata")]
+    for args, what in cases:
+        code, _, err = run_cli(args, capsys)
+        _one_error_line(code, err, f"would overwrite the text file {args[-3]}{what}; give --out a path that is "
+                                   "not one of the text files.")
+    assert text.read_text() == TEXT and other.read_text() == TEXT
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_a_source_that_is_not_a_regular_file_says_so(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for source in ("/dev/null", fifo):
+        code, _, err = run_cli([source, "--out", tmp_path / "n.bin"], capsys)
+        _one_error_line(code, err, f"text file {source} is not a regular file")
+        assert "does not exist" not in err
+
+
+def test_a_single_repeated_token_has_entropy_plus_zero(tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_bytes(b"a" * 1000)
+    code, out, err = run_cli([text, "--out", tmp_path / "a.bin"], capsys)
+    assert code == 0, err
+    assert "unigram entropy 0.000 nats (0.000 bits)" in out
+    stored = json.loads(metadata_path(tmp_path / "a.bin").read_text())["unigram_entropy_nats"]
+    assert stored == 0.0 and math.copysign(1.0, stored) == 1.0
+    assert math.copysign(1.0, unigram_entropy(np.array([0, 7, 0]))) == 1.0
