@@ -4,12 +4,19 @@ Human output is the seed's table (one row per component, one column per stage) f
 choice. ``--json`` prints exactly one JSON object:
 ``{"params", "dp", "tp", "gpu_memory_gb", "stages": {"0".."3": {"params_gb", "grads_gb", "optimizer_gb",
 "total_gb", "fits"}}, "recommended_stage", "offload", "activation_checkpointing", "reason"}``, plus
-``"activations_gb"`` when the model shape is given (each ``total_gb`` then includes the activations, the
-checkpointed estimate under ``--activation-checkpointing``; without the flag the planner may still choose
-checkpointing when plain ZeRO-3 does not fit), and ``"prediction"`` (stage ->
+``"activations_gb"`` and ``"activations_estimate"`` when the model shape is given (each ``total_gb`` then
+includes the activations, the checkpointed estimate under ``--activation-checkpointing``; without the flag the
+planner may still choose checkpointing when plain ZeRO-3 does not fit), and ``"prediction"`` (stage ->
 ``hybrid.memory.MemoryPrediction.as_dict()``, bytes) when ``--vocab`` is given too: the complete prediction of
 the built-in GPT of that shape, which the human output shows as a second table. GB means 10^9 bytes, as in
 the seed; sizes print through ``hybrid.units.human_bytes``.
+
+Which activation estimate (``ESTIMATES``): with ``--vocab`` the built-in GPT's whole shape is known, and the
+table, the recommendation and the prediction all use ``hybrid.memory.gpt_activation_bytes`` -- the figures
+``hybrid plan`` gives ``choose_stage`` for that model, so the two pick the same stage at the same totals.
+Without it, the generic transformer formula ``hybrid.memory.activation_bytes`` (Korthikanti et al. 2022).
+A shape the GPT cannot have is refused in the CLI's terms either way: ``--heads`` must divide ``--hidden``,
+and ``--tp`` what ``GPTConfig.check_tp`` splits (the heads, the MLP width and, with ``--vocab``, the vocabulary).
 Any bad input ends with one ``error: ...`` line and exit status 2.
 """
 
@@ -22,13 +29,16 @@ import click
 
 from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import activation_bytes, parse_count
+from hybrid.memory import activation_bytes, gpt_activation_bytes, parse_count
+from hybrid.models.gpt_config import GPTConfig
 from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage
 from hybrid.units import human_bytes
 from hybrid.validate import PRECISIONS, STAGES
 from launch.spec import MAX_GPU_MEMORY_GB
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
+# activations_estimate in the JSON -> the label of the table's activation row
+ESTIMATES = {"gpt": "Activations (GPT)", "korthikanti": "Activations (Korthikanti)"}
 
 
 def _gb(value) -> float:
@@ -39,7 +49,8 @@ def _plain(number: float) -> int | float:
     return int(number) if float(number).is_integer() else number
 
 
-def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dict) -> None:
+def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dict, vocab: int | None) -> None:
+    """Every option, before anything is computed; a bad one is one ``ConfigError`` sentence naming it."""
     v.integer("--gpus", gpus, 1, MAX_GPUS, need=f"a whole number from 1 to {MAX_GPUS} (the total GPU count, DP × TP)")
     v.integer("--tp", tp, 1, MAX_GPUS)
     if gpus % tp:
@@ -52,9 +63,30 @@ def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dic
         raise ConfigError(f"the activation estimate needs the whole model shape: also give {missing}.")
     for name in given:
         v.positive_int("--" + name.replace("_", "-"), shape[name])
+    if vocab is not None:
+        if not given:
+            raise ConfigError("--vocab adds the built-in GPT's complete prediction, which needs the whole model "
+                              "shape: also give --layers, --hidden, --heads, --seq and --micro-batch.")
+        v.positive_int("--vocab", vocab)
+    if given:
+        _check_split(shape, tp, vocab)
 
 
-def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | None) -> dict:
+def _check_split(shape: dict, tp: int, vocab: int | None) -> None:
+    """The shape must be one the built-in GPT can have and split ``tp`` ways (``GPTConfig``'s rules, said in
+    the CLI's options): heads divide hidden, tp divides heads (so the MLP width mlp_ratio·hidden too) and,
+    unless ``vocab`` is None, the vocabulary."""
+    heads, hidden = shape["heads"], shape["hidden"]
+    if hidden % heads:
+        raise ConfigError(f"--heads ({heads}) does not divide --hidden ({hidden}); choose --heads so that "
+                          f"--hidden is a multiple of it.")
+    for option, n in (("--heads", heads), ("--vocab", vocab)):
+        if n is not None and n % tp:
+            raise ConfigError(f"--tp ({tp}) does not divide {option} ({n}); choose a --tp that divides {n} or "
+                              f"change {option}.")
+
+
+def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | None, kind: str | None) -> dict:
     extra = activations or 0.0
     stages = {
         str(stage): {
@@ -69,6 +101,7 @@ def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | No
     out = {"params": params, "dp": plan.dp, "tp": plan.tp, "gpu_memory_gb": _plain(gpu_memory)}
     if activations is not None:
         out["activations_gb"] = _gb(activations)
+        out["activations_estimate"] = kind
     out.update(
         {"stages": stages, "recommended_stage": plan.stage, "offload": plan.offload,
          "activation_checkpointing": plan.activation_checkpointing, "reason": plan.reason}
@@ -76,7 +109,8 @@ def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | No
     return out
 
 
-def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activations: float | None) -> str:
+def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activations: float | None,
+              kind: str | None) -> str:
     p_kind, o_kind = precision.upper(), "FP32"
     rows = [
         ["Component", "Stage 0 (DDP)", "Stage 1", "Stage 2", "Stage 3"],
@@ -86,7 +120,7 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
     ]
     extra = activations or 0.0
     if activations is not None:
-        rows.append(["Activations"] + [human_bytes(activations)] * len(STAGES))
+        rows.append([ESTIMATES[kind]] + [human_bytes(activations)] * len(STAGES))
     rows.append(["Per GPU"] + [human_bytes(Fraction(plan.stages[s].total) + Fraction(extra)) for s in STAGES])
     rows.append([f"Fits on {_plain(gpu_memory)} GB?"] + ["Yes" if plan.fits[s] else "No" for s in STAGES])
 
@@ -122,19 +156,21 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
 @click.option("--micro-batch", type=int, help="Micro-batch size per GPU.")
 @click.option("--activation-checkpointing", is_flag=True, help="Estimate activations with full checkpointing.")
 @click.option("--vocab", type=int, help="Vocabulary size: with the whole shape, adds the complete prediction of the "
-              "built-in GPT of that shape (states as the engine lays them out, buckets, activations, reserve).")
+              "built-in GPT of that shape (states as the engine lays them out, buckets, activations, reserve), and the "
+              "table uses that GPT's activation estimate, as hybrid plan does.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
              activation_checkpointing, vocab, as_json) -> None:
     """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
     params = parse_count(params_text, field="--params")
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
-    _validate(gpus, tp, gpu_memory, headroom, shape)
+    _validate(gpus, tp, gpu_memory, headroom, shape, vocab)
 
-    activations = checkpointed = None
+    kind = activations = checkpointed = None
     if shape["layers"] is not None:
-        activations = activation_bytes(seq, micro_batch, hidden, heads, layers, tp, activation_checkpointing)
-        checkpointed = activation_bytes(seq, micro_batch, hidden, heads, layers, tp, checkpointing=True)
+        kind = "gpt" if vocab is not None else "korthikanti"
+        activations = _activations(kind, shape, vocab, tp, precision, activation_checkpointing)
+        checkpointed = _activations(kind, shape, vocab, tp, precision, checkpointing=True)
 
     try:
         memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
@@ -146,18 +182,14 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
         raise PlanError(f"--gpus: {err}") from None
     prediction = None
     if vocab is not None:
-        if shape["layers"] is None:
-            raise ConfigError("--vocab adds the built-in GPT's complete prediction, which needs the whole model "
-                              "shape: also give --layers, --hidden, --heads, --seq and --micro-batch.")
-        prediction = _gpt_prediction(v.positive_int("--vocab", vocab), shape, gpus // tp, tp, precision,
-                                     activation_checkpointing)
+        prediction = _gpt_prediction(vocab, shape, gpus // tp, tp, precision, activations)
     if as_json:
-        out = _as_json(params, gpu_memory, plan, activations)
+        out = _as_json(params, gpu_memory, plan, activations, kind)
         if prediction is not None:
             out["prediction"] = {str(s): p.as_dict() for s, p in prediction.items()}
         click.echo(json.dumps(out))
     else:
-        click.echo(_as_table(params, precision, gpu_memory, plan, activations))
+        click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind))
         if prediction is not None:
             from launch.memory_view import prediction_lines
 
@@ -165,17 +197,26 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
                 click.echo(line)
 
 
-def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, checkpointing: bool) -> dict:
-    """``hybrid.memory.predict_memory`` per stage for the built-in GPT of this shape, on GPUs (the default
-    runtime reserve included)."""
-    from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, gpt_activation_bytes, model_units, predict_memory
-    from hybrid.models.gpt import GPT, GPTConfig
+def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
+    """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
+    is ``gpt_activation_bytes`` with the arguments ``launch.plan.build_plan`` gives it for the built-in GPT
+    of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
+    s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
+    if kind == "gpt":
+        return gpt_activation_bytes(s, b, h, a, n, vocab, tp=tp, precision=precision, mlp_ratio=GPTConfig.mlp_ratio,
+                                    checkpointing=checkpointing)
+    return activation_bytes(s, b, h, a, n, tp, checkpointing)
+
+
+def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> dict:
+    """``hybrid.memory.predict_memory`` per stage for the built-in GPT of this shape with these activation
+    bytes (``_activations``' "gpt" figure), on GPUs (the default runtime reserve included)."""
+    from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, model_units, predict_memory
+    from hybrid.models.gpt import GPT
 
     config = GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
                        n_heads=shape["heads"])
-    config.check_tp(tp)
+    config.check_tp(tp)  # _check_split said these rules in the CLI's terms; any other is still the GPT's
     units = model_units(GPT(config, device="meta"), tp)
-    acts = gpt_activation_bytes(shape["seq"], shape["micro_batch"], shape["hidden"], shape["heads"], shape["layers"],
-                                vocab, tp=tp, precision=precision, checkpointing=checkpointing)
-    return {s: predict_memory(units, dp, s, precision, activations=acts, runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB
-                              * 10**9) for s in STAGES}
+    return {s: predict_memory(units, dp, s, precision, activations=activations,
+                              runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB * 10**9) for s in STAGES}

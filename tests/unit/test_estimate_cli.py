@@ -52,7 +52,7 @@ def test_json_with_tp_and_activations(capsys):
     assert code == 0 and (result["dp"], result["tp"]) == (8, 2)
     # 2048·1·5120·(10 + 24/2 + 5·40·2048/(5120·2)) bytes per layer, 40 layers.
     activations = 2048 * 5120 * 62 * 40 / 1e9
-    assert result["activations_gb"] == activations
+    assert result["activations_gb"] == activations and result["activations_estimate"] == "korthikanti"
     assert result["stages"]["3"]["params_gb"] == 1.625
     assert result["stages"]["3"]["total_gb"] == pytest.approx(13 + activations)
 
@@ -95,12 +95,78 @@ def test_human_output_for_offload(capsys):
         (["--params", "7B", "--gpus", "8", "--headroom", "1.5"], "--headroom"),
         (["--params", "7B", "--gpus", "8", "--layers", "32"], "--hidden"),
         (["--params", "700B", "--gpus", "1"], "at least 39 GPUs"),
+        (["--params", "7B", "--gpus", "8", "--vocab", "50304"], "--layers"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
     code, out, err = run(capsys, "estimate", *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("error: ") and field in err
+
+
+SHAPE_7B = {"--layers": "32", "--hidden": "4096", "--heads": "32", "--seq": "2048", "--micro-batch": "1"}
+
+
+@pytest.mark.parametrize("vocab", [None, "50304"])
+@pytest.mark.parametrize(
+    "change, tp, named",
+    [
+        ({"--heads": "30"}, "1", ("--heads (30)", "--hidden (4096)")),  # 4096 is no multiple of 30
+        ({"--heads": "20", "--hidden": "4100"}, "8", ("--tp (8)", "--heads (20)")),
+    ],
+)
+def test_a_shape_the_gpt_cannot_have_is_refused_naming_the_options(capsys, vocab, change, tp, named):
+    shape = {**SHAPE_7B, **change}
+    argv = ["--params", "7B", "--gpus", "8", "--tp", tp, *[x for kv in shape.items() for x in kv]]
+    code, out, err = run(capsys, "estimate", *argv, *(["--vocab", vocab] if vocab else []))
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ")
+    assert all(text in err for text in named) and "model." not in err, err
+
+
+def test_a_vocabulary_tp_cannot_split_is_refused_naming_the_options(capsys):
+    argv = ["--params", "7B", "--gpus", "8", "--tp", "8", *[x for kv in SHAPE_7B.items() for x in kv]]
+    code, out, err = run(capsys, "estimate", *argv, "--vocab", "50305")
+    assert code == 2 and out == "" and err.startswith("error: --tp (8) does not divide --vocab (50305)"), err
+    assert run(capsys, "estimate", *argv, "--vocab", "50304")[0] == 0
+
+
+def _plan_of_13b_on_dgx(memory_gb):
+    """``hybrid plan`` of clusters/dgx-h100-8x8.yaml (the built-in 13B GPT, 8 nodes × 8 GPUs, TP 8) with
+    cluster.gpu_memory_gb set to ``memory_gb``."""
+    from hybrid.yamlfile import load_yaml
+    from launch.plan import build_plan
+    from launch.spec import parse_spec
+
+    path = Path(__file__).resolve().parents[2] / "clusters" / "dgx-h100-8x8.yaml"
+    doc = load_yaml(path, "cluster file")
+    doc["cluster"]["gpu_memory_gb"] = memory_gb
+    return build_plan(parse_spec(doc, base_dir=path.parent, path=path))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_with_vocab_agrees_with_the_plan_of_the_same_model(capsys, checkpointing):
+    lp = _plan_of_13b_on_dgx(18)
+    m, layout, plan = lp.model, lp.layout, lp.plan
+    argv = ["--params", str(lp.params), "--gpus", str(layout.dp * layout.tp), "--tp", str(layout.tp),
+            "--layers", str(m["n_layers"]), "--hidden", str(m["hidden"]), "--heads", str(m["n_heads"]),
+            "--seq", str(m["seq_len"]), "--micro-batch", str(lp.spec.job.micro_batch), "--vocab", str(m["vocab_size"]),
+            "--gpu-memory", "18", "--precision", lp.spec.parallel.precision, "--json"]
+    code, out, err = run(capsys, "estimate", *argv, *(["--activation-checkpointing"] if checkpointing else []))
+    assert code == 0 and err == "", err
+    result = json.loads(out)
+    assert result["activations_estimate"] == "gpt"
+    if checkpointing:  # the figure the plan keeps for checkpointing, and the plan's lever then
+        assert result["activations_gb"] == plan.checkpointed_activation_bytes / 1e9
+        assert result["activation_checkpointing"] is True
+        return
+    assert (result["recommended_stage"], plan.stage) == (1, 1)  # the probe's case: estimate said stage 2
+    assert result["activations_gb"] == plan.activation_bytes / 1e9
+    for stage, row in result["stages"].items():
+        assert row["total_gb"] == pytest.approx((plan.stages[int(stage)].total + plan.activation_bytes) / 1e9)
+        assert row["fits"] == plan.fits[int(stage)]
+    assert result["reason"] == plan.reason
+    code, out, _ = run(capsys, "estimate", *argv[:-1])
+    assert code == 0 and "Activations (GPT)" in out and "Recommended: ZeRO stage 1\n" in out
 
 
 def test_console_script_help_and_exit_codes():
