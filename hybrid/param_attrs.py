@@ -14,8 +14,13 @@ _TP_ATTR = "_hybrid_tensor_parallel"
 
 
 def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int) -> torch.nn.Parameter:
-    """Record that ``param`` is sliced along ``partition_dim`` across the TP group."""
-    setattr(param, _TP_ATTR, int(partition_dim))
+    """Record that ``param`` is sliced along ``partition_dim`` across the TP group (a negative dim counts
+    from the end, as in torch, and is stored as the non-negative one)."""
+    dim = int(partition_dim)
+    if not -param.dim() <= dim < param.dim():
+        raise ValueError(f"partition_dim {partition_dim} is not a dimension of a {param.dim()}-D parameter "
+                         f"(shape {tuple(param.shape)})")
+    setattr(param, _TP_ATTR, dim % param.dim())
     return param
 
 

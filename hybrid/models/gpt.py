@@ -34,7 +34,7 @@ from hybrid.models.gpt_config import GPTConfig
 from hybrid.param_attrs import tensor_parallel_dim
 from hybrid.tp.collectives import gather_from_tp_region
 from hybrid.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from hybrid.tp.loss import vocab_parallel_cross_entropy
+from hybrid.tp.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from hybrid.param_init import Constant, Normal, set_initializer, stamp_keys
 from hybrid.tp.sharding import init_param_, tp_rank_size, tp_slice
 
@@ -133,9 +133,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # this rank's vocabulary slice
         if targets is None:
             return gather_from_tp_region(logits, self.tp_comm)
-        loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            self.tp_comm)
-        return loss.mean()
+        targets = targets.reshape(-1)
+        loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, self.tp_comm,
+                                            ignore_index=IGNORE_INDEX)
+        return loss.sum() / (targets != IGNORE_INDEX).sum()  # the mean over kept tokens, as F.cross_entropy
 
     def full_to_tp_slice(self, name: str, tensor: torch.Tensor, tp_rank: Optional[int] = None,
                          tp: Optional[int] = None) -> torch.Tensor:

@@ -6,12 +6,12 @@ vocab-parallel embedding), ``loss`` (vocab-parallel cross-entropy) and ``shardin
 
 from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
-from hybrid.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from hybrid.tp.layers import TORCH_RNG, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hybrid.tp.loss import vocab_parallel_cross_entropy
 from hybrid.tp.sharding import gather_tp_state_dict, slice_tp_state_dict, tp_slice
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "TORCH_RNG", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "gather_tp_state_dict", "slice_tp_state_dict", "tp_slice",
 ]

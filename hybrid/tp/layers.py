@@ -10,10 +10,18 @@
   zeros and the partial embeddings are summed.
 
 ``tp_comm=None`` (or a group of size 1) gives the plain single-process layer. Parameters are created on
-``device``; with ``seed`` set (the default) they are initialized from their ``hybrid.param_init``
-initializers (weights N(0, init_std²), biases zero; each TP rank draws only its slice of the full tensor). Pass ``seed=None`` when an owner
-initializes them by their qualified names (``reset_parameters(seed, prefix)``), as ``hybrid.models.gpt``
-does.
+``device`` and drawn from their ``hybrid.param_init`` initializers (weights N(0, init_std²), biases zero):
+
+* ``seed=TORCH_RNG`` (the default): from torch's default generator, as ``nn.Linear`` does, so two layers
+  differ; each TP rank draws the *full* tensor and keeps its slice, so a model built after
+  ``torch.manual_seed(s)`` on every rank is the same model at every TP degree;
+* ``seed=S`` (an int): the layer's own seeded draw keyed by ``(S, "weight")`` -- each TP rank draws only its
+  slice; layers given the same S get the same values;
+* ``seed=None``: left to an owner that initializes them by their qualified names
+  (``reset_parameters(seed, prefix)``), as ``hybrid.models.gpt`` does.
+
+On the meta device nothing is drawn: ``hybrid.initialize`` / ``hybrid.materialize`` draw each parameter
+from ``(seed, qualified name)``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,21 @@ from hybrid.param_attrs import mark_tensor_parallel
 from hybrid.param_init import Constant, Normal, set_initializer
 from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
-from hybrid.tp.sharding import divide, init_param_, tp_rank_size
+from hybrid.tp.sharding import divide, init_param_, init_param_from_torch_rng_, tp_rank_size
+
+TORCH_RNG = "torch"  # the default ``seed``: draw from torch's default generator
+
+
+def check_vocab_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """Refuse ids outside ``[0, vocab_size)`` as a single-process lookup would: an IndexError on CPU, a
+    device-side assert on an accelerator (checked asynchronously: no host sync per step)."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ids.device.type == "cpu":
+        if bad.any():
+            found = ids[bad][0].item()
+            raise IndexError(f"{what} id {found} is outside the vocabulary [0, {vocab_size})")
+    else:
+        torch._assert_async(~bad.any(), f"{what} ids must lie in [0, {vocab_size})")
 
 
 class TensorParallelModule(nn.Module):
@@ -41,12 +63,21 @@ class TensorParallelModule(nn.Module):
         self.tp_rank, self.tp = tp_rank_size(tp_comm)
         self.init_std = init_std
 
-    def _maybe_init(self, seed: Optional[int]) -> None:
+    def _maybe_init(self, seed) -> None:
         set_initializer(self.weight, Normal(std=self.init_std))
         if getattr(self, "bias", None) is not None:
             set_initializer(self.bias, Constant(0.0))
-        if seed is not None and self.weight.device.type != "meta":
+        if seed is None or self.weight.device.type == "meta":
+            return
+        if seed == TORCH_RNG:
+            with torch.no_grad():
+                for param in self._parameters.values():
+                    if param is not None:
+                        init_param_from_torch_rng_(param, self.tp_rank, self.tp)
+        elif isinstance(seed, int) and not isinstance(seed, bool):
             self.reset_parameters(seed)
+        else:
+            raise ValueError(f"seed must be an int, None or hybrid.tp.TORCH_RNG, not {seed!r}")
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0, prefix: str = "") -> None:
@@ -57,7 +88,7 @@ class TensorParallelModule(nn.Module):
 
 class ColumnParallelLinear(TensorParallelModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_comm: Optional[Comm] = None,
-                 gather_output: bool = False, init_std: float = 0.02, seed: Optional[int] = 0,
+                 gather_output: bool = False, init_std: float = 0.02, seed=TORCH_RNG,
                  device=None, dtype=None):
         super().__init__(tp_comm, init_std)
         self.in_features, self.out_features = in_features, out_features
@@ -79,7 +110,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
 class RowParallelLinear(TensorParallelModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_comm: Optional[Comm] = None,
-                 input_is_parallel: bool = True, init_std: float = 0.02, seed: Optional[int] = 0,
+                 input_is_parallel: bool = True, init_std: float = 0.02, seed=TORCH_RNG,
                  device=None, dtype=None):
         super().__init__(tp_comm, init_std)
         self.in_features, self.out_features = in_features, out_features
@@ -103,7 +134,7 @@ class RowParallelLinear(TensorParallelModule):
 
 class VocabParallelEmbedding(TensorParallelModule):
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_comm: Optional[Comm] = None,
-                 init_std: float = 0.02, seed: Optional[int] = 0, device=None, dtype=None):
+                 init_std: float = 0.02, seed=TORCH_RNG, device=None, dtype=None):
         super().__init__(tp_comm, init_std)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = divide(num_embeddings, self.tp, "vocab_size")
@@ -115,6 +146,7 @@ class VocabParallelEmbedding(TensorParallelModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return F.embedding(ids, self.weight)
+        check_vocab_ids(ids, self.num_embeddings, "input")  # as F.embedding would: no rank owns such an id
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -7,6 +7,10 @@ three global quantities come from TP all-reduces of per-token scalars: the max (
 the local logits is ``softmax − onehot(y)`` restricted to the local slice, so backward needs no
 communication.
 
+Targets equal to ``ignore_index`` (-100, as ``F.cross_entropy`` and Hugging Face labels use) get loss 0 and
+no gradient; any other target outside ``[0, V)`` is refused (``check_vocab_ids``), as ``F.cross_entropy``
+would refuse it.
+
 Memory: one fp32 copy of the local logits (shifted, exponentiated and normalised in place, saved as the
 softmax); backward turns that saved softmax into the gradient in place (so the loss can be back-propagated
 once: a second backward through it raises), then casts to the logits' dtype (a copy only when not fp32).
@@ -20,16 +24,21 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import Comm
+from hybrid.tp.layers import check_vocab_ids
 from hybrid.tp.sharding import tp_rank_size
+
+IGNORE_INDEX = -100  # F.cross_entropy's default, and Hugging Face's label for tokens without a loss
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, comm):
+    def forward(ctx, logits, targets, comm, ignore_index):
         rank, tp = tp_rank_size(comm)
         local_vocab = logits.shape[-1]
         start = rank * local_vocab
         ctx.logits_dtype = logits.dtype
+        ignored = targets == ignore_index
+        check_vocab_ids(targets.masked_fill(ignored, 0), local_vocab * tp, "target")
 
         logits_max = logits.max(dim=-1).values.float()
         if tp > 1:
@@ -50,9 +59,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_reduce(both)
             target_logit, sum_exp = both[0], both[1]
 
-        loss = sum_exp.log() - target_logit
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_targets, outside)
+        ctx.save_for_backward(softmax, local_targets, outside, ignored)
         ctx.consumed = False
         return loss
 
@@ -63,18 +72,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                "(its saved softmax becomes the gradient in place); recompute the loss instead "
                                "of retain_graph=True")
         ctx.consumed = True
-        softmax, local_targets, outside = ctx.saved_tensors
+        softmax, local_targets, outside, ignored = ctx.saved_tensors
         grad = softmax  # in place: the saved softmax is not needed again
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 tp_comm: Optional[Comm] = None) -> torch.Tensor:
+                                 tp_comm: Optional[Comm] = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token loss (shape of ``targets``, fp32) from this rank's vocabulary slice of ``logits``.
 
-    ``targets`` hold global vocabulary ids in ``[0, V)``; every TP rank gets the same loss.
+    ``targets`` hold global vocabulary ids in ``[0, V)`` or ``ignore_index`` (loss 0, no gradient: a mean
+    over the kept tokens is the caller's); every TP rank gets the same loss.
     """
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm)
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, ignore_index)

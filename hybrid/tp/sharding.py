@@ -97,3 +97,15 @@ def init_param_(param: torch.Tensor, seed: int, name: str, tp_rank: int, tp: int
     values = local_values(init, seed, init.key or name, full_shape(param, tp), tensor_parallel_dim(param),
                           tp_rank, tp, 0, param.numel())
     param.copy_(values.view(param.shape))
+
+
+@torch.no_grad()
+def init_param_from_torch_rng_(param: torch.Tensor, tp_rank: int, tp: int) -> None:
+    """Fill ``param`` (this TP rank's slice) with its slice of a full tensor drawn from its initializer with
+    torch's default generator: every TP degree consumes the generator alike, so ranks seeded alike hold the
+    slices of one full tensor."""
+    from hybrid.param_init import get_initializer
+
+    shape = full_shape(param, tp)
+    full = get_initializer(param).draw_chunk(shape.numel(), None).view(shape)
+    param.copy_(tp_slice(full, tensor_parallel_dim(param), tp_rank, tp))

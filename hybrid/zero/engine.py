@@ -80,6 +80,7 @@ from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
 from hybrid.schedule import lr_at
+from hybrid.tp.layers import TensorParallelModule
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
@@ -127,6 +128,7 @@ class ZeroEngine:
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         _refuse_sparse_gradients(module)
+        _check_tp_degree(module, self.tp_comm.size if self.tp_comm is not None else 1)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
@@ -470,6 +472,21 @@ class ZeroEngine:
         self.dp_comm.reset()
         if self.gatherer is not None:
             self.gatherer.counts.clear()
+
+
+def _check_tp_degree(module: nn.Module, tp: int) -> None:
+    """The model's TP layers must be split over the ``tp_group`` the engine got: with another group the
+    gradient norm, the TP-replicated parameters and the checkpoint's slices would all silently go wrong."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, TensorParallelModule) and sub.tp != tp:
+            given = "no tp_group" if tp == 1 else f"a tp_group of size {tp}"
+            raise ValueError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
+                             f"{sub.tp}, but hybrid.initialize got {given}: pass tp_group= the process group "
+                             f"its tp_comm was built on (mesh.tp_group)")
+    if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
+        raise ValueError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
+                         "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
+                         "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
 
 
 def _refuse_sparse_gradients(module: nn.Module) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybrid.errors import ConfigError
+from hybrid.param_attrs import tensor_parallel_dim
 from hybrid.local_launch import run_local
 from hybrid.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
@@ -79,6 +80,7 @@ def _embedding_and_loss_checks(comm, rank, tp):
 
     logits_full = _randn(21, 32, seed=7) * 20
     targets = torch.randint(0, 32, (21,), generator=torch.Generator().manual_seed(8))
+    targets[::4] = -100  # F.cross_entropy's ignore_index: loss 0, no gradient
     weights = _randn(21, seed=9)
     ref_logits = logits_full.clone().requires_grad_()
     ref_loss = torch.nn.functional.cross_entropy(ref_logits, targets, reduction="none")
@@ -88,6 +90,13 @@ def _embedding_and_loss_checks(comm, rank, tp):
     (loss * weights).sum().backward()
     errs["vocab CE loss"] = _err(loss, ref_loss)
     errs["vocab CE dlogits"] = _err(local.grad, tp_slice(ref_logits.grad, -1, rank, tp))
+    for what, call in (("input", lambda: layer(torch.tensor([[3, 32]]))),
+                       ("target", lambda: vocab_parallel_cross_entropy(local, torch.tensor([0] * 20 + [32]), comm))):
+        try:
+            call()
+            errs[f"exact {what} id 32 refused"] = 1.0
+        except IndexError as exc:
+            errs[f"exact {what} id 32 refused"] = float(f"{what} id 32 is outside the vocabulary [0, 32)" not in str(exc))
     return errs
 
 
@@ -105,6 +114,11 @@ def _gpt_checks(comm):
     ref_loss.backward()
     loss.backward()
     errs["gpt loss"] = _err(loss.detach(), ref_loss.detach())
+    kept = targets.clone()
+    kept[:, ::3] = -100
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(ref(idx).reshape(-1, cfg.vocab_size), kept.reshape(-1))
+        errs["gpt loss ignore_index"] = _err(model(idx, kept), expected)
     grads = gather_tp_state_dict({n: p.grad for n, p in model.named_parameters()}, model, comm)
     for name, p in ref.named_parameters():
         errs[f"gpt grad {name}"] = _err(grads[name], p.grad)
@@ -116,13 +130,33 @@ def _gpt_checks(comm):
     return errs
 
 
+def _torch_rng_build(comm):
+    torch.manual_seed(7)
+    return [ColumnParallelLinear(16, 24, tp_comm=comm), ColumnParallelLinear(16, 24, tp_comm=comm),
+            RowParallelLinear(24, 16, tp_comm=comm), VocabParallelEmbedding(32, 8, tp_comm=comm)]
+
+
+def _torch_rng_checks(comm, rank):
+    """Default-built layers draw from torch's generator like nn.Linear (two layers differ) and, seeded alike,
+    hold the slices of the single-process layers' tensors."""
+    full, local = _torch_rng_build(None), _torch_rng_build(comm)
+    errs = {}
+    for i, (ref, layer) in enumerate(zip(full, local)):
+        for name, p in layer.named_parameters():
+            dim = tensor_parallel_dim(p)
+            errs[f"exact torch-rng init {i}.{name}"] = _err(p, tp_slice(getattr(ref, name), dim, rank, 2))
+    errs["exact torch-rng layers differ"] = float(torch.equal(full[0].weight, full[1].weight))
+    return errs
+
+
 def _tp2_world():
     rank = torch.distributed.get_rank()
     mesh = build_mesh(tp=2)
     facts = dict(dp=mesh.dp, tp=mesh.tp, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank,
                  node_index=mesh.node_index, local_rank=mesh.local_rank, dims=mesh.device_mesh.mesh_dim_names)
     comm = mesh.tp_comm
-    errs = {**_linear_checks(comm, rank, 2), **_embedding_and_loss_checks(comm, rank, 2), **_gpt_checks(comm)}
+    errs = {**_linear_checks(comm, rank, 2), **_embedding_and_loss_checks(comm, rank, 2), **_gpt_checks(comm),
+            **_torch_rng_checks(comm, rank)}
     traffic = dict(tp=comm.report(), dp=mesh.dp_comm.report())
 
     # Row-parallel forward: exactly one all-reduce of the (3, 24) fp32 output.
@@ -139,6 +173,15 @@ def _tp2_world():
         try:
             call()
         except ConfigError as exc:
+            errors[name] = str(exc)
+    import hybrid
+
+    for name, model, group in (("no tp_group", GPT(GPTConfig(**TINY), tp_comm=comm), None),
+                               ("tp_group, plain model", GPT(GPTConfig(**TINY)), mesh.tp_group),
+                               ("tp_group, no TP layers", torch.nn.Linear(4, 4), mesh.tp_group)):
+        try:
+            hybrid.initialize(model, {"zero_optimization": {"stage": 1}}, dp_group=mesh.dp_group, tp_group=group)
+        except ValueError as exc:
             errors[name] = str(exc)
     return dict(facts=facts, errs=errs, traffic=traffic, row_forward=row_forward, errors=errors)
 
@@ -157,3 +200,10 @@ def test_tp2_layers_gpt_and_mesh():
         assert res["errors"]["world"] == ("tp=3 does not divide the world size 2; choose a tp that divides 2.")
         assert res["errors"]["heads"].startswith("model.n_heads=1 is not divisible by the tensor-parallel degree tp=2")
         assert res["errors"]["vocab"].startswith("model.vocab_size=255 is not divisible")
+        # the engine's tp_group must be the one the model's TP layers are split over (else: silently wrong)
+        assert res["errors"]["no tp_group"].startswith(
+            "tok_emb is a VocabParallelEmbedding split over a TP group of size 2, but hybrid.initialize got no "
+            "tp_group"), res["errors"]
+        assert "split over a TP group of size 1, but hybrid.initialize got a tp_group of size 2" in \
+            res["errors"]["tp_group, plain model"]
+        assert "the model has no tensor-parallel parameters" in res["errors"]["tp_group, no TP layers"]

@@ -75,3 +75,18 @@ def test_vocab_parallel_cross_entropy_at_tp1_is_cross_entropy():
     (ref * weights).sum().backward()
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_negative_partition_dim_is_stored_as_the_dimension_it_names():
+    import torch
+    from hybrid.param_attrs import mark_tensor_parallel, tensor_parallel_dim
+    from hybrid.param_init import Normal, local_values
+
+    p = mark_tensor_parallel(torch.nn.Parameter(torch.empty(6, 4)), -1)
+    assert tensor_parallel_dim(p) == 1
+    full = local_values(Normal(), 3, "w", (6, 8), None, 0, 1, 0, 48).view(6, 8)
+    for rank in range(2):  # the slices along -1 are those along 1
+        piece = local_values(Normal(), 3, "w", (6, 8), tensor_parallel_dim(p), rank, 2, 0, 24).view(6, 4)
+        assert torch.equal(piece, full.chunk(2, 1)[rank])
+    with pytest.raises(ValueError, match="partition_dim 2 is not a dimension of a 2-D parameter"):
+        mark_tensor_parallel(torch.nn.Parameter(torch.empty(6, 4)), 2)
