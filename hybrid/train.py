@@ -46,6 +46,11 @@ class TrainError(UserError, TypeError):
     """The model or the batches do not fit the training loop (e.g. a forward with no loss to back-propagate)."""
 
 
+class AccumulationMismatch(UserError, ValueError):
+    """The job's gradient accumulation does not fit the engine or the batch: the engine was built with
+    another ``gradient_accumulation_steps``, or a step's rows do not split into that many micro-batches."""
+
+
 @dataclass(frozen=True)
 class JobSettings:
     """The job's knobs as the launcher resolved them (the ZeRO stage is the plan's, never 'auto')."""
@@ -129,7 +134,12 @@ def train_step(engine, *args, accumulation: int = 1, **kwargs) -> float:
     ``gradient_accumulation_steps`` must match), and the loss is the mean over them.
 
     The forward may return the loss (a scalar tensor) or, in the Hugging Face style, an object with a
-    ``.loss`` attribute (a ``ModelOutput``, any dataclass) or a mapping with a ``"loss"`` key."""
+    ``.loss`` attribute (a ``ModelOutput``, any dataclass) or a mapping with a ``"loss"`` key.
+
+    Raises ``AccumulationMismatch`` (a ``UserError``) before any forward when ``accumulation`` is not the
+    engine's ``config.gradient_accumulation_steps`` (the engine would step its optimizer a different number
+    of times per step) or the batch's rows do not split into ``accumulation`` equal micro-batches."""
+    check_accumulation(engine, accumulation)
     total = 0.0
     for micro_args, micro_kwargs in _micro_batches(args, kwargs, accumulation):
         loss = loss_of(engine(*micro_args, **micro_kwargs))
@@ -139,13 +149,35 @@ def train_step(engine, *args, accumulation: int = 1, **kwargs) -> float:
     return total / accumulation
 
 
+def engine_accumulation(engine) -> Optional[int]:
+    """The engine's ``config.gradient_accumulation_steps`` (None for an engine without one, e.g. a test double)."""
+    value = getattr(getattr(engine, "config", None), "gradient_accumulation_steps", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_accumulation(engine, accumulation: int) -> None:
+    """Raise ``AccumulationMismatch`` (one sentence naming both fields and the fix) when the job's
+    ``accumulation`` is not the engine's ``config.gradient_accumulation_steps``; an engine without that field
+    passes. A mismatch would silently run accumulation / engine's value optimizer steps per step."""
+    built = engine_accumulation(engine)
+    if built is None or built == accumulation:
+        return
+    raise AccumulationMismatch(
+        f"job.gradient_accumulation_steps is {accumulation} but the engine's config has "
+        f"gradient_accumulation_steps = {built}; build the engine's config from the job settings with "
+        f"hybrid.models.gpt_train.training_config(..., accumulation=ctx.settings.gradient_accumulation_steps).")
+
+
 def _micro_batches(args: tuple, kwargs: dict, accumulation: int):
     """``accumulation`` equal row slices of every tensor in ``args`` / ``kwargs`` (other values as they are)."""
     if accumulation == 1:
         return [(args, kwargs)]
     rows = batch_rows(args, kwargs)
     if rows % accumulation:
-        raise ValueError(f"{rows} rows do not split into {accumulation} equal micro-batches")
+        raise AccumulationMismatch(
+            f"a step's batch has {rows} rows, which do not split into job.gradient_accumulation_steps = "
+            f"{accumulation} equal micro-batches; make batches(step) return job.micro_batch x "
+            f"job.gradient_accumulation_steps rows per rank (as hybrid.models.gpt_train.train does).")
     n = rows // accumulation
 
     def cut(value, i):
@@ -254,13 +286,17 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
     of keyword arguments (a Hugging Face batch, ``{"input_ids": ..., "labels": ...}``). Throughput is
     counted in tokens when ``tokens_per_step`` (the whole job's) is given, else in samples:
     ``samples_per_step``, or the batch's rows times the DP degree. Returns a summary of the run.
+
+    Raises ``AccumulationMismatch`` before loading a checkpoint or running a step when
+    ``job.gradient_accumulation_steps`` is not the engine's ``config.gradient_accumulation_steps``.
     """
+    accumulation = ctx.settings.gradient_accumulation_steps
+    check_accumulation(engine, accumulation)
     if ctx.settings.checkpoint_dir:
         start_step = resume(ctx, engine) or start_step
     first_loss = last_loss = None
     ctx.step = start_step
     started = time.perf_counter()
-    accumulation = ctx.settings.gradient_accumulation_steps
     for step in range(start_step, ctx.steps):
         if ctx.should_stop():
             log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)

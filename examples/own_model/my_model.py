@@ -5,6 +5,9 @@
 plans tp = 1 and DP over every rank); ``train(ctx)`` calls it again on each rank, also on meta, and
 ``hybrid.initialize`` gives every parameter its values (``reset_parameters`` of each module, seeded by the
 module's name) straight into the rank's shard.
+
+A step is ``job.micro_batch × gradient_accumulation_steps`` rows per rank (the engine is built with the job's
+accumulation), as ``hybrid.models.gpt_train.train`` does.
 """
 
 import torch
@@ -54,18 +57,23 @@ def train(ctx):
     m, opt = ctx.model_config["model"], ctx.model_config["train"]
     with torch.device("meta"):
         model = build_model(ctx.model_config, ctx.mesh.tp_comm)
-    # training_config: the engine's TrainConfig at the planned stage, precision and optimizer offload
+    # training_config: the engine's TrainConfig at the planned stage, precision, optimizer offload and the
+    # job's gradient accumulation (a re-plan may raise it: the engine must step once per accumulated step)
     config = training_config({"lr": opt["lr"], "weight_decay": 0.0, "gradient_clipping": 1.0}, ctx.stage,
-                             ctx.settings.precision, offload=ctx.settings.offload)
+                             ctx.settings.precision, offload=ctx.settings.offload,
+                             accumulation=ctx.settings.gradient_accumulation_steps)
     engine = hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                                seed=ctx.settings.seed, device=ctx.device)
     data = MarkovTokens(m["vocab_size"], m["seq_len"], seed=ctx.settings.seed)
-    micro_batch, mesh = ctx.settings.micro_batch, ctx.mesh
+    # A step is micro_batch x gradient_accumulation_steps rows per rank, trained as micro-batches of
+    # micro_batch (run_steps cuts them): a re-plan that halves the micro-batch and doubles the accumulation
+    # keeps the step's rows.
+    rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
 
     def batches(step):  # a pure function of the step: each DP rank its own slice of the step's batch
-        inputs, targets = data.batch(step, micro_batch, mesh.dp_rank, mesh.dp)
+        inputs, targets = data.batch(step, rows, mesh.dp_rank, mesh.dp)
         return inputs.to(ctx.device), targets.to(ctx.device)
 
-    summary = run_steps(ctx, engine, batches, tokens_per_step=micro_batch * mesh.dp * m["seq_len"])
+    summary = run_steps(ctx, engine, batches, tokens_per_step=rows * mesh.dp * m["seq_len"])
     return {**summary, "tp": mesh.tp, "dp": mesh.dp, "stage": ctx.stage,
             "reference_loss": {"name": "synthetic chain floor", "nats": data.loss_floor}}

@@ -5,6 +5,10 @@ rank finished, 2 for a problem the user can fix (bad cluster file, model that ca
 failed while running (one ``error:`` sentence; the rank's traceback is in the log above it), 130 on Ctrl-C
 or SIGTERM. Every actor is killed and an embedded Ray cluster torn down in all cases. ``--help`` lists the
 codes.
+
+Only this command needs Ray: without it (not installed, or failing to import) it says so in one ``error:``
+sentence and exits 2, while ``estimate``, ``plan``, ``checkpoint``, ``data`` and ``monitor`` keep working and
+the library trains under ``torchrun`` as before.
 """
 
 from __future__ import annotations
@@ -14,8 +18,29 @@ from typing import Optional
 
 import click
 
+from hybrid.errors import UserError
 from launch.cli import EXIT_FAILED
 from launch.spec import load_spec
+
+
+class RayMissing(UserError):
+    """``hybrid launch`` was run where Ray cannot be imported."""
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of ``err``'s message (its type's name when it has none)."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def require_ray() -> None:
+    """Import Ray, or raise ``RayMissing`` (one sentence: what needs it, how to install it, what runs without)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as err:
+        raise RayMissing(f"hybrid launch needs Ray, which cannot be imported here ({_first_line(err)}); install it with "
+                         f"`pip install ray`, or run your entrypoint under torchrun, where the library itself "
+                         f"needs no Ray.") from None
 
 
 @click.command("launch")
@@ -35,6 +60,7 @@ def launch_command(cluster_file: str, steps: Optional[int], stage: Optional[int]
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = load_spec(cluster_file).with_overrides(steps=steps, stage=stage)
+    require_ray()
     from launch.job import JobFailed, launch  # imports Ray: only for this command
 
     try:
