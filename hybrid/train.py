@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
@@ -84,10 +85,14 @@ class Context:
     def __init__(self, mesh, model_config: dict, settings: JobSettings, *, model_config_path: Optional[str] = None,
                  rank: int = 0, world_size: int = 1, device: str = "cpu",
                  reporter: Optional[Callable[[dict], None]] = None,
-                 stop_requested: Optional[Callable[[], bool]] = None):
+                 stop_requested: Optional[Callable[[], bool]] = None, model_config_origin: Optional[str] = None,
+                 local_path: Optional[Callable[[str], str]] = None):
         self.mesh = mesh
         self.model_config = model_config
-        self.model_config_path = model_config_path
+        self.model_config_path = model_config_path  # the file this rank read (a shipped copy, under Ray)
+        # where the user's file is (on the driver): paths the model config names are relative to it
+        self.model_config_origin = model_config_origin or model_config_path
+        self._local_path = local_path
         self.settings = settings
         self.rank = rank
         self.world_size = world_size
@@ -100,6 +105,11 @@ class Context:
         # torch's global generator (dropout, user code) from job.seed, one stream per DP rank (TP ranks of a
         # group compute replicated activations, so they share it); a resume then restores the saved state.
         torch.manual_seed(rank_seed(settings.seed, getattr(mesh, "dp_rank", rank)))
+
+    def local_path(self, path) -> Path:
+        """Where this rank sees a file the driver calls ``path``: inside the copy of ``job.working_dir``
+        shipped to its node when it lies in that directory (and was shipped), else ``path`` itself."""
+        return Path(self._local_path(str(path)) if self._local_path is not None else path)
 
     @property
     def steps(self) -> int:

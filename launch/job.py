@@ -58,7 +58,7 @@ from hybrid.errors import JobError, UserError
 from hybrid.memory_budget import OutOfMemoryError
 from hybrid.train import JobSettings
 from hybrid.units import count
-from launch import memory_loop, ray_cluster, replan
+from launch import memory_loop, ray_cluster, replan, signals
 from launch.display import Progress
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
 from launch.plan import LaunchPlan, build_plan, format_plan
@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 GRACE_S = 5.0  # after a rank's collective failed, how long to wait for the failure that caused it
+LAST_DRAIN_S = 3.0  # on an interrupt, how long to wait for the reports the ranks still buffer
 
 
 class JobFailed(Exception):
@@ -280,6 +281,9 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
         outcome.placement = placement
         graceful = outcome.ok
         return outcome
+    except ConnectionError as err:  # Ray Client: the session to the cluster dropped
+        return AttemptOutcome(False, failure=Failure(None, None, f"the connection to the Ray cluster at "
+                                                     f"{spec.cluster.address} was lost ({err})"), retryable=False)
     finally:
         group.shutdown(graceful=graceful)
         if shared_dir is not None:
@@ -306,10 +310,14 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     results: dict[int, Any] = {}
     failures: list[tuple[int, Exception]] = []  # (rank, error) in the order they arrived
     beats: dict[int, dict] = {}  # rank -> its last heartbeat (kept for ranks that died since)
-    while pending and not failures:
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
-        _drain(group, progress, beats)
-        failures = _take(ready, pending, results)
+    try:
+        while pending and not failures:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+            _drain(group, progress, beats)
+            failures = _take(ready, pending, results)
+    except KeyboardInterrupt:  # the steps the ranks reported since the last poll (a checkpoint's) are kept
+        _last_drain(group, progress)
+        raise
     if not failures:
         _drain(group, progress)
         return AttemptOutcome(True, results=results)
@@ -348,6 +356,16 @@ def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exceptio
         except ray.exceptions.RayError as err:
             failures.append((rank, err))
     return failures
+
+
+def _last_drain(group: WorkerGroup, progress: Progress) -> None:
+    """On an interrupt: what the ranks still buffer (a few seconds at most; anything that fails is lost)."""
+    with signals.ignored():  # a second Ctrl-C must not cut this short
+        try:
+            for drained in group.drain(timeout_s=LAST_DRAIN_S):
+                progress.add(drained)
+        except Exception:  # a cluster going down: what did not arrive is lost
+            pass
 
 
 def _drain(group: WorkerGroup, progress: Progress, beats: Optional[dict] = None) -> None:

@@ -57,10 +57,10 @@ def model_facts(spec) -> ModelFacts:
         from hybrid.models.gpt_train import build_model as hook
 
         where = "the built-in GPT (hybrid.models.gpt_train.build_model), from the model: mapping"
-    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its train: options too, before any rank starts
-        from hybrid.models.gpt_train import train_options
+    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its keys, train: options and data, before any rank starts
+        from hybrid.models.gpt_train import check_model_config
 
-        train_options(doc.get("train") if isinstance(doc, dict) else None)
+        check_model_config(doc, path)
     model = build_on_meta(hook, doc, where)
     counted = sum(p.numel() for p in model.parameters())
     if counted == 0:

@@ -206,7 +206,7 @@ def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, floa
     cpu_nodes = [r for r in reports if r.cpus >= cluster.gpus_per_node]
     if len(cpu_nodes) < cluster.nodes:
         raise PlanError(f"cluster.nodes is {cluster.nodes}, but the Ray cluster has only {len(cpu_nodes)} nodes with "
-                        f"{cluster.gpus_per_node} free CPUs (and {len(gpu_nodes)} with {cluster.gpus_per_node} GPUs); "
+                        f"{cluster.gpus_per_node} CPUs (and {len(gpu_nodes)} with {cluster.gpus_per_node} GPUs); "
                         "lower cluster.nodes or gpus_per_node, or add nodes.")
     reason = reports[0].probe.reason if reports else "no nodes"
     return False, declared, "declared", (

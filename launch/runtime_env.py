@@ -126,6 +126,15 @@ def localize(path: str, working_dir: Optional[str], here: str) -> str:
     return str(Path(here) / Path(path).resolve().relative_to(Path(working_dir).resolve()))
 
 
+def localize_shipped(path: str, working_dir: Optional[str], here: str) -> str:
+    """``localize``, except that a file the shipped copy lacks (left out by a .gitignore or an exclude
+    pattern) but this node sees at the driver's path (one machine, a shared filesystem) is read there."""
+    local = localize(path, working_dir, here)
+    if local != path and not os.path.exists(local) and os.path.exists(path):
+        return path
+    return local
+
+
 def _inside(path: Path, root: Path) -> bool:
     try:
         path.resolve().relative_to(root.resolve())

@@ -50,6 +50,19 @@ PLACEMENT_TIMEOUT_S = 120.0
 NVML_SAMPLE_INTERVAL_S = 2.0
 
 
+def _free_nodes(bundle: dict) -> str:
+    """How many live nodes have ``bundle`` free now, and how many could hold it at all."""
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        free = ray._private.state.available_resources_per_node()  # node id -> what is unreserved now
+    except Exception:  # noqa: BLE001 -- a description only
+        return "the cluster's state could not be read"
+    fits = lambda have: all(have.get(k, 0.0) >= v for k, v in bundle.items())  # noqa: E731
+    capable = sum(1 for n in nodes if fits(n.get("Resources", {})))
+    idle = sum(1 for n in nodes if fits(free.get(n["NodeID"], {})))
+    return f"{idle} of the {len(nodes)} live nodes have that free now, {capable} have it at all"
+
+
 class PlacementFailed(RuntimeError):
     """The Ray cluster could not host the requested ranks."""
 
@@ -201,17 +214,19 @@ class RankWorker:
         import yaml
 
         from hybrid.train import Context
-        from launch.runtime_env import localize
+        from launch.runtime_env import localize_shipped
         from launch.spec import resolve_entrypoint
 
         here = os.getcwd()  # the copy of the job's working_dir on this node, when one was shipped
-        model_config_path = localize(model_config_path, working_dir, here) if working_dir else model_config_path
+        local_path = (lambda path: localize_shipped(path, working_dir, here)) if working_dir else None
+        local_config = local_path(model_config_path) if local_path else model_config_path
         fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None)
-        with open(model_config_path) as f:
+        with open(local_config) as f:
             model_config = yaml.safe_load(f)
-        self._ctx = Context(self._mesh, model_config, settings, model_config_path=model_config_path,
+        self._ctx = Context(self._mesh, model_config, settings, model_config_path=local_config,
                             rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
-                            reporter=self._report, stop_requested=self._stop.is_set)
+                            reporter=self._report, stop_requested=self._stop.is_set,
+                            model_config_origin=model_config_path, local_path=local_path)
         return fn(self._ctx)
 
     def drain(self) -> dict:
@@ -289,7 +304,8 @@ class WorkerGroup:
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             raise PlacementFailed(f"the Ray cluster could not reserve {self.nodes} separate nodes with {bundle} "
-                                  f"each within {timeout_s:.0f} s; check cluster.nodes and gpus_per_node against "
+                                  f"each within {timeout_s:.0f} s ({_free_nodes(bundle)}); other jobs may hold "
+                                  "them or a node is gone: check cluster.nodes and gpus_per_node against "
                                   "`ray status`.")
         actors = []
         for node in range(self.nodes):
@@ -367,15 +383,24 @@ class WorkerGroup:
             actor.request_stop.remote()
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Close every rank's process group (if ``graceful``), kill the actors and free the placement group."""
+        """Close every rank's process group (if ``graceful``), kill the actors and free the placement group.
+
+        With the connection to the cluster gone (a Ray Client session that dropped) there is nothing to
+        call: the cluster reclaims a lost session's actors and placement group itself, and a Ray call now
+        would start a new driver that attaches to whatever cluster it finds on this machine."""
+        if not ray.is_initialized():
+            self.actors, self.pg = [], None
+            return
         if graceful and self.actors:
             try:
                 ray.get([a.close.remote() for a in self.actors], timeout=30)
             except Exception:  # a dead or hung rank: killing below is enough
                 pass
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        self.actors = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        try:
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+        except ConnectionError:  # the session dropped while tearing down: the cluster reclaims the rest
+            pass
+        self.actors, self.pg = [], None

@@ -6,9 +6,8 @@ importable from nowhere else. Whatever a rank prints reaches the driver's termin
 
 import os
 
-from hybrid.data import TokenFile
 from hybrid.models.gpt_config import GPTConfig
-from hybrid.models.gpt_train import build_engine, data_path, train_options
+from hybrid.models.gpt_train import build_engine, data_path, open_token_file, train_options
 from hybrid.train import run_steps
 
 
@@ -17,11 +16,14 @@ def train(ctx):
     print(f"{os.environ['GREETING']} rank {ctx.rank} of {ctx.world_size} in {os.getcwd()} holding {here}", flush=True)
     config = GPTConfig.from_dict(ctx.model_config["model"])
     engine = build_engine(ctx, config, train_options(ctx.model_config.get("train")))
-    data = TokenFile(data_path(ctx.model_config["data"], ctx.model_config_path), config.seq_len, seed=ctx.settings.seed)
-    micro_batch, mesh = ctx.settings.micro_batch, ctx.mesh
+    # data: is relative to the model config as the user wrote it; this rank may read a shipped copy of it
+    path = data_path(ctx.model_config["data"], ctx.model_config_origin)
+    data = open_token_file(path, ctx.local_path(path), config, seed=ctx.settings.seed)
+    # a step is micro_batch x gradient_accumulation_steps rows per rank (run_steps cuts the micro-batches)
+    rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
 
     def batches(step):  # a pure function of the step: a resumed run sees the same batches
-        return data.batch(step, micro_batch, mesh.dp_rank, mesh.dp)
+        return data.batch(step, rows, mesh.dp_rank, mesh.dp)
 
-    summary = run_steps(ctx, engine, batches, tokens_per_step=micro_batch * mesh.dp * config.seq_len)
+    summary = run_steps(ctx, engine, batches, tokens_per_step=rows * mesh.dp * config.seq_len)
     return {**summary, "reference_loss": {"name": "unigram entropy of the data", "nats": data.unigram_entropy}}

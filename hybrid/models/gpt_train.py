@@ -41,18 +41,21 @@ from typing import Any, Mapping, Optional
 
 from hybrid import validate as v
 from hybrid.data import MarkovTokens, TokenFile
-from hybrid.errors import ConfigError
+from hybrid.errors import ConfigError, DataError
 from hybrid.models.gpt import GPT
 from hybrid.models.gpt_config import GPTConfig
 from hybrid.train import Context, run_steps
 
 TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "branching": 4, "optimizer": None,
                   "scheduler": None}
+# The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
+CONFIG_KEYS = ("model", "data", "train", "zero", "params")
 
 
 def train(ctx: Context, after_step=()) -> dict:
     """Train the configured GPT for ``ctx.steps`` steps; returns this rank's summary. ``after_step``: hooks
     ``(ctx, engine, step)`` run after every step (``hybrid.train.run_steps``)."""
+    check_config_keys(ctx.model_config)
     model_config = GPTConfig.from_dict(ctx.model_config.get("model", {}))
     options = train_options(ctx.model_config.get("train"))
     engine = build_engine(ctx, model_config, options)
@@ -74,15 +77,54 @@ def data_source(ctx: Context, model_config: GPTConfig, options: dict) -> tuple[A
     """The batches to train on and the loss to compare with: the model config's ``data:`` token file (and
     its unigram entropy), else the synthetic chain (and its floor)."""
     seed = ctx.settings.seed
-    path = data_path(ctx.model_config.get("data"), ctx.model_config_path)
+    path = data_path(ctx.model_config.get("data"), ctx.model_config_origin)
     if path is None:
         stream = MarkovTokens(model_config.vocab_size, model_config.seq_len, seed=seed, branching=options["branching"])
         return stream, {"name": "synthetic chain floor", "nats": stream.loss_floor}
-    tokens = TokenFile(path, model_config.seq_len, seed=seed)
+    tokens = open_token_file(path, ctx.local_path(path), model_config, seed=seed)
+    return tokens, {"name": "unigram entropy of the data", "nats": tokens.unigram_entropy}
+
+
+def open_token_file(path: Path, local: Path, model_config: GPTConfig, seed: int = 0, check: bool = True) -> TokenFile:
+    """The token file the model config names (``path``, as the user wrote it resolved on the driver) where
+    this process sees it (``local``: the copy shipped with ``job.working_dir``, or ``path`` itself), checked
+    against the model; every error names ``path``, never the rank's copy."""
+    if not local.exists() and local != path:
+        raise DataError(f"data file {path} (data: in the model config) was not shipped with job.working_dir "
+                        "(a .gitignore or job.working_dir_excludes pattern leaves it out) and this node does not "
+                        "see it at that path; keep data on storage every node mounts, or un-exclude it.")
+    try:
+        tokens = TokenFile(local, model_config.seq_len, seed=seed, check=check)
+    except DataError as err:
+        raise DataError(str(err).replace(str(local), str(path))) from None
     if model_config.vocab_size < tokens.vocab_size:
         raise ConfigError(f"model.vocab_size is {model_config.vocab_size}, below the vocabulary of the data file "
                           f"{path} ({tokens.vocab_size}); set model.vocab_size to at least {tokens.vocab_size}.")
-    return tokens, {"name": "unigram entropy of the data", "nats": tokens.unigram_entropy}
+    return tokens
+
+
+def check_config_keys(doc: Any, path: Optional[Path] = None) -> None:
+    """The built-in entrypoint's model config holds only ``CONFIG_KEYS`` (a misspelt ``data:`` would
+    otherwise train on the synthetic stream without a word)."""
+    if isinstance(doc, Mapping):
+        try:
+            v.known_keys("", doc, CONFIG_KEYS)
+        except ConfigError as err:
+            raise ConfigError(f"the model config{f' {path}' if path else ''}: {err}") from None
+
+
+def check_model_config(doc: Any, path: Path) -> None:
+    """What the launcher checks on the driver before any rank starts: the keys, the ``train:`` options and,
+    when ``data:`` names a file, that it opens as a token file the model can train on (its metadata and
+    size; the ranks scan its ids)."""
+    check_config_keys(doc, path)
+    train_options(doc.get("train") if isinstance(doc, Mapping) else None)
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("model"), Mapping):
+        return
+    data = data_path(doc.get("data"), path)
+    if data is not None:
+        model_config = GPTConfig.from_dict(doc["model"])
+        open_token_file(data, data, model_config, check=False)
 
 
 def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:

@@ -233,7 +233,11 @@ def test_the_model_config_of_the_built_in_entrypoint_is_checked_at_plan_time(tmp
     tiny = Path(TINY).read_text()
     for text, field in ((tiny + "train: {lr: -1}\n", "train.lr"), (tiny + "train: {lrr: 1}\n", "train.lrr"),
                         (tiny.replace("n_heads: 4", "n_heads: 4\n  n_heads: 2"), "'n_heads' is given twice"),
-                        (tiny.replace("hidden: 64", "hidden: .inf"), "model.hidden")):
+                        (tiny.replace("hidden: 64", "hidden: .inf"), "model.hidden"),
+                        # a misspelt data: must not train on the synthetic stream without a word
+                        (tiny + "dataset: corpus.bin\n", f"the model config {model}: dataset is not a known setting"),
+                        (tiny + "data: absent.bin\n", f"data file {tmp_path / 'absent.bin'} does not exist"),
+                        (tiny + "data: ''\n", "data is '' in the model config")):
         model.write_text(text)
         path = tmp_path / "cluster.yaml"
         path.write_text(dump(edit("job", "config", str(model))))

@@ -210,3 +210,36 @@ def test_a_single_repeated_token_has_entropy_plus_zero(tmp_path, capsys):
     stored = json.loads(metadata_path(tmp_path / "a.bin").read_text())["unigram_entropy_nats"]
     assert stored == 0.0 and math.copysign(1.0, stored) == 1.0
     assert math.copysign(1.0, unigram_entropy(np.array([0, 7, 0]))) == 1.0
+
+
+def test_data_outside_the_shipped_working_dir_is_read_where_the_driver_sees_it(tmp_path):
+    """Under Ray a rank reads a copy of job.working_dir; data: resolves against the user's model config, maps
+    into the copy when it lies inside the working dir, and is read at the driver's path otherwise (or when a
+    .gitignore left it out of the copy); every error names the user's path."""
+    from launch.runtime_env import localize_shipped
+
+    work, copy, text = tmp_path / "work", tmp_path / "copy", tmp_path / "t.txt"
+    text.write_text(TEXT)
+    for where in (tmp_path / "data" / "c.bin", work / "in.bin", work / "ignored.bin"):
+        prepare([text], where)
+    copy.mkdir()
+    (copy / "in.bin").write_bytes((work / "in.bin").read_bytes())
+    (copy / "in.bin.json").write_bytes((work / "in.bin.json").read_bytes())
+    (copy / "model.yaml").write_text("")
+    local = lambda path: localize_shipped(path, str(work), str(copy))  # noqa: E731
+    model = {"vocab_size": 256, "seq_len": 8, "n_layers": 1, "hidden": 16, "n_heads": 2}
+    for data, read in (("../data/c.bin", tmp_path / "data" / "c.bin"), ("in.bin", copy / "in.bin"),
+                       ("ignored.bin", work / "ignored.bin")):
+        ctx = Context(None, {"model": model, "data": data}, JobSettings(steps=1, micro_batch=2, stage=0),
+                      model_config_path=str(copy / "model.yaml"), model_config_origin=str(work / "model.yaml"),
+                      local_path=local)
+        source, _ = data_source(ctx, GPTConfig.from_dict(model), {"branching": 4})
+        assert source.path == read, data
+
+    (copy / "in.bin").write_bytes((copy / "in.bin").read_bytes()[:-1])  # the copy is damaged
+    ctx = Context(None, {"model": model, "data": "in.bin"}, JobSettings(steps=1, micro_batch=2, stage=0),
+                  model_config_path=str(copy / "model.yaml"), model_config_origin=str(work / "model.yaml"),
+                  local_path=local)
+    with pytest.raises(DataError) as info:
+        data_source(ctx, GPTConfig.from_dict(model), {"branching": 4})
+    assert str(work / "in.bin") in str(info.value) and str(copy) not in str(info.value)

@@ -138,3 +138,47 @@ def test_steps_after_the_checkpoint_run_again_replace_their_history_entry_withou
     assert [(h["step"], h["loss"]) for h in progress.history] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 1.0)]
     summary = progress.summary([], 1.0)
     assert "steps 4/4" in summary and "loss 4.0000 (step 1) -> 1.0000 (step 4)" in summary
+
+
+class _Group:
+    """A WorkerGroup stand-in for the driver's polling loop: one buffered step report per drain."""
+
+    def __init__(self):
+        self.drains = 0
+
+    def drain(self, timeout_s=30.0):
+        self.drains += 1
+        return [{"rank": 0, "reports": [_step(self.drains, 0, 1.0)], "nvml": [], "heartbeat": {}}]
+
+
+def test_an_interrupt_keeps_the_reports_the_ranks_still_buffer(monkeypatch):
+    """SIGINT right after a checkpoint: the steps reported since the last poll reach the display (and
+    metrics.jsonl) before the job ends, so no later run is missing them."""
+    import pytest
+
+    import launch.job as job
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("signal 2")
+
+    monkeypatch.setattr(job.ray, "wait", interrupted)
+    seen = []
+    progress = Progress(5, 1, io.StringIO(), tty=False, on_step=seen.append)
+    group = _Group()
+    with pytest.raises(KeyboardInterrupt):
+        job._collect(group, ["ref"], progress, timeout_s=60)
+    assert group.drains == 1 and [entry["step"] for entry in seen] == [1]
+
+
+def test_a_dropped_cluster_session_makes_no_ray_call_at_teardown(monkeypatch):
+    """Ray Client lost: a Ray call would start a new driver that joins any cluster on the machine."""
+    import launch.workers as workers
+
+    calls = []
+    monkeypatch.setattr(workers.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(workers.ray, "kill", lambda *a, **k: calls.append("kill"))
+    monkeypatch.setattr(workers, "remove_placement_group", lambda pg: calls.append("remove_placement_group"))
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    group.actors, group.pg = ["actor"], "pg"
+    group.shutdown(graceful=True)
+    assert calls == [] and group.actors == [] and group.pg is None
