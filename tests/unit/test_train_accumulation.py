@@ -13,17 +13,9 @@ import torch
 import hybrid
 from hybrid.errors import UserError
 from hybrid.train import AccumulationMismatch, Context, JobSettings, run_steps, train_step
+from tests.launch.test_run_records import Regression
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Regression(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
-
-    def forward(self, x, y):
-        return ((self.linear(x) - y) ** 2).mean()
 
 
 def _engine(accumulation: int):
