@@ -115,14 +115,15 @@ def check_config_keys(doc: Any, path: Optional[Path] = None) -> None:
 
 def check_model_config(doc: Any, path: Path) -> None:
     """What the launcher checks on the driver before any rank starts: the keys, the ``train:`` options and,
-    when ``data:`` names a file, that it opens as a token file the model can train on (its metadata and
-    size; the ranks scan its ids)."""
+    when ``data:`` names a file that exists, that it opens as a token file the model can train on (its
+    metadata and size; the ranks scan its ids). A file not there yet (``make demo`` prepares its corpus after
+    a plan may be shown) is the ranks' to refuse."""
     check_config_keys(doc, path)
     train_options(doc.get("train") if isinstance(doc, Mapping) else None)
     if not isinstance(doc, Mapping) or not isinstance(doc.get("model"), Mapping):
         return
     data = data_path(doc.get("data"), path)
-    if data is not None:
+    if data is not None and data.exists():
         model_config = GPTConfig.from_dict(doc["model"])
         open_token_file(data, data, model_config, check=False)
 

@@ -236,7 +236,7 @@ def test_the_model_config_of_the_built_in_entrypoint_is_checked_at_plan_time(tmp
                         (tiny.replace("hidden: 64", "hidden: .inf"), "model.hidden"),
                         # a misspelt data: must not train on the synthetic stream without a word
                         (tiny + "dataset: corpus.bin\n", f"the model config {model}: dataset is not a known setting"),
-                        (tiny + "data: absent.bin\n", f"data file {tmp_path / 'absent.bin'} does not exist"),
+                        (tiny + "data: .\n", f"data file {tmp_path} is a directory"),
                         (tiny + "data: ''\n", "data is '' in the model config")):
         model.write_text(text)
         path = tmp_path / "cluster.yaml"
