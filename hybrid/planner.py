@@ -164,9 +164,10 @@ def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage
     check_offload_stage(offload, forced_stage)
 
 
-def _gpu_count_text(gpus: int) -> str:
-    """A suggested GPU count, or what to say when it is beyond any cluster the planner reasons about."""
-    return f"at least {gpus}" if gpus <= MAX_GPUS else f"more than {MAX_GPUS:,}"
+def _gpu_count_text(gpus: int, lead: str = "at least ") -> str:
+    """A suggested GPU count (after ``lead``), or what to say when it is beyond any cluster the planner
+    reasons about."""
+    return f"{lead}{gpus}" if gpus <= MAX_GPUS else f"more than {MAX_GPUS:,}"
 
 
 def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:
@@ -196,7 +197,7 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
     return PlanError(
         f"{params:,} parameters do not fit on {gpus} (tp={tp}, {_gb(usable)} usable each) even with "
         f"ZeRO-3{ac} and CPU offload: use {_gpu_count_text(gpus_offload)} GPUs "
-        f"({_gpu_count_text(gpus_zero3).removeprefix('at least ')} without offload) or GPUs "
+        f"({_gpu_count_text(gpus_zero3, lead='')} without offload) or GPUs "
         "with more memory"
     )
 

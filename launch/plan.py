@@ -109,7 +109,7 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None) -> LaunchPl
         # The built-in GPT's own estimate (SDPA, dtype, logits and loss), the one its memory prediction uses.
         shape = dict(seq=m["seq_len"], micro_batch=spec.job.micro_batch, hidden=m["hidden"], heads=m["n_heads"],
                      layers=m["n_layers"], vocab=m["vocab_size"], tp=layout.tp, precision=parallel.precision,
-                     mlp_ratio=m.get("mlp_ratio", 4))
+                     mlp_ratio=m["mlp_ratio"])
         activations = gpt_activation_bytes(**shape)
         checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
     plan = choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,

@@ -68,9 +68,14 @@ def _probe_here() -> tuple[NodeProbe, Optional[int]]:
     return probe(), host_memory_bytes()
 
 
+def live_nodes() -> list[dict]:
+    """``ray.nodes()`` of the connected cluster that are alive."""
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
 def probe_nodes(timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
     """Probe every alive node of the connected Ray cluster, in a stable order (by IP, then node id)."""
-    nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+    nodes = sorted(live_nodes(), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
     refs = [_probe_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
             .remote() for n in nodes]
     probes = ray.get(refs, timeout=timeout_s)

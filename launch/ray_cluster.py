@@ -307,9 +307,9 @@ class _DropMessage(logging.Filter):
 
 
 def _live_nodes() -> int:
-    import ray
+    from launch.probe import live_nodes  # imports Ray
 
-    return sum(1 for node in ray.nodes() if node.get("Alive"))
+    return len(live_nodes())
 
 
 def _node_args(index: int, ranks_per_node: int, head: bool) -> dict:

@@ -43,6 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybrid import heartbeat
 from hybrid.train import JobSettings
+from launch.probe import live_nodes
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ NVML_SAMPLE_INTERVAL_S = 2.0
 def _free_nodes(bundle: dict) -> str:
     """How many live nodes have ``bundle`` free now, and how many could hold it at all."""
     try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = live_nodes()
         free = ray._private.state.available_resources_per_node()  # node id -> what is unreserved now
     except Exception:  # noqa: BLE001 -- a description only
         return "the cluster's state could not be read"

@@ -108,8 +108,9 @@ def seal_text(directory: Path, name: str) -> str:
     return json.dumps({**body, "crc32": _seal_crc(body)}, sort_keys=True) + "\n"
 
 
-def _read_seal(directory: Path) -> Optional[dict]:
-    """The marker's seal, or None for an old-style marker (format 2: the checkpoint's name alone)."""
+def _read_seal(directory: Path) -> tuple[Optional[dict], str]:
+    """``(the marker's seal, the checkpoint name it states)``; the seal is None for an old-style marker
+    (format 2: the checkpoint's name alone)."""
     try:
         text = (directory / MARKER).read_bytes().decode()
     except FileNotFoundError:
@@ -117,7 +118,7 @@ def _read_seal(directory: Path) -> Optional[dict]:
     except (OSError, UnicodeDecodeError):
         raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX) from None
     if _LEGACY_MARKER.match(text):
-        return None
+        return None, text.strip()
     try:
         seal = json.loads(text)
         body = {k: seal[k] for k in ("checkpoint", "manifest_bytes", "manifest_crc32")}
@@ -126,7 +127,7 @@ def _read_seal(directory: Path) -> Optional[dict]:
         good = False
     if not good:
         raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX)
-    return seal
+    return seal, seal["checkpoint"]
 
 
 # -- what a checkpoint must hold ----------------------------------------------------------------------------
@@ -137,9 +138,8 @@ def inventory(directory) -> Inventory:
     does not match its seal; ``CheckpointError`` when the directory is not a hybrid checkpoint at all.
     """
     directory = Path(directory)
-    seal = _read_seal(directory)
+    seal, sealed_name = _read_seal(directory)
     named = _named_step(directory)
-    sealed_name = (directory / MARKER).read_text().strip() if seal is None else seal["checkpoint"]
     if named is not None and sealed_name != step_name(named):
         raise CheckpointDamaged(directory, Problem(MISPLACED, MARKER), FIX)
     path = directory / MANIFEST

@@ -69,21 +69,23 @@ def unigram_entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0 turns -0.0 (one token: -(1 * log 1)) into 0.0
 
 
-def read_metadata(path: Path) -> TokenFileMeta:
-    meta_file = metadata_path(path)
+def read_metadata(path: Path, shown: Optional[Path] = None) -> TokenFileMeta:
+    """The metadata beside token file ``path``; errors name the file as ``shown`` (default ``path``)."""
+    shown = Path(shown or path)
+    meta_file, meta_shown = metadata_path(path), metadata_path(shown)
     try:
         doc = json.loads(meta_file.read_text())
         fields = {k: doc[k] for k in ("dtype", "vocab_size", "tokens")}
     except FileNotFoundError:
-        raise DataError(f"token file {path} has no metadata file {meta_file.name} beside it; write both with "
-                        f"`hybrid data prepare TEXT... --out {path}`.") from None
+        raise DataError(f"token file {shown} has no metadata file {meta_file.name} beside it; write both with "
+                        f"`hybrid data prepare TEXT... --out {shown}`.") from None
     except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise DataError(f"{meta_file} is not token-file metadata ({type(err).__name__}: {err}); write it again "
+        raise DataError(f"{meta_shown} is not token-file metadata ({type(err).__name__}: {err}); write it again "
                         "with `hybrid data prepare`.") from None
     if fields["dtype"] not in DTYPES:
-        raise DataError(f"{meta_file} says dtype {fields['dtype']!r}; a token file is uint16 or uint32.")
+        raise DataError(f"{meta_shown} says dtype {fields['dtype']!r}; a token file is uint16 or uint32.")
     if not isinstance(fields["vocab_size"], int) or fields["vocab_size"] < 1:
-        raise DataError(f"{meta_file} says vocab_size {fields['vocab_size']!r}; it must be a whole number >= 1.")
+        raise DataError(f"{meta_shown} says vocab_size {fields['vocab_size']!r}; it must be a whole number >= 1.")
     return TokenFileMeta(**fields, tokenizer=str(doc.get("tokenizer", "unknown")),
                          unigram_entropy_nats=doc.get("unigram_entropy_nats"), sources=tuple(doc.get("sources", ())))
 
@@ -136,26 +138,27 @@ class TokenFile:
     """A token file opened for training rows of ``seq_len`` tokens (plus one for the targets)."""
 
     def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, *, dtype: Optional[str] = None,
-                 vocab_size: Optional[int] = None, check: bool = True):
+                 vocab_size: Optional[int] = None, check: bool = True, shown_as: Optional[str | os.PathLike] = None):
         self.path = Path(path)
+        self.shown = Path(shown_as) if shown_as is not None else self.path  # how errors name it (the user's path)
         if not self.path.exists():
-            raise DataError(f"data file {self.path} does not exist; create it with "
-                            f"`hybrid data prepare TEXT... --out {self.path}`.")
+            raise DataError(f"data file {self.shown} does not exist; create it with "
+                            f"`hybrid data prepare TEXT... --out {self.shown}`.")
         if self.path.is_dir():
-            raise DataError(f"data file {self.path} is a directory; give the path of a token file "
+            raise DataError(f"data file {self.shown} is a directory; give the path of a token file "
                             "(made by `hybrid data prepare`).")
         if dtype is not None and vocab_size is not None:  # a raw file without metadata (nanoGPT's .bin)
             self.meta = TokenFileMeta(dtype=dtype, vocab_size=int(vocab_size), tokens=-1, tokenizer="unknown")
         else:
-            self.meta = read_metadata(self.path)
+            self.meta = read_metadata(self.path, self.shown)
         if self.meta.dtype not in DTYPES:
-            raise DataError(f"dtype {self.meta.dtype!r} of {self.path} is not a token dtype; use uint16 or uint32.")
+            raise DataError(f"dtype {self.meta.dtype!r} of {self.shown} is not a token dtype; use uint16 or uint32.")
         self.seq_len, self.seed = seq_len, seed
         self.tokens = self._token_count()
         self.window = seq_len + 1
         self.windows_per_epoch = (self.tokens - self.window + 1) // self.window
         if self.windows_per_epoch < 1:
-            raise DataError(f"data file {self.path} holds {self.tokens} tokens, too few for one row of seq_len "
+            raise DataError(f"data file {self.shown} holds {self.tokens} tokens, too few for one row of seq_len "
                             f"{seq_len}; give it at least {2 * self.window - 1} tokens or lower model.seq_len.")
         self._data = np.memmap(self.path, dtype=DTYPES[self.meta.dtype], mode="r", shape=(self.tokens,))
         if check:
@@ -179,15 +182,15 @@ class TokenFile:
         size = self.path.stat().st_size
         itemsize = np.dtype(DTYPES[self.meta.dtype]).itemsize
         if size == 0:
-            raise DataError(f"data file {self.path} is empty; prepare it again from non-empty text with "
+            raise DataError(f"data file {self.shown} is empty; prepare it again from non-empty text with "
                             "`hybrid data prepare`.")
         if size % itemsize:
-            raise DataError(f"data file {self.path} has {size} bytes, not a whole number of {self.meta.dtype} "
+            raise DataError(f"data file {self.shown} has {size} bytes, not a whole number of {self.meta.dtype} "
                             f"tokens ({itemsize} bytes each); it is truncated or of another dtype, so prepare it "
                             "again.")
         count = size // itemsize
         if self.meta.tokens >= 0 and count != self.meta.tokens:
-            raise DataError(f"data file {self.path} holds {count} tokens but {metadata_path(self.path).name} says "
+            raise DataError(f"data file {self.shown} holds {count} tokens but {metadata_path(self.path).name} says "
                             f"{self.meta.tokens}; the file changed after it was prepared, so prepare it again.")
         return count
 
@@ -196,7 +199,7 @@ class TokenFile:
             chunk = self._data[start:start + SCAN_CHUNK]
             if int(chunk.max()) >= self.vocab_size:
                 at = start + int(np.argmax(chunk >= self.vocab_size))
-                raise DataError(f"data file {self.path} holds token id {int(self._data[at])} at position {at}, "
+                raise DataError(f"data file {self.shown} holds token id {int(self._data[at])} at position {at}, "
                                 f"not below its vocab_size {self.vocab_size}; prepare the file again with the "
                                 "tokenizer it is meant for.")
 
@@ -206,7 +209,7 @@ class TokenFile:
         """Token offsets of the ``rows`` windows of ``step``'s global batch (distinct, non-overlapping)."""
         n = self.windows_per_epoch
         if rows > n:
-            raise DataError(f"data file {self.path} holds {n} rows of seq_len {self.seq_len}, fewer than the "
+            raise DataError(f"data file {self.shown} holds {n} rows of seq_len {self.seq_len}, fewer than the "
                             f"{rows} one step needs (micro_batch x dp); use more text or a smaller job.micro_batch.")
         steps_per_epoch = n // rows
         epoch, within = divmod(step, steps_per_epoch)

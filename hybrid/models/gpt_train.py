@@ -93,10 +93,7 @@ def open_token_file(path: Path, local: Path, model_config: GPTConfig, seed: int 
         raise DataError(f"data file {path} (data: in the model config) was not shipped with job.working_dir "
                         "(a .gitignore or job.working_dir_excludes pattern leaves it out) and this node does not "
                         "see it at that path; keep data on storage every node mounts, or un-exclude it.")
-    try:
-        tokens = TokenFile(local, model_config.seq_len, seed=seed, check=check)
-    except DataError as err:
-        raise DataError(str(err).replace(str(local), str(path))) from None
+    tokens = TokenFile(local, model_config.seq_len, seed=seed, check=check, shown_as=path)
     if model_config.vocab_size < tokens.vocab_size:
         raise ConfigError(f"model.vocab_size is {model_config.vocab_size}, below the vocabulary of the data file "
                           f"{path} ({tokens.vocab_size}); set model.vocab_size to at least {tokens.vocab_size}.")

@@ -70,10 +70,9 @@ class TensorParallelModule(nn.Module):
         if seed is None or self.weight.device.type == "meta":
             return
         if seed == TORCH_RNG:
-            with torch.no_grad():
-                for param in self._parameters.values():
-                    if param is not None:
-                        init_param_from_torch_rng_(param, self.tp_rank, self.tp)
+            for param in self._parameters.values():
+                if param is not None:
+                    init_param_from_torch_rng_(param, self.tp_rank, self.tp)  # under no_grad
         elif isinstance(seed, int) and not isinstance(seed, bool):
             self.reset_parameters(seed)
         else:

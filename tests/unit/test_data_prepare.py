@@ -235,6 +235,9 @@ def test_data_outside_the_shipped_working_dir_is_read_where_the_driver_sees_it(t
                       local_path=local)
         source, _ = data_source(ctx, GPTConfig.from_dict(model), {"branching": 4})
         assert source.path == read, data
+        with pytest.raises(DataError) as info:  # raised while training, not while opening
+            source.starts(0, 10**6)
+        assert f"data file {(work / data).resolve()} holds" in str(info.value), info.value
 
     (copy / "in.bin").write_bytes((copy / "in.bin").read_bytes()[:-1])  # the copy is damaged
     ctx = Context(None, {"model": model, "data": "in.bin"}, JobSettings(steps=1, micro_batch=2, stage=0),
