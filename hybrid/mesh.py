@@ -18,11 +18,17 @@ runs, as torchrun and the Ray launcher state it (``GROUP_RANK``/``NODE_RANK``, `
 device and uses ``"cpu:gloo,cuda:nccl"``, so collectives on CPU tensors (metrics, ``full_state_dict()``)
 keep working beside NCCL on GPU tensors.
 
-``mesh_degrees`` and ``placement_from_env`` are pure, usable before any process exists.
+``build_mesh`` exchanges every rank's node index once and warns (on rank 0) when a TP group spans several
+nodes (a ``tp`` that does not divide the ranks per node, under torchrun): it still trains, but the TP
+all-reduces of every layer then cross the inter-node network. ``hybrid launch`` refuses such a plan.
+
+``mesh_degrees``, ``placement_from_env`` and ``tp_groups_across_nodes`` are pure, usable before any process
+exists.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.comm import Comm
 from hybrid.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,34 @@ def placement_from_env(env: Mapping[str, str], rank: int) -> tuple[int, int]:
     if "LOCAL_WORLD_SIZE" in env:
         return (rank - local_rank) // int(env["LOCAL_WORLD_SIZE"]), local_rank
     return 0, local_rank
+
+
+def tp_groups_across_nodes(node_of_rank: list, tp: int) -> list:
+    """``(ranks, nodes)`` of every TP group (consecutive ranks ``k·tp … k·tp+tp−1``) whose ranks run on more
+    than one node, given each global rank's node index."""
+    out = []
+    for k in range(0, len(node_of_rank), tp):
+        ranks = list(range(k, min(k + tp, len(node_of_rank))))
+        nodes = sorted({node_of_rank[r] for r in ranks})
+        if len(nodes) > 1:
+            out.append((ranks, nodes))
+    return out
+
+
+def _warn_if_tp_crosses_nodes(node_index: int, tp: int) -> None:
+    """Collective over the default group: every rank's node index, and a warning on rank 0 when a TP group
+    spans nodes."""
+    if tp == 1:
+        return
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node_index)
+    crossing = tp_groups_across_nodes(nodes, tp)
+    if crossing and dist.get_rank() == 0:
+        ranks, on = crossing[0]
+        per_node = nodes.count(nodes[0])
+        log.warning("tp=%d puts TP group ranks %s on nodes %s (%d TP group(s) span nodes): every TP all-reduce "
+                    "then crosses the inter-node network; choose a tp that divides the ranks per node (%d here)",
+                    tp, ranks, on, len(crossing), per_node)
 
 
 def process_group_backend(device: torch.device) -> str:
@@ -139,6 +175,7 @@ def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = N
     dp, tp = mesh_degrees(world, tp, dp)
     device_type = device_type or default_device_type()
     node_index, local_rank = placement_from_env(os.environ, rank)
+    _warn_if_tp_crosses_nodes(node_index, tp)
     grid = torch.arange(world, dtype=torch.int).view(dp, tp)
     dp_group, tp_group = _mesh_groups(grid, timeout)
     device_mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))

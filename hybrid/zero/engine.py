@@ -75,12 +75,13 @@ from torch import nn
 from hybrid.comm import Comm
 from hybrid.config import TrainConfig
 from hybrid.value_sources import ValueSources, has_meta
-from hybrid.param_attrs import is_tensor_parallel
+from hybrid.param_attrs import is_tensor_parallel, tensor_parallel_dim
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
 from hybrid.schedule import lr_at
 from hybrid.tp.layers import TensorParallelModule
+from hybrid.tp.sharding import gather_tp_tensor
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
@@ -389,14 +390,17 @@ class ZeroEngine:
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = False) -> dict:
-        """fp32 CPU copies of every parameter by name (tied ones once), identical on all DP ranks; with
-        ``rank0_only`` only DP rank 0 keeps them (the others return ``{}``), so one rank, not every rank,
-        holds the whole model in host memory (FSDP's ``rank0_only``).
+        """fp32 CPU copies of every parameter by name (tied ones once), with the single-process shapes at
+        every TP degree (TP slices are gathered over the TP group), identical on every rank; with
+        ``rank0_only`` only the first rank of the mesh (DP rank 0, TP rank 0) keeps them and the others
+        return ``{}``, so one rank, not every rank, holds the whole model in host memory (FSDP's
+        ``rank0_only``).
 
-        A collective at stages 1-3 (the master shards are all-gathered, one unit at a time): call it on every
-        DP rank.
+        A collective (the master shards are all-gathered over DP at stages 1-3, one unit at a time, and TP
+        slices over TP): call it on every rank.
         """
-        keep = not rank0_only or self.dp_comm.rank == 0
+        tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
+        gather = not rank0_only or self.dp_comm.rank == 0  # a TP group shares its DP rank: all or none gather
         full_by_param = {}
         for unit in self.layout.units:
             master = self.state.unit_master(unit.index)
@@ -405,19 +409,26 @@ class ZeroEngine:
             else:
                 full = torch.empty(unit.numel, dtype=torch.float32, device=master.device)
                 self.dp_comm.all_gather(full, master)
-            if not keep:
+            if not gather:
                 continue
             for slot in unit.slots:
-                shape = self.shapes[slot.param]
-                full_by_param[slot.param] = full[slot.offset:slot.offset + slot.numel].view(shape).cpu().clone()
+                local = full[slot.offset:slot.offset + slot.numel].view(self.shapes[slot.param])
+                full_by_param[slot.param] = self._tp_full(local, self.params[slot.param])
             del full  # the unit's gather buffer goes before the next one is made
-        if not keep:
+        if not gather:
             return {}
         out = {}
         for name, p in self.module.named_parameters():
             i = self._index.get(id(p))
-            out[name] = full_by_param[i] if i is not None else p.detach().float().cpu().clone()
-        return out
+            out[name] = full_by_param[i] if i is not None else self._tp_full(p.detach().float(), p)
+        return {} if rank0_only and tp_rank != 0 else out
+
+    def _tp_full(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``param``'s single-process tensor, from this TP rank's slice ``local``."""
+        dim = tensor_parallel_dim(param)
+        if dim is None or self.tp_comm is None or self.tp_comm.size == 1:
+            return local.cpu().clone()
+        return gather_tp_tensor(local, dim, self.tp_comm).cpu()
 
     # -- reports --------------------------------------------------------------------------------------
     def memory_report(self) -> dict:

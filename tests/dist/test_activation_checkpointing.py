@@ -22,7 +22,6 @@ from hybrid.config import TrainConfig
 from hybrid.local_launch import run_local
 from hybrid.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
-from hybrid.tp import gather_tp_state_dict
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +70,7 @@ def _rank_runs():
                 cfg = dataclasses.replace(base, activation_checkpointing=ac)
                 engine, losses = _train(cfg, mesh, _train_config(stage))
                 traffic, gathers = engine.comm_report(), engine.gather_report()  # before full_state_dict's
-                state = gather_tp_state_dict(engine.full_state_dict(), engine.module, mesh.tp_comm)
+                state = engine.full_state_dict()
                 persistent = sum(engine.layout.units[u].numel for u in engine.persistent_units)
                 out[(tp, dp, stage, ac)] = dict(losses=losses, state=state, traffic=traffic, gathers=gathers,
                                                 psi_bytes=4 * engine.layout.full_numel,

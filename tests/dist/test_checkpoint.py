@@ -41,7 +41,6 @@ from hybrid.errors import CheckpointError
 from hybrid.local_launch import run_local
 from hybrid.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
-from hybrid.tp import gather_tp_state_dict
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +90,7 @@ def _train(mesh, engine, cfg: GPTConfig, first: int, count: int) -> list:
 
 
 def _full(mesh, engine) -> dict:
-    return gather_tp_state_dict(engine.full_state_dict(), engine.module, mesh.tp_comm)
+    return engine.full_state_dict()
 
 
 def _by_value(state: dict) -> dict:

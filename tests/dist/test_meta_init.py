@@ -26,7 +26,6 @@ from hybrid.checkpoint.offline import consolidate
 from hybrid.local_launch import run_local
 from hybrid.mesh import build_mesh
 from hybrid.models.gpt import GPT, GPTConfig
-from hybrid.tp import gather_tp_state_dict
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +50,7 @@ def _config(stage, precision="fp32", **zero):
 
 
 def _full(engine, mesh):
-    full = engine.full_state_dict()
-    return gather_tp_state_dict(full, engine.module, mesh.tp_comm) if mesh.tp > 1 else full
+    return engine.full_state_dict()
 
 
 def _layouts_and_weights(run_dir):

@@ -12,7 +12,7 @@ import torch
 from hybrid import mesh as mesh_module
 from hybrid.errors import ConfigError
 from hybrid.local_launch import local_rank_env, rank_device
-from hybrid.mesh import placement_from_env, process_group_backend
+from hybrid.mesh import placement_from_env, process_group_backend, tp_groups_across_nodes
 from launch.runtime_env import rank_env as _rank_env
 from launch.spec import parse_spec
 from launch.workers import PlacementFailed, RankPlacement, assign_ranks, cuda_devices, rank_env
@@ -85,6 +85,15 @@ def test_the_mesh_takes_node_and_local_rank_from_the_launchers_environment():
     assert placement_from_env({"LOCAL_RANK": "0", "NODE_RANK": "1"}, rank=2) == (1, 0)
     assert placement_from_env({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, rank=6) == (1, 2)
     assert placement_from_env({}, rank=3) == (0, 3)  # nothing said: one node
+
+
+def test_tp_groups_that_span_nodes_are_found():
+    two_by_four = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert tp_groups_across_nodes(two_by_four, 4) == [] and tp_groups_across_nodes(two_by_four, 2) == []
+    assert tp_groups_across_nodes(two_by_four, 8) == [(list(range(8)), [0, 1])]
+    three_per_node = [0, 0, 0, 1, 1, 1]  # tp 2 does not divide 3 ranks per node: the middle group spans
+    assert tp_groups_across_nodes(three_per_node, 2) == [([2, 3], [0, 1])]
+    assert tp_groups_across_nodes([0, 1, 2, 3], 2) == [([0, 1], [0, 1]), ([2, 3], [2, 3])]  # a GPU per node
 
 
 def _spec(**job):
