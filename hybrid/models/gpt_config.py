@@ -27,6 +27,19 @@ from hybrid.yamlfile import load_yaml
 _FLOAT_FIELDS = ("dropout", "layer_norm_eps", "init_std")
 
 
+def shape_violation(hidden: int, n_heads: int, tp: int = 1, vocab_size=None, ffn_hidden=None):
+    """The first of the GPT's shape rules that these sizes break, as ``(field, n, divisor)`` (``field`` is
+    ``"hidden"``, ``"n_heads"``, ``"vocab_size"`` or ``"mlp_ratio*hidden"``: ``n`` must be a multiple of
+    ``divisor``), or None: heads divide hidden, and tp divides the heads, the vocabulary and the MLP width
+    (each unless None). One rule for ``GPTConfig`` and for the estimate CLI, which says it in its options."""
+    if hidden % n_heads:
+        return "hidden", hidden, n_heads
+    for field, n in (("n_heads", n_heads), ("vocab_size", vocab_size), ("mlp_ratio*hidden", ffn_hidden)):
+        if n is not None and n % tp:
+            return field, n, tp
+    return None
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int
@@ -44,7 +57,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads", "mlp_ratio"):
             v.positive_int(f"model.{name}", getattr(self, name))
-        if self.hidden % self.n_heads:
+        if shape_violation(self.hidden, self.n_heads):
             raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.hidden={self.hidden}; "
                               f"choose n_heads so that hidden is a multiple of it.")
         dropout = v.number("model.dropout", self.dropout, 0, 1, need="a number in [0, 1)")
@@ -65,11 +78,11 @@ class GPTConfig:
 
     def check_tp(self, tp: int) -> None:
         """Raise ConfigError unless tensor-parallel degree ``tp`` can split this model."""
-        for field, n in (("n_heads", self.n_heads), ("vocab_size", self.vocab_size),
-                         ("mlp_ratio*hidden", self.ffn_hidden)):
-            if n % tp:
-                raise ConfigError(f"model.{field}={n} is not divisible by the tensor-parallel degree tp={tp}; "
-                                  f"choose a tp that divides {n} or change model.{field}.")
+        broken = shape_violation(self.hidden, self.n_heads, tp, self.vocab_size, self.ffn_hidden)
+        if broken is not None:
+            field, n, _ = broken
+            raise ConfigError(f"model.{field}={n} is not divisible by the tensor-parallel degree tp={tp}; "
+                              f"choose a tp that divides {n} or change model.{field}.")
         if self.dropout and tp > 1:
             # Replicated activations would need the same dropout mask on every TP rank, and the TP layers
             # keep no shared RNG stream for that.

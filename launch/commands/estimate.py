@@ -30,7 +30,7 @@ import click
 from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import activation_bytes, gpt_activation_bytes, parse_count
-from hybrid.models.gpt_config import GPTConfig
+from hybrid.models.gpt_config import GPTConfig, shape_violation
 from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage
 from hybrid.units import human_bytes
 from hybrid.validate import PRECISIONS, STAGES
@@ -73,17 +73,19 @@ def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dic
 
 
 def _check_split(shape: dict, tp: int, vocab: int | None) -> None:
-    """The shape must be one the built-in GPT can have and split ``tp`` ways (``GPTConfig``'s rules, said in
-    the CLI's options): heads divide hidden, tp divides heads (so the MLP width mlp_ratio·hidden too) and,
-    unless ``vocab`` is None, the vocabulary."""
+    """The shape must be one the built-in GPT can have and split ``tp`` ways (``gpt_config.shape_violation``,
+    said in the CLI's options; tp dividing the heads divides the MLP width mlp_ratio·hidden too)."""
     heads, hidden = shape["heads"], shape["hidden"]
-    if hidden % heads:
+    broken = shape_violation(hidden, heads, tp, vocab)
+    if broken is None:
+        return
+    field, n, _ = broken
+    if field == "hidden":
         raise ConfigError(f"--heads ({heads}) does not divide --hidden ({hidden}); choose --heads so that "
                           f"--hidden is a multiple of it.")
-    for option, n in (("--heads", heads), ("--vocab", vocab)):
-        if n is not None and n % tp:
-            raise ConfigError(f"--tp ({tp}) does not divide {option} ({n}); choose a --tp that divides {n} or "
-                              f"change {option}.")
+    option = {"n_heads": "--heads", "vocab_size": "--vocab"}[field]
+    raise ConfigError(f"--tp ({tp}) does not divide {option} ({n}); choose a --tp that divides {n} or "
+                      f"change {option}.")
 
 
 def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | None, kind: str | None) -> dict:
