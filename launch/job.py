@@ -262,7 +262,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
     graceful = False
     try:
         try:
-            placement = group.start()
+            placement = group.start(spec.job.placement_timeout_s)
             group.setup(plan.layout.tp, spec.job.collective_timeout_s, sample_nvml=bool(plan.use_gpus))
             progress.note(describe_placement(placement))
         except PlacementFailed as err:

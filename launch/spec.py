@@ -46,6 +46,7 @@ MAX_STEPS = 10**12
 MAX_MICRO_BATCH = 1 << 20
 MAX_FAILURES = 1000
 COLLECTIVE_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
+PLACEMENT_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
 CONNECT_TIMEOUT_S = (1.0, 3600.0)
 
 
@@ -96,6 +97,7 @@ class JobSpec:
     env: dict = field(default_factory=dict)  # environment variables for the ranks
     isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
     max_replans: int = 3  # out-of-memory re-plans (launch.replan); they do not count against max_failures
+    placement_timeout_s: float = 120.0  # how long Ray may take to reserve the nodes before the job fails
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ def check_address(address: Any) -> str:
 def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     v.known_keys("job", d, ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
                             "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus",
-                            "max_replans"))
+                            "max_replans", "placement_timeout_s"))
     working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
     entrypoint = v.required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
     check_entrypoint(entrypoint, working_dir)
@@ -220,6 +222,9 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     seed = v.integer("job.seed", d.get("seed", 0), 0, v.MAX_SEED)
     timeout = v.number("job.collective_timeout_s", d.get("collective_timeout_s", 300), *COLLECTIVE_TIMEOUT_S,
                        unit="seconds")
+    placement_timeout = v.number("job.placement_timeout_s",
+                                 d.get("placement_timeout_s", JobSpec.placement_timeout_s), *PLACEMENT_TIMEOUT_S,
+                                 unit="seconds")
     checkpoint = _checkpoint(d.get("checkpoint"), base_dir, local)
     run_dir = d.get("run_dir")
     if run_dir is not None:
@@ -229,7 +234,8 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     check_writable_dir(run_dir, "job.run_dir", only_if_here=not local)  # the driver writes metrics there
     isolate_gpus = v.boolean("job.isolate_gpus", d.get("isolate_gpus", False))
     return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, timeout, seed,
-                   run_dir, working_dir, _env(d.get("env")), isolate_gpus, max_replans=max_replans)
+                   run_dir, working_dir, _env(d.get("env")), isolate_gpus, max_replans=max_replans,
+                   placement_timeout_s=placement_timeout)
 
 
 def _directory(value: Any, name: str, base_dir: Path) -> Path:

@@ -47,7 +47,6 @@ from launch.probe import live_nodes
 
 log = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 120.0
 NVML_SAMPLE_INTERVAL_S = 2.0
 
 
@@ -298,7 +297,7 @@ class WorkerGroup:
     def backend(self) -> str:
         return "nccl" if self.use_gpus else "gloo"
 
-    def start(self, timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[RankPlacement]:
+    def start(self, timeout_s: float) -> list[RankPlacement]:
         bundle = {"CPU": self.ranks_per_node, **({"GPU": self.ranks_per_node} if self.use_gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(self.nodes)], strategy="STRICT_SPREAD",
                                   name="hybrid-ranks")
@@ -307,7 +306,7 @@ class WorkerGroup:
             raise PlacementFailed(f"the Ray cluster could not reserve {self.nodes} separate nodes with {bundle} "
                                   f"each within {timeout_s:.0f} s ({_free_nodes(bundle)}); other jobs may hold "
                                   "them or a node is gone: check cluster.nodes and gpus_per_node against "
-                                  "`ray status`.")
+                                  "`ray status`, or wait longer with job.placement_timeout_s.")
         actors = []
         for node in range(self.nodes):
             for _ in range(self.ranks_per_node):

@@ -157,6 +157,29 @@ def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_c
     assert_loopback_only(*cluster)
 
 
+def test_nodes_held_by_another_job_fail_after_the_placement_timeout_in_one_sentence(cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    held = placement_group([{"CPU": RANKS_PER_NODE}], name="another-job")  # one node's CPUs, taken
+    ray.get(held.ready(), timeout=30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(JobFailed) as info:
+            plan_and_run(make_spec(steps=1, placement_timeout_s=3), io.StringIO(), tty=False)
+        assert time.monotonic() - started < 60  # not the 120 s default
+        message = str(info.value)
+        assert "\n" not in message and re.match(
+            rf"the Ray cluster could not reserve {NODES} separate nodes with \{{'CPU': {RANKS_PER_NODE}\}} each "
+            r"within 3 s \(1 of the \d live nodes have that free now, 2 have it at all\).*job\.placement_timeout_s",
+            message), message
+    finally:
+        remove_placement_group(held)
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU") != NODES * RANKS_PER_NODE and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == NODES * RANKS_PER_NODE
+
+
 def test_a_rank_that_never_joins_a_collective_is_a_timeout_not_a_hang(cluster):
     started = time.monotonic()
     with pytest.raises(JobFailed) as info:

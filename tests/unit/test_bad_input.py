@@ -140,6 +140,8 @@ FILES = {
     "collective timeout 0": (dump(edit("job", "collective_timeout_s", 0)), "job.collective_timeout_s"),
     "collective timeout with unit": (dump(edit("job", "collective_timeout_s", "300s")), "job.collective_timeout_s"),
     "collective timeout absurd": (dump(edit("job", "collective_timeout_s", 10**9)), "job.collective_timeout_s"),
+    "placement timeout 0": (dump(edit("job", "placement_timeout_s", 0)), "job.placement_timeout_s"),
+    "placement timeout text": (dump(edit("job", "placement_timeout_s", "2 min")), "job.placement_timeout_s"),
     "checkpoint a string": (dump(edit("job", "checkpoint", "./runs")), "job.checkpoint"),
     "checkpoint dir missing": (dump(edit("job", "checkpoint", {"every": 5})), "job.checkpoint.dir"),
     "checkpoint dir is a file": (lambda tmp: dump(edit("job", "checkpoint", {"dir": str(_file(tmp))})),
