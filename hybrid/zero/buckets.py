@@ -91,6 +91,9 @@ class GradReducer:
         self._handoff = False         # this backward copies fresh gradients into the emptied buffer
         self._written = [False] * len(params)
         self._unit_of = [layout.locate(i) for i in range(len(params))]
+        # Per unit, the ranges no parameter occupies (alignment gaps and the tail padding): a kept bucket may
+        # come from another unit of the same length whose slots lay there, so they are zeroed at launch.
+        self._padding = [u.padding_ranges() for u in layout.units]
         self._buckets: dict = {}      # unit -> bucket buffer not yet launched (scatter_shard)
         self.bucket_pool = BufferPool(KEEP_BUCKET_NUMEL)  # buckets in use and kept for reuse (scatter_shard)
         self._inflight: deque = deque()
@@ -189,9 +192,9 @@ class GradReducer:
             self._launch_ready()
 
     def _new_bucket(self, u: int) -> torch.Tensor:
-        """A unit-length bucket: a kept one if any (its padding is still zero: nothing writes padding, and a
-        sum of zeros is zero; every slot is overwritten by its first gradient or zeroed at launch), else a
-        zeroed new one."""
+        """A unit-length bucket: a kept one if any (the pool keys buckets by length only, so a kept bucket may
+        have served another unit with other slots: every slot is overwritten by its first gradient or zeroed
+        at launch, and the gaps between slots are zeroed at launch), else a zeroed new one."""
         return self.bucket_pool.take(self.layout.units[u].numel, self.grad_shard.dtype, self.grad_shard.device,
                                      zeroed=True)
 
@@ -216,6 +219,8 @@ class GradReducer:
             if data is None:
                 data = self._new_bucket(u)
             self._zero_unfired(u, data)
+            for lo_pad, hi_pad in self._padding[u]:
+                data[lo_pad:hi_pad].zero_()
         else:
             data = self._unit_range(self.flat_grad, u)
         average = self._average_in_collective

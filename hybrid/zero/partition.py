@@ -55,6 +55,17 @@ class Unit:
         s = self.shard_numel
         return rank * s, (rank + 1) * s
 
+    def padding_ranges(self) -> list:
+        """``[(lo, hi)]`` (unit-relative) that hold no parameter element: alignment gaps and the tail."""
+        out, pos = [], 0
+        for slot in sorted(self.slots, key=lambda s: s.offset):
+            if slot.offset > pos:
+                out.append((pos, slot.offset))
+            pos = max(pos, slot.offset + slot.numel)
+        if pos < self.numel:
+            out.append((pos, self.numel))
+        return out
+
 
 @dataclass(frozen=True)
 class OwnedPiece:

@@ -116,3 +116,69 @@ def test_all_stages_match_single_process_adamw_world2():
 
 def test_stages_1_to_3_match_single_process_adamw_world4():
     _check(4, WORLD4)
+
+
+class _SameLengthUnits(torch.nn.Module):
+    """Three layers whose stage 2-3 units (``reduce_bucket_size`` 32, world 4) pad to the same length with
+    their slots in other places: ``a`` (weight 21, bias at 24) and ``c`` (weight 29, padding 29-31, where
+    ``a``'s bias lies), so a gradient bucket kept after one unit and reused for the other must not carry its
+    gradients into the padding, which the gradient norm reads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(3, 7)
+        self.b = torch.nn.Linear(7, 29, bias=False)
+        self.c = torch.nn.Linear(29, 1, bias=False)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return torch.nn.functional.mse_loss(self.c(h).squeeze(-1), y)
+
+
+_ROWS, _CLIP, _LR = 8, 0.05, 0.1
+
+
+def _rows_of(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(_ROWS, 3, generator=g), torch.randn(_ROWS, generator=g)
+
+
+def _same_length_units_runs():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = _ROWS // world
+    out = {}
+    for stage in (2, 3):
+        zero = {"stage": stage, "reduce_bucket_size": 32, "stage3_unit": "module",
+                "stage3_param_persistence_threshold": 0}
+        engine = hybrid.initialize(_SameLengthUnits(), {
+            "zero_optimization": zero, "gradient_clipping": _CLIP,
+            "optimizer": {"type": "SGD", "params": {"lr": _LR, "weight_decay": 0.0}}})
+        norms = []
+        for step in range(4):
+            x, y = _rows_of(step)
+            engine.backward(engine(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]))
+            engine.step()
+            norms.append(engine.last_grad_norm)
+        out[stage] = (norms, engine.full_state_dict())
+    return out
+
+
+def test_a_kept_gradient_bucket_reused_by_another_unit_leaves_its_padding_zero():
+    world = 4
+    model = _SameLengthUnits()
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+    ref_norms = []
+    for step in range(4):
+        x, y = _rows_of(step)
+        per = _ROWS // world
+        loss = sum(model(x[k * per:(k + 1) * per], y[k * per:(k + 1) * per]) for k in range(world)) / world
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    assert min(ref_norms) > 2 * _CLIP, "the clip must trigger in every step"
+    for stage, (norms, state) in run_local(_same_length_units_runs, world, timeout_s=120)[0].items():
+        assert _rel(norms, ref_norms) < 1e-5, f"stage {stage}: norms {norms} vs {ref_norms}"
+        for name, ref in model.named_parameters():
+            assert _rel(state[name], ref.detach()) < 1e-5, f"stage {stage}: {name}"

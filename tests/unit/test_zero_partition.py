@@ -37,6 +37,9 @@ def test_layout_covers_every_element_once(numels, n, align, bucket):
         assert unit.numel - unit.param_numel < len(unit.slots) * align + n * align
         for slot in unit.slots:
             assert slot.offset % align == 0
+        used = {slot.offset + e for slot in unit.slots for e in range(slot.numel)}
+        padding = {e for lo, hi in unit.padding_ranges() for e in range(lo, hi)}
+        assert padding == set(range(unit.numel)) - used  # padding_ranges: exactly the elements no slot holds
     assert layout.shard_numel * n == layout.full_numel
     for p, numel in enumerate(numels):
         for r in range(n):
