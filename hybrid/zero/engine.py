@@ -260,6 +260,7 @@ class ZeroEngine:
         if self._awaiting_step:
             raise RuntimeError("engine.backward() was called twice without engine.step(); call step() after "
                                "every backward (it only steps the optimizer at accumulation boundaries)")
+        _check_loss(loss)  # before the state changes: a corrected call must still work
         self._awaiting_step = True
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
@@ -498,6 +499,18 @@ def _check_tp_degree(module: nn.Module, tp: int) -> None:
         raise ValueError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
                          "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
                          "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
+
+
+def _check_loss(loss) -> None:
+    """``engine.backward`` takes the one-element loss of a forward that recorded gradients."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return
+    what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
+            else f"a tensor of shape {tuple(loss.shape)}" if loss.numel() != 1
+            else "a tensor that does not require grad (computed under torch.no_grad() or from frozen parameters?)")
+    raise TypeError(f"engine.backward(loss) needs the scalar loss of a forward run with gradients, got {what}; "
+                    "pass output.loss for a Hugging Face output (with labels= given to the forward), or reduce "
+                    "the loss to one element (loss.mean())")
 
 
 def _refuse_sparse_gradients(module: nn.Module) -> None:

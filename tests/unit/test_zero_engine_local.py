@@ -57,6 +57,23 @@ def test_backward_twice_without_step_is_refused():
     assert engine.step() is False  # first micro-step of two
 
 
+def test_backward_of_something_not_a_loss_is_one_sentence_and_leaves_the_engine_usable():
+    from tests.dist.zero_models import batch
+
+    engine = hybrid.initialize(ParityNet(), config(1))
+    x, y = batch(0, 0)
+    with torch.no_grad():
+        detached = engine(x, y)
+    for wrong, said in (({"loss": engine(x, y)}, "got a dict; pass output.loss"),
+                        (None, "got a NoneType"),
+                        (torch.ones(3, requires_grad=True), r"got a tensor of shape \(3,\)"),
+                        (detached, "does not require grad")):
+        with pytest.raises(TypeError, match=said):
+            engine.backward(wrong)
+    engine.backward(engine(x, y))  # the corrected call works: the refused ones changed nothing
+    assert engine.step() is False
+
+
 def test_step_without_engine_backward_is_refused():
     from tests.dist.zero_models import batch
 
