@@ -179,6 +179,19 @@ def optimizer_kwargs_allowed(cls) -> tuple:
     return tuple(n for n in names if n not in _TORCH_MANAGED)
 
 
+def default_weight_decay(kind: str, decoupled: bool = True) -> float:
+    """The weight decay of ``torch.optim.<kind>`` when none is given: its constructor's default (AdamW 0.01;
+    Adam 0 even where it runs as AdamW, as DeepSpeed's Adam; SGD, RMSprop, Adagrad 0)."""
+    import inspect
+
+    import torch
+
+    cls = torch.optim.Adam if kind.lower() == "adam" else torch_optimizer_class(kind, decoupled)
+    param = inspect.signature(cls.__init__).parameters.get("weight_decay")
+    default = param.default if param is not None else inspect.Parameter.empty
+    return 0.0 if default is inspect.Parameter.empty else float(default)
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW (decoupled weight decay) by default; ``decoupled_weight_decay=False`` is Adam with L2.
@@ -192,7 +205,7 @@ class OptimizerConfig:
     lr: float = 1e-3
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.01
+    weight_decay: Optional[float] = None  # None: the torch class's own default (AdamW 0.01, Adam and SGD 0)
     decoupled_weight_decay: bool = True
     type: str = "AdamW"
     extra: tuple = ()
@@ -230,9 +243,10 @@ def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
         raise v.invalid(f"{where}.betas", "two numbers in [0, 1)", list(betas))
     set_("betas", (b1, b2))
     set_("eps", _float(cfg.eps, f"{where}.eps", strict=True))
-    set_("weight_decay", _float(cfg.weight_decay, f"{where}.weight_decay"))
     set_("decoupled_weight_decay", _bool(cfg.decoupled_weight_decay, f"{where}.decoupled_weight_decay"))
     cls = torch_optimizer_class(cfg.type, cfg.decoupled_weight_decay, f"{where}.type")
+    decay = default_weight_decay(cfg.type, cfg.decoupled_weight_decay) if cfg.weight_decay is None else cfg.weight_decay
+    set_("weight_decay", _float(decay, f"{where}.weight_decay"))
     extra = dict(cfg.extra)
     allowed = optimizer_kwargs_allowed(cls)
     for key in extra:
@@ -458,6 +472,7 @@ def _optimizer_from(section) -> OptimizerConfig:
         raise ConfigError(f"{where}.adam_w_mode is false but optimizer.type is AdamW; use type Adam for L2 decay")
     cls = torch_optimizer_class(kind, decoupled)
     _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"}, where)
+    params.setdefault("weight_decay", default_weight_decay(kind, decoupled))  # the class named, not the one run
     plain = ("lr", "betas", "eps", "weight_decay")
     cfg = OptimizerConfig.__new__(OptimizerConfig)
     for f in fields(OptimizerConfig):

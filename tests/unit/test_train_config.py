@@ -117,3 +117,14 @@ def test_reduce_dtype_is_checked_and_defaults_to_the_model_precision():
         TrainConfig.from_dict({"zero_optimization": {"reduce_dtype": "fp16"}})
     with pytest.raises(ConfigError, match="reduce_dtype is bf16 but precision is fp32"):
         TrainConfig(zero=ZeroConfig(reduce_dtype="bf16"), precision="fp32")
+
+
+@pytest.mark.parametrize("kind, expected", [("AdamW", 0.01), ("Adam", 0.0), ("SGD", 0.0), ("RMSprop", 0.0),
+                                            ("Adagrad", 0.0)])
+def test_weight_decay_left_out_is_the_named_torch_classs_default(kind, expected):
+    # torch.optim.SGD(lr=0.1) decays nothing; neither may {"type": "SGD", "params": {"lr": 0.1}}
+    ours = TrainConfig.from_dict({"optimizer": {"type": kind, "params": {"lr": 0.1}}}).optimizer
+    assert ours.weight_decay == expected and ours.torch_kwargs()["weight_decay"] == expected
+    assert OptimizerConfig(type=kind).weight_decay == expected
+    given = TrainConfig.from_dict({"optimizer": {"type": kind, "params": {"lr": 0.1, "weight_decay": 0.2}}})
+    assert given.optimizer.weight_decay == 0.2
