@@ -11,7 +11,8 @@ The policy (``ZeroConfig.stage3_unit``) says which other modules are roots:
   ever run) is looked through, so its children are the roots; a container inside a block stays part of
   that block.
 * ``"module"``: every module that directly owns a trainable parameter (one unit per module).
-* a callable ``(qualified_name, module) -> bool``: the modules it marks (the model is a root regardless).
+* a callable ``(qualified_name, module) -> bool``: the modules it marks (the model is a root regardless); a
+  marked ``ModuleList`` / ``ModuleDict`` stands for its children, as under ``"auto"``.
 
 A parameter registered on several modules (tied weights) belongs to the unit of the domain where it is
 first seen (in ``named_modules`` order, as ``named_parameters`` counts it); every root whose domain also
@@ -52,7 +53,14 @@ def unit_roots(model: nn.Module, policy: Policy, index: dict) -> list:
 
     ``index`` maps ``id(param)`` of each trainable parameter to its position."""
     if callable(policy):
-        return [("", model)] + [(n, m) for n, m in model.named_modules() if n and policy(n, m)]
+        marked, roots = [(n, m) for n, m in model.named_modules() if n and policy(n, m)], [("", model)]
+        taken = set()
+        for name, module in marked:  # a marked container nothing calls stands for its children
+            for root in _callable_roots(name, module, index):
+                if id(root[1]) not in taken:
+                    taken.add(id(root[1]))
+                    roots.append(root)
+        return roots
     if policy == "module":
         return [("", model)] + [(n, m) for n, m in model.named_modules()
                                 if n and any(id(p) in index for p in m._parameters.values() if p is not None)]
@@ -79,6 +87,16 @@ def unit_roots(model: nn.Module, policy: Policy, index: dict) -> list:
         for name, child in model.named_children():
             visit(name + ".", child)
     return roots
+
+
+def _callable_roots(name: str, module: nn.Module, index: dict) -> list:
+    """The roots standing for a module a callable policy marked: itself, or for a ``ModuleList`` /
+    ``ModuleDict`` (whose hooks would never fire) its children with trainable parameters, looked through
+    alike."""
+    if not (isinstance(module, CONTAINERS) and _has_no_forward(module)):
+        return [(name, module)]
+    return [root for child_name, child in module.named_children() if _has_trainable(child, index)
+            for root in _callable_roots(f"{name}.{child_name}", child, index)]
 
 
 def plan_units(model: nn.Module, policy: Policy, index: dict) -> list:

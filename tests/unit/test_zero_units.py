@@ -101,6 +101,12 @@ def test_callable_policy_marks_roots_and_the_model_is_always_one():
     assert [name for name, _ in plans] == ["", "blocks.0", "blocks.1", "body.0"]
     _, plans, _ = _plan(model, lambda name, m: False)
     assert len(plans) == 1 and len(plans[0][1]) == len(list(model.parameters()))
+    # a marked ModuleList is never called (its hooks would never fire): its blocks are the roots
+    _, plans, _ = _plan(model, lambda name, m: name == "blocks")
+    assert [name for name, _ in plans] == ["", "blocks.0", "blocks.1"]
+    _, plans, _ = _plan(model, lambda name, m: True)  # each module once, containers looked through
+    names = [name for name, _ in plans]
+    assert len(names) == len(set(names)) and "blocks" not in names and "body" in names
 
 
 def test_frozen_parameters_are_in_no_unit():
