@@ -109,6 +109,35 @@ class ParamGatherer:
         for module in module_units:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
+        self._guard_state_dicts(module_units)
+
+    def _guard_state_dicts(self, roots) -> None:
+        """``state_dict()`` / ``load_state_dict()`` of a module holding released parameters raise one sentence
+        (they would save empty tensors, or fail on a size mismatch): weights go through the engine.
+        ``state_dict(keep_vars=True)`` (the parameter objects themselves) stays allowed."""
+        def owns_released(module) -> bool:
+            return any(p is not None and id(p) in self._unit_of and self._unit_of[id(p)] not in self._ready
+                       for p in module._parameters.values())
+
+        def saving(module, prefix, keep_vars):
+            if not keep_vars and owns_released(module):
+                raise RuntimeError(f"{_module_name(prefix)}.state_dict() at ZeRO stage 3 would hold empty "
+                                   "tensors (the parameters are released outside the forward); use "
+                                   "engine.full_state_dict() (a collective on every rank) or hybrid.checkpoint")
+
+        def loading(module, state_dict, prefix, *args):
+            if owns_released(module):
+                raise RuntimeError(f"{_module_name(prefix)}.load_state_dict() at ZeRO stage 3 cannot write into "
+                                   "released parameters; pass the weights to hybrid.initialize(..., weights=) or "
+                                   "resume from a hybrid checkpoint")
+
+        seen = set()
+        for root in roots:
+            for module in root.modules():
+                if id(module) not in seen and owns_released(module):
+                    seen.add(id(module))
+                    module.register_state_dict_pre_hook(saving)
+                    module.register_load_state_dict_pre_hook(loading)
 
     # -- gather / release -----------------------------------------------------------------------------
     def _nbytes(self, u: int) -> int:
@@ -306,6 +335,10 @@ class ParamGatherer:
             if self._refs[u] == 0:
                 self.release(u)
         self._cursor = len(self._bwd_order)
+
+
+def _module_name(prefix: str) -> str:
+    return f"module {prefix.rstrip('.')!r}" if prefix else "the model"
 
 
 class _SavedParam:

@@ -104,3 +104,15 @@ def test_stage3_parameters_are_empty_outside_forward():
     engine(x, y)
     assert seen == [(45, 22)] and weight.shape == (0,)
     assert engine.memory_report()["buffers"] == 0
+
+
+def test_state_dict_of_released_parameters_at_stage3_is_refused_in_one_sentence():
+    model = ParityNet()
+    engine = hybrid.initialize(model, config(3, stage3_param_persistence_threshold=0))
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) at ZeRO stage 3 would hold empty tensors.*"
+                                           r"engine\.full_state_dict\(\)"):
+        model.state_dict()  # torch.save(model.state_dict()) would have saved 0-element tensors
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) at ZeRO stage 3 cannot write into released"):
+        model.load_state_dict(engine.full_state_dict(), strict=False)
+    assert set(model.state_dict(keep_vars=True)) >= set(engine.full_state_dict())  # the objects stay reachable
+    assert hybrid.initialize(ParityNet(), config(2)).module.state_dict()  # below stage 3 nothing is released
