@@ -27,6 +27,10 @@ class JobError(Exception):
     retry it and exits 1."""
 
 
+class CheckpointWriteError(JobError):
+    """A checkpoint could not be written (disk full, quota, I/O error); the previous ones are intact."""
+
+
 class NonFiniteError(JobError):
     """Training diverged: the global gradient norm stayed NaN or inf for too many consecutive steps."""
 

@@ -11,9 +11,11 @@ the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging 
 ``step_metrics`` (what a step reports), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
 job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step).
 
-Checkpoints: when the job has a checkpoint directory, ``run_steps`` first has every rank load the newest
-good checkpoint there (rank 0 chooses, the ranks verify its checksums; reported as ``resumed_from``, with
-the damaged or interrupted ones skipped) and continues from its step; after every step it
+Checkpoints: when the job has a checkpoint directory, ``run_steps`` holds its lock for the whole run (rank 0;
+a second job on the same directory is refused, ``hybrid.checkpoint.lock``), first has every rank load the
+newest good checkpoint there (rank 0 chooses, the ranks verify its checksums; reported as ``resumed_from``,
+with the damaged or interrupted ones skipped; checkpoints that are all damaged stop the job, exit 2, rather
+than be overwritten by a fresh start) and continues from its step; after every step it
 saves every ``checkpoint_every`` steps and at the last step (rank 0 reports ``checkpoint_saved``). The
 data position saved is the step itself: ``batches(step)`` must yield the same batch for the same step on
 every run, so a resumed run continues exactly as an uninterrupted one would. A step is one optimizer step:
@@ -252,15 +254,17 @@ def resume(ctx: Context, engine) -> int:
     together) and report it; returns the step to continue from (0 without a checkpoint).
 
     Newer checkpoints skipped on the way (interrupted, or a file missing, truncated or corrupt) are listed
-    in the ``resumed_from`` report as ``skipped_checkpoints`` (``"step-000020 (corrupt: __1_0.distcp)"``);
-    when none is good, rank 0 reports ``checkpoint_warning`` (one sentence) and the run starts fresh."""
+    in the ``resumed_from`` report as ``skipped_checkpoints`` (``"step-000020 (corrupt: __1_0.distcp)"``).
+    With only interrupted saves there, rank 0 reports ``checkpoint_warning`` (one sentence) and the run
+    starts fresh; checkpoints that are all damaged raise ``CheckpointError`` on every rank (a fresh start
+    would overwrite them)."""
     skipped = []
     run_dir = ctx.settings.checkpoint_dir
     resumed = checkpoint.resume_if_available(run_dir, engine, on_skip=lambda p, problem: skipped.append(
         f"{p.name} ({problem})"), model_config=ctx.model_config)
     if resumed is None:
         if skipped and ctx.rank == 0:
-            warning = (f"no good checkpoint in {run_dir} (skipped {', '.join(skipped)}); "
+            warning = (f"no complete checkpoint in {run_dir} (only interrupted saves: {', '.join(skipped)}); "
                        f"starting fresh from step 0")
             log.warning("%s", warning)
             ctx.report({"checkpoint_warning": warning, "skipped_checkpoints": skipped})
@@ -298,12 +302,23 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
     ``samples_per_step``, or the batch's rows times the DP degree. Returns a summary of the run.
 
     Raises ``AccumulationMismatch`` before loading a checkpoint or running a step when
-    ``job.gradient_accumulation_steps`` is not the engine's ``config.gradient_accumulation_steps``.
+    ``job.gradient_accumulation_steps`` is not the engine's ``config.gradient_accumulation_steps``, and
+    ``CheckpointError`` (every rank) when another job holds the checkpoint directory or its checkpoints
+    cannot be used (all damaged, unreadable, another model).
     """
     accumulation = ctx.settings.gradient_accumulation_steps
     check_accumulation(engine, accumulation)
-    if ctx.settings.checkpoint_dir:
+    if not ctx.settings.checkpoint_dir:
+        return _train_loop(ctx, engine, batches, start_step, tokens_per_step, samples_per_step, after_step)
+    with checkpoint.exclusive(ctx.settings.checkpoint_dir, engine):  # no other job writes here meanwhile
         start_step = resume(ctx, engine) or start_step
+        return _train_loop(ctx, engine, batches, start_step, tokens_per_step, samples_per_step, after_step)
+
+
+def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int, tokens_per_step: int,
+                samples_per_step: int, after_step: Iterable[Callable[[Context, Any, int], None]]) -> dict:
+    """``run_steps`` after the resume: steps ``start_step + 1`` to ``ctx.steps``; the run's summary."""
+    accumulation = ctx.settings.gradient_accumulation_steps
     first_loss = last_loss = None
     ctx.step = start_step
     started = time.perf_counter()

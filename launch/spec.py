@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hybrid import validate as v
+from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
 from hybrid.planner import check_lever, check_offload_stage
 from hybrid.validate import PRECISIONS
@@ -270,6 +271,9 @@ def _checkpoint(d: Any, base_dir: Path, local: bool) -> CheckpointSpec:
     keep_last = v.positive_int("job.checkpoint.keep_last", d.get("keep_last", 2), MAX_STEPS)
     path = _resolve(directory, base_dir, "job.checkpoint.dir")
     check_writable_dir(path, "job.checkpoint.dir", only_if_here=not local)
+    problem = layout.layout_problem(path)
+    if problem is not None:
+        raise ConfigError(f"job.checkpoint.dir {v.quote(str(path))}: {problem}.")
     if (path / "checkpoints").is_dir():  # where the saves go (hybrid.checkpoint.layout): it may be another mount
         check_writable_dir(path / "checkpoints", "job.checkpoint.dir", only_if_here=not local)
     return CheckpointSpec(path, every, keep_last)

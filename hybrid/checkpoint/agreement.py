@@ -14,12 +14,19 @@ listings cannot make them load different checkpoints. Each rank reads the candid
 checkpoint is read once, spread over the ranks -- cheaper than each rank verifying what it will load, which
 at ZeRO stage 0 is everything); one all-reduce (max) of a per-file verdict tells every rank which file, if
 any, is missing, truncated or corrupt. With ``fallback`` a bad candidate is skipped for the next older one
-(``Choice.skipped``, the same on every rank) and no good one means a fresh start; without it the one
-candidate must be good, or every rank raises the same ``CheckpointDamaged``.
+(``Choice.skipped``, the same on every rank); no candidate but interrupted saves means a fresh start, but
+checkpoints that are all damaged make every rank raise the same ``CheckpointError`` (a fresh start would
+overwrite and prune them). Without ``fallback`` the one candidate must be good, or every rank raises the
+same ``CheckpointDamaged``. A file a rank may not read (``unreadable``) is no verdict on the checkpoint:
+every rank raises the same ``CheckpointUnreadable``, with or without ``fallback``.
+
+``exclusive(run_dir, comm, device)``: rank 0 holds the checkpoint directory's lock (``hybrid.checkpoint.lock``)
+for the block; when another job holds it, every rank raises the same ``CheckpointLocked``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.checkpoint import integrity, layout
+from hybrid.checkpoint import integrity, layout, lock
 from hybrid.checkpoint.integrity import CheckpointDamaged, Inventory, Problem
 from hybrid.comm import Comm
 from hybrid.errors import CheckpointError
@@ -80,9 +87,10 @@ def _candidates(path: Path, fallback: bool) -> list:
     """Rank 0: ``(directory, where, step)`` to try, newest first; CheckpointError for a path that is none."""
     if not fallback:
         ckpt = layout.resolve(path)
-        given = layout.is_checkpoint_dir(path)
-        return [(ckpt, _GIVEN if given else _FINAL, layout.step_of(ckpt))]
-    entries = reversed(layout.scan(layout.run_dir_of(path)))
+        if layout.is_checkpoint_dir(path):
+            return [(ckpt, _GIVEN, 0)]
+        return [(ckpt, _FINAL, layout.step_of(ckpt))]
+    entries = layout.candidates(layout.run_dir_of(path))
     return [(e.path, _TEMPORARY if e.temporary else _FINAL, e.step) for e in entries]
 
 
@@ -110,7 +118,7 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
             pending = _candidates(path, fallback)
         except CheckpointError as exc:
             error = exc
-    skipped = []
+    skipped, interrupted = [], 0  # interrupted: how many of the skipped are saves that never finished
     while True:
         # [what, step, where, n_files or "the error is the candidate's", problem kind, problem file]
         head = torch.zeros(6, dtype=torch.int64)
@@ -132,6 +140,8 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
         head = _broadcast(head, comm, device)
         what, step, where, n_files, kind, index = (int(v) for v in head)
         if what == _NONE:
+            if len(skipped) > interrupted:
+                raise _none_good(layout.run_dir_of(path), skipped)
             return Choice(None, None, skipped)
         if what == _ERROR:
             if error is None:
@@ -144,11 +154,22 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
             inv, problem = _verify_together(ckpt, inv, n_files, comm, device)
             if problem is None:
                 return Choice(ckpt, inv, skipped)
-        if not fallback:
-            raise CheckpointDamaged(ckpt, problem, integrity.FIX)
+        if not fallback or problem.kind == integrity.UNREADABLE:
+            raise integrity.refusal(ckpt, problem)
         if comm.rank == 0:
             log.warning("skipping checkpoint %s: %s", ckpt, problem)
         skipped.append((ckpt, problem))
+        interrupted += where == _TEMPORARY and problem == Problem(integrity.MISSING, layout.MARKER)
+
+
+def _none_good(run_dir: Path, skipped: list) -> CheckpointError:
+    """Checkpoints exist but none is good: starting fresh would overwrite and prune them."""
+    shown = ", ".join(f"{p.name} ({problem})" for p, problem in skipped[:4])
+    more = f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""
+    root = layout.checkpoints_dir(run_dir)
+    return CheckpointError(f"no good checkpoint in {root} ({shown}{more}), and starting fresh would overwrite "
+                           f"them; move {root} aside (or delete it) to start from step 0, or restore a good "
+                           f"checkpoint there.")
 
 
 def _verify_together(ckpt: Path, inv: Optional[Inventory], n_files: int, comm: Comm,
@@ -176,6 +197,32 @@ def _verify_together(ckpt: Path, inv: Optional[Inventory], n_files: int, comm: C
         if kind:
             return None, _decode(kind, i, names)
     return inv, None
+
+
+@contextlib.contextmanager
+def exclusive(run_dir, comm: Comm, device):
+    """Rank 0 holds ``run_dir``'s checkpoint lock for the block (collective on entry): every rank raises
+    the same ``lock.CheckpointLocked`` (or ``CheckpointError``, for a directory laid out wrong) when rank 0
+    cannot take it. Re-entrant within a process."""
+    error, held = None, False
+    if comm.rank == 0:
+        try:
+            lock.acquire(run_dir)
+            held = True
+        except CheckpointError as exc:
+            error = exc
+    if any_rank(error is not None, comm, device):
+        raise error if error is not None else lock.refusal_elsewhere(run_dir)
+    try:
+        yield
+    finally:
+        if held:
+            lock.release(run_dir)
+
+
+def any_rank(flag: bool, comm: Comm, device) -> bool:
+    """True on every rank when ``flag`` is true on any (collective): how the ranks fail together."""
+    return bool(_all_reduce_max(torch.tensor([int(flag)], dtype=torch.int64), comm, device)[0])
 
 
 def _broadcast(t: torch.Tensor, comm: Comm, device) -> torch.Tensor:

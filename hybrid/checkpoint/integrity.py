@@ -14,7 +14,8 @@ What a checkpoint of format 3 records:
 
 So a byte changed anywhere in the directory is reported against the file that holds it: ``corrupt: F``
 (checksum or size differs, or the file cannot be decoded), ``truncated: F`` (shorter than recorded),
-``missing: F``. Checksums are computed streaming, ``CHUNK`` bytes at a time, never a whole-file read.
+``missing: F``; a file this process may not read (permissions) is ``unreadable: F``, which is no verdict
+on the checkpoint: a resume stops there (exit 2) rather than skip a checkpoint that may be good. Checksums are computed streaming, ``CHUNK`` bytes at a time, never a whole-file read.
 
 Format 2 (written by an older hybrid) has no checksums. Its checkpoints are *unverified*: what can be
 checked is (every data file that DCP's ``.metadata`` names exists and is long enough for the items it
@@ -38,10 +39,13 @@ from hybrid.errors import CheckpointError
 CHUNK = 4 << 20
 UNVERIFIED = "unverified: saved by an older hybrid without checksums, only the file sizes were checked"
 MISSING, TRUNCATED, CORRUPT, MISPLACED = "missing", "truncated", "corrupt", "misplaced"
-KINDS = (MISSING, TRUNCATED, CORRUPT, MISPLACED)  # a problem's code in a collective verdict is its index + 1
+UNREADABLE = "unreadable"  # not damage: this process may not read the file (permissions)
+KINDS = (MISSING, TRUNCATED, CORRUPT, MISPLACED, UNREADABLE)  # code in a collective verdict: index + 1
 _LEGACY_MARKER = re.compile(r"^step-\d+\s*$")
 # the fix in every CheckpointDamaged sentence
 FIX = "resume or consolidate an older checkpoint (hybrid checkpoint inspect lists them), or delete this one."
+# the fix in every CheckpointUnreadable sentence
+UNREADABLE_FIX = "make its files readable by the user that runs hybrid (permissions, ownership), then run again."
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class Expected:
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # missing | truncated | corrupt | misplaced
+    kind: str  # missing | truncated | corrupt | misplaced | unreadable
     file: str
 
     def __str__(self) -> str:
@@ -70,6 +74,22 @@ class CheckpointDamaged(CheckpointError):
     def __init__(self, directory: Path, problem: Problem, fix: str):
         self.directory, self.problem = Path(directory), problem
         super().__init__(f"{directory} is damaged ({problem}); {fix}")
+
+
+class CheckpointUnreadable(CheckpointDamaged):
+    """A checkpoint with a file this process may not read: no verdict on its content, so never skipped."""
+
+    def __init__(self, directory: Path, problem: Problem, fix: str = UNREADABLE_FIX):
+        self.directory, self.problem = Path(directory), problem
+        CheckpointError.__init__(self, f"cannot read {Path(directory) / problem.file} (permission denied), "
+                                       f"so checkpoint {directory} cannot be verified; {fix}")
+
+
+def refusal(directory: Path, problem: Problem) -> CheckpointDamaged:
+    """The one-sentence error for ``problem`` in the checkpoint ``directory``."""
+    if problem.kind == UNREADABLE:
+        return CheckpointUnreadable(directory, problem)
+    return CheckpointDamaged(directory, problem, FIX)
 
 
 @dataclass(frozen=True)
@@ -115,6 +135,8 @@ def _read_seal(directory: Path) -> tuple[Optional[dict], str]:
         text = (directory / MARKER).read_bytes().decode()
     except FileNotFoundError:
         raise CheckpointDamaged(directory, Problem(MISSING, MARKER), FIX) from None
+    except PermissionError:
+        raise CheckpointUnreadable(directory, Problem(UNREADABLE, MARKER)) from None
     except (OSError, UnicodeDecodeError):
         raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX) from None
     if _LEGACY_MARKER.match(text):
@@ -148,6 +170,8 @@ def inventory(directory) -> Inventory:
             size, crc = digest(path)
         except FileNotFoundError:
             raise CheckpointDamaged(directory, Problem(MISSING, MANIFEST), FIX) from None
+        except PermissionError:
+            raise CheckpointUnreadable(directory, Problem(UNREADABLE, MANIFEST)) from None
         except OSError:
             raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX) from None
         if size < seal["manifest_bytes"]:
@@ -156,6 +180,8 @@ def inventory(directory) -> Inventory:
             raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX)
     elif not path.is_file():
         raise CheckpointDamaged(directory, Problem(MISSING, MANIFEST), FIX)
+    elif not os.access(path, os.R_OK):
+        raise CheckpointUnreadable(directory, Problem(UNREADABLE, MANIFEST))
     try:
         doc = manifest_doc.read(directory)
     except CheckpointError:
@@ -187,6 +213,8 @@ def _legacy_files(directory: Path) -> dict:
 
     if not (directory / DCP_METADATA).is_file():
         raise CheckpointDamaged(directory, Problem(MISSING, DCP_METADATA), FIX)
+    if not os.access(directory / DCP_METADATA, os.R_OK):
+        raise CheckpointUnreadable(directory, Problem(UNREADABLE, DCP_METADATA))
     try:
         storage = FileSystemReader(directory).read_metadata().storage_data
         need: dict = {}
@@ -204,7 +232,9 @@ def check_file(directory: Path, name: str, expected: Expected, checksums: bool =
         size = os.stat(path).st_size
     except FileNotFoundError:
         return Problem(MISSING, name)
-    except OSError:  # unreadable metadata (permissions, I/O error): not what was written, for our purpose
+    except PermissionError:  # a directory above it we may not search
+        return Problem(UNREADABLE, name)
+    except OSError:  # an I/O error: not what was written, for our purpose
         return Problem(CORRUPT, name)
     if size < expected.size:
         return Problem(TRUNCATED, name)
@@ -213,9 +243,11 @@ def check_file(directory: Path, name: str, expected: Expected, checksums: bool =
     if size != expected.size:
         return Problem(CORRUPT, name)
     if not checksums:
-        return None
+        return None if os.access(path, os.R_OK) else Problem(UNREADABLE, name)
     try:
         _, crc = digest(path)
+    except PermissionError:
+        return Problem(UNREADABLE, name)
     except OSError:
         return Problem(CORRUPT, name)
     return None if crc == expected.crc32 else Problem(CORRUPT, name)
@@ -235,6 +267,16 @@ def verify(directory) -> tuple[Inventory, list]:
     """
     inv = inventory(directory)
     return inv, check_files(Path(directory), inv.files)
+
+
+def looks_intact(directory: Path) -> bool:
+    """A cheap verdict (small files and file sizes; no data read): the marker seals the manifest, the name
+    matches, every file is there at its recorded size. What ``prune`` counts as a good checkpoint."""
+    try:
+        inv = inventory(directory)
+    except CheckpointError:
+        return False
+    return not check_files(Path(directory), inv.files, checksums=False)
 
 
 def assign(files: Mapping[str, Expected], world_size: int) -> dict:

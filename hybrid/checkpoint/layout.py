@@ -8,28 +8,32 @@ A run directory holds ``checkpoints/``; each checkpoint is one directory in it::
         .tmp-step-000030/     being written (or left behind by a crash): loaded only if sealed (COMPLETE
                               written, the crash came before the rename)
         latest                "step-000020": the newest published checkpoint, replaced atomically
+        .lock                 held (``fcntl.flock``) by the one job that writes here (``hybrid.checkpoint.lock``)
 
 A checkpoint is written under ``.tmp-step-NNNNNN``; only when every rank has finished, rank 0 writes the
 ``COMPLETE`` marker, renames the directory to ``step-NNNNNN`` and replaces ``latest`` (write a temporary
 file, then ``os.replace``). A directory without its marker is never loaded, whatever its name, so a crash
 at any point leaves the previous good checkpoint in charge. ``latest(run_dir)`` is the complete checkpoint
-with the highest step; the pointer file is what a human or another tool reads, and is verified, not trusted.
+with the highest step; the pointer file is what a human or another tool reads, and is verified, not trusted
+(failing to write it is a warning, never a failed save).
 "Complete" means published with its marker; whether its files are intact is ``integrity``'s question (the
 marker seals the manifest, the manifest lists every file's checksum).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from hybrid.errors import CheckpointError
 
 PathLike = Union[str, os.PathLike]
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
@@ -48,6 +52,17 @@ class Entry:
     step: int
     complete: bool
     temporary: bool  # still under its .tmp- name: being written, or abandoned by a crash
+
+    @property
+    def sealed(self) -> bool:
+        """A temporary directory with its marker: the crash came between marker and rename, so it is a
+        checkpoint that a resume loads (and pruning keeps)."""
+        return self.temporary and is_complete(self.path)
+
+    @property
+    def interrupted(self) -> bool:
+        """A temporary directory without its marker: a save that never finished, never a checkpoint."""
+        return self.temporary and not self.sealed
 
 
 def step_name(step: int) -> str:
@@ -94,6 +109,12 @@ def scan(run_dir: PathLike) -> list[Entry]:
     return sorted(entries, key=lambda e: (e.step, e.temporary, e.path.name))
 
 
+def candidates(run_dir: PathLike) -> list[Entry]:
+    """Every checkpoint directory of ``run_dir`` in the order a resume tries them: the newest step first
+    (for one step, its temporary directory before its published one)."""
+    return list(reversed(scan(run_dir)))
+
+
 def latest(run_dir: PathLike) -> Optional[Path]:
     """The newest complete checkpoint of ``run_dir``, or None when it has none."""
     complete = [e for e in scan(run_dir) if e.complete]
@@ -101,9 +122,10 @@ def latest(run_dir: PathLike) -> Optional[Path]:
 
 
 def resolve(path: PathLike) -> Path:
-    """A complete checkpoint directory from a run directory (its latest) or a checkpoint directory itself.
+    """A complete checkpoint directory from a run directory (its latest complete one), its ``checkpoints/``
+    directory, or a checkpoint directory itself (under any name: moved, renamed or symlinked).
 
-    Raises CheckpointError with one sentence when ``path`` is neither.
+    Raises CheckpointError with one sentence when ``path`` is none of these.
     """
     path = Path(path)
     if not path.exists():
@@ -118,11 +140,19 @@ def resolve(path: PathLike) -> Path:
     if path.is_dir() and checkpoints_dir(run_dir).is_dir():
         found = latest(run_dir)
         if found is None:
-            raise CheckpointError(f"{run_dir} has no complete checkpoint in {CHECKPOINTS}/; "
-                                  f"train with a checkpoint cadence (job.checkpoint.every) first.")
+            raise no_checkpoint(run_dir)
         return found
-    raise CheckpointError(f"{path} is not a hybrid checkpoint (no {MANIFEST} and no {CHECKPOINTS}/ directory); "
-                          f"pass a run directory or one of its {CHECKPOINTS}/step-NNNNNN directories.")
+    raise not_a_checkpoint(path)
+
+
+def no_checkpoint(run_dir: PathLike) -> CheckpointError:
+    return CheckpointError(f"{run_dir} has no complete checkpoint in {CHECKPOINTS}/; "
+                           f"train with a checkpoint cadence (job.checkpoint.every) first.")
+
+
+def not_a_checkpoint(path: PathLike) -> CheckpointError:
+    return CheckpointError(f"{path} is not a hybrid checkpoint (no {MANIFEST} and no {CHECKPOINTS}/ directory); "
+                           f"pass a run directory or one of its {CHECKPOINTS}/step-NNNNNN directories.")
 
 
 def run_dir_of(path: PathLike) -> Path:
@@ -132,10 +162,22 @@ def run_dir_of(path: PathLike) -> Path:
 
 
 def is_checkpoint_dir(path: PathLike) -> bool:
-    """True when ``path`` is one checkpoint directory (named like one, holding its marker or manifest)."""
+    """True when ``path`` is one checkpoint directory, whatever its name (a ``step-N`` directory, or one
+    moved, renamed or symlinked elsewhere): a directory holding a checkpoint's marker or manifest."""
     path = Path(path)
-    named = path.is_dir() and bool(_STEP_RE.match(path.name))
-    return named and any((path / n).exists() for n in (MANIFEST, MARKER))
+    return path.is_dir() and any((path / n).exists() for n in (MANIFEST, MARKER))
+
+
+def layout_problem(run_dir: PathLike) -> Optional[str]:
+    """Why checkpoints cannot be written under ``run_dir`` as laid out now, in words that end a sentence
+    naming the path and the fix; None when nothing is in the way (missing directories are created)."""
+    root = checkpoints_dir(run_dir)
+    if os.path.lexists(root) and not root.is_dir():
+        return f"{root} is a file, not a directory; move it aside so checkpoints can be written there"
+    pointer = root / POINTER
+    if pointer.is_dir():
+        return f"{pointer} is a directory, but hybrid writes its latest-checkpoint pointer file there; move it aside"
+    return None
 
 
 def publish(tmp: Path, final: Path, marker: Optional[str] = None) -> None:
@@ -143,29 +185,49 @@ def publish(tmp: Path, final: Path, marker: Optional[str] = None) -> None:
     ``final`` and point ``latest`` at it (rank 0, after all wrote).
 
     Each step is durable before the next: the marker is fsynced before the rename, the rename before the
-    pointer. A complete checkpoint already at ``final`` (the same step saved again) is replaced only after
-    the new one is in place under its temporary name.
+    pointer. Whatever is at ``final`` (the same step saved again; a file or a symlink someone put there) is
+    replaced only after the new one is in place under its temporary name, and removed afterwards.
     """
     _write_durably(tmp / MARKER, marker if marker is not None else final.name + "\n")
     _fsync_dir(tmp)
     old = None
-    if final.exists():
+    if os.path.lexists(final):
         old = final.with_name(_TMP_PREFIX + "old-" + final.name)
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     write_pointer(final.parent, final.name)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
 
 
-def write_pointer(root: Path, name: str) -> None:
-    """Atomically replace ``root/latest`` with ``name``."""
+def remove(path: Path) -> None:
+    """Delete ``path`` whatever it is (a directory tree, a file, a symlink: the link, never its target);
+    nothing when it does not exist; errors are ignored (best effort, like ``rmtree(ignore_errors=True)``)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def write_pointer(root: Path, name: str) -> bool:
+    """Atomically replace ``root/latest`` with ``name``; returns False (and logs a warning) when that fails:
+    the pointer is informational (resume never reads it), so a checkpoint is never failed for it."""
     tmp = root / f".{POINTER}.tmp-{os.getpid()}"
-    _write_durably(tmp, name + "\n")
-    os.replace(tmp, root / POINTER)
+    try:
+        _write_durably(tmp, name + "\n")
+        os.replace(tmp, root / POINTER)
+    except OSError as exc:
+        remove(tmp)
+        log.warning("could not update %s to %s (%s); it is informational only, the checkpoint is saved",
+                    root / POINTER, name, exc.strerror or exc)
+        return False
     _fsync_dir(root)
+    return True
 
 
 def read_pointer(run_dir: PathLike) -> Optional[str]:
@@ -175,19 +237,35 @@ def read_pointer(run_dir: PathLike) -> Optional[str]:
         return None
 
 
-def prune(run_dir: PathLike, keep_last: Optional[int], keep: Optional[Path] = None) -> list[Path]:
-    """Delete all but the ``keep_last`` newest complete checkpoints, and every abandoned temporary directory
-    except ``keep``; returns what was removed. ``keep_last`` None or < 1 keeps every complete checkpoint.
-    Published directories without a marker are left for a human to look at (``hybrid checkpoint inspect``).
+def prune(run_dir: PathLike, keep_last: Optional[int], keep: Optional[Path] = None,
+          good: Optional[Callable[[Path], bool]] = None) -> list[Path]:
+    """Delete checkpoints beyond the ``keep_last`` newest good ones, and every interrupted save (a temporary
+    directory without its marker) except ``keep``; returns what was removed.
+
+    The checkpoints are the complete ones and the sealed temporaries (a resume loads those too); ``good(path)``
+    (default: all are) tells which count towards ``keep_last``. With ``keep`` (the checkpoint just saved),
+    checkpoints of a later step are left alone: a resume skipped them as not good (inspect shows why) and
+    they are not counted. A checkpoint that is not good is removed only when it is older than every one
+    kept. ``keep_last`` None or < 1 keeps every checkpoint. Published directories without a marker are left
+    for a human to look at (``hybrid checkpoint inspect``).
     """
     entries = scan(run_dir)
-    doomed = [e.path for e in entries if e.temporary and e.path != keep]
-    complete = [e for e in entries if e.complete]
+    doomed = [e.path for e in entries if e.interrupted and e.path != keep]
     if keep_last is not None and keep_last >= 1:
-        doomed += [e.path for e in complete[:-keep_last] if e.path != keep]
+        doomed += _beyond(entries, keep_last, keep, good or (lambda path: True))
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove(path)
     return doomed
+
+
+def _beyond(entries: list[Entry], keep_last: int, keep: Optional[Path], good: Callable[[Path], bool]) -> list:
+    """The checkpoints ``prune`` removes for ``keep_last`` (see there), oldest first."""
+    limit = step_of(keep) if keep is not None and _STEP_RE.match(keep.name) else None
+    ours = [e for e in entries if (e.complete or e.sealed) and (limit is None or e.step <= limit)]
+    verdict = {e.path: e.path == keep or good(e.path) for e in ours}
+    kept = [e for e in reversed(ours) if verdict[e.path]][:keep_last]
+    oldest_kept = min((e.step for e in kept), default=-1)
+    return [e.path for e in ours if e not in kept and (verdict[e.path] or e.step < oldest_kept)]
 
 
 def disk_bytes(path: PathLike) -> int:

@@ -14,8 +14,9 @@ verified, for ``hybrid checkpoint inspect``.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,15 +27,20 @@ from hybrid.errors import CheckpointError
 
 
 def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, dict]:
-    """``(state_dict, checkpoint_dir, manifest)`` for a run directory (its latest) or a checkpoint dir.
+    """``(state_dict, checkpoint_dir, manifest)`` for a checkpoint directory (under any name), or a run
+    directory or its ``checkpoints/`` directory: there, the checkpoint a resume would load (``newest_good``).
 
-    Refuses (``CheckpointError``, one sentence) a checkpoint with a missing, truncated or corrupt file,
-    and a result with a non-finite value, naming the file or the tensor.
+    Refuses (``CheckpointError``, one sentence) a checkpoint with a missing, truncated, corrupt or
+    unreadable file, and a result with a non-finite value, naming the file or the tensor.
     """
-    ckpt = layout.resolve(path)
-    inv, problems = integrity.verify(ckpt)
-    if problems:
-        raise integrity.CheckpointDamaged(ckpt, problems[0], integrity.FIX)
+    path = Path(path)
+    if layout.is_checkpoint_dir(path):
+        ckpt = layout.resolve(path)
+        inv, problems = integrity.verify(ckpt)
+        if problems:
+            raise integrity.refusal(ckpt, problems[0])
+    else:
+        ckpt, inv = newest_good(path)
     doc = inv.manifest
     tp = doc["world"]["tp"]
     reader = FileSystemReader(ckpt)
@@ -73,60 +79,148 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
     return state, ckpt, doc
 
 
-def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]:
-    """Every checkpoint directory of ``run_dir`` with its status, step, world layout and size on disk.
+@dataclass(frozen=True)
+class Verdict:
+    """What verifying one checkpoint directory found: its inventory (None when the marker or manifest is
+    damaged), its first problem (None: good), or the error of an intact directory this hybrid cannot read."""
 
-    Each complete one is verified (every byte read; ``checksums=False`` checks the file sizes only) and its
-    status names its first problem (``corrupt: FILE``, ``truncated: FILE``, ``missing: FILE``); ``latest``
-    is the newest good one, the one a resume uses.
-    """
-    run_dir = Path(run_dir)
-    if not layout.checkpoints_dir(run_dir).is_dir():
-        if layout.is_checkpoint_dir(run_dir):  # a checkpoint directory: describe its run
-            return describe(run_dir.parent.parent, checksums)
-        raise CheckpointError(f"{run_dir} is not a run directory (it has no {layout.CHECKPOINTS}/ directory); "
-                              f"pass the job's checkpoint.dir.")
-    rows, good = [], None
-    for entry in layout.scan(run_dir):
-        row = {"name": entry.path.name, "step": entry.step, "bytes": layout.disk_bytes(entry.path),
-               "status": "writing or interrupted" if entry.temporary else "incomplete (no marker)"}
-        doc = None
-        sealed = entry.temporary and layout.is_complete(entry.path)  # a crash between marker and rename
-        if entry.complete or sealed:
-            row["status"], doc = _verified_status(entry.path, checksums)
-            if row["status"].startswith("complete"):
-                good = entry.path
-                if sealed:  # the resume loads it too (hybrid.checkpoint.agreement)
-                    row["status"] += ", sealed but not renamed (a crash before publishing)"
-        if doc is None:
-            try:
-                doc = manifest.read(entry.path)
-            except CheckpointError:
-                pass
-        if doc is not None:
-            row.update(world=doc["world"], optimizer_step_count=doc["optimizer_step_count"],
-                       saved_at=doc.get("saved_at"), parameters=sum(
-                           _full_numel(spec, doc["world"]["tp"]) for section in ("params", "frozen")
-                           for spec in doc[section].values()))
-        rows.append(row)
-    return {"run_dir": str(run_dir), "latest": good.name if good else None,
-            "pointer": layout.read_pointer(run_dir), "checkpoints": rows}
+    inventory: Optional[integrity.Inventory]
+    problem: Optional[integrity.Problem] = None
+    error: Optional[CheckpointError] = None
+
+    @property
+    def good(self) -> bool:
+        return self.inventory is not None and self.problem is None and self.error is None
+
+    @property
+    def stops_resume(self) -> bool:
+        """A resume refuses here rather than skip (a file it may not read, another format)."""
+        return self.error is not None or (self.problem is not None and self.problem.kind == integrity.UNREADABLE)
 
 
-def _verified_status(ckpt: Path, checksums: bool) -> tuple[str, Any]:
-    """``(status, manifest or None)`` of a published checkpoint after checking its files."""
+def verdict(ckpt: Path, checksums: bool = True) -> Verdict:
+    """Verify ``ckpt`` in this process (``checksums=False``: file sizes only)."""
     try:
         inv = integrity.inventory(ckpt)
     except integrity.CheckpointDamaged as exc:
-        return str(exc.problem), None
+        return Verdict(None, exc.problem)
     except CheckpointError as exc:  # intact, but not a format this hybrid reads
-        return f"unreadable: {exc}", None
+        return Verdict(None, error=exc)
     problems = integrity.check_files(ckpt, inv.files, checksums=checksums)
-    if problems:
-        return str(problems[0]), inv.manifest
-    if not inv.checksummed:
-        return f"complete ({integrity.UNVERIFIED})", inv.manifest
-    return "complete" if checksums else "complete (sizes checked, checksums not read)", inv.manifest
+    return Verdict(inv, problems[0] if problems else None)
+
+
+def resume_choice(entries: list, verdict_of: Callable[[layout.Entry], Verdict]) -> tuple:
+    """``(entry, its verdict)`` a resume loads from ``entries`` (``layout.candidates``: newest first), as
+    ``agreement.choose`` decides on the ranks: a bad one is skipped, one that stops a resume ends the walk
+    with ``(that entry, its verdict)`` too; ``(None, None)`` when none is good. ``verdict_of`` is called on
+    each entry in turn until the answer is known."""
+    for entry in entries:
+        found = verdict_of(entry)
+        if found.good or found.stops_resume:
+            return entry, found
+    return None, None
+
+
+def newest_good(path: layout.PathLike) -> tuple[Path, integrity.Inventory]:
+    """The checkpoint a resume would load from the run directory ``path`` (or its ``checkpoints/``): the
+    newest verified one, sealed temporaries included; ``CheckpointError`` when there is none, or when the
+    resume would stop (a file it may not read)."""
+    path = Path(path)
+    run_dir = layout.run_dir_of(path)
+    if not path.exists():
+        layout.resolve(path)  # raises: it does not exist
+    if not layout.checkpoints_dir(run_dir).is_dir():
+        raise layout.not_a_checkpoint(path)
+    entries = layout.candidates(run_dir)
+    entry, found = resume_choice(entries, lambda e: verdict(e.path))
+    if entry is None:
+        damaged = [e for e in entries if not e.interrupted]
+        if not damaged:
+            raise layout.no_checkpoint(run_dir)
+        raise CheckpointError(f"no checkpoint in {layout.checkpoints_dir(run_dir)} is good ({len(damaged)} "
+                              f"damaged: hybrid checkpoint inspect {run_dir} names their problems); restore "
+                              f"one from a backup.")
+    if found.error is not None:
+        raise found.error
+    if found.problem is not None:
+        raise integrity.refusal(entry.path, found.problem)
+    return entry.path, found.inventory
+
+
+def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]:
+    """Every checkpoint directory of ``run_dir`` (a run directory, its ``checkpoints/`` directory, or one
+    checkpoint directory under any name) with its status, step, world layout and size on disk.
+
+    Each complete one is verified (every byte read; ``checksums=False`` checks the file sizes only) and its
+    status names its first problem (``corrupt: FILE``, ``truncated: FILE``, ``missing: FILE``,
+    ``unreadable: FILE``); ``latest`` is the one a resume uses (``resume_choice``), None when none is good
+    or the resume stops (``resume_stops`` then says why).
+    """
+    path = Path(run_dir)
+    if layout.is_checkpoint_dir(path) and path.parent.name != layout.CHECKPOINTS:
+        return _describe_one(path, checksums)
+    if layout.is_checkpoint_dir(path):  # a step directory: describe its run
+        path = path.parent.parent
+    run_dir = layout.run_dir_of(path)
+    if not layout.checkpoints_dir(run_dir).is_dir():
+        raise CheckpointError(f"{run_dir} is not a run directory (it has no {layout.CHECKPOINTS}/ directory); "
+                              f"pass the job's checkpoint.dir.")
+    entries = layout.scan(run_dir)
+    verdicts = {e.path: verdict(e.path, checksums) for e in entries if e.complete or e.sealed}
+    chosen, found = resume_choice(list(reversed(entries)), lambda e: verdicts.get(e.path, Verdict(None)))
+    rows = [_row(e.path, e.step, verdicts.get(e.path), e, checksums) for e in entries]
+    stops = found is not None and found.stops_resume
+    return {"run_dir": str(run_dir), "latest": chosen.path.name if chosen and not stops else None,
+            "resume_stops": _stop_reason(chosen.path, found) if stops else None,
+            "pointer": layout.read_pointer(run_dir), "checkpoints": rows}
+
+
+def _describe_one(ckpt: Path, checksums: bool) -> dict[str, Any]:
+    """``describe`` of a lone checkpoint directory (moved, renamed or symlinked out of its run)."""
+    found = verdict(ckpt, checksums) if layout.is_complete(ckpt) else None
+    row = _row(ckpt, None, found, None, checksums)
+    return {"run_dir": str(ckpt), "latest": ckpt.name if found is not None and found.good else None,
+            "resume_stops": None, "pointer": None, "checkpoints": [row]}
+
+
+def _row(ckpt: Path, step: Optional[int], found: Optional[Verdict], entry: Optional[layout.Entry],
+         checksums: bool) -> dict:
+    """One checkpoint's row: name, step, status, size, and what its manifest says."""
+    if found is None:
+        status = "writing or interrupted" if entry is None or entry.temporary else "incomplete (no marker)"
+    else:
+        status = _status(found, checksums)
+        if found.good and entry is not None and entry.sealed:  # the resume loads it too
+            status += ", sealed but not renamed (a crash before publishing)"
+    doc = found.inventory.manifest if found is not None and found.inventory is not None else None
+    if doc is None:
+        try:
+            doc = manifest.read(ckpt)
+        except CheckpointError:
+            pass
+    row = {"name": ckpt.name, "step": step if step is not None else (doc or {}).get("step"),
+           "bytes": layout.disk_bytes(ckpt), "status": status}
+    if doc is not None:
+        row.update(world=doc["world"], optimizer_step_count=doc["optimizer_step_count"],
+                   saved_at=doc.get("saved_at"), parameters=sum(
+                       _full_numel(spec, doc["world"]["tp"]) for section in ("params", "frozen")
+                       for spec in doc[section].values()))
+    return row
+
+
+def _status(found: Verdict, checksums: bool) -> str:
+    if found.error is not None:
+        return f"unreadable: {found.error}"
+    if found.problem is not None:
+        return str(found.problem)
+    if not found.inventory.checksummed:
+        return f"complete ({integrity.UNVERIFIED})"
+    return "complete" if checksums else "complete (sizes checked, checksums not read)"
+
+
+def _stop_reason(ckpt: Path, found: Verdict) -> str:
+    return str(found.error if found.error is not None else integrity.refusal(ckpt, found.problem))
 
 
 def _full_numel(spec: dict, tp: int) -> int:

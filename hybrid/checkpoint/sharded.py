@@ -24,15 +24,21 @@ has no meaning. Rank 0 picks the checkpoint and the ranks verify its files toget
 read (``agreement.choose``): ``resume_if_available`` falls back to the newest good one, ``load`` refuses a
 damaged one.
 
-All ranks must call ``save`` / ``load`` / ``maybe_save`` / ``resume_if_available`` together, and
-``run_dir`` must be one directory that every rank sees (a shared filesystem across nodes).
+A save that cannot be written (disk full, quota, I/O error) fails on every rank together with
+``CheckpointWriteError``: one sentence naming the cause and the directory; the partial ``.tmp-step-N``
+directory is removed (every rank's write had returned) and the previous checkpoints stay as they were.
+
+All ranks must call ``save`` / ``load`` / ``maybe_save`` / ``resume_if_available`` / ``exclusive``
+together, and ``run_dir`` must be one directory that every rank sees (a shared filesystem across nodes).
+``exclusive(run_dir, engine)`` holds the directory's lock (rank 0) so that no second job writes there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-import shutil
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -45,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
 from hybrid.comm import Comm
+from hybrid.errors import CheckpointWriteError
 from hybrid.param_attrs import tensor_parallel_dim
 
 log = logging.getLogger(__name__)
@@ -164,7 +171,7 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     everyone = _everyone()
 
     if world.rank == 0:  # a crash may have left this step half-written; start it afresh
-        shutil.rmtree(tmp, ignore_errors=True)
+        layout.remove(tmp)
         tmp.mkdir(parents=True)
     everyone.barrier()
     state, pieces = _pieces(views, world.tp_rank)
@@ -172,18 +179,70 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
         state.update(plain.dcp_state(world.tp_rank))
     state[manifest.rng_key(world.rank)] = rng.capture()
     planner = FlatSavePlanner(pieces)
-    metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
+    try:
+        metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
+    except dcp.api.CheckpointException as exc:  # raised on every rank, after every rank's write returned
+        if world.rank == 0:
+            layout.remove(tmp)
+        raise _write_failed(step, tmp, _cause(exc), run_dir) from None
     # dcp.save returned: every rank's data and .metadata are written
     files = agreement.record_checksums(tmp, metadata, planner.final_plan.items, everyone, engine.device)
+    failure = None
     if world.rank == 0:
         doc["files"] = files
-        manifest.write(tmp, doc)
-        layout.publish(tmp, final, integrity.seal_text(tmp, final.name))
-        for gone in layout.prune(run_dir, keep_last, keep=final):
-            log.info("pruned checkpoint %s", gone)
-    everyone.barrier()
+        failure = _publish(run_dir, tmp, final, doc, keep_last)
+    if agreement.any_rank(failure is not None, everyone, engine.device):
+        raise _write_failed(step, tmp, failure or "rank 0 could not publish it", run_dir)
     log.info("rank %d: saved %s", world.rank, final)
     return final
+
+
+def _publish(run_dir, tmp: Path, final: Path, doc: dict, keep_last: Optional[int]) -> Optional[str]:
+    """Rank 0: write the manifest, seal, rename, prune; the cause (words) when writing failed, else None.
+    The partial temporary directory is removed on failure; published checkpoints are never touched then."""
+    try:
+        manifest.write(tmp, doc)
+        layout.publish(tmp, final, integrity.seal_text(tmp, final.name))
+    except OSError as exc:
+        layout.remove(tmp)
+        return _os_cause(exc)
+    for gone in layout.prune(run_dir, keep_last, keep=final, good=integrity.looks_intact):
+        log.info("pruned checkpoint %s", gone)
+    return None
+
+
+def _cause(exc: "dcp.api.CheckpointException") -> str:
+    """The first rank's failure in a DCP exception, in words ("No space left on device")."""
+    failures = sorted(exc.failures.items())
+    for rank, (err, _) in failures:
+        if isinstance(err, OSError):
+            return f"{_os_cause(err)} on rank {rank}"
+    if failures:
+        rank, (err, _) = failures[0]
+        first = str(err).splitlines()[0] if str(err) else "no detail"
+        return f"{type(err).__name__}: {first} on rank {rank}"
+    return "no detail"
+
+
+def _os_cause(err: OSError) -> str:
+    return os.strerror(err.errno) if err.errno else (err.strerror or str(err))
+
+
+def _write_failed(step: int, tmp: Path, cause: str, run_dir) -> CheckpointWriteError:
+    previous = layout.latest(run_dir)
+    return CheckpointWriteError(
+        f"saving the step-{step} checkpoint into {tmp.parent} failed ({cause}; the partial {tmp.name} was "
+        f"removed); free space there (or lower job.checkpoint.keep_last) and run the job again to resume "
+        f"from {previous.name if previous else 'step 0'}.")
+
+
+@contextlib.contextmanager
+def exclusive(run_dir, engine):
+    """Hold ``run_dir``'s checkpoint lock (rank 0) for the block, so that no other job writes checkpoints
+    there meanwhile (collective on entry). Every rank raises the same ``CheckpointError`` (exit 2) when
+    another job holds it (naming the holder) or ``checkpoints/`` cannot hold checkpoints; re-entrant."""
+    with agreement.exclusive(run_dir, _everyone(), engine.device):
+        yield
 
 
 def maybe_save(run_dir, engine, step: int, every: int, keep_last: Optional[int] = None, *,

@@ -3,18 +3,20 @@
 * ``hybrid checkpoint inspect RUN_DIR [--json] [--sizes-only]``: every checkpoint directory (complete,
   being written or interrupted, published without its marker), its step, the world layout it was saved
   with (world size, dp, tp, ZeRO stage, precision), its size on disk, and which one a resume would use.
+  RUN_DIR may also be its ``checkpoints/`` directory or one checkpoint directory (under any name).
   Every published checkpoint is verified against the checksums of its manifest (every byte is read;
   ``--sizes-only`` checks file sizes alone) and a damaged one shows its first problem as its status:
-  ``corrupt: FILE``, ``truncated: FILE`` or ``missing: FILE``. Listing damaged checkpoints is a success
-  (exit 0); the answer is the table.
+  ``corrupt: FILE``, ``truncated: FILE``, ``missing: FILE`` or ``unreadable: FILE`` (permissions: a
+  resume stops there). Listing damaged checkpoints is a success (exit 0); the answer is the table.
 * ``hybrid checkpoint consolidate PATH --out model.pt [--format pt|safetensors]``: PATH is a run directory
-  (its latest complete checkpoint) or one checkpoint directory; writes the single-process ``state_dict``
+  or its ``checkpoints/`` directory (the checkpoint a resume would use: the newest verified one, which the
+  output line names) or one checkpoint directory, under any name; writes the single-process ``state_dict``
   (every name of ``module.state_dict()``: parameters and float buffers as fp32, tied aliases included),
   loadable with ``torch.load(path, weights_only=True)`` and a strict ``load_state_dict`` into the
   single-process model; or a ``.safetensors`` file (tied aliases left out: safetensors shares no
   storage). Either loads with ``hybrid.initialize(..., weights=PATH)``.
   It refuses a damaged checkpoint and one whose weights are not finite, and checks that ``--out`` can be
-  written before it reads anything.
+  written, and lies outside every checkpoint directory, before it reads anything.
 
 Both run in one process with no process group. A path that is not a checkpoint, a damaged one, or an
 ``--out`` that cannot be written ends with one ``error: ...`` line and exit status 2.
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import click
 
+from hybrid.checkpoint import layout
 from hybrid.errors import CheckpointError
 
 
@@ -64,7 +67,7 @@ def inspect_command(run_dir: Path, as_json: bool, sizes_only: bool) -> None:
         return
     rows = [["NAME", "STEP", "STATUS", "LAYOUT", "SIZE"]]
     for row in info["checkpoints"]:
-        rows.append([row["name"], str(row["step"]), row["status"], _layout_text(row.get("world")),
+        rows.append([row["name"], "-" if row["step"] is None else str(row["step"]), row["status"], _layout_text(row.get("world")),
                      _size(row["bytes"])])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     click.echo(f"{info['run_dir']}: {len(info['checkpoints'])} checkpoint director"
@@ -72,7 +75,10 @@ def inspect_command(run_dir: Path, as_json: bool, sizes_only: bool) -> None:
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     latest = info["latest"]
-    click.echo(f"resume uses: {latest}" if latest else "resume uses: nothing (no complete checkpoint)")
+    if info.get("resume_stops"):
+        click.echo(f"resume stops: {info['resume_stops']}")
+    else:
+        click.echo(f"resume uses: {latest}" if latest else "resume uses: nothing (no good checkpoint)")
 
 
 @checkpoint_group.command("consolidate")
@@ -88,6 +94,7 @@ def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
     from hybrid.checkpoint import consolidate
 
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
+    _outside_checkpoints(out)
     tmp = out.with_name(out.name + ".tmp")
     with _writable(out, tmp) as f:
         state, ckpt, doc = consolidate(path)
@@ -105,6 +112,22 @@ def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
     params = sum(t.numel() for k, t in state.items() if k not in doc["aliases"])  # a tied weight once
     click.echo(f"wrote {out}: {len(state)} tensors, {params:,} parameters (fp32) from {ckpt} "
                f"(step {doc['step']}, saved at {_layout_text(doc['world'])})")
+
+
+def _outside_checkpoints(out: Path) -> None:
+    """Refuse an ``--out`` inside a checkpoint directory or a run's ``checkpoints/`` (it would overwrite a
+    checkpoint's file, or add one that makes it fail verification), symlinks followed."""
+    where = out.resolve()
+    for parent in (where, *where.parents):
+        if layout.is_checkpoint_dir(parent) or _holds_checkpoints(parent):
+            raise CheckpointError(f"--out {out} lies inside the checkpoint directory {parent}, which writing it "
+                                  f"would damage; write the state dict outside it (e.g. --out model.pt).")
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    """A run's ``checkpoints/`` directory (not any directory of that name): it holds checkpoints or ``latest``."""
+    return path.name == layout.CHECKPOINTS and path.is_dir() and bool(
+        layout.scan(path.parent) or (path / layout.POINTER).exists())
 
 
 @contextlib.contextmanager

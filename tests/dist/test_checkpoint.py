@@ -507,7 +507,11 @@ def _damaged_world(cfg_dict: dict, root: str) -> dict:
     records = []
     ctx = Context(mesh, {}, JobSettings(steps=4, micro_batch=4, stage=3, checkpoint_dir=str(none_good)),
                   rank=dist.get_rank(), world_size=2, reporter=records.append)
-    out["none_good"] = {"start": resume(ctx, engine), "records": records}
+    try:
+        resume(ctx, engine)
+        out["none_good"] = None
+    except CheckpointError as err:  # every rank, the same sentence: starting fresh would overwrite them
+        out["none_good"] = str(err)
     try:
         checkpoint.load(layout.final_dir(none_good, 4), engine)
         out["explicit"] = None
@@ -536,15 +540,81 @@ def test_resume_skips_damaged_checkpoints_on_every_rank(tmp_path):
             assert run["skipped"] == [("step-000004", problem)], (rank, label)
             assert _equal(_tensors(run["full"]), at_2), (rank, label)
 
-        assert got["none_good"]["start"] == 0
-        warnings = [r for r in got["none_good"]["records"] if "checkpoint_warning" in r]
-        if rank == 0:
-            (record,) = warnings
-            assert record["skipped_checkpoints"] == ["step-000004 (corrupt: __1_0.distcp)",
-                                                     "step-000002 (corrupt: __1_0.distcp)"]
-            assert "starting fresh" in record["checkpoint_warning"]
-        else:
-            assert warnings == []
+        none_good = tmp_path / "none-good" / "checkpoints"
+        assert got["none_good"] == ranks[0]["none_good"]
+        assert got["none_good"].startswith(f"no good checkpoint in {none_good} (step-000004 (corrupt: "
+                                           f"__1_0.distcp), step-000002 (corrupt: __1_0.distcp))")
+        assert f"move {none_good} aside" in got["none_good"]
+        assert sorted(p.name for p in none_good.iterdir()) == ["latest", "step-000002", "step-000004"]
         assert "is damaged (corrupt: __1_0.distcp)" in got["explicit"] and "\n" not in got["explicit"]
         assert got["explicit"] == ranks[0]["explicit"]
         assert got["stale"] == 4  # rank 0 chose; rank 1 loaded its choice although it saw nothing
+
+
+def _locked_and_full_world(cfg_dict: dict, root: str) -> dict:
+    """DP 2: ``run_steps`` on a directory whose lock the test process holds (every rank refused, nothing
+    trained); then a save whose write fails with ENOSPC on rank 1 (every rank gets one sentence, the
+    partial directory is gone, the previous checkpoint intact)."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from hybrid.checkpoint import layout, lock
+    from hybrid.errors import CheckpointWriteError
+    from hybrid.train import Context, JobSettings, run_steps
+
+    cfg, root = GPTConfig.from_dict(cfg_dict), Path(root)
+    mesh, engine = _engine(cfg, 1, 2, 1)
+    lock.WAIT_S = 0.5
+    ctx = Context(mesh, {}, JobSettings(steps=2, micro_batch=4, stage=1, checkpoint_dir=str(root / "locked"),
+                                        checkpoint_every=1), rank=dist.get_rank(), world_size=2)
+    out = {}
+    try:
+        run_steps(ctx, engine, lambda step: (_batch(step, cfg)[:4, :-1], _batch(step, cfg)[:4, 1:]))
+        out["locked"] = None
+    except CheckpointError as err:
+        out["locked"] = str(err)
+
+    full = root / "full"
+    _train(mesh, engine, cfg, 0, 1)
+    checkpoint.save(full, engine, 1)
+    _train(mesh, engine, cfg, 1, 1)
+    real = dcp_fs._write_item
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if dist.get_rank() == 1:
+        dcp_fs._write_item = no_space
+    try:
+        checkpoint.save(full, engine, 2)
+        out["full"] = None
+    except CheckpointWriteError as err:
+        out["full"] = str(err)
+    finally:
+        dcp_fs._write_item = real
+    dist.barrier()
+    out["after"] = sorted(p.name for p in layout.checkpoints_dir(full).iterdir())
+    out["latest"] = checkpoint.resume_if_available(full, engine).step
+    return out
+
+
+def test_a_locked_directory_and_a_full_disk_fail_every_rank_in_one_sentence(tmp_path):
+    from hybrid.checkpoint import lock
+
+    cfg = GPTConfig.from_yaml(CONFIG)
+    lock.acquire(tmp_path / "locked")  # another job, as far as the ranks can tell
+    try:
+        ranks = run_local(_locked_and_full_world, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)
+    finally:
+        lock.release(tmp_path / "locked")
+    for got in ranks:
+        assert got["locked"] == ranks[0]["locked"]
+        assert got["locked"].startswith(f"checkpoint directory {tmp_path / 'locked' / 'checkpoints'} is in use "
+                                        f"by another job (pid {os.getpid()} on ")
+        assert got["full"] == ranks[0]["full"]
+        assert got["full"].startswith(f"saving the step-2 checkpoint into {tmp_path / 'full' / 'checkpoints'} "
+                                      f"failed (No space left on device on rank 1; the partial "
+                                      f".tmp-step-000002 was removed)")
+        assert got["after"] == ["latest", "step-000001"] and got["latest"] == 1
+    assert not (tmp_path / "locked" / "checkpoints" / "step-000001").exists()

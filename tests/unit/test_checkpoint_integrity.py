@@ -127,22 +127,28 @@ def test_each_damaged_file_is_named_skipped_and_refused(pristine, tmp_path, caps
         err = _refused(["checkpoint", "consolidate", str(newest), "--out", str(tmp_path / "x.pt")], capsys)
         assert (expected if expected.startswith(("missing", "truncated", "corrupt")) else "incomplete") in err
         assert str(newest) in err
-        if name != layout.MARKER:  # the run's latest is the damaged one: refused, not replaced by another
-            _refused(["checkpoint", "consolidate", str(run), "--out", str(tmp_path / "x.pt")], capsys)
         assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.pt.tmp").exists()
+        # the run: the checkpoint the resume uses (the older good one), named
+        assert main(["checkpoint", "consolidate", str(run), "--out", str(tmp_path / "x.pt")]) == 0
+        assert f"from {layout.final_dir(run, GOOD)} " in capsys.readouterr().out
+        (tmp_path / "x.pt").unlink()
 
 
-def test_no_good_checkpoint_means_a_fresh_start(pristine, tmp_path, capsys):
+def test_no_good_checkpoint_is_refused_not_overwritten(pristine, tmp_path, capsys):
+    """Checkpoints all damaged: a fresh start would overwrite and prune them, so the resume refuses in one
+    sentence naming the directory and the fix (only interrupted saves there: a fresh start)."""
     run = tmp_path / "run"
     shutil.copytree(pristine, run)
     for step in (GOOD, NEWEST):
         data = next(layout.final_dir(run, step).glob("*.distcp"))
         _flip(data, 10)
-    choice = _chosen(run, capsys)
-    assert choice.path is None and [p.name for p, _ in choice.skipped] == \
-        [layout.step_name(NEWEST), layout.step_name(GOOD)]
+    with pytest.raises(CheckpointError) as refused:
+        _chosen(run)
+    message = str(refused.value)
+    assert f"no good checkpoint in {layout.checkpoints_dir(run)} (step-000007 (corrupt: __" in message
+    assert "move" in message and "aside" in message and "\n" not in message
     _, uses = _status(run, capsys)
-    assert uses == "resume uses: nothing (no complete checkpoint)"
+    assert uses == "resume uses: nothing (no good checkpoint)"
     with pytest.raises(integrity.CheckpointDamaged, match="corrupt: __"):
         agreement.choose(run, Comm(None), "cpu", fallback=False)  # load() of a run directory: no fallback
 
@@ -158,7 +164,7 @@ def test_format_2_checkpoints_are_unverified_but_sizes_are_checked(tmp_path, cap
     data = next(layout.final_dir(tmp_path, NEWEST).glob("*.distcp"))
     _truncate(data)
     row, uses = _status(tmp_path, capsys)
-    assert f"truncated: {data.name}" in row and uses.endswith("nothing (no complete checkpoint)")
+    assert f"truncated: {data.name}" in row and uses.endswith("nothing (no good checkpoint)")
     _refused(["checkpoint", "consolidate", str(tmp_path), "--out", str(tmp_path / "x.pt")], capsys)
 
 
@@ -181,8 +187,9 @@ def test_a_non_finite_weight_is_not_consolidated(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.pt.tmp").exists()
 
 
-def test_an_unwritable_out_is_one_sentence(pristine, capsys):
-    under_a_file = layout.final_dir(pristine, GOOD) / layout.MARKER / "x.pt"
+def test_an_unwritable_out_is_one_sentence(pristine, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    under_a_file = tmp_path / "a-file" / "x.pt"
     for out in ("/proc/x.pt", "/proc/nope/x.pt", str(under_a_file)):
         err = _refused(["checkpoint", "consolidate", str(pristine), "--out", out], capsys)
         assert f"cannot write --out {out}" in err

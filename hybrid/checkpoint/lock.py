@@ -1,0 +1,132 @@
+"""One job at a time per checkpoint directory: an exclusive ``fcntl.flock`` lock on ``checkpoints/.lock``.
+
+The process that writes and publishes checkpoints (rank 0) holds it from before the resume to the end of
+training (``hybrid.checkpoint.agreement.exclusive`` makes every rank fail together when it cannot). The file
+holds the holder's pid and host, so a second job's one-sentence refusal names them. The operating system
+drops the lock when its process exits, however it exits, so a crashed job never leaves a stale lock; a
+restarted attempt whose previous rank 0 is still exiting waits up to ``WAIT_S`` for it.
+
+``flock`` rather than POSIX record locks (``lockf``): a record lock is dropped when the process closes
+*any* descriptor of the file (reading the lock file to name its holder would unlock it); Linux's NFS client
+emulates ``flock`` with record locks, so it holds across nodes there too. A second ``flock`` on another
+descriptor conflicts even in the same process, so a process keeps one descriptor per directory and counts
+its holders (``acquire`` is re-entrant; the last ``release`` unlocks).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from hybrid.checkpoint import layout
+from hybrid.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+LOCK = ".lock"
+WAIT_S = 15.0  # how long a restarted attempt waits for its predecessor's rank 0 to exit
+_POLL_S = 0.2
+_held: dict[Path, list] = {}  # lock file -> [descriptor, holders] in this process
+
+
+class CheckpointLocked(CheckpointError):
+    """Another job (another process) holds the checkpoint directory's lock."""
+
+
+def lock_path(run_dir) -> Path:
+    return layout.checkpoints_dir(run_dir) / LOCK
+
+
+def acquire(run_dir, wait_s: float | None = None) -> Path:
+    """Take ``run_dir``'s checkpoint lock for this process (creating ``checkpoints/``), waiting up to
+    ``wait_s`` (default ``WAIT_S``) for another holder to go; returns the lock file.
+
+    Raises ``CheckpointLocked`` naming the directory and the holder when it stays held, and
+    ``CheckpointError`` when the directory is laid out so that checkpoints cannot be written
+    (``layout.layout_problem``) or the lock file cannot be created.
+    """
+    problem = layout.layout_problem(run_dir)
+    if problem is not None:
+        raise CheckpointError(f"job.checkpoint.dir {run_dir}: {problem}.")
+    path = lock_path(run_dir).absolute()
+    if path in _held:
+        _held[path][1] += 1
+        return path
+    fd = _open(path)
+    deadline = time.monotonic() + (WAIT_S if wait_s is None else wait_s)
+    while not _try_lock(fd):
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise _locked(run_dir, path)
+        time.sleep(_POLL_S)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held[path] = [fd, 1]
+    return path
+
+
+def release(run_dir) -> None:
+    """Drop one hold of ``run_dir``'s lock by this process; the last one unlocks (the file stays)."""
+    path = lock_path(run_dir).absolute()
+    entry = _held.get(path)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held[path]
+        try:
+            os.ftruncate(entry[0], 0)
+        except OSError:
+            pass
+        os.close(entry[0])  # closing drops the lock
+
+
+def holder(run_dir) -> str:
+    """What the lock file says about its holder ("pid 123 on host"), or "another process"."""
+    try:
+        text = lock_path(run_dir).read_text().strip()
+    except OSError:
+        text = ""
+    return text or "another process"
+
+
+def refusal_elsewhere(run_dir) -> CheckpointError:
+    """The error a rank other than rank 0 raises when rank 0 could not take the lock."""
+    problem = layout.layout_problem(run_dir)
+    if problem is not None:
+        return CheckpointError(f"job.checkpoint.dir {run_dir}: {problem}.")
+    return _locked(run_dir, lock_path(run_dir))
+
+
+def _locked(run_dir, path: Path) -> CheckpointLocked:
+    return CheckpointLocked(f"checkpoint directory {layout.checkpoints_dir(run_dir)} is in use by another job "
+                            f"({holder(run_dir)} holds {path.name}); wait for that job to end or stop it, or "
+                            f"give this job another job.checkpoint.dir.")
+
+
+def _open(path: Path) -> int:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the checkpoint lock {path} ({exc.strerror or exc}); make "
+                              f"job.checkpoint.dir writable.") from None
+
+
+def _try_lock(fd: int) -> bool:
+    """True once this process holds the lock; False while another does. A filesystem without locks
+    (ENOLCK, some network mounts) is warned about and treated as locked by us: it cannot be checked."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK):
+            return False
+        log.warning("cannot lock the checkpoint directory (%s); make sure no other job writes to it",
+                    exc.strerror or exc)
+        return True
