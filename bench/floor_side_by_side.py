@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["OMP_NUM_THREADS"] = "1"
 
-CASES = [("4M", "fp32"), ("4M", "bf16"), ("4M-seq256", "fp32"), ("100M", "bf16")]
+CASES = [(name, precision) for name in ("4M", "4M-seq256", "100M") for precision in ("fp32", "bf16")]
 
 
 def main() -> int:
