@@ -265,8 +265,13 @@ class GradReducer:
         while self._inflight:
             self._complete_oldest()
         self._buckets.clear()
-        self._active = False
-        if self.mode != "scatter_shard":
+        reduced, self._active = self._active, False
+        if self.mode == "scatter_full" and reduced:
+            # Only this rank's shard of the flat buffer is reduced: the rest still holds its local sums, which
+            # a user's clip_grad_norm_ would read as gradients. None, as at stages 2-3.
+            for p in self.params:
+                p.grad = None
+        elif self.mode != "scatter_shard":
             self.attach_grads()
 
     # -- bookkeeping ----------------------------------------------------------------------------------

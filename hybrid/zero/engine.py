@@ -53,8 +53,11 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
 
 Gradients: after ``engine.step()`` every ``param.grad`` is None (as after torch's ``zero_grad()``); after
-``engine.backward`` they are views of the flat gradient at stages 0-1 (reduced at an accumulation boundary)
-and None at stages 2-3 (only the shard is kept).
+``engine.backward`` they are views of the flat gradient at stage 0 (reduced at an accumulation boundary) and
+at stage 1 between boundaries (this rank's own sums, as under DDP's ``no_sync``), and None after a
+boundary's backward at stage 1 and always at stages 2-3 (only the shard is reduced, so ``param.grad`` would
+hold unreduced values): clip with ``gradient_clipping`` and read the norm from ``last_grad_norm``, never
+``clip_grad_norm_`` over ``module.parameters()``.
 
 Rules: call ``engine.backward`` (not ``loss.backward``) and then ``engine.step`` once per micro-step. At
 stage 3 every DP rank must run the same modules in the same order (each gather is a collective). A unit
