@@ -167,6 +167,8 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
                          buffers=plain.specs("buffers"), aliases=plain.aliases, model_config=model_config,
                          extra=extra, optimizer=_optimizer_doc(engine))
     doc["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if engine.base_lr != engine.config.optimizer.lr:  # set by hand (engine.lr = x): the resume restores it
+        doc["lr_set_by_hand"] = engine.base_lr
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
     everyone = _everyone()
 
@@ -322,6 +324,8 @@ def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str
         rng.restore(state[rng_key])
     engine.optimizer_step_count = int(doc["optimizer_step_count"])
     engine.global_step = int(doc["global_step"])
+    if "lr_set_by_hand" in doc:
+        engine.lr = float(doc["lr_set_by_hand"])
     engine.sync_params_from_master()
     log.info("rank %d: resumed from %s (step %d)", world.rank, ckpt, doc["step"])
     return Resumed(path=ckpt, step=int(doc["step"]), optimizer_step_count=int(doc["optimizer_step_count"]),

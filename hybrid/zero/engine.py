@@ -362,17 +362,23 @@ class ZeroEngine:
         sched = self.config.scheduler
         if sched is None:
             return self.base_lr
-        return lr_at(sched.type, sched.values, self.base_lr, i, self.base_lr)
+        return lr_at(sched.type, sched.values, self.base_lr, i, self.config.optimizer.lr)
 
     @property
     def lr(self) -> float:
-        """The learning rate of the latest optimizer step (before the first: the first step's)."""
-        return self.scheduled_lr(0) if self.last_lr is None else self.last_lr
+        """The learning rate of the latest optimizer step; before the first step, after a resume and right
+        after ``engine.lr = x``, the rate the next step will use (group ``lr_scale`` 1)."""
+        return self.scheduled_lr(self.optimizer.step_count) if self.last_lr is None else self.last_lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        """Set the unscheduled learning rate (``optimizer.lr``) for the steps to come."""
-        self.base_lr = float(value)
+        """Set the learning rate by hand for the steps to come: it takes ``optimizer.lr``'s place, so a schedule
+        keeps its shape, scaled by ``value / optimizer.lr`` (absolute ``warmup_min_lr``/``warmup_max_lr``
+        too). ``hybrid.checkpoint`` saves a rate set by hand and a resume restores it."""
+        value = float(value)
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"engine.lr must be a finite number >= 0, got {value!r}")
+        self.base_lr, self.last_lr = value, None
 
     def shard_views(self) -> dict:
         """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""

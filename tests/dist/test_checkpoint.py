@@ -20,6 +20,7 @@ stays the latest, resume loads it, and the next save replaces the torn directory
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -618,3 +619,33 @@ def test_a_locked_directory_and_a_full_disk_fail_every_rank_in_one_sentence(tmp_
                                       f".tmp-step-000002 was removed)")
         assert got["after"] == ["latest", "step-000001"] and got["latest"] == 1
     assert not (tmp_path / "locked" / "checkpoints" / "step-000001").exists()
+
+
+def _lr_set_by_hand_runs(run_dir: str) -> list:
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
+                                               "warmup_num_steps": 4}}
+    config = {"zero_optimization": {"stage": 2}, "scheduler": schedule,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    seen = []
+    engine = hybrid.initialize(nn.Linear(4, 1), config)
+    for step in range(4):
+        if step == 2:
+            engine.lr = 0.005  # half of optimizer.lr: the absolute warmup rates scale by half too
+            seen.append(engine.lr)  # the next step's rate, read back at once
+        engine.backward(engine(x[rank::world]).square().mean())
+        engine.step()
+        seen.append(engine.lr)
+    checkpoint.save(run_dir, engine, 4)
+    again = hybrid.initialize(nn.Linear(4, 1), config)
+    checkpoint.load(run_dir, again)
+    seen.append(again.lr)  # restored: the 5th step's rate at the hand-set scale
+    return seen
+
+
+def test_a_learning_rate_set_by_hand_scales_the_schedule_reads_back_and_survives_a_resume(tmp_path):
+    warm = [0.02 * min(1.0, math.log(i + 1) / math.log(4)) for i in range(5)]  # DeepSpeed's log warmup
+    expected = [warm[0], warm[1], warm[2] / 2, warm[2] / 2, warm[3] / 2, warm[4] / 2]
+    for seen in run_local(_lr_set_by_hand_runs, 2, str(tmp_path / "run"), timeout_s=120):
+        assert seen == pytest.approx(expected, rel=1e-12), seen
