@@ -257,9 +257,9 @@ class ZeroEngine:
         finally:
             self.gatherer.end_forward()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Back-propagate ``loss / gradient_accumulation_steps`` (and / DP size where the collective cannot
-        average) and reduce the gradients of this stage."""
+        average) and reduce the gradients of this stage; returns ``loss`` (as DeepSpeed's does)."""
         if self._awaiting_step:
             raise RuntimeError("engine.backward() was called twice without engine.step(); call step() after "
                                "every backward (it only steps the optimizer at accumulation boundaries)")
@@ -277,6 +277,7 @@ class ZeroEngine:
         finally:
             if self.gatherer is not None:
                 self.gatherer.end_backward()
+        return loss
 
     def step(self) -> bool:
         """Count a micro-step; at an accumulation boundary, clip and step the optimizer and return True.
@@ -439,6 +440,50 @@ class ZeroEngine:
         if dim is None or self.tp_comm is None or self.tp_comm.size == 1:
             return local.cpu().clone()
         return gather_tp_tensor(local, dim, self.tp_comm).cpu()
+
+    # -- DeepSpeed's engine names, for scripts written against deepspeed.initialize ------------------------
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def get_lr(self) -> list:
+        """The rate of every parameter group (``lr`` times the group's ``lr_scale``)."""
+        return [self.lr * g.lr_scale for g in self.groups]
+
+    def get_global_grad_norm(self):
+        return self.last_grad_norm
+
+    @property
+    def global_steps(self) -> int:
+        return self.global_step
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step's ``step()`` will step the optimizer."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
+        """``hybrid.checkpoint.save(save_dir, engine, global_step, extra=client_state)`` (a collective); the
+        checkpoint is ``save_dir/checkpoints/step-N``, so a ``tag`` other than None is refused."""
+        from hybrid import checkpoint
+
+        if tag is not None:
+            raise ValueError(f"save_checkpoint(tag={tag!r}): hybrid names checkpoints by step "
+                             f"(step-{self.global_step:06d}); leave tag out")
+        return str(checkpoint.save(save_dir, self, self.global_step, extra=client_state))
+
+    def load_checkpoint(self, load_dir, tag=None) -> tuple:
+        """``hybrid.checkpoint.load`` (a collective): ``(path loaded, client_state)``; ``load_dir`` is a run
+        directory (its latest complete checkpoint) or one checkpoint directory."""
+        from hybrid import checkpoint
+
+        if tag is not None:
+            raise ValueError(f"load_checkpoint(tag={tag!r}): give the checkpoint directory itself as load_dir "
+                             "(e.g. RUN/checkpoints/step-000100) and leave tag out")
+        resumed = checkpoint.load(load_dir, self)
+        return str(resumed.path), resumed.extra
 
     # -- reports --------------------------------------------------------------------------------------
     def memory_report(self) -> dict:

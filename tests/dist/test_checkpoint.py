@@ -649,3 +649,33 @@ def test_a_learning_rate_set_by_hand_scales_the_schedule_reads_back_and_survives
     expected = [warm[0], warm[1], warm[2] / 2, warm[2] / 2, warm[3] / 2, warm[4] / 2]
     for seen in run_local(_lr_set_by_hand_runs, 2, str(tmp_path / "run"), timeout_s=120):
         assert seen == pytest.approx(expected, rel=1e-12), seen
+
+
+def _deepspeed_names_runs(run_dir: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    engine = hybrid.initialize(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), config)
+    boundaries = []
+    for _ in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        loss = engine.train()(x[rank::world]).square().mean()
+        assert engine.backward(loss) is loss
+        engine.step()
+    path = engine.save_checkpoint(run_dir, client_state={"epoch": 3})
+    again = hybrid.initialize(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), config)
+    loaded, client_state = again.load_checkpoint(run_dir)
+    same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), again.full_state_dict().values()))
+    return dict(boundaries=boundaries, path=path, loaded=loaded, client_state=client_state, same=same,
+                steps=(engine.global_steps, again.global_steps), lr=again.get_lr(),
+                norm=engine.get_global_grad_norm() == engine.last_grad_norm,
+                training=(engine.eval().module.training, engine.train().module.training))
+
+
+def test_deepspeed_engine_names_train_save_and_load_like_the_hybrid_ones(tmp_path):
+    for res in run_local(_deepspeed_names_runs, 2, str(tmp_path / "run"), timeout_s=120):
+        assert res["boundaries"] == [False, True, False, True]
+        assert res["path"] == res["loaded"] == str(tmp_path / "run" / "checkpoints" / "step-000002")
+        assert res["client_state"] == {"epoch": 3} and res["same"] and res["steps"] == (2, 2)
+        assert res["lr"] == [0.01] and res["norm"] and res["training"] == (False, True)
