@@ -7,7 +7,8 @@ short (``quote``: at most ``QUOTE_LIMIT`` characters, however big the value), so
 a whole YAML bomb. A string that YAML read from something number-like (``1e3`` has no dot, so YAML 1.1
 reads it as a string) is explained in the same sentence.
 
-Constants used by more than one module live here: ``PRECISIONS``, ``STAGES``, ``MAX_SEED``.
+Constants used by more than one module live here: ``PRECISIONS``, ``STAGES``, ``MAX_SEED``. ``"auto"`` where
+it is not one of the choices is explained as the Hugging Face placeholder it is (``AUTO_PLACEHOLDER``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ STAGES = (0, 1, 2, 3)
 # that product inside the generator's 64-bit range for any step count.
 MAX_SEED = 2**32 - 1
 QUOTE_LIMIT = 80
+AUTO_PLACEHOLDER = ('"auto" is a placeholder the Hugging Face Trainer/Accelerate fill in before DeepSpeed reads '
+                    'the config')
 
 _repr = reprlib.Repr()
 _repr.maxstring = QUOTE_LIMIT
@@ -48,7 +51,14 @@ def join(path: str, key: Any) -> str:
 
 def invalid(path: str, need: str, value: Any) -> ConfigError:
     """The one-sentence error for a value outside what ``need`` describes."""
-    return ConfigError(f"{path} must be {need}, got {quote(value)}{_yaml_hint(value)}.")
+    return ConfigError(f"{path} must be {need}, got {quote(value)}{_yaml_hint(value)}{auto_hint(value)}.")
+
+
+def auto_hint(value: Any) -> str:
+    """Why ``"auto"`` is refused where it is not one of the choices: it is a Hugging Face placeholder."""
+    if not (isinstance(value, str) and value == "auto"):
+        return ""
+    return f" ({AUTO_PLACEHOLDER}; write the real value)"
 
 
 def _yaml_hint(value: Any) -> str:
@@ -206,12 +216,22 @@ def _kind(value: Any) -> str:
 
 
 def known_keys(path: str, d: Mapping, allowed: Iterable[str]) -> None:
+    """Refuse every key of ``d`` outside ``allowed``, all of them in one sentence, each named whole."""
     allowed = tuple(allowed)
-    for key in d:
-        if not isinstance(key, str) or key not in allowed:
-            plain = isinstance(key, str) and key.isprintable()
-            name = (key if len(key) <= 40 else key[:37] + "...") if plain else quote(key, 40)
-            raise ConfigError(f"{join(path, name)} is not a known setting; use one of: {', '.join(allowed)}.")
+    unknown = [join(path, key_name(key)) for key in d if not isinstance(key, str) or key not in allowed]
+    if not unknown:
+        return
+    verb = "is not a known setting" if len(unknown) == 1 else "are not known settings"
+    names = unknown[0] if len(unknown) == 1 else ", ".join(unknown[:-1]) + " and " + unknown[-1]
+    raise ConfigError(f"{names} {verb}; use one of: {', '.join(allowed)}.")
+
+
+def key_name(key: Any) -> str:
+    """A mapping key as a message shows it: a printable string whole (up to ``QUOTE_LIMIT`` characters, more
+    than any real setting name), anything else quoted short."""
+    if isinstance(key, str) and key.isprintable():
+        return key if len(key) <= QUOTE_LIMIT else key[: QUOTE_LIMIT - 3] + "..."
+    return quote(key, 40)
 
 
 def required(d: Mapping, path: str, key: str, need: str) -> Any:

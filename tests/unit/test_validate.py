@@ -36,6 +36,11 @@ def test_checkers_return_normalised_values():
     (lambda: v.one_of("precision", ["x"], v.PRECISIONS), "precision must be one of bf16, fp32, got ['x']."),
     (lambda: v.mapping("zero", [1]), "zero must be a mapping, got list [1]."),
     (lambda: v.mapping("zero", {"stag": 1}, ("stage",)), "zero.stag is not a known setting; use one of: stage."),
+    (lambda: v.mapping("zero", {"stag": 1, "x" * 60: 2, "b": 3}, ("stage",)),
+     f"zero.stag, zero.{'x' * 60} and zero.b are not known settings; use one of: stage."),
+    (lambda: v.positive_int("train_batch_size", "auto"), "train_batch_size must be a positive integer, got 'auto' "
+     "(\"auto\" is a placeholder the Hugging Face Trainer/Accelerate fill in before DeepSpeed reads the config; "
+     "write the real value)."),
     (lambda: v.required({}, "job", "steps", "the step count"), "job.steps is missing; add it (the step count)."),
     (lambda: v.number("lr", "1e-3"),
      "lr must be a finite number, got '1e-3' (YAML reads 1e-3 as a string, a float needs a dot and a signed "
