@@ -1,8 +1,9 @@
 """Typed training configuration for the ZeRO engine, built from our dict or a DeepSpeed-style dict.
 
 ``TrainConfig(zero=ZeroConfig(...), precision="bf16"|"fp32", optimizer=OptimizerConfig(...),
-scheduler=None|SchedulerConfig(...), gradient_clipping=None|float, gradient_accumulation_steps=1,
-max_nonfinite_skips=5)``. Every field is checked
+scheduler=None|SchedulerConfig(...), gradient_clipping=None|float, gradient_accumulation_steps=None|int,
+max_nonfinite_skips=5)``; accumulation left out is 1, or with both batch sizes given derived by
+``check_batch(dp)`` as DeepSpeed does (train_batch_size / (micro batch x dp)). Every field is checked
 on construction; a bad value raises ``ConfigError`` naming the field and the fix.
 
 ``TrainConfig.from_dict(d)`` accepts both spellings, mixed freely:
@@ -12,7 +13,10 @@ on construction; a bad value raises ``ConfigError`` naming the field and the fix
   "params": {...}}, "gradient_clipping": 1.0, "gradient_accumulation_steps": 2,
   "train_micro_batch_size_per_gpu": 4, "train_batch_size": 32, "scheduler": {"type": "WarmupCosineLR",
   "params": {...}}}``; ``stage3_prefetch_bucket_size`` and ``stage3_param_persistence_threshold`` are
-  aliases of the plain names. ``fp16`` is refused (use bf16).
+  aliases of the plain names. ``fp16`` is refused (use bf16). DeepSpeed settings without a field here are in
+  ``DEEPSPEED_KNOBS``: ignored (one log line) where they cannot change the training, else refused with the
+  reason. A DeepSpeed-form optimizer (``params``) without ``weight_decay`` decays nothing, as DeepSpeed's
+  optimizers do (``DEEPSPEED_WEIGHT_DECAY``).
   ``stage3_unit`` (``auto`` | ``module`` | a callable ``(name, module) -> bool``) cuts stage 3's units
   (``hybrid.zero.units``). ``reduce_dtype`` (``fp32`` | ``bf16``; default the model's precision, the
   seed's bf16 gradients) is the dtype a bf16 model's gradients are summed over DP and accumulated over
@@ -27,21 +31,25 @@ of ``{names: [patterns], weight_decay: x, lr_scale: y}``, first match wins) and 
 (``auto`` | ``fused`` | ``foreach`` | ``for-loop``). ``zero_optimization.offload_optimizer: {device: cpu,
 pin_memory: true}`` keeps the fp32 master and the optimizer state in host memory (stages 1-3).
 
-Unknown keys are an error that names the key (with its section) and lists the accepted ones. Sizes are in
+Unknown keys are an error that names every unknown key of the section (whole) and lists the accepted ones. Sizes are in
 elements, as in DeepSpeed, and may be written as floats (``5e8``) when they are whole numbers.
 Defaults follow the seed (bucket sizes 5e8, prefetch 5e7, persistence 1e5, sub-group 1e9) and
-``torch.optim.AdamW`` (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01).
+``torch.optim.AdamW`` (lr 1e-3, betas (0.9, 0.999), eps 1e-8; weight decay: the named class's default, 0.01
+for AdamW, in our form).
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Optional
+import logging
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Callable, Optional
 
 from hybrid import validate as v
 from hybrid.errors import ConfigError
 from hybrid.validate import PRECISIONS
 
+log = logging.getLogger(__name__)
 
 # -- value checks: the shared vocabulary, with sizes allowed as whole floats (5e8) as in DeepSpeed ------
 def _int(value: Any, name: str, minimum: int) -> int:
@@ -177,6 +185,11 @@ def optimizer_kwargs_allowed(cls) -> tuple:
 
     names = list(inspect.signature(cls.__init__).parameters)[1:]
     return tuple(n for n in names if n not in _TORCH_MANAGED)
+
+
+# DeepSpeed's optimizers (FusedAdam, DeepSpeedCPUAdam, FusedLamb, ...) decay nothing unless told: a DeepSpeed-style
+# optimizer section ({"type": ..., "params": {...}}) without weight_decay gets this, whatever torch's default.
+DEEPSPEED_WEIGHT_DECAY = 0.0
 
 
 def default_weight_decay(kind: str, decoupled: bool = True) -> float:
@@ -338,9 +351,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: Optional[SchedulerConfig] = None  # None: the optimizer's learning rate throughout
     gradient_clipping: Optional[float] = None   # max global gradient norm; None (or 0) = no clipping
-    gradient_accumulation_steps: int = 1
-    micro_batch_size: Optional[int] = None      # per rank; informational, checked against train_batch_size
-    train_batch_size: Optional[int] = None      # = micro_batch_size * accumulation * dp when all are given
+    gradient_accumulation_steps: Optional[int] = None  # None: derived by check_batch(dp) when both batch sizes
+    micro_batch_size: Optional[int] = None      # are given, else 1. Per rank; informational, checked against
+    train_batch_size: Optional[int] = None      # train_batch_size = micro_batch_size * accumulation * dp
     max_nonfinite_skips: int = 5                # a NaN/inf gradient norm skips the step; this many in a row fail
 
     def __post_init__(self) -> None:
@@ -359,32 +372,137 @@ class TrainConfig:
         if clip is not None:
             clip = _float(clip, "gradient_clipping") or None  # DeepSpeed writes 0.0 for "off"
         set_("gradient_clipping", clip)
-        set_("gradient_accumulation_steps", _int(self.gradient_accumulation_steps, "gradient_accumulation_steps", 1))
         set_("max_nonfinite_skips", _int(self.max_nonfinite_skips, "max_nonfinite_skips", 1))
         for name in ("micro_batch_size", "train_batch_size"):
             if getattr(self, name) is not None:
                 set_(name, _int(getattr(self, name), name, 1))
+        accumulation = self.gradient_accumulation_steps
+        if accumulation is not None:
+            set_("gradient_accumulation_steps", _int(accumulation, "gradient_accumulation_steps", 1))
+        elif not self._derives_accumulation:
+            set_("gradient_accumulation_steps", 1)
+
+    @property
+    def _derives_accumulation(self) -> bool:
+        """True while ``gradient_accumulation_steps`` waits for ``check_batch(dp)`` to derive it."""
+        return (self.gradient_accumulation_steps is None and self.micro_batch_size is not None
+                and self.train_batch_size is not None)
 
     @property
     def grad_precision(self) -> str:
         """The dtype gradients are reduced and accumulated in: ``zero.reduce_dtype``, else the model's."""
         return self.zero.reduce_dtype or self.precision
 
-    def check_batch(self, dp: int) -> None:
-        """``train_batch_size`` must equal micro batch × accumulation × dp when both batch sizes are set."""
+    def check_batch(self, dp: int) -> "TrainConfig":
+        """This config for ``dp`` data-parallel ranks: ``gradient_accumulation_steps`` not given is derived as
+        DeepSpeed does (train_batch_size / (micro batch x dp)); given, the three must agree. The engine uses
+        the config this returns."""
         if self.micro_batch_size is None or self.train_batch_size is None:
-            return
-        expected = self.micro_batch_size * self.gradient_accumulation_steps * dp
+            return self
+        rows = self.micro_batch_size * dp
+        if self._derives_accumulation:
+            if self.train_batch_size % rows:
+                raise ConfigError(
+                    f"train_batch_size {self.train_batch_size} is not a multiple of micro batch "
+                    f"{self.micro_batch_size} x dp {dp} = {rows}, so gradient_accumulation_steps cannot be derived; "
+                    f"make train_batch_size a multiple of {rows} or change the micro batch.")
+            return replace(self, gradient_accumulation_steps=self.train_batch_size // rows)
+        expected = rows * self.gradient_accumulation_steps
         if expected != self.train_batch_size:
             raise ConfigError(
                 f"train_batch_size is {self.train_batch_size} but micro batch {self.micro_batch_size} x "
                 f"gradient_accumulation_steps {self.gradient_accumulation_steps} x dp {dp} = {expected}; "
-                f"fix one of them")
+                f"fix one of them (or leave gradient_accumulation_steps out to derive it).")
+        return self
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        """Build from our dict or a DeepSpeed-style dict; unknown keys raise ``ConfigError``."""
-        return _from_dict(_section(d, "config"))
+        """Build from our dict or a DeepSpeed-style dict; unknown keys raise ``ConfigError`` (all of a section's
+        in one sentence); DeepSpeed settings that do not change the training are ignored with one log line."""
+        ignored: list = []
+        cfg = _from_dict(_drop_deepspeed_knobs(_section(d, "config"), "", ignored))
+        if ignored:
+            log.warning("ignoring DeepSpeed settings that do not change the training here: %s", ", ".join(ignored))
+        return cfg
+
+
+# -- DeepSpeed settings hybrid has no field for: ignored where they cannot change the training, else refused ----
+@dataclass(frozen=True)
+class _Knob:
+    """A DeepSpeed setting without a field here: values for which ``harmless`` holds change nothing (performance,
+    logging, checkpoint format) and are ignored; any other value is refused with ``why`` (reason and fix)."""
+
+    harmless: Callable[[Any], bool] = lambda value: True
+    why: str = ""
+
+
+def _only(expected: Any) -> Callable[[Any], bool]:
+    """Harmless only as ``expected`` (``True`` never passes for ``1``)."""
+    return lambda value: isinstance(value, bool) == isinstance(expected, bool) and value == expected
+
+
+def _no_param_offload(value: Any) -> bool:
+    return value is None or isinstance(value, Mapping) and value.get("device", "none") in ("none", None)
+
+
+_IGNORED = _Knob()
+# The one list, by DeepSpeed path (a "zero" section is read as "zero_optimization").
+DEEPSPEED_KNOBS = {
+    **{key: _IGNORED for key in (
+        "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+        "memory_breakdown", "dump_state", "tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler",
+        "bf16.immediate_grad_update",
+        "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+        "zero_optimization.round_robin_gradients", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save", "zero_optimization.load_from_fp32_weights",
+        "zero_optimization.ignore_unused_parameters", "zero_optimization.memory_efficient_linear",
+        "zero_optimization.elastic_checkpoint",
+        "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
+        "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
+        "zero_optimization.offload_optimizer.nvme_path")},
+    "zero_optimization.offload_optimizer.ratio": _Knob(_only(1.0), "other than 1.0 (offloading part of the "
+                                                       "optimizer) is not supported; remove it: all of it is offloaded"),
+    "zero_optimization.allgather_partitions": _Knob(_only(True), "false (gathering by broadcasts) is not supported; "
+                                                    "remove it: parameters are always all-gathered"),
+    "zero_optimization.offload_param": _Knob(_no_param_offload, "(ZeRO-Infinity parameter offload) is not "
+                                             "supported; remove it (offload_optimizer: {device: cpu} is supported)"),
+    "zero_optimization.zero_quantized_weights": _Knob(_only(False), "(ZeRO++ quantized weight gathers) would "
+                                                      "change the weights each step computes with; remove it"),
+    "zero_optimization.zero_quantized_nontrainable_weights": _Knob(_only(False), "(ZeRO++ quantized frozen "
+                                                                   "weights) would change them; remove it"),
+    "zero_optimization.zero_quantized_gradients": _Knob(_only(False), "(ZeRO++ quantized gradient reduction) "
+                                                        "would change the gradients; remove it"),
+    "zero_optimization.zero_hpz_partition_size": _Knob(_only(1), "(ZeRO++ hierarchical partitioning) is not "
+                                                       "supported; remove it"),
+    "prescale_gradients": _Knob(_only(False), "true is not supported: gradients are averaged in one fixed order "
+                                "here; remove it"),
+    "communication_data_type": _Knob(lambda value: value is None, "is not a setting here; use "
+                                     "zero_optimization.reduce_dtype (fp32 or bf16) for the dtype gradients are "
+                                     "reduced in"),
+}
+
+
+def _deepspeed_path(path: str) -> str:
+    """``path`` as the DeepSpeed spelling names it in ``DEEPSPEED_KNOBS``."""
+    return "zero_optimization" + path[4:] if path == "zero" or path.startswith("zero.") else path
+
+
+def _drop_deepspeed_knobs(section: dict, where: str, ignored: list) -> dict:
+    """``section`` without the ``DEEPSPEED_KNOBS`` set to a harmless value (their paths appended to ``ignored``);
+    one set to another value raises its reason."""
+    out = {}
+    for key, value in section.items():
+        path = v.join(where, key)
+        knob = DEEPSPEED_KNOBS.get(_deepspeed_path(path)) if isinstance(key, str) else None
+        if knob is None:
+            below = _deepspeed_path(path) + "."
+            nested = isinstance(value, Mapping) and any(name.startswith(below) for name in DEEPSPEED_KNOBS)
+            out[key] = _drop_deepspeed_knobs(value, path, ignored) if nested else value
+        elif knob.harmless(value):
+            ignored.append(path)
+        else:
+            raise ConfigError(f"{path} {knob.why}.")
+    return out
 
 
 # -- dict parsing ------------------------------------------------------------------------------------------
@@ -439,8 +557,11 @@ def _zero_from(d: dict) -> ZeroConfig:
 
 
 def _precision_from(d: dict) -> str:
-    fp16 = d.get("fp16")
-    if fp16 is not None and _section(fp16, "fp16").get("enabled", False):
+    fp16 = _section(d["fp16"], "fp16").get("enabled", False) if d.get("fp16") is not None else False
+    if isinstance(fp16, str) and fp16 == "auto":
+        raise ConfigError(f"fp16.enabled is \"auto\" ({v.AUTO_PLACEHOLDER}); fp16 is not supported, so set it to "
+                          f"false and use bf16 (bf16.enabled: true).")
+    if fp16:
         raise ConfigError("fp16.enabled: fp16 is not supported; use bf16 (bf16.enabled: true) instead")
     bf16 = None
     if "bf16" in d:
@@ -472,7 +593,8 @@ def _optimizer_from(section) -> OptimizerConfig:
         raise ConfigError(f"{where}.adam_w_mode is false but optimizer.type is AdamW; use type Adam for L2 decay")
     cls = torch_optimizer_class(kind, decoupled)
     _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"}, where)
-    params.setdefault("weight_decay", default_weight_decay(kind, decoupled))  # the class named, not the one run
+    params.setdefault("weight_decay", DEEPSPEED_WEIGHT_DECAY if "params" in section else
+                      default_weight_decay(kind, decoupled))  # plain: the class named, not the one run
     plain = ("lr", "betas", "eps", "weight_decay")
     cfg = OptimizerConfig.__new__(OptimizerConfig)
     for f in fields(OptimizerConfig):

@@ -126,7 +126,7 @@ class ZeroEngine:
         self.policy = policy_for(self.stage)
         self.dp_comm = Comm(dp_group, "dp")
         self.tp_comm = Comm(tp_group, "tp") if tp_group is not None else None
-        config.check_batch(self.dp_comm.size)
+        self.config = config = config.check_batch(self.dp_comm.size)  # derives accumulation not given
         self.dtype = DTYPES[config.precision]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:

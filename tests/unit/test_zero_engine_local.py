@@ -43,7 +43,8 @@ def test_initialize_rejects_bad_configs():
     with pytest.raises(ConfigError, match=r"^zero_optimization\.stage4_magic is not a known setting"):
         hybrid.initialize(ParityNet(), {"zero_optimization": {"stage4_magic": 1}})
     with pytest.raises(ConfigError, match=r"^train_batch_size is 64 but micro batch 4"):
-        hybrid.initialize(ParityNet(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4})
+        hybrid.initialize(ParityNet(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                        "gradient_accumulation_steps": 2})
 
 
 def test_backward_twice_without_step_is_refused():
