@@ -16,9 +16,12 @@ Which modules are unit roots and which units each reads is ``hybrid.zero.units``
   root's outputs so that the first gradient reaching them (before the subtree's backward runs) gathers
   the units again, prefetching in the order the previous backward will need them (the reverse of the
   order in which the roots' forwards *returned*, so a root's nested roots come right after it).
-* Reads outside every gathered unit (``guard()``, a ``TorchFunctionMode`` entered around the model's
-  forward): a tensor op that gets a parameter whose unit no running root reads (a parent reading a
-  child root's weight, e.g. a tied head ``F.linear(h, self.emb.weight)``) gathers that unit on demand and
+* Reads outside every gathered unit: a parameter whose unit is not in use (no running root reads it and
+  nothing holds it for backward; released or only prefetched) wears a subclass of its class whose
+  ``__torch_function__`` sees the ops that get it (``_released_class``; the parameters in use wear their
+  own class again, so the forward's other ops never reach Python). Inside the engine's forward
+  (``guard()``), such an op (a parent reading a child root's weight, e.g. a tied head
+  ``F.linear(h, self.emb.weight)``) gathers that unit on demand and
   keeps it gathered until its gradients are in (or until the forward ends under ``no_grad``), so the
   value, the saved tensors and the gradient are all right; it is logged once per parameter, naming it,
   and counted (``counts["on_demand"]``) since each such read costs an extra gather.
@@ -51,7 +54,6 @@ from typing import Callable, Mapping
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybrid.comm import Comm
@@ -88,10 +90,15 @@ class ParamGatherer:
         self._unit_of = {id(param): u for u, pairs in enumerate(views) if u not in self.persistent
                          for param, _ in pairs}
         self._ready: set = set(self.persistent)  # every other unit starts released (storage freed)
+        self._class_of = {}               # id(parameter) -> its own class, while it wears the released one
+        self._guarding = 0                # inside guard(): reads of parameters not in use gather them
         for u in range(len(layout.units)):
             if u not in self.persistent:
                 for param, _ in views[u]:
+                    self._class_of[id(param)] = type(param)
+                    param.__dict__["_hybrid_gatherer"] = self
                     param.data = self._empty
+                    param.__class__ = _released_class(type(param))
         self._pending: dict = {}          # unit -> async handle
         self._unit_at: dict = {}          # data_ptr of a gathered unit's buffer -> the unit (saved-tensor hooks)
         self._refs = defaultdict(int)     # forward references
@@ -169,8 +176,18 @@ class ParamGatherer:
         self._ready.discard(u)
         for param, _ in self._views[u]:
             param.data = self._empty
+            param.__class__ = _released_class(self._class_of[id(param)])
         self._unit_at.pop(self.full[u].untyped_storage().data_ptr(), None)
         self.full[u].untyped_storage().resize_(0)
+
+    def _in_use(self, units) -> None:
+        """``units`` are gathered and in use (a running root's, or held for backward): their parameters drop
+        the released class, so reading them costs nothing extra. Only units in use do: a prefetched unit
+        keeps it until its root runs, so a read from elsewhere still waits for its gather and holds it."""
+        for u in units:
+            if u not in self.persistent:
+                for param, _ in self._views[u]:
+                    param.__class__ = self._class_of[id(param)]
 
     def gathered_units(self) -> list:
         return sorted((self._ready | set(self._pending)) - self.persistent)
@@ -209,8 +226,12 @@ class ParamGatherer:
     def guard(self):
         """Enter around the model's forward: reads of parameters outside their units gather them, and the
         parameters autograd saves gather their unit again when backward unpacks them."""
-        with _OutOfUnitReads(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        self._guarding += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._guarding -= 1
 
     def _pack(self, tensor):
         try:
@@ -247,6 +268,7 @@ class ParamGatherer:
                     log.warning("%s", message)
             self.wait(u)
             held.add(u)
+            self._in_use((u,))
         finally:
             self._internal -= 1
 
@@ -269,6 +291,7 @@ class ParamGatherer:
                     self._prefetch(prev[position + 1:])
             for u in units:
                 self.wait(u)
+            self._in_use(units)
         finally:
             self._internal -= 1
 
@@ -321,6 +344,7 @@ class ParamGatherer:
             self._prefetch(order[k + 1:])
         for u in units:
             self.wait(u)
+        self._in_use(units)
 
     def release_after_backward(self, u: int) -> None:
         """All gradients of unit ``u`` are in: its full parameters are no longer needed."""
@@ -350,22 +374,33 @@ class _SavedParam:
         self.unit, self.tensor = unit, tensor
 
 
-class _OutOfUnitReads(TorchFunctionMode):
-    """Sees every tensor op of the forward; hands each parameter argument to the gatherer first."""
+def _released_torch_function(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` of a parameter not in use: inside the engine's forward, an op that reads its
+    values gathers its unit first (``read_outside_unit``); elsewhere it runs as is."""
+    kwargs = kwargs or {}
+    if _reads_values(func):
+        for t in (*args, *kwargs.values()):
+            for p in (t if isinstance(t, (list, tuple)) else (t,)):
+                g = getattr(p, "__dict__", {}).get("_hybrid_gatherer")
+                if g is not None and g._guarding and not g._internal:
+                    g.read_outside_unit(p)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
-    def __init__(self, gatherer: ParamGatherer):
-        super().__init__()
-        self.gatherer = gatherer
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        g = self.gatherer
-        if not g._internal:
-            params = [t for a in (*args, *(kwargs.values() if kwargs else ()))
-                      for t in (a if isinstance(a, (list, tuple)) else (a,)) if id(t) in g._unit_of]
-            if params and _reads_values(func):
-                for t in params:
-                    g.read_outside_unit(t)
-        return func(*args, **(kwargs or {}))
+_RELEASED_CLASSES: dict = {}
+
+
+def _released_class(cls: type) -> type:
+    """The class a parameter of class ``cls`` wears while not in use: ``cls`` with the ``__torch_function__``
+    above. Only these parameters reach Python on every op; the ones in use cost nothing (a
+    ``TorchFunctionMode`` would see every op of the forward: 2-3 us each on CPU)."""
+    released = _RELEASED_CLASSES.get(cls)
+    if released is None:
+        released = type(f"Released{cls.__name__}", (cls,),
+                        {"__torch_function__": classmethod(_released_torch_function), "__module__": __name__})
+        _RELEASED_CLASSES[cls] = released
+    return released
 
 
 # What a released parameter answers truthfully (flags, placement, hooks, its storage as it is now), so
