@@ -102,8 +102,9 @@ class GradReducer:
         self._launched = [False] * len(layout.units)
         self._fired = [False] * len(params)
         self._next = 0
+        self._hook_keys = []
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(self._hook(i))
+            self._hook_keys.append(p.register_post_accumulate_grad_hook(self._hook(i)).id)
             p.grad = None
 
     # -- views ----------------------------------------------------------------------------------------
@@ -131,6 +132,12 @@ class GradReducer:
     # -- backward -------------------------------------------------------------------------------------
     def begin(self, reduce: bool) -> None:
         """Start a backward pass; ``reduce`` says whether this micro-step communicates gradients."""
+        for p, key in zip(self.params, self._hook_keys):
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks and next(reversed(hooks)) != key:
+                raise RuntimeError("a post-accumulate-grad hook was registered on a parameter after "
+                                   "hybrid.initialize; it would run after the engine has taken the gradient "
+                                   "(param.grad is None there). Register it before hybrid.initialize")
         self._active = reduce or self.mode == "scatter_shard"
         self._pending = [len(u.slots) for u in self.layout.units]
         self._launched = [False] * len(self.layout.units)

@@ -132,6 +132,7 @@ class ZeroEngine:
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         _refuse_sparse_gradients(module)
+        _refuse_compiled_at_stage3(module, self.stage)
         _check_tp_degree(module, self.tp_comm.size if self.tp_comm is not None else 1)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -264,6 +265,7 @@ class ZeroEngine:
             raise RuntimeError("engine.backward() was called twice without engine.step(); call step() after "
                                "every backward (it only steps the optimizer at accumulation boundaries)")
         _check_loss(loss)  # before the state changes: a corrected call must still work
+        _check_trainable_unchanged(self.names, self.params)
         self._awaiting_step = True
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
@@ -553,6 +555,25 @@ def _check_tp_degree(module: nn.Module, tp: int) -> None:
         raise ValueError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
                          "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
                          "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
+
+
+def _check_trainable_unchanged(names, params) -> None:
+    """The trainable set is fixed at initialize: a parameter frozen afterwards would still be stepped with a
+    zero gradient (Adam momentum and weight decay keep moving it), silently unlike torch's optimizers."""
+    frozen = [n for n, p in zip(names, params) if not p.requires_grad]
+    if frozen:
+        raise RuntimeError(f"{len(frozen)} parameter(s) were frozen after hybrid.initialize ({', '.join(frozen[:3])}"
+                           f"{', ...' if len(frozen) > 3 else ''}); the engine would keep updating them. Freeze "
+                           "parameters (requires_grad_(False)) before hybrid.initialize")
+
+
+def _refuse_compiled_at_stage3(module: nn.Module, stage: int) -> None:
+    """Stage 3 hooks every unit root; inside a graph ``torch.compile`` traced before they existed, dynamo
+    fails on them with an internal error."""
+    if stage == 3 and hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+        raise ValueError("hybrid.initialize got a torch.compile'd model at ZeRO stage 3, whose unit hooks a "
+                         "compiled graph cannot take: pass the plain model and compile engine.module (or its "
+                         "blocks) after hybrid.initialize")
 
 
 def _check_loss(loss) -> None:

@@ -228,7 +228,7 @@ class ParamGatherer:
         parameters autograd saves gather their unit again when backward unpacks them."""
         self._guarding += 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with _gathering_function_apply(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._guarding -= 1
@@ -389,6 +389,36 @@ def _released_torch_function(cls, func, types, args=(), kwargs=None):
 
 
 _RELEASED_CLASSES: dict = {}
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod, restored as it was
+_FUNCTION_APPLY = _ORIGINAL_APPLY.__func__
+_apply_patched = 0
+
+
+def _gathering_apply(cls, *args, **kwargs):
+    """``Function.apply`` inside the engine's forward: a custom ``torch.autograd.Function`` (a fused kernel
+    given ``self.fc.weight``) does not dispatch ``__torch_function__``, so autograd would record a parameter
+    not in use with its released shape (0,) and backward would fail on its gradient: gather it first."""
+    for a in (*args, *kwargs.values()):
+        g = a.__dict__.get("_hybrid_gatherer") if isinstance(a, torch.Tensor) else None
+        if g is not None and g._guarding and not g._internal:
+            g.read_outside_unit(a)
+    return _FUNCTION_APPLY(cls, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _gathering_function_apply():
+    """``torch.autograd.Function.apply`` is ``_gathering_apply`` while any engine's forward runs (and only
+    then: a process-wide patch, counted for nested forwards)."""
+    global _apply_patched
+    if _apply_patched == 0:
+        torch.autograd.Function.apply = classmethod(_gathering_apply)
+    _apply_patched += 1
+    try:
+        yield
+    finally:
+        _apply_patched -= 1
+        if _apply_patched == 0:
+            torch.autograd.Function.apply = _ORIGINAL_APPLY
 
 
 def _released_class(cls: type) -> type:

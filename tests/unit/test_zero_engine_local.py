@@ -11,6 +11,7 @@ import torch
 
 import hybrid
 from hybrid.errors import ConfigError
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 from tests.dist.zero_models import ParityNet, config, reference, train_engine
 
 
@@ -117,3 +118,72 @@ def test_state_dict_of_released_parameters_at_stage3_is_refused_in_one_sentence(
         model.load_state_dict(engine.full_state_dict(), strict=False)
     assert set(model.state_dict(keep_vars=True)) >= set(engine.full_state_dict())  # the objects stay reachable
     assert hybrid.initialize(ParityNet(), config(2)).module.state_dict()  # below stage 3 nothing is released
+
+
+def test_a_parameter_frozen_after_initialize_is_refused_not_stepped():
+    from tests.dist.zero_models import batch
+
+    model = ParityNet()
+    engine = hybrid.initialize(model, config(2))
+    next(p for p in model.parameters() if p.requires_grad).requires_grad_(False)  # AdamW would still move it
+    x, y = batch(0, 0)
+    with pytest.raises(RuntimeError, match=r"frozen after hybrid\.initialize .*before hybrid\.initialize"):
+        engine.backward(engine(x, y))
+
+
+def test_a_post_accumulate_grad_hook_registered_after_initialize_is_refused():
+    from tests.dist.zero_models import batch
+
+    model = ParityNet()
+    engine = hybrid.initialize(model, config(1))
+    next(p for p in model.parameters() if p.requires_grad).register_post_accumulate_grad_hook(lambda p: None)
+    x, y = batch(0, 0)
+    with pytest.raises(RuntimeError, match=r"registered on a parameter after hybrid\.initialize"):
+        engine.backward(engine(x, y))
+
+
+class _FusedLinear(torch.autograd.Function):
+    """A user's custom kernel: autograd records its inputs without dispatching __torch_function__."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x, grad.sum(0)
+
+
+class _CustomKernelNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)
+
+    def forward(self, x):  # fc2 never runs as a module: under stage3_unit "module" it is a unit of its own
+        return _FusedLinear.apply(torch.tanh(self.fc1(x)), self.fc2.weight, self.fc2.bias).square().mean()
+
+
+def test_a_custom_autograd_function_given_a_released_parameter_at_stage3_gets_it_gathered():
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    plain = _CustomKernelNet()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    engine = hybrid.initialize(_CustomKernelNet(), {
+        "zero_optimization": {"stage": 3, "stage3_unit": "module", "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for _ in range(3):
+        plain(x).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(engine(x))
+        engine.step()
+    for name, value in plain.named_parameters():
+        torch.testing.assert_close(engine.full_state_dict()[name], value.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.autograd.Function.__dict__["apply"] is _ORIGINAL_APPLY  # patched only inside the forward
+
+
+def test_a_compiled_model_at_stage3_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"torch\.compile'd model at ZeRO stage 3.*compile engine\.module"):
+        hybrid.initialize(torch.compile(ParityNet()), config(3))
