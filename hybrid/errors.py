@@ -14,6 +14,15 @@ class ConfigError(UserError, ValueError):
     """A configuration field (training config, cluster.yaml, DeepSpeed-style dict) is invalid."""
 
 
+class UsageError(UserError, RuntimeError):
+    """The library was used in a way it cannot honour (a step without a backward, a parameter frozen after
+    ``hybrid.initialize``, a model another engine holds); the message names the right way."""
+
+
+class LossError(UserError, TypeError):
+    """``engine.backward`` was given something that is not the scalar loss of a forward with gradients."""
+
+
 class PlanError(UserError):
     """The planner found no way to fit the model on the given cluster."""
 

@@ -46,6 +46,7 @@ import torch
 
 from hybrid.buffer_pool import BufferPool
 from hybrid.comm import Comm
+from hybrid.errors import UsageError
 from hybrid.zero.partition import FlatLayout
 
 MODES = ("all_reduce", "scatter_full", "scatter_shard")
@@ -135,7 +136,7 @@ class GradReducer:
         for p, key in zip(self.params, self._hook_keys):
             hooks = getattr(p, "_post_accumulate_grad_hooks", None)
             if hooks and next(reversed(hooks)) != key:
-                raise RuntimeError("a post-accumulate-grad hook was registered on a parameter after "
+                raise UsageError("a post-accumulate-grad hook was registered on a parameter after "
                                    "hybrid.initialize; it would run after the engine has taken the gradient "
                                    "(param.grad is None there). Register it before hybrid.initialize")
         self._active = reduce or self.mode == "scatter_shard"
@@ -175,7 +176,7 @@ class GradReducer:
             return
         unit, slot = self._unit_of[i]
         if self._launched[unit.index]:
-            raise RuntimeError("a parameter received a second gradient in one backward after its bucket was "
+            raise UsageError("a parameter received a second gradient in one backward after its bucket was "
                                "reduced (e.g. reentrant checkpointing around a shared parameter); this is "
                                "not supported")
         first = not self._fired[i]

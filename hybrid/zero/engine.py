@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from hybrid.comm import Comm
+from hybrid.errors import ConfigError, LossError, UsageError
 from hybrid.config import TrainConfig
 from hybrid.value_sources import ValueSources, has_meta
 from hybrid.param_attrs import is_tensor_parallel, tensor_parallel_dim
@@ -87,7 +88,7 @@ from hybrid.tp.layers import TensorParallelModule
 from hybrid.tp.sharding import gather_tp_tensor
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
-from hybrid.zero.params import ParamGatherer, all_gather_units
+from hybrid.zero.params import ParamGatherer, all_gather_units, wears_released_class
 from hybrid.zero.partition import build_layout, unit_groups
 from hybrid.zero.policy import policy_for
 from hybrid.zero.units import plan_units
@@ -130,9 +131,10 @@ class ZeroEngine:
         self.dtype = DTYPES[config.precision]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+            raise ConfigError("the model has no trainable parameters (requires_grad=True)")
         _refuse_sparse_gradients(module)
         _refuse_compiled_at_stage3(module, self.stage)
+        _refuse_model_of_a_stage3_engine(module)
         _check_tp_degree(module, self.tp_comm.size if self.tp_comm is not None else 1)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -262,7 +264,7 @@ class ZeroEngine:
         """Back-propagate ``loss / gradient_accumulation_steps`` (and / DP size where the collective cannot
         average) and reduce the gradients of this stage; returns ``loss`` (as DeepSpeed's does)."""
         if self._awaiting_step:
-            raise RuntimeError("engine.backward() was called twice without engine.step(); call step() after "
+            raise UsageError("engine.backward() was called twice without engine.step(); call step() after "
                                "every backward (it only steps the optimizer at accumulation boundaries)")
         _check_loss(loss)  # before the state changes: a corrected call must still work
         _check_trainable_unchanged(self.names, self.params)
@@ -289,7 +291,7 @@ class ZeroEngine:
         ``max_nonfinite_skips`` of them in a row raise ``NonFiniteError`` (``zero.clip.NonFiniteGuard``).
         """
         if not self._awaiting_step:
-            raise RuntimeError("engine.step() was called without engine.backward(loss) since the last step "
+            raise UsageError("engine.step() was called without engine.backward(loss) since the last step "
                                "(loss.backward() bypasses the engine: its gradients are never reduced); call "
                                "engine.backward(loss) before every step()")
         self._awaiting_step = False
@@ -380,7 +382,7 @@ class ZeroEngine:
         too). ``hybrid.checkpoint`` saves a rate set by hand and a resume restores it."""
         value = float(value)
         if not value >= 0 or value == float("inf"):
-            raise ValueError(f"engine.lr must be a finite number >= 0, got {value!r}")
+            raise ConfigError(f"engine.lr must be a finite number >= 0, got {value!r}")
         self.base_lr, self.last_lr = value, None
 
     def shard_views(self) -> dict:
@@ -472,7 +474,7 @@ class ZeroEngine:
         from hybrid import checkpoint
 
         if tag is not None:
-            raise ValueError(f"save_checkpoint(tag={tag!r}): hybrid names checkpoints by step "
+            raise ConfigError(f"save_checkpoint(tag={tag!r}): hybrid names checkpoints by step "
                              f"(step-{self.global_step:06d}); leave tag out")
         return str(checkpoint.save(save_dir, self, self.global_step, extra=client_state))
 
@@ -482,7 +484,7 @@ class ZeroEngine:
         from hybrid import checkpoint
 
         if tag is not None:
-            raise ValueError(f"load_checkpoint(tag={tag!r}): give the checkpoint directory itself as load_dir "
+            raise ConfigError(f"load_checkpoint(tag={tag!r}): give the checkpoint directory itself as load_dir "
                              "(e.g. RUN/checkpoints/step-000100) and leave tag out")
         resumed = checkpoint.load(load_dir, self)
         return str(resumed.path), resumed.extra
@@ -548,11 +550,11 @@ def _check_tp_degree(module: nn.Module, tp: int) -> None:
     for name, sub in module.named_modules():
         if isinstance(sub, TensorParallelModule) and sub.tp != tp:
             given = "no tp_group" if tp == 1 else f"a tp_group of size {tp}"
-            raise ValueError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
+            raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
                              f"{sub.tp}, but hybrid.initialize got {given}: pass tp_group= the process group "
                              f"its tp_comm was built on (mesh.tp_group)")
     if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
-        raise ValueError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
+        raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
                          "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
                          "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
 
@@ -562,16 +564,24 @@ def _check_trainable_unchanged(names, params) -> None:
     zero gradient (Adam momentum and weight decay keep moving it), silently unlike torch's optimizers."""
     frozen = [n for n, p in zip(names, params) if not p.requires_grad]
     if frozen:
-        raise RuntimeError(f"{len(frozen)} parameter(s) were frozen after hybrid.initialize ({', '.join(frozen[:3])}"
+        raise UsageError(f"{len(frozen)} parameter(s) were frozen after hybrid.initialize ({', '.join(frozen[:3])}"
                            f"{', ...' if len(frozen) > 3 else ''}); the engine would keep updating them. Freeze "
                            "parameters (requires_grad_(False)) before hybrid.initialize")
+
+
+def _refuse_model_of_a_stage3_engine(module: nn.Module) -> None:
+    """A model a stage-3 engine holds has its parameters sharded there (released between forwards) and that
+    engine's hooks on its modules: a second engine cannot take it over."""
+    if any(wears_released_class(p) for p in module.parameters()):
+        raise UsageError("this model is already initialized by a ZeRO stage-3 engine, which holds its parameters "
+                         "in shards; build a new model to initialize again (or keep training with that engine)")
 
 
 def _refuse_compiled_at_stage3(module: nn.Module, stage: int) -> None:
     """Stage 3 hooks every unit root; inside a graph ``torch.compile`` traced before they existed, dynamo
     fails on them with an internal error."""
     if stage == 3 and hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
-        raise ValueError("hybrid.initialize got a torch.compile'd model at ZeRO stage 3, whose unit hooks a "
+        raise ConfigError("hybrid.initialize got a torch.compile'd model at ZeRO stage 3, whose unit hooks a "
                          "compiled graph cannot take: pass the plain model and compile engine.module (or its "
                          "blocks) after hybrid.initialize")
 
@@ -583,7 +593,7 @@ def _check_loss(loss) -> None:
     what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
             else f"a tensor of shape {tuple(loss.shape)}" if loss.numel() != 1
             else "a tensor that does not require grad (computed under torch.no_grad() or from frozen parameters?)")
-    raise TypeError(f"engine.backward(loss) needs the scalar loss of a forward run with gradients, got {what}; "
+    raise LossError(f"engine.backward(loss) needs the scalar loss of a forward run with gradients, got {what}; "
                     "pass output.loss for a Hugging Face output (with labels= given to the forward), or reduce "
                     "the loss to one element (loss.mean())")
 
@@ -593,5 +603,5 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
             where = f"module {name!r}" if name else "the model"
-            raise ValueError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
+            raise ConfigError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
                              f"the ZeRO engine reduces dense gradients: build it with sparse=False")

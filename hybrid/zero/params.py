@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import fields, is_dataclass
 from typing import Callable, Mapping
@@ -57,6 +58,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hybrid.comm import Comm
+from hybrid.errors import UsageError
 from hybrid.zero.partition import FlatLayout
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class ParamGatherer:
             if u not in self.persistent:
                 for param, _ in views[u]:
                     self._class_of[id(param)] = type(param)
-                    param.__dict__["_hybrid_gatherer"] = self
+                    _GATHERER_OF[id(param)] = weakref.ref(self)
                     param.data = self._empty
                     param.__class__ = _released_class(type(param))
         self._pending: dict = {}          # unit -> async handle
@@ -121,30 +123,15 @@ class ParamGatherer:
     def _guard_state_dicts(self, roots) -> None:
         """``state_dict()`` / ``load_state_dict()`` of a module holding released parameters raise one sentence
         (they would save empty tensors, or fail on a size mismatch): weights go through the engine.
-        ``state_dict(keep_vars=True)`` (the parameter objects themselves) stays allowed."""
-        def owns_released(module) -> bool:
-            return any(p is not None and id(p) in self._unit_of and self._unit_of[id(p)] not in self._ready
-                       for p in module._parameters.values())
-
-        def saving(module, prefix, keep_vars):
-            if not keep_vars and owns_released(module):
-                raise RuntimeError(f"{_module_name(prefix)}.state_dict() at ZeRO stage 3 would hold empty "
-                                   "tensors (the parameters are released outside the forward); use "
-                                   "engine.full_state_dict() (a collective on every rank) or hybrid.checkpoint")
-
-        def loading(module, state_dict, prefix, *args):
-            if owns_released(module):
-                raise RuntimeError(f"{_module_name(prefix)}.load_state_dict() at ZeRO stage 3 cannot write into "
-                                   "released parameters; pass the weights to hybrid.initialize(..., weights=) or "
-                                   "resume from a hybrid checkpoint")
-
+        ``state_dict(keep_vars=True)`` (the parameter objects themselves) stays allowed. The hooks are
+        module-level functions, so the model still pickles."""
         seen = set()
         for root in roots:
             for module in root.modules():
-                if id(module) not in seen and owns_released(module):
+                if id(module) not in seen and _owns_released(module):
                     seen.add(id(module))
-                    module.register_state_dict_pre_hook(saving)
-                    module.register_load_state_dict_pre_hook(loading)
+                    module.register_state_dict_pre_hook(_refuse_saving_released)
+                    module.register_load_state_dict_pre_hook(_refuse_loading_released)
 
     # -- gather / release -----------------------------------------------------------------------------
     def _nbytes(self, u: int) -> int:
@@ -361,6 +348,29 @@ class ParamGatherer:
         self._cursor = len(self._bwd_order)
 
 
+def wears_released_class(param) -> bool:
+    """Whether ``param`` is a stage-3 parameter not in use (released or only prefetched)."""
+    return type(param) in _OWN_CLASS
+
+
+def _owns_released(module: nn.Module) -> bool:
+    return any(wears_released_class(p) for p in module._parameters.values() if p is not None)
+
+
+def _refuse_saving_released(module, prefix, keep_vars) -> None:
+    if not keep_vars and _owns_released(module):
+        raise UsageError(f"{_module_name(prefix)}.state_dict() at ZeRO stage 3 would hold empty tensors "
+                                   "(the parameters are released outside the forward); use "
+                                   "engine.full_state_dict() (a collective on every rank) or hybrid.checkpoint")
+
+
+def _refuse_loading_released(module, state_dict, prefix, *args) -> None:
+    if _owns_released(module):
+        raise UsageError(f"{_module_name(prefix)}.load_state_dict() at ZeRO stage 3 cannot write into "
+                                   "released parameters; pass the weights to hybrid.initialize(..., weights=) or "
+                                   "resume from a hybrid checkpoint")
+
+
 def _module_name(prefix: str) -> str:
     return f"module {prefix.rstrip('.')!r}" if prefix else "the model"
 
@@ -374,43 +384,75 @@ class _SavedParam:
         self.unit, self.tensor = unit, tensor
 
 
-def _released_torch_function(cls, func, types, args=(), kwargs=None):
-    """``__torch_function__`` of a parameter not in use: inside the engine's forward, an op that reads its
-    values gathers its unit first (``read_outside_unit``); elsewhere it runs as is."""
-    kwargs = kwargs or {}
-    if _reads_values(func):
-        for t in (*args, *kwargs.values()):
-            for p in (t if isinstance(t, (list, tuple)) else (t,)):
-                g = getattr(p, "__dict__", {}).get("_hybrid_gatherer")
+_GATHERER_OF: dict = {}  # id(parameter wearing a released class) -> weakref to its ParamGatherer
+
+
+def _gatherer_of(t):
+    ref = _GATHERER_OF.get(id(t))
+    g = ref() if ref is not None else None
+    return g if g is not None and id(t) in g._unit_of else None  # an id reused by another tensor: none
+
+
+def _gather_if_guarded(tensors) -> None:
+    """Inside an engine's forward, gather the units of the parameters not in use among ``tensors``."""
+    for t in tensors:
+        for p in (t if isinstance(t, (list, tuple)) else (t,)):
+            if isinstance(p, torch.Tensor):
+                g = _gatherer_of(p)
                 if g is not None and g._guarding and not g._internal:
                     g.read_outside_unit(p)
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
 
 
-_RELEASED_CLASSES: dict = {}
-_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod, restored as it was
-_FUNCTION_APPLY = _ORIGINAL_APPLY.__func__
+def _released_torch_function(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` of a parameter not in use: inside the engine's forward, an op that reads its
+    values gathers its unit first (``read_outside_unit``); then the op runs as the parameter's own class
+    would run it."""
+    kwargs = kwargs or {}
+    if _reads_values(func):
+        _gather_if_guarded((*args, *kwargs.values()))
+    own = _OWN_CLASS[cls]
+    if own.__torch_function__ is _DISABLED:  # nn.Parameter's own: run the op as on a plain tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    types = tuple(own if t is cls else t for t in types)
+    return own.__torch_function__(func, types, args, kwargs)
+
+
+def _as_own_class(method: str):
+    """A method that runs ``method`` of the parameter's own class, wearing it meanwhile: pickling and
+    copying see the parameter as it is (an empty tensor while released), never the released class."""
+    def run(self, *args):
+        released = type(self)
+        self.__class__ = _OWN_CLASS[released]
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self.__class__ = released
+    return run
+
+
+_DISABLED = torch.nn.Parameter.__torch_function__
+_RELEASED_CLASSES: dict = {}  # own class -> its released class
+_OWN_CLASS: dict = {}         # released class -> own class
 _apply_patched = 0
+_saved_apply = None
 
 
 def _gathering_apply(cls, *args, **kwargs):
     """``Function.apply`` inside the engine's forward: a custom ``torch.autograd.Function`` (a fused kernel
     given ``self.fc.weight``) does not dispatch ``__torch_function__``, so autograd would record a parameter
     not in use with its released shape (0,) and backward would fail on its gradient: gather it first."""
-    for a in (*args, *kwargs.values()):
-        g = a.__dict__.get("_hybrid_gatherer") if isinstance(a, torch.Tensor) else None
-        if g is not None and g._guarding and not g._internal:
-            g.read_outside_unit(a)
-    return _FUNCTION_APPLY(cls, *args, **kwargs)
+    _gather_if_guarded((*args, *kwargs.values()))
+    return _saved_apply.__get__(None, cls)(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _gathering_function_apply():
     """``torch.autograd.Function.apply`` is ``_gathering_apply`` while any engine's forward runs (and only
-    then: a process-wide patch, counted for nested forwards)."""
-    global _apply_patched
+    then: a process-wide patch, counted for nested forwards; whatever was there is put back)."""
+    global _apply_patched, _saved_apply
     if _apply_patched == 0:
+        _saved_apply = torch.autograd.Function.__dict__["apply"]
         torch.autograd.Function.apply = classmethod(_gathering_apply)
     _apply_patched += 1
     try:
@@ -418,7 +460,7 @@ def _gathering_function_apply():
     finally:
         _apply_patched -= 1
         if _apply_patched == 0:
-            torch.autograd.Function.apply = _ORIGINAL_APPLY
+            torch.autograd.Function.apply = _saved_apply
 
 
 def _released_class(cls: type) -> type:
@@ -427,9 +469,11 @@ def _released_class(cls: type) -> type:
     ``TorchFunctionMode`` would see every op of the forward: 2-3 us each on CPU)."""
     released = _RELEASED_CLASSES.get(cls)
     if released is None:
-        released = type(f"Released{cls.__name__}", (cls,),
-                        {"__torch_function__": classmethod(_released_torch_function), "__module__": __name__})
-        _RELEASED_CLASSES[cls] = released
+        released = type(f"Released{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(_released_torch_function), "__module__": __name__,
+            "__reduce_ex__": _as_own_class("__reduce_ex__"), "__deepcopy__": _as_own_class("__deepcopy__"),
+            "__repr__": _as_own_class("__repr__")})
+        _RELEASED_CLASSES[cls], _OWN_CLASS[released] = released, cls
     return released
 
 
