@@ -234,7 +234,8 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
-            self.native_avg = str(dist.get_backend(group)).lower() == "nccl"
+            # "nccl", or "cpu:gloo,cuda:nccl" (hybrid.mesh's groups): AVG for CUDA tensors, which NCCL moves
+            self.native_avg = "nccl" in str(dist.get_backend(group)).lower()
         else:
             self.size, self.rank = 1, 0
         self.bytes: Counter = Counter()
@@ -285,7 +286,7 @@ class Comm:
         if self.size == 1:
             return _Done()
         self._count("all_reduce", 2 * _nbytes(tensor))
-        if average and op is None and self.native_avg:
+        if average and op is None and self.native_avg and tensor.is_cuda:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.all_reduce"):
             if (op is None and tensor.device.type == "cpu" and tensor.is_contiguous()
@@ -313,7 +314,7 @@ class Comm:
             return _Done()
         self._count("reduce_scatter", _nbytes(input))
         op = dist.ReduceOp.SUM
-        if average and self.native_avg:
+        if average and self.native_avg and input.is_cuda:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.reduce_scatter"):
             if input.device.type == "cpu" and _is_own_slice(output, input, self.rank):

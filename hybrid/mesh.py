@@ -18,8 +18,8 @@ runs, as torchrun and the Ray launcher state it (``GROUP_RANK``/``NODE_RANK``, `
 device and uses ``"cpu:gloo,cuda:nccl"``, so collectives on CPU tensors (metrics, ``full_state_dict()``)
 keep working beside NCCL on GPU tensors.
 
-``build_mesh`` exchanges every rank's node index once and warns (on rank 0) when a TP group spans several
-nodes (a ``tp`` that does not divide the ranks per node, under torchrun): it still trains, but the TP
+``build_mesh`` warns (on rank 0) when torchrun's ``LOCAL_WORLD_SIZE`` puts a TP group on several nodes (a
+``tp`` that does not divide the ranks per node): it still trains, but the TP
 all-reduces of every layer then cross the inter-node network. ``hybrid launch`` refuses such a plan.
 
 ``mesh_degrees``, ``placement_from_env`` and ``tp_groups_across_nodes`` are pure, usable before any process
@@ -106,17 +106,16 @@ def tp_groups_across_nodes(node_of_rank: list, tp: int) -> list:
     return out
 
 
-def _warn_if_tp_crosses_nodes(node_index: int, tp: int) -> None:
-    """Collective over the default group: every rank's node index, and a warning on rank 0 when a TP group
-    spans nodes."""
-    if tp == 1:
+def _warn_if_tp_crosses_nodes(env: Mapping[str, str], world: int, tp: int) -> None:
+    """A warning on rank 0 when torchrun's ``LOCAL_WORLD_SIZE`` (ranks per node, consecutive ranks on one
+    node) puts a TP group on several nodes. Read from the environment, not exchanged: a collective here would
+    need the rank's CUDA device set before ``build_mesh``."""
+    if tp == 1 or "LOCAL_WORLD_SIZE" not in env or dist.get_rank() != 0:
         return
-    nodes = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node_index)
-    crossing = tp_groups_across_nodes(nodes, tp)
-    if crossing and dist.get_rank() == 0:
+    per_node = int(env["LOCAL_WORLD_SIZE"])
+    crossing = tp_groups_across_nodes([r // per_node for r in range(world)], tp)
+    if crossing:
         ranks, on = crossing[0]
-        per_node = nodes.count(nodes[0])
         log.warning("tp=%d puts TP group ranks %s on nodes %s (%d TP group(s) span nodes): every TP all-reduce "
                     "then crosses the inter-node network; choose a tp that divides the ranks per node (%d here)",
                     tp, ranks, on, len(crossing), per_node)
@@ -175,7 +174,7 @@ def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = N
     dp, tp = mesh_degrees(world, tp, dp)
     device_type = device_type or default_device_type()
     node_index, local_rank = placement_from_env(os.environ, rank)
-    _warn_if_tp_crosses_nodes(node_index, tp)
+    _warn_if_tp_crosses_nodes(os.environ, world, tp)
     grid = torch.arange(world, dtype=torch.int).view(dp, tp)
     dp_group, tp_group = _mesh_groups(grid, timeout)
     device_mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))

@@ -15,6 +15,8 @@ per-unit views, so the engine can report its construction peak. ``params`` is up
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -34,7 +36,11 @@ def resolve_device(params: list, device=None) -> torch.device:
         return devices.pop()
     dist = torch.distributed
     if torch.cuda.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
+        bound = getattr(dist.group.WORLD, "bound_device_id", None)
+        if bound is not None:
+            return bound
+        # Not bound (a plain init_process_group("nccl")): torchrun's LOCAL_RANK, not cuda:0 on every rank.
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
 
 

@@ -46,7 +46,7 @@ class FlatState:
         self.rank = rank if layout.n_shards > 1 else 0
         self.persistent = frozenset(persistent)
         self.host = None if host is None else torch.device(host)
-        self.pin_memory = bool(pin_memory) and torch.device(device).type == "cuda"
+        self.pin_memory = bool(pin_memory) and host is not None and torch.device(device).type == "cuda"
         self.separate_master = dtype != torch.float32 or self.host is not None
         self.master_device = self.host if self.host is not None else device
         kw = dict(dtype=dtype, device=device)
