@@ -252,6 +252,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
     shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
     env = runtime_env(spec)
+    env["env_vars"]["HYBRID_JOB_ID"] = plan.job_id
     if spec.cluster.address.startswith("ray://"):  # the working dir went with the job at connect time
         env = {"env_vars": env["env_vars"]}
     else:

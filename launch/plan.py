@@ -17,6 +17,7 @@ ranks; DP groups of ranks with equal r % tp); ``plan_dict`` and ``format_plan`` 
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -72,6 +73,9 @@ class LaunchPlan:
     host_note: str = ""  # where the host memory figure came from
     tensor_parallel_layers: Optional[bool] = None  # None: not known (the model was not built)
     module: Any = field(default=None, compare=False, repr=False)  # the model on meta (units for the prediction)
+    # Names this job to its ranks across attempts and re-plans (HYBRID_JOB_ID): an attempt waits longer for a
+    # checkpoint lock an earlier attempt of its own job still holds (hybrid.checkpoint.lock).
+    job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12], compare=False)
 
     @property
     def stage(self) -> int:

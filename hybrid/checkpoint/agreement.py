@@ -209,11 +209,11 @@ def exclusive(run_dir, comm: Comm, device):
         try:
             lock.acquire(run_dir)
             held = True
-        except CheckpointError as exc:
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it, or they wait in any_rank
             error = exc
-    if any_rank(error is not None, comm, device):
-        raise error if error is not None else lock.refusal_elsewhere(run_dir)
     try:
+        if any_rank(error is not None, comm, device):
+            raise error if error is not None else lock.refusal_elsewhere(run_dir)
         yield
     finally:
         if held:

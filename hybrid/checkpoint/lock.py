@@ -29,7 +29,8 @@ from hybrid.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 LOCK = ".lock"
-WAIT_S = 15.0  # how long a restarted attempt waits for its predecessor's rank 0 to exit
+WAIT_S = 15.0  # how long a second job waits for the holder to go before it is refused
+SAME_JOB_WAIT_S = 180.0  # how long an attempt waits for an earlier attempt of its own job (a dying rank 0)
 _POLL_S = 0.2
 _held: dict[Path, list] = {}  # lock file -> [descriptor, holders] in this process
 
@@ -53,26 +54,61 @@ def acquire(run_dir, wait_s: float | None = None) -> Path:
     problem = layout.layout_problem(run_dir)
     if problem is not None:
         raise CheckpointError(f"job.checkpoint.dir {run_dir}: {problem}.")
-    path = lock_path(run_dir).absolute()
+    path = _key(run_dir)
     if path in _held:
         _held[path][1] += 1
         return path
     fd = _open(path)
-    deadline = time.monotonic() + (WAIT_S if wait_s is None else wait_s)
+    started = time.monotonic()
     while not _try_lock(fd):
-        if time.monotonic() >= deadline:
+        waited = time.monotonic() - started
+        limit = SAME_JOB_WAIT_S if _held_by_this_job(run_dir) else (WAIT_S if wait_s is None else wait_s)
+        if waited >= limit:
             os.close(fd)
             raise _locked(run_dir, path)
         time.sleep(_POLL_S)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held[path] = [fd, 1]
+    try:  # who holds it, for a second job's message: best effort (a full disk must not lose the lock)
+        os.ftruncate(fd, 0)
+        job = job_id()
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{f', job {job}' if job else ''}\n".encode(), 0)
+    except OSError:
+        pass
     return path
+
+
+def job_id():
+    """What names this job across its attempts: the launcher's ``HYBRID_JOB_ID``, else torchrun's run id."""
+    run = os.environ.get("HYBRID_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    return run if run and run != "none" else None
+
+
+def _held_by_this_job(run_dir) -> bool:
+    job = job_id()
+    return job is not None and holder(run_dir).endswith(f", job {job}")
+
+
+def _key(run_dir) -> Path:
+    return lock_path(run_dir).resolve()  # one key per directory, however it is spelt
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) drops its copies of the lock's descriptor: the parent keeps the
+    lock, and it goes when the parent exits even if a child lives on."""
+    for fd, _ in _held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def release(run_dir) -> None:
     """Drop one hold of ``run_dir``'s lock by this process; the last one unlocks (the file stays)."""
-    path = lock_path(run_dir).absolute()
+    path = _key(run_dir)
     entry = _held.get(path)
     if entry is None:
         return
@@ -87,7 +123,7 @@ def release(run_dir) -> None:
 
 
 def holder(run_dir) -> str:
-    """What the lock file says about its holder ("pid 123 on host"), or "another process"."""
+    """What the lock file says about its holder ("pid 123 on host, job J"), or "another process"."""
     try:
         text = lock_path(run_dir).read_text().strip()
     except OSError:
@@ -104,6 +140,10 @@ def refusal_elsewhere(run_dir) -> CheckpointError:
 
 
 def _locked(run_dir, path: Path) -> CheckpointLocked:
+    if _held_by_this_job(run_dir):
+        return CheckpointLocked(f"checkpoint directory {layout.checkpoints_dir(run_dir)} is still locked by an "
+                                f"earlier attempt of this job ({holder(run_dir)}) after {SAME_JOB_WAIT_S:.0f} s; "
+                                "stop that process (or the node it runs on) and launch again.")
     return CheckpointLocked(f"checkpoint directory {layout.checkpoints_dir(run_dir)} is in use by another job "
                             f"({holder(run_dir)} holds {path.name}); wait for that job to end or stop it, or "
                             f"give this job another job.checkpoint.dir.")

@@ -116,12 +116,45 @@ def test_a_restarted_job_waits_for_its_predecessor_to_exit(tmp_path):
         holder.wait()
 
 
+def test_an_earlier_attempt_of_the_same_job_is_waited_for_longer_than_another_job(tmp_path, monkeypatch):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from hybrid.checkpoint import lock
+        lock.acquire({str(tmp_path)!r})
+        print("held", flush=True)
+        time.sleep(1.5)
+    """)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "HYBRID_JOB_ID": "job-a"})
+    monkeypatch.setattr(lock, "WAIT_S", 0.2)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock.holder(tmp_path).endswith(", job job-a")
+        monkeypatch.setenv("HYBRID_JOB_ID", "job-b")
+        with pytest.raises(lock.CheckpointLocked, match="in use by another job"):
+            lock.acquire(tmp_path)                       # another job: refused after WAIT_S
+        monkeypatch.setenv("HYBRID_JOB_ID", "job-a")
+        lock.acquire(tmp_path)                           # its own earlier attempt: waited for (it exits)
+        lock.release(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_same_directory_spelt_two_ways_is_one_lock(tmp_path):
+    lock.acquire(tmp_path)
+    try:
+        lock.acquire(tmp_path / "." / ".." / tmp_path.name, wait_s=0)  # re-entrant, not "another job"
+        lock.release(tmp_path / ".." / tmp_path.name)
+    finally:
+        lock.release(tmp_path)
+    assert not lock._held
+
+
 def test_exclusive_on_a_one_rank_world(tmp_path):
     with agreement.exclusive(tmp_path, Comm(None), "cpu"):
         with agreement.exclusive(tmp_path, Comm(None), "cpu"):
             pass
-        assert lock.lock_path(tmp_path).absolute() in lock._held
-    assert lock.lock_path(tmp_path).absolute() not in lock._held
+        assert lock.lock_path(tmp_path).resolve() in lock._held
+    assert lock.lock_path(tmp_path).resolve() not in lock._held
 
 
 # -- a directory laid out wrong, the pointer ------------------------------------------------------------------
