@@ -215,6 +215,9 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {quote(value, 40)}"
 
 
+UNKNOWN_KEYS_SHOWN = 10  # an unknown-key sentence names this many, then counts the rest
+
+
 def known_keys(path: str, d: Mapping, allowed: Iterable[str]) -> None:
     """Refuse every key of ``d`` outside ``allowed``, all of them in one sentence, each named whole."""
     allowed = tuple(allowed)
@@ -222,7 +225,10 @@ def known_keys(path: str, d: Mapping, allowed: Iterable[str]) -> None:
     if not unknown:
         return
     verb = "is not a known setting" if len(unknown) == 1 else "are not known settings"
-    names = unknown[0] if len(unknown) == 1 else ", ".join(unknown[:-1]) + " and " + unknown[-1]
+    shown = unknown[:UNKNOWN_KEYS_SHOWN]
+    if len(unknown) > len(shown):
+        shown.append(f"{len(unknown) - len(shown)} more")
+    names = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
     raise ConfigError(f"{names} {verb}; use one of: {', '.join(allowed)}.")
 
 

@@ -324,8 +324,9 @@ def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str
         rng.restore(state[rng_key])
     engine.optimizer_step_count = int(doc["optimizer_step_count"])
     engine.global_step = int(doc["global_step"])
-    if "lr_set_by_hand" in doc:
-        engine.lr = float(doc["lr_set_by_hand"])
+    # The checkpoint's rate: one set by hand, else the configured one (a hand-set rate of the engine before
+    # this load does not outlive it); also makes engine.lr the next step's rate.
+    engine.lr = float(doc.get("lr_set_by_hand", engine.config.optimizer.lr))
     engine.sync_params_from_master()
     log.info("rank %d: resumed from %s (step %d)", world.rank, ckpt, doc["step"])
     return Resumed(path=ckpt, step=int(doc["step"]), optimizer_step_count=int(doc["optimizer_step_count"]),

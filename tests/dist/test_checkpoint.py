@@ -639,6 +639,7 @@ def _lr_set_by_hand_runs(run_dir: str) -> list:
         seen.append(engine.lr)
     checkpoint.save(run_dir, engine, 4)
     again = hybrid.initialize(nn.Linear(4, 1), config)
+    again.lr = 0.1  # a rate set before the load does not outlive it
     checkpoint.load(run_dir, again)
     seen.append(again.lr)  # restored: the 5th step's rate at the hand-set scale
     return seen

@@ -180,6 +180,10 @@ def test_every_unknown_key_of_a_section_is_named_whole_in_one_sentence():
         TrainConfig.from_dict(d)
     assert str(err.value).startswith("zero_optimization.stage3_gather_16bit_weights_on_model_savez and "
                                      "zero_optimization.magic are not known settings; use one of: ")
+    with pytest.raises(ConfigError) as err:  # a flood of keys is counted, not listed
+        TrainConfig.from_dict({"zero_optimization": {"stage": 2, **{f"k{i}": 0 for i in range(5000)}}})
+    assert str(err.value).startswith("zero_optimization.k0, zero_optimization.k1, ") and len(str(err.value)) < 2000
+    assert "zero_optimization.k9 and 4990 more are not known settings" in str(err.value)
 
 
 @pytest.mark.parametrize("d, start", [
