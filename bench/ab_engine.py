@@ -80,7 +80,8 @@ def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, s
     torch.set_num_threads(1)
     w = next(x for x in workloads(False) if x.name == workload).with_precision(precision)
     config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
-              "optimizer": {"type": "AdamW", "params": {"lr": w.lr}}, "gradient_clipping": 1.0}
+              "optimizer": {"type": "AdamW", "params": {"lr": w.lr, "weight_decay": w.weight_decay}},
+              "gradient_clipping": 1.0}
     engine = hybrid.initialize(build_model(w), config)
     originals = {"rs": hc._PairwiseReduceScatter, "ar": hc._ExchangeAllReduce}
     rank, times, step = dist.get_rank(), {"on": [], "off": []}, 0
