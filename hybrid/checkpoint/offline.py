@@ -171,9 +171,13 @@ def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]
     chosen, found = resume_choice(list(reversed(entries)), lambda e: verdicts.get(e.path, Verdict(None)))
     rows = [_row(e.path, e.step, verdicts.get(e.path), e, checksums) for e in entries]
     stops = found is not None and found.stops_resume
+    reason = _stop_reason(chosen.path, found) if stops else None
+    damaged = [p for p, v in verdicts.items() if v is not None and not v.good]
+    if chosen is None and damaged:  # as agreement.choose: checkpoints exist, none is good
+        reason = (f"no good checkpoint ({len(damaged)} damaged), and starting fresh would overwrite them; move "
+                  f"{layout.checkpoints_dir(run_dir)} aside to start from step 0")
     return {"run_dir": str(run_dir), "latest": chosen.path.name if chosen and not stops else None,
-            "resume_stops": _stop_reason(chosen.path, found) if stops else None,
-            "pointer": layout.read_pointer(run_dir), "checkpoints": rows}
+            "resume_stops": reason, "pointer": layout.read_pointer(run_dir), "checkpoints": rows}
 
 
 def _describe_one(ckpt: Path, checksums: bool) -> dict[str, Any]:

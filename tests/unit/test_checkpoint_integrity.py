@@ -148,7 +148,7 @@ def test_no_good_checkpoint_is_refused_not_overwritten(pristine, tmp_path, capsy
     assert f"no good checkpoint in {layout.checkpoints_dir(run)} (step-000007 (corrupt: __" in message
     assert "move" in message and "aside" in message and "\n" not in message
     _, uses = _status(run, capsys)
-    assert uses == "resume uses: nothing (no good checkpoint)"
+    assert uses.startswith("resume stops: no good checkpoint (2 damaged), and starting fresh would overwrite them")
     with pytest.raises(integrity.CheckpointDamaged, match="corrupt: __"):
         agreement.choose(run, Comm(None), "cpu", fallback=False)  # load() of a run directory: no fallback
 
@@ -164,7 +164,7 @@ def test_format_2_checkpoints_are_unverified_but_sizes_are_checked(tmp_path, cap
     data = next(layout.final_dir(tmp_path, NEWEST).glob("*.distcp"))
     _truncate(data)
     row, uses = _status(tmp_path, capsys)
-    assert f"truncated: {data.name}" in row and uses.endswith("nothing (no good checkpoint)")
+    assert f"truncated: {data.name}" in row and uses.startswith("resume stops: no good checkpoint (1 damaged)")
     _refused(["checkpoint", "consolidate", str(tmp_path), "--out", str(tmp_path / "x.pt")], capsys)
 
 

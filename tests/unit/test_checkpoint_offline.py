@@ -93,6 +93,17 @@ def test_interrupted_checkpoints_are_skipped_and_pruned(tmp_path):
     assert again == newer and layout.is_complete(again)
 
 
+def test_inspect_says_the_resume_stops_when_every_checkpoint_is_damaged(tmp_path):
+    _write_checkpoint(tmp_path, 30, publish=False)  # interrupted only: a resume starts fresh
+    doc = describe(tmp_path)
+    assert doc["latest"] is None and doc["resume_stops"] is None
+    damaged = _write_checkpoint(tmp_path, 10)
+    data = next(damaged.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])  # truncated: the only complete checkpoint is bad
+    doc = describe(tmp_path)  # as agreement.choose decides: stop rather than overwrite it
+    assert doc["latest"] is None and doc["resume_stops"].startswith("no good checkpoint (1 damaged)")
+
+
 def test_a_sealed_but_unrenamed_checkpoint_is_what_inspect_and_resume_use(tmp_path):
     _write_checkpoint(tmp_path, 10)
     sealed = _write_checkpoint(tmp_path, 20, publish=False)  # the crash came after the marker, before the rename
