@@ -2,8 +2,8 @@
 bf16 against single-process AdamW on the same GPU, CUDA memory against the memory model, checkpoint save
 and resume, and the NVML probe and ``hybrid monitor`` on a real GPU. Skipped without CUDA.
 
-Activation checkpointing and optimizer offload are not covered here (the engine and the GPT have neither
-yet); their GPU checks belong with the work that adds them.
+``levers``: optimizer offload to pinned host memory (the CUDA side stream), activation checkpointing at
+stage 3, and ``offload_optimizer: {device: none, pin_memory: true}``, against the same reference.
 """
 
 import subprocess
@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return run_worker(1, tmp_path_factory.mktemp("gpu1"), "--cases", "parity,memory,checkpoint", "--meshes", "1x1")
+    return run_worker(1, tmp_path_factory.mktemp("gpu1"), "--cases", "parity,memory,checkpoint,levers",
+                      "--meshes", "1x1")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -29,6 +30,15 @@ def single(tmp_path_factory):
 def test_engine_matches_single_process_adamw_on_the_gpu(single, stage, precision):
     assert single["device"] == "cuda:0"
     case = single["parity"][f"tp1xdp1/stage{stage}/{precision}"]
+    assert case["loss_err"] < TOLERANCE[precision]["loss"], case
+    if precision == "fp32":
+        assert case["weights_err"] < TOLERANCE["fp32"]["weights"], case
+
+
+@pytest.mark.parametrize("name", ["stage2-offload/fp32", "stage3-offload/fp32", "stage3-offload/bf16",
+                                  "stage3-ac/fp32", "stage1-offload-none-pinned/bf16"])
+def test_offload_and_activation_checkpointing_match_on_the_gpu(single, name):
+    case, precision = single["levers"][name], name.rsplit("/", 1)[1]
     assert case["loss_err"] < TOLERANCE[precision]["loss"], case
     if precision == "fp32":
         assert case["weights_err"] < TOLERANCE["fp32"]["weights"], case

@@ -13,6 +13,8 @@ measured errors and bytes, which the tests compare against ``TOLERANCE`` and the
   same seed and batches; relative errors of the losses (and, fp32, of the consolidated weights).
 * ``memory``: a ~100M GPT at stage 0, bf16, one rank: ``torch.cuda.max_memory_allocated`` over three steps
   against ``hybrid.memory``'s model-state bytes and activation estimate, and what the engine reports.
+* ``levers``: optimizer offload to pinned host memory (stages 2 and 3, fp32 and bf16), activation
+  checkpointing at stage 3, and offload ``device: none`` with ``pin_memory``: the same errors as ``parity``.
 * ``checkpoint``: stage 3, fp32: a run of 6 steps saving every 3, against a run of 3 steps resumed for 3
   more from its checkpoint by a fresh engine (``hybrid.train.run_steps``): same losses and weights.
 """
@@ -47,10 +49,10 @@ MEMORY_MODEL = dict(vocab_size=32768, seq_len=512, n_layers=8, hidden=1024, n_he
 MEMORY_MICRO_BATCH = 4
 
 
-def train_config(stage: int, precision: str) -> TrainConfig:
+def train_config(stage: int, precision: str, **zero) -> TrainConfig:
     return TrainConfig.from_dict({
         "zero": {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000,
-                 "prefetch_bucket_size": 20_000, "param_persistence_threshold": 100},
+                 "prefetch_bucket_size": 20_000, "param_persistence_threshold": 100, **zero},
         "precision": precision,
         "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
         "gradient_clipping": CLIP,
@@ -118,6 +120,46 @@ def parity(device, meshes: list[tuple[int, int]], args) -> dict:
     return out
 
 
+PINNED_OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+LEVERS = {  # name -> (stage, precision, zero settings, activation checkpointing)
+    "stage2-offload/fp32": (2, "fp32", PINNED_OFFLOAD, False),
+    "stage3-offload/fp32": (3, "fp32", PINNED_OFFLOAD, False),
+    "stage3-offload/bf16": (3, "bf16", PINNED_OFFLOAD, False),
+    "stage3-ac/fp32": (3, "fp32", {}, True),
+    "stage1-offload-none-pinned/bf16": (1, "bf16", {"offload_optimizer": {"device": "none", "pin_memory": True}},
+                                        False),
+}
+
+
+def levers(device, _meshes, _args) -> dict:
+    """The planner's levers on one rank against the single-process reference: optimizer offload to pinned
+    host memory (on CUDA: the side-stream gradient copies and the host step), activation checkpointing at
+    stage 3, and ``offload_optimizer: {device: none, pin_memory: true}`` (nothing on the device is pinned)."""
+    import dataclasses
+
+    cfg = GPTConfig.from_yaml(TINY)
+    ref_losses, ref_weights = reference(cfg, device)
+    mesh = build_mesh(tp=1)
+    out = {}
+    for name, (stage, precision, zero, checkpointing) in LEVERS.items():
+        model = GPT(dataclasses.replace(cfg, activation_checkpointing=checkpointing), seed=SEED, device=device)
+        engine = hybrid.initialize(model, train_config(stage, precision, **zero), dp_group=mesh.dp_group)
+        losses = []
+        for step in range(STEPS):
+            seq = batch(step, cfg, device)
+            loss = engine(seq[:, :-1], seq[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        case = {"loss_err": rel(losses, ref_losses)}
+        if precision == "fp32":
+            weights = engine.full_state_dict()
+            case["weights_err"] = max(rel(weights[n], ref) for n, ref in ref_weights.items())
+        out[name] = case
+        del engine, model
+    return out
+
+
 def memory(device, _meshes, _args) -> dict:
     """Peak CUDA bytes of three stage-0 bf16 steps of a ~100M GPT against the memory model."""
     from hybrid.memory import activation_bytes, model_state_bytes
@@ -181,7 +223,7 @@ def checkpoint(device, _meshes, args) -> dict:
             "weights_err": max(rel(resumed_weights[n], w) for n, w in whole_weights.items())}
 
 
-CASES = {"parity": parity, "memory": memory, "checkpoint": checkpoint}
+CASES = {"parity": parity, "memory": memory, "checkpoint": checkpoint, "levers": levers}
 
 
 def parse_meshes(text: str) -> list[tuple[int, int]]:

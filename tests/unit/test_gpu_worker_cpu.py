@@ -20,7 +20,7 @@ def test_the_gpu_worker_runs_its_parity_and_checkpoint_cases_on_cpu(tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": "lo",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "tests.gpu.worker", str(out), "--cases", "parity,memory,checkpoint",
+    done = subprocess.run([sys.executable, "-m", "tests.gpu.worker", str(out), "--cases", "parity,memory,checkpoint,levers",
                            "--stages", "0,3", "--init-method", f"file://{tmp_path / 'store'}",
                            "--checkpoint-dir", str(tmp_path / "checkpoints")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -35,5 +35,10 @@ def test_the_gpu_worker_runs_its_parity_and_checkpoint_cases_on_cpu(tmp_path):
         assert precision == "bf16" or case["weights_err"] < TOLERANCE["fp32"]["weights"], (name, case)
     ref = result["parity"]["reference_losses"]
     assert ref[-1] < ref[0], "the reference must learn, or parity says little"
+    for name, case in result["levers"].items():
+        precision = name.rsplit("/", 1)[1]
+        assert case["loss_err"] < TOLERANCE[precision]["loss"], (name, case)
+        assert precision == "bf16" or case["weights_err"] < TOLERANCE["fp32"]["weights"], (name, case)
+    assert len(result["levers"]) == 5
     c = result["checkpoint"]
     assert c["first"] + c["rest"] == c["whole"] and c["weights_err"] == 0.0
