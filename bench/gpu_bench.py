@@ -22,6 +22,7 @@ import dataclasses
 import platform
 import sys
 import tempfile
+import gc
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -126,9 +127,12 @@ def measure(impl: str, checkpointing: bool, device: torch.device, model_path: Pa
     kind = device.type
     cfg = _model_config(model_path, checkpointing)
     row = {"impl": impl, "checkpointing": checkpointing, "params": count_parameters(cfg)}
+    baseline = 0
     if kind == "cuda":
+        gc.collect()  # the previous row's engine can outlive its del until a cyclic collection
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
     try:
         started = time.perf_counter()
         model = GPT(cfg, seed=0, device=device)
@@ -149,7 +153,7 @@ def measure(impl: str, checkpointing: bool, device: torch.device, model_path: Pa
         row.update(step_s=sum(times) / len(times), loss=float(loss.detach()),
                    tokens_per_s=MICRO_BATCH[kind] * cfg.seq_len * len(times) / sum(times))
         if kind == "cuda":
-            row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - baseline  # this row's own
         log(f"{impl}{' +AC' if checkpointing else ''}: {row['tokens_per_s']:,.0f} tokens/s, "
             f"{row['step_s'] * 1e3:.1f} ms/step")
     except torch.cuda.OutOfMemoryError as err:

@@ -152,13 +152,14 @@ def train_step(engine, *args, accumulation: int = 1, **kwargs) -> float:
     engine's ``config.gradient_accumulation_steps`` (the engine would step its optimizer a different number
     of times per step) or the batch's rows do not split into ``accumulation`` equal micro-batches."""
     check_accumulation(engine, accumulation)
-    total = 0.0
+    total = None  # summed on the loss's device: one host sync per step, not one per micro-step
     for micro_args, micro_kwargs in _micro_batches(args, kwargs, accumulation):
         loss = loss_of(engine(*micro_args, **micro_kwargs))
         engine.backward(loss)
         engine.step()
-        total += float(loss.detach())
-    return total / accumulation
+        value = loss.detach().float()
+        total = value if total is None else total + value
+    return float(total) / accumulation
 
 
 def engine_accumulation(engine) -> Optional[int]:
