@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import platform
 import sys
 import tempfile
-import gc
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
