@@ -103,9 +103,8 @@ class GradReducer:
         self._launched = [False] * len(layout.units)
         self._fired = [False] * len(params)
         self._next = 0
-        self._hook_keys = []
-        for i, p in enumerate(params):
-            self._hook_keys.append(p.register_post_accumulate_grad_hook(self._hook(i)).id)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        for p in params:
             p.grad = None
 
     # -- views ----------------------------------------------------------------------------------------
@@ -130,15 +129,20 @@ class GradReducer:
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
 
+    def _run_user_hooks_first(self) -> None:
+        """The engine's post-accumulate-grad hook takes ``param.grad`` (and sets it to None): it must run after
+        every hook the user put on the parameter, also those registered after ``hybrid.initialize``, which
+        torch would run after it. Registered again (so last) where it is not the last one."""
+        for i, (p, handle) in enumerate(zip(self.params, self._hook_handles)):
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks and next(reversed(hooks)) != handle.id:
+                handle.remove()
+                self._hook_handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
+
     # -- backward -------------------------------------------------------------------------------------
     def begin(self, reduce: bool) -> None:
         """Start a backward pass; ``reduce`` says whether this micro-step communicates gradients."""
-        for p, key in zip(self.params, self._hook_keys):
-            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-            if hooks and next(reversed(hooks)) != key:
-                raise UsageError("a post-accumulate-grad hook was registered on a parameter after "
-                                   "hybrid.initialize; it would run after the engine has taken the gradient "
-                                   "(param.grad is None there). Register it before hybrid.initialize")
+        self._run_user_hooks_first()
         self._active = reduce or self.mode == "scatter_shard"
         self._pending = [len(u.slots) for u in self.layout.units]
         self._launched = [False] * len(self.layout.units)
@@ -177,8 +181,8 @@ class GradReducer:
         unit, slot = self._unit_of[i]
         if self._launched[unit.index]:
             raise UsageError("a parameter received a second gradient in one backward after its bucket was "
-                               "reduced (e.g. reentrant checkpointing around a shared parameter); this is "
-                               "not supported")
+                             "reduced (e.g. reentrant checkpointing around a shared parameter); this is "
+                             "not supported")
         first = not self._fired[i]
         self._fired[i] = True
         if self.mode == "scatter_shard":

@@ -265,7 +265,7 @@ class ZeroEngine:
         average) and reduce the gradients of this stage; returns ``loss`` (as DeepSpeed's does)."""
         if self._awaiting_step:
             raise UsageError("engine.backward() was called twice without engine.step(); call step() after "
-                               "every backward (it only steps the optimizer at accumulation boundaries)")
+                             "every backward (it only steps the optimizer at accumulation boundaries)")
         _check_loss(loss)  # before the state changes: a corrected call must still work
         _check_trainable_unchanged(self.names, self.params)
         self._awaiting_step = True
@@ -292,8 +292,8 @@ class ZeroEngine:
         """
         if not self._awaiting_step:
             raise UsageError("engine.step() was called without engine.backward(loss) since the last step "
-                               "(loss.backward() bypasses the engine: its gradients are never reduced); call "
-                               "engine.backward(loss) before every step()")
+                             "(loss.backward() bypasses the engine: its gradients are never reduced); call "
+                             "engine.backward(loss) before every step()")
         self._awaiting_step = False
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
@@ -475,7 +475,7 @@ class ZeroEngine:
 
         if tag is not None:
             raise ConfigError(f"save_checkpoint(tag={tag!r}): hybrid names checkpoints by step "
-                             f"(step-{self.global_step:06d}); leave tag out")
+                              f"(step-{self.global_step:06d}); leave tag out")
         return str(checkpoint.save(save_dir, self, self.global_step, extra=client_state))
 
     def load_checkpoint(self, load_dir, tag=None) -> tuple:
@@ -485,7 +485,7 @@ class ZeroEngine:
 
         if tag is not None:
             raise ConfigError(f"load_checkpoint(tag={tag!r}): give the checkpoint directory itself as load_dir "
-                             "(e.g. RUN/checkpoints/step-000100) and leave tag out")
+                              "(e.g. RUN/checkpoints/step-000100) and leave tag out")
         resumed = checkpoint.load(load_dir, self)
         return str(resumed.path), resumed.extra
 
@@ -551,12 +551,12 @@ def _check_tp_degree(module: nn.Module, tp: int) -> None:
         if isinstance(sub, TensorParallelModule) and sub.tp != tp:
             given = "no tp_group" if tp == 1 else f"a tp_group of size {tp}"
             raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
-                             f"{sub.tp}, but hybrid.initialize got {given}: pass tp_group= the process group "
-                             f"its tp_comm was built on (mesh.tp_group)")
+                              f"{sub.tp}, but hybrid.initialize got {given}: pass tp_group= the process group "
+                              f"its tp_comm was built on (mesh.tp_group)")
     if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
         raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
-                         "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
-                         "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
+                          "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
+                          "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
 
 
 def _check_trainable_unchanged(names, params) -> None:
@@ -565,8 +565,8 @@ def _check_trainable_unchanged(names, params) -> None:
     frozen = [n for n, p in zip(names, params) if not p.requires_grad]
     if frozen:
         raise UsageError(f"{len(frozen)} parameter(s) were frozen after hybrid.initialize ({', '.join(frozen[:3])}"
-                           f"{', ...' if len(frozen) > 3 else ''}); the engine would keep updating them. Freeze "
-                           "parameters (requires_grad_(False)) before hybrid.initialize")
+                         f"{', ...' if len(frozen) > 3 else ''}); the engine would keep updating them. Freeze "
+                         "parameters (requires_grad_(False)) before hybrid.initialize")
 
 
 def _refuse_model_of_a_stage3_engine(module: nn.Module) -> None:
@@ -582,8 +582,8 @@ def _refuse_compiled_at_stage3(module: nn.Module, stage: int) -> None:
     fails on them with an internal error."""
     if stage == 3 and hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
         raise ConfigError("hybrid.initialize got a torch.compile'd model at ZeRO stage 3, whose unit hooks a "
-                         "compiled graph cannot take: pass the plain model and compile engine.module (or its "
-                         "blocks) after hybrid.initialize")
+                          "compiled graph cannot take: pass the plain model and compile engine.module (or its "
+                          "blocks) after hybrid.initialize")
 
 
 def _check_loss(loss) -> None:
@@ -604,4 +604,4 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
             where = f"module {name!r}" if name else "the model"
             raise ConfigError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
-                             f"the ZeRO engine reduces dense gradients: build it with sparse=False")
+                              f"the ZeRO engine reduces dense gradients: build it with sparse=False")

@@ -71,7 +71,7 @@ def _measure():
         seen = []
         probe = engine.module.blocks[1].fc1
         probe.register_forward_pre_hook(lambda m, a: seen.append(engine.memory_report()["buffers"]))
-        in_backward = []  # buffers when an early layer's gradient arrives (fires after the engine's hook)
+        in_backward = []  # buffers when an early layer's gradient arrives (the engine's hook runs right after)
         probe.weight.register_post_accumulate_grad_hook(
             lambda p: in_backward.append(engine.memory_report()["buffers"]))
         for step in range(2):  # the first forward records the module order that prefetch follows
