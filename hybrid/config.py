@@ -457,13 +457,12 @@ DEEPSPEED_KNOBS = {
         "zero_optimization.stage3_gather_fp16_weights_on_model_save", "zero_optimization.load_from_fp32_weights",
         "zero_optimization.ignore_unused_parameters", "zero_optimization.memory_efficient_linear",
         "zero_optimization.elastic_checkpoint",
+        "zero_optimization.allgather_partitions",  # false: broadcasts instead of an all-gather, the same values
         "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
         "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
         "zero_optimization.offload_optimizer.nvme_path")},
     "zero_optimization.offload_optimizer.ratio": _Knob(_only(1.0), "other than 1.0 (offloading part of the "
                                                        "optimizer) is not supported; remove it: all of it is offloaded"),
-    "zero_optimization.allgather_partitions": _Knob(_only(True), "false (gathering by broadcasts) is not supported; "
-                                                    "remove it: parameters are always all-gathered"),
     "zero_optimization.offload_param": _Knob(_no_param_offload, "(ZeRO-Infinity parameter offload) is not "
                                              "supported; remove it (offload_optimizer: {device: cpu} is supported)"),
     "zero_optimization.zero_quantized_weights": _Knob(_only(False), "(ZeRO++ quantized weight gathers) would "

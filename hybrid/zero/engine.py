@@ -304,6 +304,7 @@ class ZeroEngine:
                                 self.config.zero.sub_group_size, scratch=self.optimizer.scratch)
         self.last_grad_norm = float(norm)
         if self.nonfinite.skip(self.last_grad_norm):  # every rank sees the same norm: all skip together
+            self.state.wait_host_grads()  # offload: no copy still in flight on the side stream
             self.reducer.zero_()
             self._on_host.clear()
             return False

@@ -192,7 +192,6 @@ def test_every_unknown_key_of_a_section_is_named_whole_in_one_sentence():
      "(offload_optimizer: {device: cpu} is supported)."),
     ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights (ZeRO++"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients ("),
-    ({"zero": {"allgather_partitions": False}}, "zero.allgather_partitions false"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio other than 1.0"),
     ({"prescale_gradients": True}, "prescale_gradients true is not supported"),
@@ -207,7 +206,9 @@ def test_deepspeed_settings_that_would_change_the_training_are_refused_by_name_w
 
 def test_their_no_op_values_are_accepted():
     cfg = TrainConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
-                                                       "zero_quantized_weights": False}, "prescale_gradients": False})
+                                                       "zero_quantized_weights": False,
+                                                       "allgather_partitions": False},  # broadcasts: same values
+                                 "prescale_gradients": False})
     assert cfg.zero.stage == 3
 
 
