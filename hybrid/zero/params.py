@@ -92,15 +92,13 @@ class ParamGatherer:
         self._unit_of = {id(param): u for u, pairs in enumerate(views) if u not in self.persistent
                          for param, _ in pairs}
         self._ready: set = set(self.persistent)  # every other unit starts released (storage freed)
-        self._class_of = {}               # id(parameter) -> its own class, while it wears the released one
         self._guarding = 0                # inside guard(): reads of parameters not in use gather them
         for u in range(len(layout.units)):
             if u not in self.persistent:
                 for param, _ in views[u]:
-                    self._class_of[id(param)] = type(param)
                     _GATHERER_OF[id(param)] = weakref.ref(self)
                     param.data = self._empty
-                    param.__class__ = _released_class(type(param))
+                    param.__class__ = _released_class(_own_class(param))
         self._pending: dict = {}          # unit -> async handle
         self._unit_at: dict = {}          # data_ptr of a gathered unit's buffer -> the unit (saved-tensor hooks)
         self._refs = defaultdict(int)     # forward references
@@ -163,7 +161,7 @@ class ParamGatherer:
         self._ready.discard(u)
         for param, _ in self._views[u]:
             param.data = self._empty
-            param.__class__ = _released_class(self._class_of[id(param)])
+            param.__class__ = _released_class(_own_class(param))
         self._unit_at.pop(self.full[u].untyped_storage().data_ptr(), None)
         self.full[u].untyped_storage().resize_(0)
 
@@ -174,7 +172,7 @@ class ParamGatherer:
         for u in units:
             if u not in self.persistent:
                 for param, _ in self._views[u]:
-                    param.__class__ = self._class_of[id(param)]
+                    param.__class__ = _own_class(param)
 
     def gathered_units(self) -> list:
         return sorted((self._ready | set(self._pending)) - self.persistent)
@@ -346,6 +344,11 @@ class ParamGatherer:
             if self._refs[u] == 0:
                 self.release(u)
         self._cursor = len(self._bwd_order)
+
+
+def _own_class(param) -> type:
+    """The class ``param`` has when it is in use (its own), whichever it wears now."""
+    return _OWN_CLASS.get(type(param), type(param))
 
 
 def wears_released_class(param) -> bool:
