@@ -478,6 +478,14 @@ DEEPSPEED_KNOBS = {
     "communication_data_type": _Knob(lambda value: value is None, "is not a setting here; use "
                                      "zero_optimization.reduce_dtype (fp32 or bf16) for the dtype gradients are "
                                      "reduced in"),
+    "data_types": _Knob(lambda value: not value, "is not a setting here; use zero_optimization.reduce_dtype "
+                        "(fp32 or bf16) for the dtype gradients are reduced and accumulated in"),
+    "gradient_predivide_factor": _Knob(_only(1.0), "other than 1.0 is not supported: gradients are averaged in "
+                                       "one fixed order here; remove it"),
+    "activation_checkpointing": _Knob(lambda value: not value, "(DeepSpeed's checkpointing API settings) has no "
+                                      "effect here; remove it, and checkpoint activations in the model "
+                                      "(torch.utils.checkpoint, or parallel.activation_checkpointing for the "
+                                      "built-in GPT)"),
 }
 
 

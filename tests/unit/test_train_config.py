@@ -197,6 +197,11 @@ def test_every_unknown_key_of_a_section_is_named_whole_in_one_sentence():
     ({"prescale_gradients": True}, "prescale_gradients true is not supported"),
     ({"communication_data_type": "fp16"}, "communication_data_type is not a setting here; use "
      "zero_optimization.reduce_dtype"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types is not a setting here; use "
+     "zero_optimization.reduce_dtype"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor other than 1.0 is not supported"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing (DeepSpeed's "
+     "checkpointing API settings) has no effect here"),
 ])
 def test_deepspeed_settings_that_would_change_the_training_are_refused_by_name_with_the_reason(d, start):
     with pytest.raises(ConfigError) as err:
@@ -208,7 +213,7 @@ def test_their_no_op_values_are_accepted():
     cfg = TrainConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
                                                        "zero_quantized_weights": False,
                                                        "allgather_partitions": False},  # broadcasts: same values
-                                 "prescale_gradients": False})
+                                 "prescale_gradients": False, "gradient_predivide_factor": 1.0})
     assert cfg.zero.stage == 3
 
 
