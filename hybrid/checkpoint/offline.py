@@ -122,6 +122,12 @@ def resume_choice(entries: list, verdict_of: Callable[[layout.Entry], Verdict]) 
     return None, None
 
 
+def _damaged(entries: list) -> list:
+    """When a resume finds no good checkpoint among ``entries``: the ones that make it stop rather than start
+    fresh (every one but the saves that never finished, as ``agreement.choose`` counts them)."""
+    return [e for e in entries if not e.interrupted]
+
+
 def newest_good(path: layout.PathLike) -> tuple[Path, integrity.Inventory]:
     """The checkpoint a resume would load from the run directory ``path`` (or its ``checkpoints/``): the
     newest verified one, sealed temporaries included; ``CheckpointError`` when there is none, or when the
@@ -135,7 +141,7 @@ def newest_good(path: layout.PathLike) -> tuple[Path, integrity.Inventory]:
     entries = layout.candidates(run_dir)
     entry, found = resume_choice(entries, lambda e: verdict(e.path))
     if entry is None:
-        damaged = [e for e in entries if not e.interrupted]
+        damaged = _damaged(entries)
         if not damaged:
             raise layout.no_checkpoint(run_dir)
         raise CheckpointError(f"no checkpoint in {layout.checkpoints_dir(run_dir)} is good ({len(damaged)} "
@@ -172,7 +178,7 @@ def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]
     rows = [_row(e.path, e.step, verdicts.get(e.path), e, checksums) for e in entries]
     stops = found is not None and found.stops_resume
     reason = _stop_reason(chosen.path, found) if stops else None
-    damaged = [p for p, v in verdicts.items() if v is not None and not v.good]
+    damaged = _damaged(entries)
     if chosen is None and damaged:  # as agreement.choose: checkpoints exist, none is good
         reason = (f"no good checkpoint ({len(damaged)} damaged), and starting fresh would overwrite them; move "
                   f"{layout.checkpoints_dir(run_dir)} aside to start from step 0")

@@ -102,6 +102,9 @@ def test_inspect_says_the_resume_stops_when_every_checkpoint_is_damaged(tmp_path
     data.write_bytes(data.read_bytes()[:10])  # truncated: the only complete checkpoint is bad
     doc = describe(tmp_path)  # as agreement.choose decides: stop rather than overwrite it
     assert doc["latest"] is None and doc["resume_stops"].startswith("no good checkpoint (1 damaged)")
+    unmarked = tmp_path / "unmarked"
+    _write_checkpoint(unmarked, 20, marker=False)  # published, never marked: choose() refuses it too
+    assert describe(unmarked)["resume_stops"].startswith("no good checkpoint (1 damaged)")
 
 
 def test_a_sealed_but_unrenamed_checkpoint_is_what_inspect_and_resume_use(tmp_path):
