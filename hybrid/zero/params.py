@@ -363,15 +363,15 @@ def _owns_released(module: nn.Module) -> bool:
 def _refuse_saving_released(module, prefix, keep_vars) -> None:
     if not keep_vars and _owns_released(module):
         raise UsageError(f"{_module_name(prefix)}.state_dict() at ZeRO stage 3 would hold empty tensors "
-                                   "(the parameters are released outside the forward); use "
-                                   "engine.full_state_dict() (a collective on every rank) or hybrid.checkpoint")
+                         "(the parameters are released outside the forward); use "
+                         "engine.full_state_dict() (a collective on every rank) or hybrid.checkpoint")
 
 
 def _refuse_loading_released(module, state_dict, prefix, *args) -> None:
     if _owns_released(module):
         raise UsageError(f"{_module_name(prefix)}.load_state_dict() at ZeRO stage 3 cannot write into "
-                                   "released parameters; pass the weights to hybrid.initialize(..., weights=) or "
-                                   "resume from a hybrid checkpoint")
+                         "released parameters; pass the weights to hybrid.initialize(..., weights=) or "
+                         "resume from a hybrid checkpoint")
 
 
 def _module_name(prefix: str) -> str:
