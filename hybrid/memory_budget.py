@@ -66,7 +66,9 @@ class MemoryMeter:
                  gpu_index: Optional[int] = None):
         self.device = torch.device(device)
         self.nvml = nvml  # a pynvml-compatible module (hybrid.monitor); None: pynvml, on CUDA only
-        self.gpu_index = gpu_index if gpu_index is not None else nvml_index(self.device.index or 0)
+        # which NVML GPU this rank's device is: an index, or CUDA_VISIBLE_DEVICES' entry for it
+        self.gpu_index = gpu_index
+        self._visible = visible_device(self.device.index or 0) if gpu_index is None else None
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -87,8 +89,11 @@ class MemoryMeter:
         probe = monitor.probe(self.nvml)
         if not probe.available or not probe.gpus:
             return None
-        gpu = next((g for g in probe.gpus if g.index == self.gpu_index), probe.gpus[0])
-        return gpu.used_bytes, gpu.total_bytes
+        if self.gpu_index is not None:
+            gpu = next((g for g in probe.gpus if g.index == self.gpu_index), None)
+        else:
+            gpu = nvml_gpu(probe.gpus, self._visible)
+        return None if gpu is None else (gpu.used_bytes, gpu.total_bytes)
 
     def _device_total(self) -> Optional[float]:
         nvml = self._nvml_gpu()
@@ -133,12 +138,25 @@ class MemoryMeter:
                 f"({measured['source']})")
 
 
-def nvml_index(cuda_index: int) -> int:
-    """NVML's index of ``cuda:<cuda_index>``: NVML ignores ``CUDA_VISIBLE_DEVICES``, CUDA does not."""
+def visible_device(cuda_index: int) -> str:
+    """How ``CUDA_VISIBLE_DEVICES`` names ``cuda:<cuda_index>`` (an index, a ``GPU-`` or ``MIG-`` UUID);
+    the index itself where the variable does not list it. NVML ignores the variable, CUDA does not."""
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if cuda_index < len(visible) and visible[cuda_index].isdigit():
-        return int(visible[cuda_index])
-    return cuda_index
+    return visible[cuda_index] if cuda_index < len(visible) else str(cuda_index)
+
+
+def nvml_gpu(gpus: list, name: str):
+    """The NVML GPU that ``name`` (``visible_device``'s answer) denotes, or None where NVML cannot say.
+
+    A UUID may be given by a unique prefix, as CUDA accepts. A MIG instance is None: NVML's figures for
+    its parent GPU are not the instance's, so the caller falls back to CUDA's own total.
+    """
+    if name.isdigit():
+        return next((g for g in gpus if g.index == int(name)), None)
+    if name.startswith("MIG-"):
+        return None
+    matches = [g for g in gpus if g.uuid and g.uuid.startswith(name)]
+    return matches[0] if len(matches) == 1 else None
 
 
 def near_oom(measured: dict) -> bool:

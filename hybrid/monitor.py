@@ -25,6 +25,7 @@ class GpuInfo:
     used_bytes: int
     free_bytes: int
     utilization: float | None
+    uuid: str = ""  # NVML's "GPU-..." identifier, what CUDA_VISIBLE_DEVICES may name instead of an index
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ def _read_gpus(nvml) -> list[GpuInfo]:
             utilization = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
         except Exception:  # not supported on some GPUs (e.g. MIG slices)
             utilization = None
+        try:
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        except Exception:  # an older library or a fake without it: the index still selects the GPU
+            uuid = ""
         gpus.append(
             GpuInfo(
                 index=index,
@@ -90,6 +95,7 @@ def _read_gpus(nvml) -> list[GpuInfo]:
                 used_bytes=int(memory.used),
                 free_bytes=int(memory.free),
                 utilization=utilization,
+                uuid=uuid,
             )
         )
     return gpus

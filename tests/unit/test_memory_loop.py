@@ -130,13 +130,27 @@ def test_nvml_used_and_total_give_the_budget_and_the_near_oom_warning():
         meter.check(meter.measure())
 
 
-def test_nvml_index_follows_cuda_visible_devices(monkeypatch):
-    from hybrid.memory_budget import nvml_index
+def test_the_nvml_gpu_follows_cuda_visible_devices_indices_uuids_and_mig(monkeypatch):
+    from hybrid.memory_budget import nvml_gpu, visible_device
+    from hybrid.monitor import GpuInfo
 
+    gpus = [GpuInfo(i, "H100", 80 * GiB, i * GiB, (80 - i) * GiB, None, uuid=f"GPU-{i}a{i}b-{i}")
+            for i in range(4)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
-    assert (nvml_index(0), nvml_index(1)) == (3, 1)
+    assert [nvml_gpu(gpus, visible_device(i)).index for i in (0, 1)] == [3, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-2a2b-2, GPU-0a")  # a unique prefix is enough, as for CUDA
+    assert [nvml_gpu(gpus, visible_device(i)).index for i in (0, 1)] == [2, 0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-,MIG-5c1e/1/0,7")  # ambiguous, a MIG slice, not on this node
+    assert [nvml_gpu(gpus, visible_device(i)) for i in (0, 1, 2)] == [None, None, None]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert nvml_index(2) == 2
+    assert nvml_gpu(gpus, visible_device(2)).index == 2
+
+
+def test_a_meter_whose_gpu_nvml_cannot_name_reads_no_nvml_figures(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c1e/1/0")
+    meter = MemoryMeter("cpu", budget_bytes=10**12, nvml=FakeNvml(_two_h100s()))
+    m = meter.measure()
+    assert "nvml_used_bytes" not in m and m["used_bytes"] == m["peak_bytes"]  # not the whole GPU's use
 
 
 def test_measurement_cadence():
