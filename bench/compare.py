@@ -2,9 +2,10 @@
 
     python bench/compare.py            # full comparison (make bench): 3 workloads, fp32 and bf16, 2 passes
     python bench/compare.py --quick    # tiny model, 3 steps, a few implementations, 1 pass (the test runs this)
+    python bench/compare.py --world 4  # every row but the floor on 4 ranks (default 2)
 
 Each implementation x ZeRO stage trains the same GPT (same seed, same batches) in its own freshly spawned
-world of 2 ranks (gloo on CPU, one thread per rank); the compute floor runs rank 0's share of the work in a
+world of ``--world`` ranks (default 2; gloo on CPU, one thread per rank); the compute floor runs rank 0's share of the work in a
 world of one (``bench.peers``). With ``--passes N`` every row (implementation x stage x workload x precision)
 runs N times, interleaved: pass 1 of every row, then pass 2, ...; a row reports the lower median of its
 passes' step times (with 2: the faster) and the spread between them (``report.combine_passes``). The run
@@ -67,7 +68,7 @@ def run_one(impl: str, stage: int, w: Workload, timeout_s: float, profile_dir: s
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n\n".join(f"rank {r['rank']}\n{r['profile']}" for r in per_rank))
     row = report.summarize(impl, stage, w.name, w.precision, per_rank, time.perf_counter() - t0)
-    row.math_note = math_note(impl, stage, w.precision)
+    row.math_note = math_note(impl, stage, w.precision, w.world_size)
     return row
 
 
@@ -102,18 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", metavar="DIR", help="run the timed steps under torch.profiler (slower; the "
                     "times are then not comparable) and write each run's op table to DIR")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per implementation run")
+    ap.add_argument("--world", type=int, default=Workload.world_size,
+                    help=f"ranks of every row but the floor (default {Workload.world_size})")
     args = ap.parse_args(argv)
     passes = args.passes or (1 if args.quick else 2)
     if passes < 1:
         ap.error("--passes must be >= 1")
+    if args.world < 2:
+        ap.error("--world must be >= 2 (the floor row is the one-process comparison)")
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned rank
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
 
     precisions = args.precisions or (["fp32"] if args.quick else ["fp32", "bf16"])
-    cases = [base.with_precision(p) for base in workloads(args.quick) if not args.sizes or base.name in args.sizes
-             for p in precisions]
+    cases = [base.with_precision(p).with_world(args.world) for base in workloads(args.quick)
+             if not args.sizes or base.name in args.sizes for p in precisions]
     with_ds = deepspeed_available()
     if not with_ds:
         print("deepspeed is not importable: DeepSpeed rows skipped (install the bench extra: "
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for _, rows, _ in sections for r in rows],
                                               indent=1))
-    text = render(sections, command, time.perf_counter() - started, passes)
+    text = render(sections, command, time.perf_counter() - started, passes, args.world)
     print("\n" + text)
     out = args.out or (None if args.quick else str(Path(__file__).with_name("RESULTS.md")))
     if out and not any(bad for _, _, bad in sections):
@@ -178,7 +183,7 @@ def _run_and_print(impl: str, stage: int, w: Workload, timeout_s: float, profile
     return row
 
 
-def render(sections, command: str, elapsed_s: float, passes: int) -> str:
+def render(sections, command: str, elapsed_s: float, passes: int, world: int) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "# Benchmark: hybrid vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed and the compute floor",
@@ -186,12 +191,12 @@ def render(sections, command: str, elapsed_s: float, passes: int) -> str:
         f"- Command: `DS_ACCELERATOR=cpu {command}` (what `make bench` runs), {elapsed_s / 60:.1f} min in all",
         f"- Machine: {machine()}",
         f"- Date: {now}",
-        "- Every row but the floor: world size 2 on one machine, gloo, 1 thread per rank (OMP_NUM_THREADS=1), "
+        f"- Every row but the floor: world size {world} on one machine, gloo, 1 thread per rank (OMP_NUM_THREADS=1), "
         "its own fresh processes; the same GPT, seed and batches; AdamW with the same hyper-parameters.",
         "- compute floor: the same per-rank work in one process (world size 1, no collective in its step): "
         "rank 0's rows of each batch, the model in the workload precision as hybrid computes it (fp32: fp32 "
         "parameters; bf16: bf16 parameters and gradients, an fp32 master), fused AdamW. Its losses are those "
-        "of half the batch (left out of the loss check); the summary compares every hybrid stage with it.",
+        f"of 1/{world} of the batch (left out of the loss check); the summary compares every hybrid stage with it.",
         "- step time: median over the timed steps of the slowest rank (forward + backward + optimizer step, "
         "a barrier before and after each step). vs hybrid: this row's time / hybrid's at the same stage "
         "(> 1 means hybrid is faster).",

@@ -81,14 +81,15 @@ MATH_NOTES = {
 }
 
 
-FLOOR_NOTE = ("one process training rank 0's rows of each batch (half the global batch, its gradient not "
-              "averaged with rank 1's), so its losses are those of other batches; left out of the loss check")
+FLOOR_NOTE = ("one process training rank 0's rows of each batch (1/{world} of the global batch, its gradient "
+              "not averaged with the other ranks'), so its losses are those of other batches; left out of the "
+              "loss check")
 
 
-def math_note(impl: str, stage: int, precision: str) -> str:
+def math_note(impl: str, stage: int, precision: str, world: int = 2) -> str:
     """Why the run ``impl:stage`` at ``precision`` is not expected to match the others' losses ("" if it is)."""
     if impl == FLOOR:
-        return FLOOR_NOTE
+        return FLOOR_NOTE.format(world=world)
     return MATH_NOTES.get((impl, stage, precision), "")
 
 

@@ -38,9 +38,10 @@ class Workload:
         return self.model["vocab_size"]
 
     def with_precision(self, precision: str) -> "Workload":
-        d = asdict(self)
-        d["precision"] = precision
-        return Workload(**d)
+        return Workload(**{**asdict(self), "precision": precision})
+
+    def with_world(self, world_size: int) -> "Workload":
+        return Workload(**{**asdict(self), "world_size": world_size})
 
 
 # ~4M parameters: per-step overhead (hooks, launches, bookkeeping) dominates.

@@ -43,6 +43,7 @@ from collections import deque
 from typing import Callable, Optional
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from hybrid.buffer_pool import BufferPool
 from hybrid.comm import Comm
@@ -104,6 +105,7 @@ class GradReducer:
         self._fired = [False] * len(params)
         self._next = 0
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+        self._handles_seen = RemovableHandle.next_id
         for p in params:
             p.grad = None
 
@@ -132,12 +134,16 @@ class GradReducer:
     def _run_user_hooks_first(self) -> None:
         """The engine's post-accumulate-grad hook takes ``param.grad`` (and sets it to None): it must run after
         every hook the user put on the parameter, also those registered after ``hybrid.initialize``, which
-        torch would run after it. Registered again (so last) where it is not the last one."""
+        torch would run after it. Registered again (so last) where it is not the last one. Every hook
+        registration anywhere takes the next handle id: while that has not moved, nothing can have changed."""
+        if RemovableHandle.next_id == self._handles_seen:
+            return
         for i, (p, handle) in enumerate(zip(self.params, self._hook_handles)):
             hooks = getattr(p, "_post_accumulate_grad_hooks", None)
             if hooks and next(reversed(hooks)) != handle.id:
                 handle.remove()
                 self._hook_handles[i] = p.register_post_accumulate_grad_hook(self._hook(i))
+        self._handles_seen = RemovableHandle.next_id
 
     # -- backward -------------------------------------------------------------------------------------
     def begin(self, reduce: bool) -> None:

@@ -442,7 +442,7 @@ class ZeroEngine:
     def _tp_full(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``param``'s single-process tensor, from this TP rank's slice ``local``."""
         dim = tensor_parallel_dim(param)
-        if dim is None or self.tp_comm is None or self.tp_comm.size == 1:
+        if dim is None:
             return local.cpu().clone()
         return gather_tp_tensor(local, dim, self.tp_comm).cpu()
 

@@ -143,6 +143,12 @@ def test_a_post_accumulate_grad_hook_registered_after_initialize_sees_the_gradie
     x, y = batch(0, 0)
     engine.backward(engine(x, y))  # torch would run it after the engine's hook, which takes the gradient
     assert seen == [True]
+    engine.step()
+    engine.backward(engine(x, y))  # nothing registered since: the check is skipped, the order still holds
+    engine.step()
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))  # a later one too
+    engine.backward(engine(x, y))
+    assert seen == [True, True, True, True]
 
 
 class _FusedLinear(torch.autograd.Function):
