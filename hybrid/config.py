@@ -473,8 +473,9 @@ DEEPSPEED_KNOBS = {
                                                         "would change the gradients; remove it"),
     "zero_optimization.zero_hpz_partition_size": _Knob(_only(1), "(ZeRO++ hierarchical partitioning) is not "
                                                        "supported; remove it"),
-    "prescale_gradients": _Knob(_only(False), "true is not supported: gradients are averaged in one fixed order "
-                                "here; remove it"),
+    # either value averages the gradients over DP, as here: the loss pre-divided by the DP size, or AVG in
+    # the collective where the backend has it (NCCL); the two orders differ only in rounding
+    "prescale_gradients": _Knob(lambda value: isinstance(value, bool), "must be true or false"),
     "communication_data_type": _Knob(lambda value: value is None, "is not a setting here; use "
                                      "zero_optimization.reduce_dtype (fp32 or bf16) for the dtype gradients are "
                                      "reduced in"),

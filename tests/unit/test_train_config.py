@@ -194,7 +194,7 @@ def test_every_unknown_key_of_a_section_is_named_whole_in_one_sentence():
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients ("),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio other than 1.0"),
-    ({"prescale_gradients": True}, "prescale_gradients true is not supported"),
+    ({"prescale_gradients": "yes"}, "prescale_gradients must be true or false."),
     ({"communication_data_type": "fp16"}, "communication_data_type is not a setting here; use "
      "zero_optimization.reduce_dtype"),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types is not a setting here; use "
@@ -215,6 +215,7 @@ def test_their_no_op_values_are_accepted():
                                                        "allgather_partitions": False},  # broadcasts: same values
                                  "prescale_gradients": False, "gradient_predivide_factor": 1.0})
     assert cfg.zero.stage == 3
+    assert TrainConfig.from_dict({"prescale_gradients": True}) == TrainConfig.from_dict({})  # both average
 
 
 @pytest.mark.parametrize("d, start", [
