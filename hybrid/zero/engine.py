@@ -132,12 +132,15 @@ class ZeroEngine:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
+        _refuse_complex(named)
         _refuse_sparse_gradients(module)
         _refuse_compiled_at_stage3(module, self.stage)
         _refuse_model_of_a_stage3_engine(module)
         _check_tp_degree(module, self.tp_comm.size if self.tp_comm is not None else 1)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        trainable = {id(p) for p in self.params}
+        self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in trainable]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = resolve_device(self.params, device)
@@ -267,7 +270,7 @@ class ZeroEngine:
             raise UsageError("engine.backward() was called twice without engine.step(); call step() after "
                              "every backward (it only steps the optimizer at accumulation boundaries)")
         _check_loss(loss)  # before the state changes: a corrected call must still work
-        _check_trainable_unchanged(self.names, self.params)
+        _check_trainable_unchanged(self.names, self.params, self._frozen)
         self._awaiting_step = True
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
@@ -560,14 +563,34 @@ def _check_tp_degree(module: nn.Module, tp: int) -> None:
                           "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
 
 
-def _check_trainable_unchanged(names, params) -> None:
+def _check_trainable_unchanged(names, params, frozen) -> None:
     """The trainable set is fixed at initialize: a parameter frozen afterwards would still be stepped with a
-    zero gradient (Adam momentum and weight decay keep moving it), silently unlike torch's optimizers."""
-    frozen = [n for n, p in zip(names, params) if not p.requires_grad]
-    if frozen:
-        raise UsageError(f"{len(frozen)} parameter(s) were frozen after hybrid.initialize ({', '.join(frozen[:3])}"
-                         f"{', ...' if len(frozen) > 3 else ''}); the engine would keep updating them. Freeze "
-                         "parameters (requires_grad_(False)) before hybrid.initialize")
+    zero gradient (Adam momentum and weight decay keep moving it), silently unlike torch's optimizers, and one
+    unfrozen afterwards would never be stepped (its gradient neither reduced nor applied)."""
+    changed = [n for n, p in zip(names, params) if not p.requires_grad]
+    if changed:
+        raise UsageError(f"{_names(changed)} frozen after hybrid.initialize; the engine would keep updating "
+                         f"{'them' if len(changed) > 1 else 'it'}. Freeze parameters (requires_grad_(False)) "
+                         "before hybrid.initialize")
+    changed = [n for n, p in frozen if p.requires_grad]
+    if changed:
+        raise UsageError(f"{_names(changed)} unfrozen after hybrid.initialize; the engine would never update "
+                         f"{'them' if len(changed) > 1 else 'it'}. Set requires_grad before hybrid.initialize "
+                         "(to unfreeze mid-training, save a checkpoint and initialize a new engine)")
+
+
+def _names(names: list) -> str:
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names)} parameter(s) ({shown}) {'were' if len(names) > 1 else 'was'}"
+
+
+def _refuse_complex(named) -> None:
+    """Complex parameters would be stored as real numbers (their imaginary part dropped)."""
+    bad = [n for n, p in named if p.is_complex()]
+    if bad:
+        raise ConfigError(f"{_names(bad)} complex; hybrid trains real floating-point parameters, and would drop "
+                          "the imaginary part: keep each as a real parameter of torch.view_as_real's shape and "
+                          "torch.view_as_complex it in the forward")
 
 
 def _refuse_model_of_a_stage3_engine(module: nn.Module) -> None:

@@ -127,8 +127,29 @@ def test_a_parameter_frozen_after_initialize_is_refused_not_stepped():
     engine = hybrid.initialize(model, config(2))
     next(p for p in model.parameters() if p.requires_grad).requires_grad_(False)  # AdamW would still move it
     x, y = batch(0, 0)
-    with pytest.raises(RuntimeError, match=r"frozen after hybrid\.initialize .*before hybrid\.initialize"):
+    with pytest.raises(RuntimeError, match=r"was frozen after hybrid\.initialize; .*before hybrid\.initialize"):
         engine.backward(engine(x, y))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_unfrozen_after_initialize_is_refused(stage):
+    from tests.dist.zero_models import batch
+
+    model = ParityNet()
+    frozen = next(p for p in model.parameters())
+    frozen.requires_grad_(False)
+    engine = hybrid.initialize(model, config(stage))
+    frozen.requires_grad_(True)  # the engine would never reduce or step it
+    x, y = batch(0, 0)
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) \(.*\) was unfrozen after hybrid\.initialize"):
+        engine.backward(engine(x, y))
+
+
+def test_a_complex_parameter_is_refused():
+    model = torch.nn.Linear(4, 4)
+    model.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) \(phase\) was complex; .*view_as_real"):
+        hybrid.initialize(model, config(0))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
