@@ -301,6 +301,8 @@ class ZeroEngine:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
+        if self.gatherer is not None:
+            self.gatherer.check_same_units()
         self.reducer.fill_if_empty()
         self._sync_buffers()
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,

@@ -62,6 +62,7 @@ from hybrid.errors import UsageError
 from hybrid.zero.partition import FlatLayout
 
 log = logging.getLogger(__name__)
+ORDER_MODULUS = (1 << 20) - 3  # h^2 summed over 1024 ranks stays an exact float64 integer
 
 
 def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Callable, max_inflight_numel: int) -> None:
@@ -113,6 +114,7 @@ class ParamGatherer:
         self._internal = 0                # inside our own hooks: the guard stays out of the way
         self._warned: set = set()
         self.counts: Counter = Counter()
+        self._order = 0                   # a hash of the units gathered since the last check_same_units()
         for module in module_units:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
@@ -143,10 +145,31 @@ class ParamGatherer:
         full.untyped_storage().resize_(self._nbytes(u))
         self._unit_at[full.untyped_storage().data_ptr()] = u
         self._pending[u] = self.comm.all_gather(full, self.shard_of(u), async_op=True)
+        self._order = (self._order * 1_000_003 + u + 1) % ORDER_MODULUS
         for param, view in self._views[u]:
             param.data = view
         self.counts["gathers"] += 1
         return True
+
+    def check_same_units(self) -> None:
+        """Raise ``UsageError`` on every rank when the DP ranks gathered different units since the last check.
+
+        All-gathers of same-sized units pair up whatever unit each rank meant, so ranks that run different
+        modules (an MoE expert that only one rank's tokens reach) would compute with a mix of shards, silently.
+        One small all-reduce of (h, h^2) per optimizer step: the ranks agree iff (sum h)^2 == N * sum h^2.
+        """
+        order, self._order = self._order, 0
+        if self.comm.size == 1:
+            return
+        sums = torch.tensor([order, order * order], dtype=torch.float64, device=self._empty.device)
+        self.comm.all_reduce(sums)
+        total, squares = (int(x) for x in sums.tolist())
+        if total * total != self.comm.size * squares:
+            raise UsageError(
+                "the DP ranks gathered different ZeRO stage-3 units in this step (some ran modules the others "
+                "did not, or in another order), so their forwards mixed the shards of different modules: at "
+                "stage 3 every DP rank must call the same modules in the same order (run every MoE expert on "
+                "every rank, with no rows if none are routed to it), or use ZeRO stage 2")
 
     def wait(self, u: int) -> None:
         handle = self._pending.pop(u, None)

@@ -9,7 +9,8 @@ DP traffic and the memory held afterwards are checked:
 * traffic per step: stage 0 all-reduces 2Ψ; stages 1 and 2 move Ψ + Ψ (equal to stage 0 within 1%);
   stage 3 moves 3Ψ (1.5x stage 0 within 1%); persistent parameters are never gathered in forward or
   backward, so the traffic drops by exactly their bytes (their fwd+bwd gathers become one post-step
-  all-gather). The only other traffic is the 2-float all-reduce of the gradient norm's partial sums;
+  all-gather). The only other traffic is the 2-float all-reduce of the gradient norm's partial sums, and at
+  stage 3 that of the check that every rank gathered the same units;
 * stage 3 really releases: during a layer's forward only the units of the roots running (the model's
   "rest" unit and the layer's block, under the default ``auto`` policy) and the prefetched ones are gathered, and nothing is gathered or bucketed between steps; stage 2 never holds all gradients in
   buckets during backward.
@@ -32,6 +33,7 @@ from tests.dist.zero_models import WideNet, batch, rank_rows
 pytestmark = pytest.mark.slow
 
 NORM_BYTES = 2 * 2 * 8  # all-reduce (counted twice) of the two float64 partial sums
+UNITS_CHECK_BYTES = 2 * 2 * 8  # ParamGatherer.check_same_units: (h, h^2) in float64
 PREFETCH = 200_000
 BUCKET = 400_000
 CASES = {
@@ -128,7 +130,7 @@ def test_memory_and_traffic_per_stage():
             t = r["traffic"]
             p_bytes = size * psi
             expect = {0: 2 * p_bytes, 1: 2 * p_bytes + NORM_BYTES, 2: 2 * p_bytes + NORM_BYTES,
-                      3: 3 * p_bytes - size * r["persistent"] + NORM_BYTES}[stage]
+                      3: 3 * p_bytes - size * r["persistent"] + NORM_BYTES + UNITS_CHECK_BYTES}[stage]
             assert t["total"] == expect, f"{case}: {t} expected total {expect}"
             if stage == 0:
                 assert t["all_reduce"] == t["total"]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid
+from hybrid.errors import UserError
 from hybrid.local_launch import run_local
 from tests.dist.own_models import AuxLossNet, CheckpointedNet, EncoderNet, FunctionalNet, SequentialNet, plain_forward
 from tests.dist.zero_models import ACCUM, config, reference, train_engine
@@ -105,3 +106,35 @@ def test_stage3_units_own_models_world2():
 
 def test_stage3_units_own_models_world4():
     _check(4, WORLD4)
+
+
+class _RoutedExperts(torch.nn.Module):
+    """Two experts of one shape; ``route`` picks the one a rank's rows go to (data-dependent, as in an MoE)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(2))
+
+    def forward(self, x, route):
+        return self.experts[route](x).pow(2).mean()
+
+
+def _routed_rank(same: bool):
+    engine = hybrid.initialize(_RoutedExperts(), {"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}})
+    route = 0 if same else dist.get_rank()
+    engine.backward(engine(torch.randn(4, 8), route))
+    try:
+        engine.step()
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def test_stage3_ranks_that_gather_different_units_are_refused_not_mixed():
+    """The all-gathers of two same-sized units pair up across ranks: without the check each rank's forward ran
+    with a weight made of one shard of each expert, and training went on."""
+    assert run_local(_routed_rank, 2, True) == [None, None]
+    for message in run_local(_routed_rank, 2, False):
+        assert message.startswith("the DP ranks gathered different ZeRO stage-3 units in this step"), message
