@@ -11,10 +11,13 @@ on the CPU. In order of precedence, the values are
 2. the tensor's own values when it is not on ``meta`` (a model built the ordinary way),
 3. the parameter's layout-independent initializer (``hybrid.param_init``; the built-in layers and GPT
    attach one to every parameter): only the chunks holding ``[lo, hi)`` are drawn,
-4. otherwise the module's own initialization, as torch does it: ``init_fn(module)`` when given, else
-   ``module.reset_parameters()`` (or ``_reset_parameters()``), run on CPU copies of the module's *direct*
-   tensors under a CPU generator seeded from ``(seed, module name)``. Each module initializes its own
-   tensors (a parent's init of a child's tensor is superseded by the child's own).
+4. otherwise the module's own initialization, run on CPU copies of the module's *direct* tensors under a
+   CPU generator seeded from ``(seed, module name)``: ``module.reset_parameters()`` (or
+   ``_reset_parameters()``), each module initializing its own tensors as FSDP's meta-device init does (a
+   parent's reset of a child's tensor is superseded by the child's own); with ``init_fn``, what
+   ``model.apply(init_fn)`` after an ordinary build gives (Hugging Face's ``post_init``): the module's
+   ``reset_parameters``, then ``init_fn`` on it and on each of its ancestors, nearest first (the rest of the
+   model on ``meta``), so a parent's init of its children's tensors wins.
 
 So the values depend on ``seed`` and the names only, never on the DP size, ZeRO stage or TP degree: every
 layout builds the same model. ``materialize(model, seed=...)`` applies the same rules to a whole model
@@ -24,6 +27,7 @@ in one process (the reference for tests, and the way to get an ordinary model fr
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -35,6 +39,8 @@ from hybrid.param_attrs import tensor_parallel_dim
 from hybrid.param_init import get_initializer, local_values, read_local_range
 from hybrid.tp.sharding import full_shape
 from hybrid.weights import WeightsFile, open_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -151,8 +157,8 @@ class ModuleValues:
     def _run_module_init(self) -> dict:
         """Run the module's own init on CPU copies of its direct tensors; returns name -> values."""
         module, init_fn = self.module, self.sources.init_fn
-        init = init_fn or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-        if init is None:
+        own_init = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if init_fn is None and own_init is None:
             entry = next(e for e in self.entries if e.tensor.is_meta)
             kind = "parameter" if entry.is_param else "buffer"
             raise ConfigError(f"{kind} {entry.name!r} is on the meta device and its module "
@@ -169,7 +175,10 @@ class ModuleValues:
                     module._buffers[key] = cpu
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(module_seed(self.sources.seed, self.name))
-                init(module) if init_fn is not None else init()
+                if init_fn is None:
+                    own_init()
+                else:
+                    self._as_after_construction(own_init, init_fn)
             return {e.name: (module._parameters if e.is_param else module._buffers)[key].detach()
                     for key, e in own.items()}
         finally:
@@ -177,6 +186,44 @@ class ModuleValues:
             module._parameters.update(saved_params)
             module._buffers.clear()
             module._buffers.update(saved_buffers)
+
+    def _as_after_construction(self, own_init: Optional[Callable], init_fn: Callable) -> None:
+        """The module's tensors as ``model.apply(init_fn)`` leaves them after an ordinary build (Hugging
+        Face's ``post_init``): the constructor's ``reset_parameters`` first, then ``init_fn`` on the module and
+        on each ancestor in turn (``apply`` visits children first, so a parent's init of its children's
+        tensors wins). The rest of the model stays on ``meta``, where an ancestor's init costs nothing and
+        draws no random numbers; an ancestor's init that cannot run there (it reads values) is skipped."""
+        if own_init is not None:
+            try:
+                own_init()
+            except Exception as err:  # init_fn is the user's word on this module; note why this was skipped
+                log.debug("%s.reset_parameters() failed before init_fn (%s)", self.name or "model", err)
+        init_fn(self.module)
+        parts = self.name.split(".") if self.name else []
+        for depth in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:depth])
+            try:
+                ancestor = self.sources.model.get_submodule(prefix)
+            except AttributeError:
+                continue
+            saved = dict(ancestor._parameters), dict(ancestor._buffers)
+            try:
+                init_fn(ancestor)
+            except Exception as err:
+                _warn_once(f"init_fn({prefix or 'the model'}) cannot run with its tensors on meta ({err}); "
+                           f"its init of {self.name}'s tensors, if any, is not applied")
+            finally:  # the ancestor's own tensors stay what they were (its own turn materializes them)
+                ancestor._parameters.update(saved[0])
+                ancestor._buffers.update(saved[1])
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
 
 
 class ValueSources:

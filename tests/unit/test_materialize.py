@@ -87,6 +87,43 @@ def test_init_fn_overrides_reset_parameters():
     assert all(torch.all(p == 0.25) for p in model.parameters())
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.norm = nn.LayerNorm(8)
+
+
+def _hf_style_init(module):
+    """As Hugging Face's ``_init_weights``: a parent initializes its children's tensors (T5's dense layers,
+    GPT-2's scaled ``c_proj``); leaves it does not know keep their constructor's init."""
+    if isinstance(module, _Block):
+        module.out.weight.data.fill_(0.5)
+        module.out.bias.data.zero_()
+    elif isinstance(module, nn.LayerNorm):
+        module.weight.data.fill_(2.0)
+
+
+def test_init_fn_applies_as_model_apply_after_construction_parents_last():
+    ordinary = _Stack()
+    ordinary.apply(_hf_style_init)
+    with torch.device("meta"):
+        meta = _Stack()
+    meta = hybrid.materialize(meta, init_fn=_hf_style_init)
+    for (name, want), got in zip(ordinary.named_parameters(), meta.parameters()):
+        if ".out." in name or name.startswith("norm."):
+            assert torch.equal(got, want), name  # the parent's init of its children won (it was dropped)
+        else:
+            assert got.std() > 0.05 and got.abs().max() <= 1 / 8 ** 0.5, name  # Linear's own init, not zeros
+
+
 def test_a_meta_parameter_without_any_init_is_one_sentence():
     class Bare(nn.Module):
         def __init__(self):
