@@ -103,6 +103,7 @@ class GradReducer:
         self._pending = [0] * len(layout.units)
         self._launched = [False] * len(layout.units)
         self._fired = [False] * len(params)
+        self._touched = False
         self._next = 0
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
         self._handles_seen = RemovableHandle.next_id
@@ -153,6 +154,7 @@ class GradReducer:
         self._pending = [len(u.slots) for u in self.layout.units]
         self._launched = [False] * len(self.layout.units)
         self._fired = [False] * len(self.params)
+        self._touched = False
         self._next = 0
         if self.mode != "scatter_shard":
             self._handoff = self._empty
@@ -174,6 +176,7 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        self._touched = True
         if self._by_hook or self._handoff:
             view = self._grad_view(i)
             if self._handoff and not self._written[i]:
@@ -291,6 +294,10 @@ class GradReducer:
                 p.grad = None
         elif self.mode != "scatter_shard":
             self.attach_grads()
+
+    def started(self) -> bool:
+        """Whether any gradient of the current backward has reached the engine (accumulated or handed over)."""
+        return self._touched
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def transient_tensors(self) -> list:

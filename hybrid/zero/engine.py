@@ -194,6 +194,7 @@ class ZeroEngine:
         self.micro_steps = 0
         self.last_lr = None
         self._awaiting_step = False
+        self._broken = ""  # why the engine cannot go on (a backward that raised partway), or ""
         self.global_step = 0
         self.last_grad_norm = None
         self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
@@ -266,12 +267,13 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Back-propagate ``loss / gradient_accumulation_steps`` (and / DP size where the collective cannot
         average) and reduce the gradients of this stage; returns ``loss`` (as DeepSpeed's does)."""
+        if self._broken:
+            raise UsageError(self._broken)
         if self._awaiting_step:
             raise UsageError("engine.backward() was called twice without engine.step(); call step() after "
                              "every backward (it only steps the optimizer at accumulation boundaries)")
         _check_loss(loss)  # before the state changes: a corrected call must still work
         _check_trainable_unchanged(self.names, self.params, self._frozen)
-        self._awaiting_step = True
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
         self.reducer.begin(reduce=boundary)
@@ -281,9 +283,18 @@ class ZeroEngine:
             divisor = accum * self.reducer.loss_divisor
             (loss / divisor if divisor > 1 else loss).backward()
             self.reducer.finish()
+        except BaseException as err:
+            # Before any gradient reached the engine (a graph already freed, a bad loss), nothing changed and a
+            # corrected call works; after, this rank's gradients are part-accumulated and part-reduced.
+            if self.reducer.started():
+                self._broken = (f"engine.backward() raised partway through ({type(err).__name__}), after part of "
+                                "the gradients had been accumulated or reduced, so they are incomplete on this rank; "
+                                "restart from the last checkpoint")
+            raise
         finally:
             if self.gatherer is not None:
                 self.gatherer.end_backward()
+        self._awaiting_step = True
         return loss
 
     def step(self) -> bool:
@@ -293,6 +304,8 @@ class ZeroEngine:
         and global_step untouched, gradients zeroed; returns False; ``nonfinite.skipped`` counts it), and
         ``max_nonfinite_skips`` of them in a row raise ``NonFiniteError`` (``zero.clip.NonFiniteGuard``).
         """
+        if self._broken:
+            raise UsageError(self._broken)
         if not self._awaiting_step:
             raise UsageError("engine.step() was called without engine.backward(loss) since the last step "
                              "(loss.backward() bypasses the engine: its gradients are never reduced); call "

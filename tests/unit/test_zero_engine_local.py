@@ -217,3 +217,46 @@ def test_a_custom_autograd_function_given_a_released_parameter_at_stage3_gets_it
 def test_a_compiled_model_at_stage3_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"torch\.compile'd model at ZeRO stage 3.*compile engine\.module"):
         hybrid.initialize(torch.compile(ParityNet()), config(3))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_backward_that_raises_before_any_gradient_leaves_the_engine_as_it_was(stage):
+    from tests.dist.zero_models import batch
+
+    def run(fail: bool):
+        engine = hybrid.initialize(ParityNet(), config(stage))
+        for step in range(3):
+            x, y = batch(step, 0)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            if fail and step == 0:
+                with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                    engine.backward(loss)  # its graph is freed: autograd raises before any gradient
+        return engine.full_state_dict()
+
+    clean, after_failure = run(False), run(True)
+    assert all(torch.equal(clean[k], after_failure[k]) for k in clean)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a kernel failed in backward")
+
+
+def test_a_backward_that_raises_partway_stops_the_engine_with_one_sentence():
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.ModuleDict({"body": body, "head": head})
+    engine = hybrid.initialize(model, config(0))
+    loss = head(_FailingBackward.apply(body(torch.randn(3, 4)))).sum()
+    with pytest.raises(RuntimeError, match="a kernel failed in backward"):
+        engine.backward(loss)  # the head's gradients were already accumulated
+    for call in (lambda: engine.backward(head(body(torch.randn(3, 4))).sum()), engine.step):
+        with pytest.raises(RuntimeError, match=r"raised partway through \(RuntimeError\).*restart from the last"):
+            call()
