@@ -213,7 +213,11 @@ def exclusive(run_dir, comm: Comm, device):
             error = exc
     try:
         if any_rank(error is not None, comm, device):
-            raise error if error is not None else lock.refusal_elsewhere(run_dir)
+            if comm.rank == 0:
+                broadcast_text(f"{int(isinstance(error, lock.CheckpointLocked))}{error}", comm, device)
+                raise error
+            text = broadcast_text("", comm, device)  # rank 0's own sentence, so every rank says the same
+            raise (lock.CheckpointLocked if text[0] == "1" else CheckpointError)(text[1:])
         yield
     finally:
         if held:
@@ -223,6 +227,15 @@ def exclusive(run_dir, comm: Comm, device):
 def any_rank(flag: bool, comm: Comm, device) -> bool:
     """True on every rank when ``flag`` is true on any (collective): how the ranks fail together."""
     return bool(_all_reduce_max(torch.tensor([int(flag)], dtype=torch.int64), comm, device)[0])
+
+
+def broadcast_text(text: str, comm: Comm, device) -> str:
+    """Rank 0's ``text`` on every rank (collective; the others pass anything)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    size = int(_broadcast(torch.tensor([data.numel()], dtype=torch.int64), comm, device)[0])
+    if comm.rank != 0:
+        data = torch.zeros(size, dtype=torch.uint8)
+    return bytes(_broadcast(data, comm, device).tolist()).decode() if size else ""
 
 
 def _broadcast(t: torch.Tensor, comm: Comm, device) -> torch.Tensor:

@@ -131,14 +131,6 @@ def holder(run_dir) -> str:
     return text or "another process"
 
 
-def refusal_elsewhere(run_dir) -> CheckpointError:
-    """The error a rank other than rank 0 raises when rank 0 could not take the lock."""
-    problem = layout.layout_problem(run_dir)
-    if problem is not None:
-        return CheckpointError(f"job.checkpoint.dir {run_dir}: {problem}.")
-    return _locked(run_dir, lock_path(run_dir))
-
-
 def _locked(run_dir, path: Path) -> CheckpointLocked:
     if _held_by_this_job(run_dir):
         return CheckpointLocked(f"checkpoint directory {layout.checkpoints_dir(run_dir)} is still locked by an "

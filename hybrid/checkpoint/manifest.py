@@ -167,10 +167,14 @@ def check_same_model(manifest: Mapping[str, Any], params: Mapping[str, Any], tp:
 
 
 def check_same_optimizer(manifest: Mapping[str, Any], here: Mapping[str, Any], where: Path) -> None:
-    """Raise CheckpointError when the checkpoint's optimizer state keys differ from this run's (a checkpoint
-    without an ``optimizer`` entry holds AdamW's)."""
+    """Raise CheckpointError when the checkpoint's optimizer class or state keys differ from this run's (a
+    checkpoint without an ``optimizer`` entry holds AdamW's). Hyper-parameters (lr, betas, ...) may change."""
     saved = manifest.get("optimizer") or {"type": "AdamW", "state": list(KINDS[1:])}
-    if list(saved["state"]) != list(here["state"]):
-        raise CheckpointError(f"{where} was saved with optimizer {saved['type']} (state {', '.join(saved['state'])}) "
-                              f"but this run uses {here['type']} (state {', '.join(here['state']) or 'none'}); "
+    if saved["type"] != here["type"]:
+        raise CheckpointError(f"{where} was saved with optimizer {saved['type']} but this run uses {here['type']}; "
                               f"resume with optimizer.type: {saved['type']}, or use a new run directory.")
+    if list(saved["state"]) != list(here["state"]):
+        raise CheckpointError(f"{where} was saved with {saved['type']} holding state "
+                              f"{', '.join(saved['state']) or 'none'} but this run's {here['type']} holds "
+                              f"{', '.join(here['state']) or 'none'} (an option such as amsgrad differs); resume with "
+                              f"the optimizer options it was trained with, or use a new run directory.")

@@ -172,10 +172,15 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
     everyone = _everyone()
 
+    failure = None
     if world.rank == 0:  # a crash may have left this step half-written; start it afresh
-        layout.remove(tmp)
-        tmp.mkdir(parents=True)
-    everyone.barrier()
+        try:
+            layout.remove(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            failure = f"{_os_cause(err)} on rank 0"
+    if agreement.any_rank(failure is not None, everyone, engine.device):  # the barrier before anyone writes
+        raise _write_failed(step, tmp, agreement.broadcast_text(failure or "", everyone, engine.device), run_dir)
     state, pieces = _pieces(views, world.tp_rank)
     if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
         state.update(plain.dcp_state(world.tp_rank))
@@ -232,10 +237,12 @@ def _os_cause(err: OSError) -> str:
 
 def _write_failed(step: int, tmp: Path, cause: str, run_dir) -> CheckpointWriteError:
     previous = layout.latest(run_dir)
+    unwritable = any(words in cause for words in ("Permission denied", "Read-only file system",
+                                                  "Operation not permitted"))
+    fix = "make it writable for every rank" if unwritable else "free space there (or lower job.checkpoint.keep_last)"
     return CheckpointWriteError(
         f"saving the step-{step} checkpoint into {tmp.parent} failed ({cause}; the partial {tmp.name} was "
-        f"removed); free space there (or lower job.checkpoint.keep_last) and run the job again to resume "
-        f"from {previous.name if previous else 'step 0'}.")
+        f"removed); {fix} and run the job again to resume from {previous.name if previous else 'step 0'}.")
 
 
 @contextlib.contextmanager

@@ -597,6 +597,29 @@ def _locked_and_full_world(cfg_dict: dict, root: str) -> dict:
     dist.barrier()
     out["after"] = sorted(p.name for p in layout.checkpoints_dir(full).iterdir())
     out["latest"] = checkpoint.resume_if_available(full, engine).step
+
+    real_mkdir = Path.mkdir
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    if dist.get_rank() == 0:  # rank 0 cannot create the step's temporary directory
+        Path.mkdir = refused
+    try:
+        checkpoint.save(full, engine, 3)
+        out["unwritable"] = None
+    except CheckpointWriteError as err:
+        out["unwritable"] = str(err)
+    finally:
+        Path.mkdir = real_mkdir
+
+    # rank 0 cannot create the lock file (a directory stands where it goes): the others say rank 0's sentence
+    (root / "nolock" / "checkpoints" / ".lock").mkdir(parents=True, exist_ok=True)
+    try:
+        with checkpoint.exclusive(root / "nolock", engine):
+            out["nolock"] = None
+    except CheckpointError as err:
+        out["nolock"] = f"{type(err).__name__}: {err}"
     return out
 
 
@@ -618,6 +641,12 @@ def test_a_locked_directory_and_a_full_disk_fail_every_rank_in_one_sentence(tmp_
                                       f"failed (No space left on device on rank 1; the partial "
                                       f".tmp-step-000002 was removed)")
         assert got["after"] == ["latest", "step-000001"] and got["latest"] == 1
+        assert got["unwritable"] == ranks[0]["unwritable"]
+        assert got["unwritable"].startswith(f"saving the step-3 checkpoint into {tmp_path / 'full' / 'checkpoints'} "
+                                            "failed (Permission denied on rank 0; ") and "make it writable" in got[
+                                                "unwritable"]
+        assert got["nolock"] == ranks[0]["nolock"]
+        assert got["nolock"].startswith("CheckpointError: cannot create the checkpoint lock "), got["nolock"]
     assert not (tmp_path / "locked" / "checkpoints" / "step-000001").exists()
 
 

@@ -284,3 +284,17 @@ def test_a_failed_write_is_one_sentence_naming_the_cause():
     assert str(err) == ("saving the step-8 checkpoint into /runs/a/checkpoints failed (No space left on device on "
                         "rank 1; the partial .tmp-step-000008 was removed); free space there (or lower "
                         "job.checkpoint.keep_last) and run the job again to resume from step 0.")
+
+
+def test_a_checkpoint_of_another_optimizer_or_its_options_is_refused_by_name():
+    from hybrid.checkpoint.manifest import check_same_optimizer
+
+    adamw = {"optimizer": {"type": "AdamW", "state": ["exp_avg", "exp_avg_sq"]}}
+    where = Path("run/checkpoints/step-000004")
+    check_same_optimizer(adamw, {"type": "AdamW", "state": ["exp_avg", "exp_avg_sq"]}, where)  # lr etc. may change
+    with pytest.raises(CheckpointError, match=r"^run/checkpoints/step-000004 was saved with optimizer AdamW but "
+                                              r"this run uses RAdam; resume with optimizer.type: AdamW, or"):
+        check_same_optimizer(adamw, {"type": "RAdam", "state": ["exp_avg", "exp_avg_sq"]}, where)  # same names
+    with pytest.raises(CheckpointError, match=r"holding state exp_avg, exp_avg_sq but this run's AdamW holds "
+                                              r"exp_avg, exp_avg_sq, max_exp_avg_sq \(an option such as amsgrad"):
+        check_same_optimizer(adamw, {"type": "AdamW", "state": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]}, where)
