@@ -19,6 +19,7 @@ from fnmatch import fnmatchcase
 from typing import Sequence
 
 from hybrid.config import OptimizerConfig
+from hybrid.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,18 @@ def assign(names: Sequence[str], shapes: Sequence[Sequence[int]], embeddings: se
             index[group] = len(groups)
             groups.append(group)
         of.append(index[group])
+    _check_every_entry_matches(names, cfg.param_groups)
     return of, groups
+
+
+def _check_every_entry_matches(names: Sequence[str], entries) -> None:
+    """An entry whose patterns match no trainable parameter would silently change nothing."""
+    for k, entry in enumerate(entries):
+        if not any(fnmatchcase(name, pattern) for name in names for pattern in entry["names"]):
+            examples = ", ".join(repr(n) for n in list(names)[-2:])
+            raise ConfigError(f"optimizer.param_groups[{k}].names {list(entry['names'])} match no trainable "
+                              f"parameter (names look like {examples}; a tied parameter goes by its first "
+                              "name); fix the patterns (fnmatch: '*' also matches dots)")
 
 
 def torch_param_groups(module, cfg: OptimizerConfig) -> list:

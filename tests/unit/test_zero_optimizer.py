@@ -127,6 +127,11 @@ def test_default_groups_exempt_biases_norms_and_embeddings():
     ref = torch_param_groups(model, custom)
     assert [(len(g["params"]), g["weight_decay"], g["lr"]) for g in ref] == [(1, 0.1, 5e-4), (2, 0.1, 1e-3),
                                                                              (2, 0.0, 1e-3)]
+    typo = TrainConfig.from_dict({"optimizer": {"param_groups": [{"names": ["0.*"], "lr_scale": 0.5},
+                                                                  {"names": ["head.*"], "lr_scale": 0.1}]}})
+    with pytest.raises(ConfigError, match=r"^optimizer.param_groups\[1\].names \['head.\*'\] match no trainable "
+                                          r"parameter \(names look like '2.weight', '2.bias'"):
+        assign(names, shapes, set(), typo.optimizer)  # it would silently change nothing
 
 
 def _torch_lrs(make, steps, lr=0.1):
