@@ -40,7 +40,7 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   set, steps AdamW on this rank's shard, refreshes the parameters and zeroes the gradients; it returns
   True then and False on the other micro-steps. A parameter that received no gradient in a step is
   stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``). At each boundary the module's
-  persistent buffers are broadcast from DP rank 0 (``_sync_buffers``, as DDP does); a ``step()`` with no
+  persistent buffers are broadcast from DP rank 0 (``_sync_buffers``; DDP does it before every forward); a ``step()`` with no
   ``engine.backward`` since the last one raises (a plain ``loss.backward()`` would bypass the reduction).
 * bf16: the model's parameters are bf16, master weights and moments fp32; gradients are summed over DP and
   accumulated over micro-steps in ``zero.reduce_dtype`` (default bf16, the seed's bytes; fp32 as torchtitan
