@@ -70,6 +70,8 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +120,9 @@ class ShardView:
         return self.states["exp_avg_sq"]
 
 
+log = logging.getLogger(__name__)
+
+
 class ZeroEngine:
     def __init__(self, module: nn.Module, config: TrainConfig, dp_group=None, tp_group=None, *, seed: int = 0,
                  init_fn=None, weights=None, device=None):
@@ -133,6 +138,7 @@ class ZeroEngine:
         if not named:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
         _refuse_complex(named)
+        _note_cast(named, self.dtype)
         _refuse_sparse_gradients(module)
         _refuse_compiled_at_stage3(module, self.stage)
         _refuse_model_of_a_stage3_engine(module)
@@ -597,6 +603,17 @@ def _check_trainable_unchanged(names, params, frozen) -> None:
 def _names(names: list) -> str:
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return f"{len(names)} parameter(s) ({shown}) {'were' if len(names) > 1 else 'was'}"
+
+
+def _note_cast(named, dtype: torch.dtype) -> None:
+    """The module runs in the config's precision (fp32 masters either way): say so where the model was built
+    in a third dtype, whose inputs the user may still be making in it."""
+    odd = sorted({str(p.dtype).replace("torch.", "") for _, p in named
+                  if p.is_floating_point() and p.dtype not in (torch.float32, dtype)})
+    if odd:
+        name = str(dtype).replace("torch.", "")
+        log.warning("the model's parameters are %s; hybrid runs the module in %s, the config's precision "
+                    "(bf16: {\"enabled\": true} selects bf16), so give it %s inputs", " and ".join(odd), name, name)
 
 
 def _refuse_complex(named) -> None:
