@@ -239,8 +239,9 @@ def read_pointer(run_dir: PathLike) -> Optional[str]:
 
 def prune(run_dir: PathLike, keep_last: Optional[int], keep: Optional[Path] = None,
           good: Optional[Callable[[Path], bool]] = None) -> list[Path]:
-    """Delete checkpoints beyond the ``keep_last`` newest good ones, and every interrupted save (a temporary
-    directory without its marker) except ``keep``; returns what was removed.
+    """Delete checkpoints beyond the ``keep_last`` newest good ones, every interrupted save (a temporary
+    directory without its marker) except ``keep``, and every earlier copy of a re-saved step a crash left
+    (``.tmp-old-step-N``, once the new save of step N is in place); returns what was removed.
 
     The checkpoints are the complete ones and the sealed temporaries (a resume loads those too); ``good(path)``
     (default: all are) tells which count towards ``keep_last``. With ``keep`` (the checkpoint just saved),
@@ -250,12 +251,23 @@ def prune(run_dir: PathLike, keep_last: Optional[int], keep: Optional[Path] = No
     for a human to look at (``hybrid checkpoint inspect``).
     """
     entries = scan(run_dir)
-    doomed = [e.path for e in entries if e.interrupted and e.path != keep]
+    doomed = [e.path for e in entries if e.interrupted and e.path != keep] + _replaced(run_dir, entries)
     if keep_last is not None and keep_last >= 1:
         doomed += _beyond(entries, keep_last, keep, good or (lambda path: True))
     for path in doomed:
         remove(path)
     return doomed
+
+
+def _replaced(run_dir: PathLike, entries: list[Entry]) -> list[Path]:
+    """``publish``'s ``.tmp-old-step-N`` copies a crash left behind: the earlier save of a step whose new
+    save is in place (published, or sealed under its temporary name), so nothing loads them."""
+    root, there = checkpoints_dir(run_dir), {e.step for e in entries if e.complete or e.sealed}
+    if not root.is_dir():
+        return []
+    old = [(child, _STEP_RE.match(child.name[len(_TMP_PREFIX + "old-"):])) for child in root.iterdir()
+           if child.name.startswith(_TMP_PREFIX + "old-")]
+    return [child for child, match in old if match and match.group(1) is None and int(match.group(2)) in there]
 
 
 def _beyond(entries: list[Entry], keep_last: int, keep: Optional[Path], good: Callable[[Path], bool]) -> list:

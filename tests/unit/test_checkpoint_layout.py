@@ -57,6 +57,19 @@ def test_prune_counts_and_keeps_a_sealed_temporary(tmp_path):
     assert layout.prune(tmp_path, keep_last=1, keep=six) == [sealed]
 
 
+def test_prune_removes_the_earlier_copy_of_a_re_saved_step_once_the_new_one_is_in_place(tmp_path):
+    """A crash inside publish, between moving step N aside and renaming the new save into place, leaves
+    .tmp-old-step-N beside the sealed .tmp-step-N; nothing loads it, and scan does not list it."""
+    sealed = _fake(tmp_path, 4, temporary=True)
+    old = layout.checkpoints_dir(tmp_path) / ".tmp-old-step-000004"
+    old.mkdir()
+    (old / layout.MARKER).write_text("step-000004\n")
+    orphan = layout.checkpoints_dir(tmp_path) / ".tmp-old-step-000002"  # no new save of step 2: left alone
+    orphan.mkdir()
+    assert layout.prune(tmp_path, keep_last=None) == [old]
+    assert sealed.is_dir() and orphan.is_dir() and not old.exists()
+
+
 def test_a_misplaced_copy_does_not_look_intact(tmp_path):
     good = _write_checkpoint(tmp_path, 6)
     shutil.copytree(good, layout.final_dir(tmp_path, 10))  # "step-10" holding step 6
