@@ -173,6 +173,7 @@ def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[
         finally:
             if connected:
                 ray.shutdown()
+                signals.reassert()
 
 
 def resolve_address(address: str) -> str:
@@ -326,6 +327,7 @@ def _shutdown(ray, cluster) -> None:
         ray.shutdown()
     except Exception:  # pragma: no cover - best effort
         log.exception("ray.shutdown failed")
+    signals.reassert()  # the teardown's ignore is back before the nodes are stopped
     if cluster is not None:
         try:
             cluster.shutdown()
@@ -348,7 +350,26 @@ def marked_pids(base: str, proc: Path = Path("/proc")) -> list[int]:
     environment has it as ``RAY_TMPDIR`` (Ray's dashboard and runtime-env agents retitle themselves
     ``ray::...``, so only their inherited environment still says whose they are)."""
     mark = f"\0RAY_TMPDIR={base}\0".encode()
-    return [pid for pid, cmdline in _processes(proc) if base in cmdline or mark in _environ(proc, pid)]
+    return [pid for pid, cmdline in _processes(proc)
+            if base in cmdline or mark in _environ(proc, pid) or _holds_open(proc, pid, base)]
+
+
+def _holds_open(proc: Path, pid: int, base: str) -> bool:
+    """Whether the process's working directory or an open file lies under ``base`` (an agent whose title and
+    environment no longer say whose it is still holds its log files there)."""
+    inside = (base.rstrip("/") + "/", base.rstrip("/"))
+    try:
+        links = [proc / str(pid) / "cwd", *(proc / str(pid) / "fd").iterdir()]
+    except OSError:
+        return False
+    for link in links:
+        try:
+            target = os.readlink(link)
+        except OSError:
+            continue
+        if target == inside[1] or target.startswith(inside[0]):
+            return True
+    return False
 
 
 def _environ(proc: Path, pid: int) -> bytes:

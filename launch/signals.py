@@ -2,7 +2,8 @@
 
 ``as_interrupt(*signals)`` and ``ignored()`` are context managers that install the handler for the
 block and restore the previous ones after it; ``take_back()`` re-installs the interrupt inside a block
-after a library replaced it. Off the main thread they change nothing (Python allows
+after a library replaced it; ``reassert()`` re-installs whatever Python believes is installed, after a
+library reset it beneath Python. Off the main thread they change nothing (Python allows
 signal handlers only there).
 """
 
@@ -40,6 +41,19 @@ def take_back(*signals: int) -> None:
     try:
         for sig in signals or BOTH:
             signal.signal(sig, _raise_interrupt)
+    except ValueError:  # not the main thread
+        pass
+
+
+def reassert(*signals: int) -> None:
+    """Install again, at the C level, the handlers Python believes are installed: ``ray.shutdown()`` resets
+    SIGTERM to the default action beneath Python (Ray's logging uninstalls its failure handlers), so a
+    SIGTERM during the rest of a teardown would kill the launcher before it stops the nodes."""
+    try:
+        for sig in signals or BOTH:
+            handler = signal.getsignal(sig)
+            if handler is not None:
+                signal.signal(sig, handler)
     except ValueError:  # not the main thread
         pass
 

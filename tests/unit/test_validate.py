@@ -120,6 +120,13 @@ def test_auto_never_takes_an_embedded_cluster_of_another_hybrid_process(tmp_path
     (proc / "15" / "cmdline").write_bytes(b"ray::DashboardAgent")
     (proc / "15" / "environ").write_bytes(f"RAY_TMPDIR=/tmp/{EMBEDDED_PREFIX}ab123\0".encode())
     assert sorted(marked_pids(f"/tmp/{EMBEDDED_PREFIX}ab12", proc)) == [13, 14]
+    (proc / "16" / "fd").mkdir(parents=True)  # retitled, RAY_TMPDIR not inherited: only its open log says
+    (proc / "16" / "cmdline").write_bytes(b"ray::RuntimeEnvAgent")
+    (proc / "16" / "fd" / "3").symlink_to(f"/tmp/{EMBEDDED_PREFIX}ab12/ray/session_2/logs/agent.log")
+    (proc / "17" / "fd").mkdir(parents=True)
+    (proc / "17" / "cmdline").write_bytes(b"ray::RuntimeEnvAgent")
+    (proc / "17" / "fd" / "3").symlink_to(f"/tmp/{EMBEDDED_PREFIX}ab123/ray/session_2/logs/agent.log")
+    assert sorted(marked_pids(f"/tmp/{EMBEDDED_PREFIX}ab12", proc)) == [13, 14, 16]
     assert split_host_port("ray://head:10001") == ("head", 10001) and split_host_port("10.0.0.5:6379")[1] == 6379
     with pytest.raises(ConfigError, match="not host:port"):
         split_host_port("head")
