@@ -227,7 +227,13 @@ class RankWorker:
                             rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
                             reporter=self._report, stop_requested=self._stop.is_set,
                             model_config_origin=model_config_path, local_path=local_path)
-        return fn(self._ctx)
+        try:
+            return fn(self._ctx)
+        except SystemExit as exit_:  # Ray would report it as the worker dying, without the code
+            raise RuntimeError(f"the entrypoint called sys.exit({exit_.code!r})") from None
+        except KeyboardInterrupt as interrupt:  # Ray would report a cancelled task
+            raise RuntimeError(f"the entrypoint raised KeyboardInterrupt({', '.join(map(repr, interrupt.args))})"
+                               ) from None
 
     def drain(self) -> dict:
         """Reports buffered since the last drain, the NVML samples of this node (local rank 0 only), and

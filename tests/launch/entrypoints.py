@@ -1,6 +1,7 @@
 """Entrypoints the launcher tests run on the rank actors (importable as tests.launch.entrypoints:NAME)."""
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def _timeout_s(group) -> float:
 def fail_on_rank_1(ctx):
     if ctx.rank == 1:
         raise RuntimeError("rank one is broken on purpose")
+    return {"rank": ctx.rank}
+
+
+def exit_on_rank_1(ctx):
+    if ctx.rank == 1:
+        sys.exit(3)
     return {"rank": ctx.rank}
 
 

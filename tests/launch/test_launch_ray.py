@@ -157,6 +157,13 @@ def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_c
     assert_loopback_only(*cluster)
 
 
+def test_a_rank_calling_sys_exit_is_named_with_its_code(cluster):
+    """Ray turns a SystemExit into 'Worker exits unexpectedly' (and KeyboardInterrupt into a cancelled task)."""
+    with pytest.raises(JobFailed) as info:
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:exit_on_rank_1"), io.StringIO(), tty=False)
+    assert str(info.value).startswith("rank 1 on node 0 failed (RuntimeError: the entrypoint called sys.exit(3))")
+
+
 def test_nodes_held_by_another_job_fail_after_the_placement_timeout_in_one_sentence(cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 
