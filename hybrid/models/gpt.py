@@ -135,7 +135,7 @@ class GPT(nn.Module):
             return gather_from_tp_region(logits, self.tp_comm)
         targets = targets.reshape(-1)
         loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, self.tp_comm,
-                                            ignore_index=IGNORE_INDEX)
+                                            ignore_index=IGNORE_INDEX, vocab_size=self.config.vocab_size)
         return loss.sum() / (targets != IGNORE_INDEX).sum()  # the mean over kept tokens, as F.cross_entropy
 
     def full_to_tp_slice(self, name: str, tensor: torch.Tensor, tp_rank: Optional[int] = None,

@@ -15,8 +15,9 @@ function                       forward                 backward
 Split and gather work on the last dimension in rank order: rank r owns columns
 ``[r·d/t, (r+1)·d/t)``.
 
-The forward all-reduce is in place on the partial result (a fresh, contiguous tensor no one else holds:
-the row-parallel matmul's output), marked dirty for autograd; anything else is cloned first. The backward
+The forward all-reduce is in place on the layers' own partial results (``consume=True``: a fresh, contiguous
+tensor no one else holds, the row-parallel matmul's output), marked dirty for autograd; a caller's tensor is
+cloned first, so it keeps its value. The backward
 all-reduce always works on a copy: autograd may hand the same gradient tensor to several inputs.
 """
 
@@ -63,8 +64,8 @@ class _CopyToTP(torch.autograd.Function):
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        if x.is_contiguous() and x._base is None and not x.is_leaf:
+    def forward(ctx, x, comm, consume):
+        if consume and x.is_contiguous() and x._base is None and not x.is_leaf:
             comm.all_reduce(x)
             ctx.mark_dirty(x)
             return x
@@ -72,7 +73,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -102,9 +103,12 @@ def copy_to_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
     return x if _size(comm) == 1 else _CopyToTP.apply(x, comm)
 
 
-def reduce_from_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
-    """Leave the TP region by summing partial results: all-reduce forward, identity backward."""
-    return x if _size(comm) == 1 else _ReduceFromTP.apply(x, comm)
+def reduce_from_tp_region(x: torch.Tensor, comm: Optional[Comm], *, consume: bool = False) -> torch.Tensor:
+    """Leave the TP region by summing partial results: all-reduce forward, identity backward.
+
+    ``consume=True`` (the layers' own matmul outputs, which nothing else holds) all-reduces ``x`` in place
+    and returns it; otherwise ``x`` is left as it was and the sum is a new tensor."""
+    return x if _size(comm) == 1 else _ReduceFromTP.apply(x, comm, consume)
 
 
 def scatter_to_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:

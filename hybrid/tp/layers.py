@@ -123,7 +123,7 @@ class RowParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_comm)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_comm)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_comm, consume=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -149,7 +149,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(partial, self.tp_comm)
+        return reduce_from_tp_region(partial, self.tp_comm, consume=True)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, tp={self.tp}"

@@ -32,9 +32,15 @@ IGNORE_INDEX = -100  # F.cross_entropy's default, and Hugging Face's label for t
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, comm, ignore_index):
+    def forward(ctx, logits, targets, comm, ignore_index, vocab_size):
         rank, tp = tp_rank_size(comm)
         local_vocab = logits.shape[-1]
+        if tp > 1:
+            _check_even_split(comm, local_vocab, logits.device)
+        if vocab_size is not None and local_vocab * tp != vocab_size:
+            raise ValueError(f"vocab_parallel_cross_entropy: logits of {local_vocab} entries on each of {tp} TP "
+                             f"rank(s) are not a vocabulary of {vocab_size}: give each rank its V/tp slice (a "
+                             "ColumnParallelLinear head, or F.linear with the VocabParallelEmbedding's weight)")
         start = rank * local_vocab
         ctx.logits_dtype = logits.dtype
         ignored = targets == ignore_index
@@ -77,14 +83,37 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 tp_comm: Optional[Comm] = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                                 tp_comm: Optional[Comm] = None, ignore_index: int = IGNORE_INDEX,
+                                 vocab_size: Optional[int] = None) -> torch.Tensor:
     """Per-token loss (shape of ``targets``, fp32) from this rank's vocabulary slice of ``logits``.
 
     ``targets`` hold global vocabulary ids in ``[0, V)`` or ``ignore_index`` (loss 0, no gradient: a mean
-    over the kept tokens is the caller's); every TP rank gets the same loss.
+    over the kept tokens is the caller's); every TP rank gets the same loss. The TP ranks must hold equal
+    slices (checked once per width: a ``ValueError`` on every rank otherwise); with ``vocab_size`` given,
+    logits that are not its slices (the full logits on every rank, from a plain ``nn.Linear`` head) are
+    refused too.
     """
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, ignore_index, vocab_size)
+
+
+_EVEN: set = set()  # (comm, local width) already seen equal on every TP rank
+
+
+def _check_even_split(comm: Comm, local_vocab: int, device) -> None:
+    """Every TP rank must hold the same number of logits (the ranks derive V and their slice's start from
+    it): one small all-reduce, and a host sync, the first time a width is seen."""
+    key = (id(comm.group), local_vocab)
+    if key in _EVEN:
+        return
+    widths = torch.tensor([local_vocab, -local_vocab], dtype=torch.float64, device=device)
+    comm.all_reduce(widths, op=dist.ReduceOp.MAX)
+    widest, narrowest = int(widths[0]), -int(widths[1])
+    if widest != narrowest:
+        raise ValueError(f"vocab_parallel_cross_entropy: the TP ranks hold logits of {narrowest} to {widest} "
+                         "vocabulary entries; each must hold an equal V/tp slice (hybrid.tp layers split the "
+                         "vocabulary evenly, a hand-made split must too)")
+    _EVEN.add(key)

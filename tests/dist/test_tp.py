@@ -183,7 +183,27 @@ def _tp2_world():
             hybrid.initialize(model, {"zero_optimization": {"stage": 1}}, dp_group=mesh.dp_group, tp_group=group)
         except ValueError as exc:
             errors[name] = str(exc)
-    return dict(facts=facts, errs=errs, traffic=traffic, row_forward=row_forward, errors=errors)
+    # reduce_from_tp_region on a caller's tensor leaves it as it was (it used to be summed in place, and a
+    # tensor autograd had saved then failed backward with a version error)
+    from hybrid.tp import reduce_from_tp_region
+
+    w = torch.full((3,), float(rank + 1), requires_grad=True)
+    h = w * 1.0
+    aux = (h * h).sum()
+    total = reduce_from_tp_region(h, comm)
+    (aux + total.sum()).backward()
+    reduce_kept = (h.tolist(), total.tolist(), w.grad.tolist())
+
+    # logits that are not even V/tp slices: one sentence on every rank, not a hang or a silently wrong loss
+    targets = torch.tensor([0, 3])
+    for name, logits, vocab in (("uneven", torch.randn(2, 5 - rank), None),  # 9 entries split 5/4 by hand
+                                ("full logits", torch.randn(2, 8), 8)):      # a plain head on every rank
+        try:
+            vocab_parallel_cross_entropy(logits, targets, comm, vocab_size=vocab)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return dict(facts=facts, errs=errs, traffic=traffic, row_forward=row_forward, errors=errors,
+                reduce_kept=reduce_kept)
 
 
 def test_tp2_layers_gpt_and_mesh():
@@ -207,6 +227,11 @@ def test_tp2_layers_gpt_and_mesh():
         assert "split over a TP group of size 1, but hybrid.initialize got a tp_group of size 2" in \
             res["errors"]["tp_group, plain model"]
         assert "the model has no tensor-parallel parameters" in res["errors"]["tp_group, no TP layers"]
+        assert res["reduce_kept"] == ([rank + 1.0] * 3, [3.0] * 3, [2.0 * (rank + 1) + 1] * 3)
+        assert res["errors"]["uneven"].startswith("vocab_parallel_cross_entropy: the TP ranks hold logits of 4 to "
+                                                  "5 vocabulary entries; each must hold an equal V/tp slice")
+        assert res["errors"]["full logits"].startswith("vocab_parallel_cross_entropy: logits of 8 entries on each "
+                                                       "of 2 TP rank(s) are not a vocabulary of 8")
 
 
 def _mesh_warnings(ranks_per_node):
