@@ -173,7 +173,8 @@ def _cluster(d: dict) -> ClusterSpec:
     memory = v.positive_number("cluster.gpu_memory_gb",
                                v.required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80"),
                                MAX_GPU_MEMORY_GB, unit="GB")
-    links = d.get("interconnect") or {}
+    links = d.get("interconnect")
+    links = {} if links is None else links
     links = v.mapping("cluster.interconnect", links, ("intra_node", "inter_node"),
                       example="{intra_node: nvlink, inter_node: infiniband}")
     intra = v.one_of("cluster.interconnect.intra_node", links.get("intra_node", "unspecified"),
@@ -257,6 +258,9 @@ def _env(d: Any) -> dict:
             raise v.invalid("job.env", "environment variable names: non-empty strings without '='", key)
         if isinstance(value, (dict, list)) or value is None:
             raise v.invalid(v.join("job.env", key), "a string or a number", value)
+        if isinstance(value, float):  # YAML already turned 1.10 into 1.1: what was written is lost
+            raise v.invalid(v.join("job.env", key), "a string (quote it, as in VERSION: '1.10', so it reaches the "
+                            "ranks as written) or a whole number", value)
         env[key] = str(value).lower() if isinstance(value, bool) else str(value)
     return env
 

@@ -99,6 +99,8 @@ FILES = {
     "inter_node a number": (dump(edit("cluster", "interconnect", {"inter_node": 5})),
                             "cluster.interconnect.inter_node"),
     "interconnect unknown key": (dump(edit("cluster", "interconnect", {"bogus": "x"})), "cluster.interconnect.bogus"),
+    "interconnect false": (dump(edit("cluster", "interconnect", False)), "cluster.interconnect"),
+    "job.env a float YAML made of 1.10": (dump(edit("job", "env", {"VERSION": 1.1})), "job.env.VERSION"),
     "connect timeout 0": (dump(edit("cluster", "connect_timeout_s", 0)), "cluster.connect_timeout_s"),
     "connect timeout inf": (replaced("gpu_memory_gb: 80", "gpu_memory_gb: 80\n  connect_timeout_s: .inf"),
                             "cluster.connect_timeout_s"),
