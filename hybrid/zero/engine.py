@@ -40,8 +40,9 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   set, steps AdamW on this rank's shard, refreshes the parameters and zeroes the gradients; it returns
   True then and False on the other micro-steps. A parameter that received no gradient in a step is
   stepped with a zero gradient (as with ``zero_grad(set_to_none=False)``). At each boundary the module's
-  persistent buffers are broadcast from DP rank 0 (``_sync_buffers``; DDP does it before every forward); a ``step()`` with no
-  ``engine.backward`` since the last one raises (a plain ``loss.backward()`` would bypass the reduction).
+  persistent buffers are broadcast from DP rank 0 (``_sync_buffers``; DDP does it before every forward); a
+  ``step()`` with no ``engine.backward`` since the last one raises (a plain ``loss.backward()`` would bypass
+  the reduction).
 * bf16: the model's parameters are bf16, master weights and moments fp32; gradients are summed over DP and
   accumulated over micro-steps in ``zero.reduce_dtype`` (default bf16, the seed's bytes; fp32 as torchtitan
   and Megatron do: autograd's bf16 gradient is added into fp32 buffers by the post-accumulate hook).
@@ -71,7 +72,6 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +99,8 @@ from hybrid.zero.state import FlatState
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN_BYTES = 16
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class ShardView:
@@ -118,9 +120,6 @@ class ShardView:
     @property
     def exp_avg_sq(self) -> torch.Tensor:
         return self.states["exp_avg_sq"]
-
-
-log = logging.getLogger(__name__)
 
 
 class ZeroEngine:
