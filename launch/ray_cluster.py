@@ -165,6 +165,7 @@ def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[
         probe_tcp(address, host, port, timeout_s)
         import ray
 
+        _token_auth_as_ray_start_does()
         connected = False
         try:
             _init_within(ray, address, target, max(0.5, deadline - time.monotonic()), timeout_s, runtime_env)
@@ -174,6 +175,20 @@ def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[
             if connected:
                 ray.shutdown()
                 signals.reassert()
+
+
+def _token_auth_as_ray_start_does() -> None:
+    """Ray (2.5x on) turns token authentication on for a ``ray start`` cluster wherever a token is found
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``: one plain ``ray.init()`` writes it),
+    but a client sends its token only in token mode: without this, joining such a cluster timed out. Sending
+    a token to a cluster without authentication is harmless. ``RAY_AUTH_MODE`` set by the user wins."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def resolve_address(address: str) -> str:

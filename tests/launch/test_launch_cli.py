@@ -188,7 +188,12 @@ def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path
     """`ray start --head` on loopback (in its own temp dir, stopped by its pid): `ray://` (Ray Client) and
     `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="hy-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    # A token where Ray looks for one (as ~/.ray/auth_token is once any plain ray.init() ran): `ray start`
+    # then requires it, and the launcher must send it (it timed out without).
+    token = ray_tmp / "auth_token"
+    token.write_text("0123456789abcdef0123456789abcdef")
+    auth = {"RAY_AUTH_TOKEN_PATH": str(token)}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}, "RAY_TMPDIR": str(ray_tmp), **auth}
     env.pop("RAY_ADDRESS", None)
     ports = []
     for _ in range(2):
@@ -216,7 +221,7 @@ parallel: {{precision: fp32}}
 """)
             # the launcher pins loopback only for the embedded cluster: a remote one is the user's to set up
             proc = start(path, env={"RAY_TMPDIR": str(ray_tmp), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                    "RAY_USAGE_STATS_ENABLED": "0"})
+                                    "RAY_USAGE_STATS_ENABLED": "0", **auth})
             try:
                 out, _ = proc.communicate(timeout=240)
             finally:
