@@ -26,6 +26,7 @@ in one process (the reference for tests, and the way to get an ordinary model fr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -206,23 +207,43 @@ class ModuleValues:
                 ancestor = self.sources.model.get_submodule(prefix)
             except AttributeError:
                 continue
-            saved = dict(ancestor._parameters), dict(ancestor._buffers)
-            try:
-                init_fn(ancestor)
-            except Exception as err:
-                _warn_once(f"init_fn({prefix or 'the model'}) cannot run with its tensors on meta ({err}); "
-                           f"its init of {self.name}'s tensors, if any, is not applied")
-            finally:  # the ancestor's own tensors stay what they were (its own turn materializes them)
-                ancestor._parameters.update(saved[0])
-                ancestor._buffers.update(saved[1])
+            with _on_meta_but(ancestor, self.module):
+                try:
+                    init_fn(ancestor)
+                except Exception as err:
+                    _warn_once((prefix, type(err)), f"init_fn({prefix or 'the model'}) cannot run with its "
+                               f"tensors on meta ({type(err).__name__}: {err}); its init of its descendants' "
+                               "tensors is not applied")
+
+
+@contextlib.contextmanager
+def _on_meta_but(root: nn.Module, keep: nn.Module):
+    """Every tensor under ``root`` on ``meta`` for the block, except ``keep``'s own (the CPU copies being
+    initialized): an ancestor's init then changes nothing already materialized (its own tensors, siblings
+    done earlier in the walk), draws no random numbers for them, and costs nothing. Restored afterwards."""
+    saved = []
+    for module in root.modules():
+        if module is keep:
+            continue
+        for store in (module._parameters, module._buffers):
+            for key, t in list(store.items()):
+                saved.append((store, key, t))  # meta ones too: an init that reassigns one must not untie it
+                if t is not None and not t.is_meta:
+                    stand_in = torch.empty_like(t, device="meta")
+                    store[key] = nn.Parameter(stand_in, t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
+    try:
+        yield
+    finally:
+        for store, key, t in saved:
+            store[key] = t
 
 
 _WARNED: set = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
+def _warn_once(key, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
         log.warning(message)
 
 

@@ -124,6 +124,33 @@ def test_init_fn_applies_as_model_apply_after_construction_parents_last():
             assert got.std() > 0.05 and got.abs().max() <= 1 / 8 ** 0.5, name  # Linear's own init, not zeros
 
 
+class _DenseWithRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.empty(8))  # the root's own, initialized by the root's init
+        self.ff = _Block()                        # both children initialized by their parent
+
+
+def _init_parent_and_root(module):
+    if isinstance(module, _Block):
+        module.fc.weight.data.normal_(0, 0.1)
+        module.out.weight.data.normal_(0, 0.1)
+    elif isinstance(module, _DenseWithRoot):
+        module.pos.data.normal_(0, 1.0)
+
+
+def test_init_fn_gives_materialize_and_initialize_the_same_values():
+    """A later module's ancestor init must not re-draw what the walk already materialized (the ancestor's own
+    tensors, a sibling done earlier): materialize() walks with real tensors, initialize() with meta ones."""
+    with torch.device("meta"):
+        alone, engine_model = _DenseWithRoot(), _DenseWithRoot()
+    alone = hybrid.materialize(alone, seed=3, init_fn=_init_parent_and_root)
+    engine = hybrid.initialize(engine_model, {"zero_optimization": {"stage": 0}}, seed=3,
+                               init_fn=_init_parent_and_root)
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[name], p.detach()) for name, p in alone.named_parameters()), full
+
+
 def test_a_meta_parameter_without_any_init_is_one_sentence():
     class Bare(nn.Module):
         def __init__(self):
