@@ -144,8 +144,6 @@ class ZeroEngine:
         _check_tp_degree(module, self.tp_comm.size if self.tp_comm is not None else 1)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        trainable = {id(p) for p in self.params}
-        self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in trainable]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = resolve_device(self.params, device)
@@ -170,6 +168,8 @@ class ZeroEngine:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._cast_frozen_and_buffers()
+        # the frozen parameters as they are now (building on meta and casting replace the objects)
+        self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in self._index]
         self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module), config.optimizer)
         self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
                                        self.state.master_device, config.optimizer, zero.sub_group_size, self.groups,
@@ -319,13 +319,18 @@ class ZeroEngine:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
-        if self.gatherer is not None:
-            self.gatherer.check_same_units()
+        units_check = self.gatherer.start_units_check() if self.gatherer is not None else None
         self.reducer.fill_if_empty()
         self._sync_buffers()
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
                                 self.config.zero.sub_group_size, scratch=self.optimizer.scratch)
-        self.last_grad_norm = float(norm)
+        self.last_grad_norm = float(norm)  # the one host sync of the step: the check's result is there too
+        if units_check is not None:
+            try:
+                self.gatherer.finish_units_check(units_check)
+            except UsageError as err:  # this step's gradients mix modules: nothing may be stepped with them
+                self._broken = str(err)
+                raise
         if self.nonfinite.skip(self.last_grad_norm):  # every rank sees the same norm: all skip together
             self.state.wait_host_grads()  # offload: no copy still in flight on the side stream
             self.reducer.zero_()

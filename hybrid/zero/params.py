@@ -114,7 +114,7 @@ class ParamGatherer:
         self._internal = 0                # inside our own hooks: the guard stays out of the way
         self._warned: set = set()
         self.counts: Counter = Counter()
-        self._order = 0                   # a hash of the units gathered since the last check_same_units()
+        self._order = 0                   # a hash of the units gathered since the last start_units_check()
         for module in module_units:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
@@ -151,18 +151,25 @@ class ParamGatherer:
         self.counts["gathers"] += 1
         return True
 
-    def check_same_units(self) -> None:
-        """Raise ``UsageError`` on every rank when the DP ranks gathered different units since the last check.
+    def start_units_check(self):
+        """Start checking that every DP rank gathered the same units since the last check; ``finish_units_check``
+        with what this returns raises ``UsageError`` on every rank when they did not.
 
         All-gathers of same-sized units pair up whatever unit each rank meant, so ranks that run different
         modules (an MoE expert that only one rank's tokens reach) would compute with a mix of shards, silently.
-        One small all-reduce of (h, h^2) per optimizer step: the ranks agree iff (sum h)^2 == N * sum h^2.
+        One small async all-reduce of (h, h^2) per optimizer step: the ranks agree iff (sum h)^2 == N * sum h^2.
         """
         order, self._order = self._order, 0
         if self.comm.size == 1:
-            return
+            return None
         sums = torch.tensor([order, order * order], dtype=torch.float64, device=self._empty.device)
-        self.comm.all_reduce(sums)
+        return sums, self.comm.all_reduce(sums, async_op=True)
+
+    def finish_units_check(self, pending) -> None:
+        if pending is None:
+            return
+        sums, work = pending
+        work.wait()
         total, squares = (int(x) for x in sums.tolist())
         if total * total != self.comm.size * squares:
             raise UsageError(

@@ -33,7 +33,7 @@ from tests.dist.zero_models import WideNet, batch, rank_rows
 pytestmark = pytest.mark.slow
 
 NORM_BYTES = 2 * 2 * 8  # all-reduce (counted twice) of the two float64 partial sums
-UNITS_CHECK_BYTES = 2 * 2 * 8  # ParamGatherer.check_same_units: (h, h^2) in float64
+UNITS_CHECK_BYTES = 2 * 2 * 8  # ParamGatherer.start_units_check: (h, h^2) in float64
 PREFETCH = 200_000
 BUCKET = 400_000
 CASES = {

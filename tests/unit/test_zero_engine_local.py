@@ -131,6 +131,16 @@ def test_a_parameter_frozen_after_initialize_is_refused_not_stepped():
         engine.backward(engine(x, y))
 
 
+def test_a_parameter_of_a_meta_built_model_unfrozen_after_initialize_is_refused():
+    with torch.device("meta"):  # initialize replaces every parameter object of a model built on meta
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    engine = hybrid.initialize(model, config(1))
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"\(0\.weight\) was unfrozen after hybrid\.initialize"):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_parameter_unfrozen_after_initialize_is_refused(stage):
     from tests.dist.zero_models import batch
