@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import os
 from dataclasses import dataclass, field
@@ -178,9 +179,9 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
             layout.remove(tmp)
             tmp.mkdir(parents=True)
         except OSError as err:
-            failure = f"{_os_cause(err)} on rank 0"
-    if agreement.any_rank(failure is not None, everyone, engine.device):  # the barrier before anyone writes
-        raise _write_failed(step, tmp, agreement.broadcast_text(failure or "", everyone, engine.device), run_dir)
+            failure = str(_write_failed(step, tmp, _os_cause(err) + " on rank 0", _unwritable(err),
+                                        run_dir=run_dir, wrote=False))
+    _fail_together(failure, everyone, engine.device)  # also the barrier before anyone writes
     state, pieces = _pieces(views, world.tp_rank)
     if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
         state.update(plain.dcp_state(world.tp_rank))
@@ -191,58 +192,69 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     except dcp.api.CheckpointException as exc:  # raised on every rank, after every rank's write returned
         if world.rank == 0:
             layout.remove(tmp)
-        raise _write_failed(step, tmp, _cause(exc), run_dir) from None
+        raise _write_failed(step, tmp, *_cause(exc), run_dir=run_dir) from None
     # dcp.save returned: every rank's data and .metadata are written
     files = agreement.record_checksums(tmp, metadata, planner.final_plan.items, everyone, engine.device)
     failure = None
     if world.rank == 0:
         doc["files"] = files
         failure = _publish(run_dir, tmp, final, doc, keep_last)
-    if agreement.any_rank(failure is not None, everyone, engine.device):
-        raise _write_failed(step, tmp, failure or "rank 0 could not publish it", run_dir)
+    _fail_together(failure, everyone, engine.device)
     log.info("rank %d: saved %s", world.rank, final)
     return final
 
 
 def _publish(run_dir, tmp: Path, final: Path, doc: dict, keep_last: Optional[int]) -> Optional[str]:
-    """Rank 0: write the manifest, seal, rename, prune; the cause (words) when writing failed, else None.
+    """Rank 0: write the manifest, seal, rename, prune; the failure's sentence when writing failed, else None.
     The partial temporary directory is removed on failure; published checkpoints are never touched then."""
     try:
         manifest.write(tmp, doc)
         layout.publish(tmp, final, integrity.seal_text(tmp, final.name))
     except OSError as exc:
         layout.remove(tmp)
-        return _os_cause(exc)
+        return str(_write_failed(layout.step_of(final), tmp, _os_cause(exc) + " on rank 0", _unwritable(exc),
+                                 run_dir=run_dir))
     for gone in layout.prune(run_dir, keep_last, keep=final, good=integrity.looks_intact):
         log.info("pruned checkpoint %s", gone)
     return None
 
 
-def _cause(exc: "dcp.api.CheckpointException") -> str:
-    """The first rank's failure in a DCP exception, in words ("No space left on device")."""
+def _fail_together(failure: Optional[str], comm: Comm, device) -> None:
+    """Raise rank 0's ``failure`` sentence (``CheckpointWriteError``) on every rank when it has one."""
+    if agreement.any_rank(failure is not None, comm, device):
+        raise CheckpointWriteError(agreement.broadcast_text(failure or "", comm, device))
+
+
+def _cause(exc: "dcp.api.CheckpointException") -> tuple[str, bool]:
+    """The first rank's failure in a DCP exception, in words ("No space left on device on rank 1"), and
+    whether it says the directory cannot be written."""
     failures = sorted(exc.failures.items())
     for rank, (err, _) in failures:
         if isinstance(err, OSError):
-            return f"{_os_cause(err)} on rank {rank}"
+            return f"{_os_cause(err)} on rank {rank}", _unwritable(err)
     if failures:
         rank, (err, _) = failures[0]
         first = str(err).splitlines()[0] if str(err) else "no detail"
-        return f"{type(err).__name__}: {first} on rank {rank}"
-    return "no detail"
+        return f"{type(err).__name__}: {first} on rank {rank}", False
+    return "no detail", False
 
 
 def _os_cause(err: OSError) -> str:
     return os.strerror(err.errno) if err.errno else (err.strerror or str(err))
 
 
-def _write_failed(step: int, tmp: Path, cause: str, run_dir) -> CheckpointWriteError:
+def _unwritable(err: OSError) -> bool:
+    return err.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _write_failed(step: int, tmp: Path, cause: str, unwritable: bool, *, run_dir, wrote: bool = True
+                  ) -> CheckpointWriteError:
     previous = layout.latest(run_dir)
-    unwritable = any(words in cause for words in ("Permission denied", "Read-only file system",
-                                                  "Operation not permitted"))
     fix = "make it writable for every rank" if unwritable else "free space there (or lower job.checkpoint.keep_last)"
+    what = f"the partial {tmp.name} was removed" if wrote else "nothing was written"
     return CheckpointWriteError(
-        f"saving the step-{step} checkpoint into {tmp.parent} failed ({cause}; the partial {tmp.name} was "
-        f"removed); {fix} and run the job again to resume from {previous.name if previous else 'step 0'}.")
+        f"saving the step-{step} checkpoint into {tmp.parent} failed ({cause}; {what}); {fix} and run the job "
+        f"again to resume from {previous.name if previous else 'step 0'}.")
 
 
 @contextlib.contextmanager
