@@ -165,6 +165,7 @@ def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[
         probe_tcp(address, host, port, timeout_s)
         import ray
 
+        auth_mode = os.environ.get("RAY_AUTH_MODE")
         _token_auth_as_ray_start_does()
         connected = False
         try:
@@ -175,20 +176,27 @@ def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[
             if connected:
                 ray.shutdown()
                 signals.reassert()
+            _restore_env("RAY_AUTH_MODE", auth_mode)
 
 
 def _token_auth_as_ray_start_does() -> None:
     """Ray (2.5x on) turns token authentication on for a ``ray start`` cluster wherever a token is found
     (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``: one plain ``ray.init()`` writes it),
-    but a client sends its token only in token mode: without this, joining such a cluster timed out. Sending
-    a token to a cluster without authentication is harmless. ``RAY_AUTH_MODE`` set by the user wins."""
+    but a client sends its token only in token mode: without this, joining such a cluster timed out. A client
+    in token mode joins a cluster without authentication too (checked with Ray 2.60). ``RAY_AUTH_MODE`` set
+    by the user wins; the launcher puts the variable back after the connection."""
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
+        from ray._private.authentication import authentication_token_setup as setup
     except ImportError:  # a Ray without token authentication
         return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    quiet = logging.getLogger(setup.__name__)  # its "token authentication is enabled" is about clusters it starts
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except (AttributeError, TypeError):  # a private API of another shape: Ray's default then
+        pass
+    finally:
+        quiet.level = level
 
 
 def resolve_address(address: str) -> str:
@@ -363,16 +371,19 @@ def _processes(proc: Path = Path("/proc")) -> Iterator[tuple[int, str]]:
 def marked_pids(base: str, proc: Path = Path("/proc")) -> list[int]:
     """Pids of live processes whose command line names the embedded cluster's temp dir ``base``, or whose
     environment has it as ``RAY_TMPDIR`` (Ray's dashboard and runtime-env agents retitle themselves
-    ``ray::...``, so only their inherited environment still says whose they are)."""
+    ``ray::...``, so only their inherited environment still says whose they are), or, titled ``ray::...``,
+    that hold a file open under it."""
     mark = f"\0RAY_TMPDIR={base}\0".encode()
     return [pid for pid, cmdline in _processes(proc)
-            if base in cmdline or mark in _environ(proc, pid) or _holds_open(proc, pid, base)]
+            if base in cmdline or mark in _environ(proc, pid)
+            or (cmdline.startswith("ray::") and _holds_open(proc, pid, base))]
 
 
 def _holds_open(proc: Path, pid: int, base: str) -> bool:
-    """Whether the process's working directory or an open file lies under ``base`` (an agent whose title and
-    environment no longer say whose it is still holds its log files there)."""
-    inside = (base.rstrip("/") + "/", base.rstrip("/"))
+    """Whether the process's working directory or an open file lies under ``base``: how a Ray agent that
+    retitled itself (``ray::...``) without inheriting ``RAY_TMPDIR`` is still known (its log files are there).
+    Only asked of such processes, never of a user's shell or pager reading the logs."""
+    root = base.rstrip("/")
     try:
         links = [proc / str(pid) / "cwd", *(proc / str(pid) / "fd").iterdir()]
     except OSError:
@@ -382,7 +393,7 @@ def _holds_open(proc: Path, pid: int, base: str) -> bool:
             target = os.readlink(link)
         except OSError:
             continue
-        if target == inside[1] or target.startswith(inside[0]):
+        if target == root or target.startswith(root + "/"):
             return True
     return False
 

@@ -126,6 +126,9 @@ def test_auto_never_takes_an_embedded_cluster_of_another_hybrid_process(tmp_path
     (proc / "17" / "fd").mkdir(parents=True)
     (proc / "17" / "cmdline").write_bytes(b"ray::RuntimeEnvAgent")
     (proc / "17" / "fd" / "3").symlink_to(f"/tmp/{EMBEDDED_PREFIX}ab123/ray/session_2/logs/agent.log")
+    (proc / "18").mkdir()  # a user's shell reading the logs: never taken for an agent
+    (proc / "18" / "cmdline").write_bytes(b"bash")
+    (proc / "18" / "cwd").symlink_to(f"/tmp/{EMBEDDED_PREFIX}ab12/ray/session_2/logs")
     assert sorted(marked_pids(f"/tmp/{EMBEDDED_PREFIX}ab12", proc)) == [13, 14, 16]
     assert split_host_port("ray://head:10001") == ("head", 10001) and split_host_port("10.0.0.5:6379")[1] == 6379
     with pytest.raises(ConfigError, match="not host:port"):
