@@ -86,7 +86,7 @@ FLOOR_NOTE = ("one process training rank 0's rows of each batch (1/{world} of th
               "loss check")
 
 
-def math_note(impl: str, stage: int, precision: str, world: int = 2) -> str:
+def math_note(impl: str, stage: int, precision: str, world: int) -> str:
     """Why the run ``impl:stage`` at ``precision`` is not expected to match the others' losses ("" if it is)."""
     if impl == FLOOR:
         return FLOOR_NOTE.format(world=world)

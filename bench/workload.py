@@ -8,7 +8,7 @@ losses can be compared step by step.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,10 +38,10 @@ class Workload:
         return self.model["vocab_size"]
 
     def with_precision(self, precision: str) -> "Workload":
-        return Workload(**{**asdict(self), "precision": precision})
+        return replace(self, precision=precision)
 
     def with_world(self, world_size: int) -> "Workload":
-        return Workload(**{**asdict(self), "world_size": world_size})
+        return replace(self, world_size=world_size)
 
 
 # ~4M parameters: per-step overhead (hooks, launches, bookkeeping) dominates.

@@ -259,8 +259,8 @@ def _env(d: Any) -> dict:
         if isinstance(value, (dict, list)) or value is None:
             raise v.invalid(v.join("job.env", key), "a string or a number", value)
         if isinstance(value, float):  # YAML already turned 1.10 into 1.1: what was written is lost
-            raise v.invalid(v.join("job.env", key), "a string (quote it, as in VERSION: '1.10', so it reaches the "
-                            "ranks as written) or a whole number", value)
+            raise v.invalid(v.join("job.env", key), f"a string (quote it, as in {key}: '{value}', so it reaches "
+                            "the ranks exactly as written) or a whole number", value)
         env[key] = str(value).lower() if isinstance(value, bool) else str(value)
     return env
 

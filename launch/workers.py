@@ -230,10 +230,12 @@ class RankWorker:
         try:
             return fn(self._ctx)
         except SystemExit as exit_:  # Ray would report it as the worker dying, without the code
-            raise RuntimeError(f"the entrypoint called sys.exit({exit_.code!r})") from None
+            if exit_.code in (None, 0):  # success, as torchrun takes it
+                return None
+            raise RuntimeError(f"the entrypoint called sys.exit({exit_.code!r})") from exit_
         except KeyboardInterrupt as interrupt:  # Ray would report a cancelled task
             raise RuntimeError(f"the entrypoint raised KeyboardInterrupt({', '.join(map(repr, interrupt.args))})"
-                               ) from None
+                               ) from interrupt
 
     def drain(self) -> dict:
         """Reports buffered since the last drain, the NVML samples of this node (local rank 0 only), and

@@ -41,6 +41,7 @@ MANIFEST = "hybrid.json"
 DCP_METADATA = ".metadata"
 POINTER = "latest"
 _TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = _TMP_PREFIX + "old-"  # publish's earlier copy of a step saved again, while it is replaced
 _STEP_RE = re.compile(r"^(\.tmp-)?step-(\d+)$")
 
 
@@ -192,7 +193,7 @@ def publish(tmp: Path, final: Path, marker: Optional[str] = None) -> None:
     _fsync_dir(tmp)
     old = None
     if os.path.lexists(final):
-        old = final.with_name(_TMP_PREFIX + "old-" + final.name)
+        old = final.with_name(_OLD_PREFIX + final.name)
         remove(old)
         os.replace(final, old)
     os.replace(tmp, final)
@@ -265,9 +266,9 @@ def _replaced(run_dir: PathLike, entries: list[Entry]) -> list[Path]:
     root, there = checkpoints_dir(run_dir), {e.step for e in entries if e.complete or e.sealed}
     if not root.is_dir():
         return []
-    old = [(child, _STEP_RE.match(child.name[len(_TMP_PREFIX + "old-"):])) for child in root.iterdir()
-           if child.name.startswith(_TMP_PREFIX + "old-")]
-    return [child for child, match in old if match and match.group(1) is None and int(match.group(2)) in there]
+    old = [(child, _STEP_RE.fullmatch(child.name.removeprefix(_OLD_PREFIX))) for child in root.iterdir()
+           if child.name.startswith(_OLD_PREFIX)]
+    return [child for child, match in old if match and not match.group(1) and int(match.group(2)) in there]
 
 
 def _beyond(entries: list[Entry], keep_last: int, keep: Optional[Path], good: Callable[[Path], bool]) -> list:

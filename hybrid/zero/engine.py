@@ -75,6 +75,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybrid.comm import Comm
@@ -137,7 +138,7 @@ class ZeroEngine:
         if not named:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
         _refuse_complex(named)
-        _note_cast(named, self.dtype)
+        _note_cast(module, self.dtype)
         _refuse_sparse_gradients(module)
         _refuse_compiled_at_stage3(module, self.stage)
         _refuse_model_of_a_stage3_engine(module)
@@ -609,12 +610,12 @@ def _names(names: list) -> str:
     return f"{len(names)} parameter(s) ({shown}) {'were' if len(names) > 1 else 'was'}"
 
 
-def _note_cast(named, dtype: torch.dtype) -> None:
-    """The module runs in the config's precision (fp32 masters either way): say so where the model was built
-    in a third dtype, whose inputs the user may still be making in it."""
-    odd = sorted({str(p.dtype).replace("torch.", "") for _, p in named
+def _note_cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """The module runs in the config's precision (fp32 masters either way): say so (once, on the first rank)
+    where the model was built in a third dtype, whose inputs the user may still be making in it."""
+    odd = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters()
                   if p.is_floating_point() and p.dtype not in (torch.float32, dtype)})
-    if odd:
+    if odd and (not dist.is_initialized() or dist.get_rank() == 0):
         name = str(dtype).replace("torch.", "")
         log.warning("the model's parameters are %s; hybrid runs the module in %s, the config's precision "
                     "(bf16: {\"enabled\": true} selects bf16), so give it %s inputs", " and ".join(odd), name, name)

@@ -46,31 +46,39 @@ def _exempt(name: str, shape: Sequence[int], embedding: bool, no_decay) -> bool:
 
 
 def assign(names: Sequence[str], shapes: Sequence[Sequence[int]], embeddings: set, cfg: OptimizerConfig) -> tuple:
-    groups, index, of = [], {}, []
+    groups, index, of, used = [], {}, [], set()
     for name, shape in zip(names, shapes):
         wd = 0.0 if _exempt(name, shape, name in embeddings, cfg.no_decay) else cfg.weight_decay
         scale = 1.0
-        for entry in cfg.param_groups:
+        for k, entry in enumerate(cfg.param_groups):
             if any(fnmatchcase(name, pattern) for pattern in entry["names"]):
                 wd, scale = entry.get("weight_decay", wd), entry.get("lr_scale", scale)
+                used.add(k)
                 break
         group = Group(wd, scale)
         if group not in index:
             index[group] = len(groups)
             groups.append(group)
         of.append(index[group])
-    _check_every_entry_matches(names, cfg.param_groups)
+    _refuse_unused_entries(names, cfg.param_groups, used)
     return of, groups
 
 
-def _check_every_entry_matches(names: Sequence[str], entries) -> None:
-    """An entry whose patterns match no trainable parameter would silently change nothing."""
+def _refuse_unused_entries(names: Sequence[str], entries, used: set) -> None:
+    """An entry that takes no parameter (its patterns match none, or only ones an earlier entry took: the
+    first match wins) would silently change nothing."""
     for k, entry in enumerate(entries):
-        if not any(fnmatchcase(name, pattern) for name in names for pattern in entry["names"]):
-            examples = ", ".join(repr(n) for n in list(names)[-2:])
-            raise ConfigError(f"optimizer.param_groups[{k}].names {list(entry['names'])} match no trainable "
-                              f"parameter (names look like {examples}; a tied parameter goes by its first "
-                              "name); fix the patterns (fnmatch: '*' also matches dots)")
+        if k in used:
+            continue
+        patterns = list(entry["names"])
+        if any(fnmatchcase(name, pattern) for name in names for pattern in patterns):
+            raise ConfigError(f"optimizer.param_groups[{k}].names {patterns} match only parameters an earlier "
+                              "entry already takes (the first match wins); put it before that entry, or "
+                              "remove it")
+        examples = ", ".join(repr(n) for n in list(names)[-2:])
+        raise ConfigError(f"optimizer.param_groups[{k}].names {patterns} match no trainable parameter (names "
+                          f"look like {examples}; a tied parameter goes by its first name); fix the patterns "
+                          "(fnmatch: '*' also matches dots)")
 
 
 def torch_param_groups(module, cfg: OptimizerConfig) -> list:

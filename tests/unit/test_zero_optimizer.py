@@ -132,6 +132,11 @@ def test_default_groups_exempt_biases_norms_and_embeddings():
     with pytest.raises(ConfigError, match=r"^optimizer.param_groups\[1\].names \['head.\*'\] match no trainable "
                                           r"parameter \(names look like '2.weight', '2.bias'"):
         assign(names, shapes, set(), typo.optimizer)  # it would silently change nothing
+    shadowed = TrainConfig.from_dict({"optimizer": {"param_groups": [{"names": ["*"], "lr_scale": 0.5},
+                                                                      {"names": ["2.*"], "lr_scale": 0.1}]}})
+    with pytest.raises(ConfigError, match=r"^optimizer.param_groups\[1\].names \['2.\*'\] match only parameters "
+                                          r"an earlier entry already takes"):
+        assign(names, shapes, set(), shadowed.optimizer)
 
 
 def _torch_lrs(make, steps, lr=0.1):
