@@ -66,9 +66,8 @@ class MemoryMeter:
                  gpu_index: Optional[int] = None):
         self.device = torch.device(device)
         self.nvml = nvml  # a pynvml-compatible module (hybrid.monitor); None: pynvml, on CUDA only
-        # which NVML GPU this rank's device is: an index, or CUDA_VISIBLE_DEVICES' entry for it
-        self.gpu_index = gpu_index
-        self._visible = visible_device(self.device.index or 0) if gpu_index is None else None
+        # which NVML GPU this rank's device is: NVML's index given, else CUDA_VISIBLE_DEVICES' entry for it
+        self._visible = str(gpu_index) if gpu_index is not None else visible_device(self.device.index or 0)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -89,10 +88,7 @@ class MemoryMeter:
         probe = monitor.probe(self.nvml)
         if not probe.available or not probe.gpus:
             return None
-        if self.gpu_index is not None:
-            gpu = next((g for g in probe.gpus if g.index == self.gpu_index), None)
-        else:
-            gpu = nvml_gpu(probe.gpus, self._visible)
+        gpu = nvml_gpu(probe.gpus, self._visible)
         return None if gpu is None else (gpu.used_bytes, gpu.total_bytes)
 
     def _device_total(self) -> Optional[float]:

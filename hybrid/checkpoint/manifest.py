@@ -171,8 +171,9 @@ def check_same_optimizer(manifest: Mapping[str, Any], here: Mapping[str, Any], w
     checkpoint without an ``optimizer`` entry holds AdamW's). Hyper-parameters (lr, betas, ...) may change."""
     saved = manifest.get("optimizer") or {"type": "AdamW", "state": list(KINDS[1:])}
     if saved["type"] != here["type"]:
+        form = " (in DeepSpeed's form with adam_w_mode: false)" if saved["type"] == "Adam" else ""
         raise CheckpointError(f"{where} was saved with optimizer {saved['type']} but this run uses {here['type']}; "
-                              f"resume with optimizer.type: {saved['type']}, or use a new run directory.")
+                              f"resume with optimizer.type: {saved['type']}{form}, or use a new run directory.")
     if list(saved["state"]) != list(here["state"]):
         raise CheckpointError(f"{where} was saved with {saved['type']} holding state "
                               f"{', '.join(saved['state']) or 'none'} but this run's {here['type']} holds "

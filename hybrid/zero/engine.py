@@ -595,17 +595,17 @@ def _check_trainable_unchanged(names, params, frozen) -> None:
     unfrozen afterwards would never be stepped (its gradient neither reduced nor applied)."""
     changed = [n for n, p in zip(names, params) if not p.requires_grad]
     if changed:
-        raise UsageError(f"{_names(changed)} frozen after hybrid.initialize; the engine would keep updating "
+        raise UsageError(f"{_subject(changed)} frozen after hybrid.initialize; the engine would keep updating "
                          f"{'them' if len(changed) > 1 else 'it'}. Freeze parameters (requires_grad_(False)) "
                          "before hybrid.initialize")
     changed = [n for n, p in frozen if p.requires_grad]
     if changed:
-        raise UsageError(f"{_names(changed)} unfrozen after hybrid.initialize; the engine would never update "
+        raise UsageError(f"{_subject(changed)} unfrozen after hybrid.initialize; the engine would never update "
                          f"{'them' if len(changed) > 1 else 'it'}. Set requires_grad before hybrid.initialize "
                          "(to unfreeze mid-training, save a checkpoint and initialize a new engine)")
 
 
-def _names(names: list) -> str:
+def _subject(names: list) -> str:
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return f"{len(names)} parameter(s) ({shown}) {'were' if len(names) > 1 else 'was'}"
 
@@ -625,7 +625,7 @@ def _refuse_complex(named) -> None:
     """Complex parameters would be stored as real numbers (their imaginary part dropped)."""
     bad = [n for n, p in named if p.is_complex()]
     if bad:
-        raise ConfigError(f"{_names(bad)} complex; hybrid trains real floating-point parameters, and would drop "
+        raise ConfigError(f"{_subject(bad)} complex; hybrid trains real floating-point parameters, and would drop "
                           "the imaginary part: keep each as a real parameter of torch.view_as_real's shape and "
                           "torch.view_as_complex it in the forward")
 
