@@ -580,38 +580,29 @@ def _locked_and_full_world(cfg_dict: dict, root: str) -> dict:
     _train(mesh, engine, cfg, 0, 1)
     checkpoint.save(full, engine, 1)
     _train(mesh, engine, cfg, 1, 1)
-    real = dcp_fs._write_item
+    def save_failing(step: int, rank: int, owner, name: str, error: OSError):
+        """``checkpoint.save`` with ``owner.name`` raising ``error`` on ``rank``: its sentence, or None."""
+        real = getattr(owner, name)
 
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        def fail(*args, **kwargs):
+            raise error
 
-    if dist.get_rank() == 1:
-        dcp_fs._write_item = no_space
-    try:
-        checkpoint.save(full, engine, 2)
-        out["full"] = None
-    except CheckpointWriteError as err:
-        out["full"] = str(err)
-    finally:
-        dcp_fs._write_item = real
+        if dist.get_rank() == rank:
+            setattr(owner, name, fail)
+        try:
+            checkpoint.save(full, engine, step)
+            return None
+        except CheckpointWriteError as err:
+            return str(err)
+        finally:
+            setattr(owner, name, real)
+
+    out["full"] = save_failing(2, 1, dcp_fs, "_write_item", OSError(errno.ENOSPC, "No space left on device"))
     dist.barrier()
     out["after"] = sorted(p.name for p in layout.checkpoints_dir(full).iterdir())
     out["latest"] = checkpoint.resume_if_available(full, engine).step
-
-    real_mkdir = Path.mkdir
-
-    def refused(path, *args, **kwargs):
-        raise PermissionError(errno.EACCES, "Permission denied", str(path))
-
-    if dist.get_rank() == 0:  # rank 0 cannot create the step's temporary directory
-        Path.mkdir = refused
-    try:
-        checkpoint.save(full, engine, 3)
-        out["unwritable"] = None
-    except CheckpointWriteError as err:
-        out["unwritable"] = str(err)
-    finally:
-        Path.mkdir = real_mkdir
+    # rank 0 cannot create the step's temporary directory
+    out["unwritable"] = save_failing(3, 0, Path, "mkdir", PermissionError(errno.EACCES, "Permission denied"))
 
     # rank 0 cannot create the lock file (a directory stands where it goes): the others say rank 0's sentence
     (root / "nolock" / "checkpoints" / ".lock").mkdir(parents=True, exist_ok=True)
