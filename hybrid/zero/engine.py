@@ -26,8 +26,8 @@ Semantics, equal to single-process training on the global batch with the configu
 set before each step as the configured schedule says (``engine.lr``: the latest step's):
 
 * Frozen parameters (``requires_grad=False``) stay plain replicated tensors; a parameter registered twice
-  (tied weights) is one parameter. Every parameter and buffer is broadcast from DP rank 0 at
-  ``initialize``, then the traffic counters are reset.
+  (tied weights) is one parameter. Every parameter and buffer not built on meta is broadcast from DP rank 0
+  at ``initialize`` (meta-built ones are drawn alike on every rank), then the traffic counters are reset.
 * ``engine.backward(loss)`` back-propagates ``loss / gradient_accumulation_steps``; gradients are summed
   over the micro-steps and averaged over the DP ranks (inside the collective on NCCL; on other backends
   the backward also divides by the DP size and the collective sums). So with equal per-rank micro-batches and ``loss``
@@ -153,7 +153,7 @@ class ZeroEngine:
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
         meta = has_meta(module)
         try:
-            if sources.weights is None and not meta:
+            if sources.weights is None:  # a tensor built off meta is taken as it is: DP rank 0's on every rank
                 self._broadcast_from_rank0()
             numels = [p.numel() for p in self.params]
             align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
@@ -209,8 +209,11 @@ class ZeroEngine:
     # -- construction ---------------------------------------------------------------------------------
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
+        """Every tensor not on meta (all of them for a model built the ordinary way; a module a meta-built
+        model builds off meta) as DP rank 0 holds it: ranks seeded apart would otherwise start apart."""
         for t in list(self.module.parameters()) + list(self.module.buffers()):
-            self.dp_comm.broadcast(t.data)
+            if not t.is_meta:
+                self.dp_comm.broadcast(t.data)
 
     def _units(self, numels: list, align: int) -> tuple:
         """(groups of param indices, reduce order of units, persistent unit indices) for this stage."""

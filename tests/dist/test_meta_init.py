@@ -154,3 +154,22 @@ def test_construction_peak_is_the_states_plus_one_unit(kind, stage, world, tmp_p
         assert r["growth"] <= bound, (r, bound)
         assert r["report"]["model_state_bytes"] == r["states"]
         assert r["report"]["source"] == ("weights" if weights else "init")
+
+
+def _partly_off_meta(stage: int):
+    """A model built on meta except one module built off it (as the README allows for a module without
+    reset_parameters), with every rank's generator seeded apart, as hybrid.train seeds DP ranks."""
+    torch.manual_seed(dist.get_rank())
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 8), nn.GELU())
+    model.append(nn.Linear(8, 3))  # built the ordinary way: each rank draws its own values
+    engine = hybrid.initialize(model, _config(stage), seed=0)
+    full = engine.full_state_dict()
+    return {name: tensor.sum().item() for name, tensor in full.items()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_module_built_off_meta_starts_as_dp_rank_0_holds_it(stage):
+    """It was taken as each rank held it: the ranks trained different weights at stage 0, silently."""
+    first, second = run_local(_partly_off_meta, 2, stage, timeout_s=120)
+    assert first == second
