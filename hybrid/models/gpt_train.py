@@ -91,7 +91,7 @@ def open_token_file(path: Path, local: Path, model_config: GPTConfig, seed: int 
     against the model; every error names ``path``, never the rank's copy."""
     if not local.exists() and local != path:
         raise DataError(f"data file {path} (data: in the model config) was not shipped with job.working_dir "
-                        "(a .gitignore or job.working_dir_excludes pattern leaves it out) and this node does not "
+                        "(a .gitignore pattern in job.working_dir leaves it out) and this node does not "
                         "see it at that path; keep data on storage every node mounts, or un-exclude it.")
     tokens = TokenFile(local, model_config.seq_len, seed=seed, check=check, shown_as=path)
     if model_config.vocab_size < tokens.vocab_size:

@@ -584,8 +584,9 @@ def _check_tp_degree(module: nn.Module, tp: int) -> None:
         if isinstance(sub, TensorParallelModule) and sub.tp != tp:
             given = "no tp_group" if tp == 1 else f"a tp_group of size {tp}"
             raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
-                              f"{sub.tp}, but hybrid.initialize got {given}: pass tp_group= the process group "
-                              f"its tp_comm was built on (mesh.tp_group)")
+                              f"{sub.tp}, but hybrid.initialize got {given}: build the model with tp_comm=mesh."
+                              f"tp_comm (ctx.mesh.tp_comm under hybrid launch) and pass tp_group=mesh.tp_group, "
+                              f"both of one mesh")
     if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
         raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
                           "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
