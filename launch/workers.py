@@ -228,7 +228,7 @@ class RankWorker:
                             reporter=self._report, stop_requested=self._stop.is_set,
                             model_config_origin=model_config_path, local_path=local_path)
         try:
-            return fn(self._ctx)
+            return _sendable(fn(self._ctx), entrypoint, self._rank)
         except SystemExit as exit_:  # Ray would report it as the worker dying, without the code
             if exit_.code in (None, 0):  # success, as torchrun takes it
                 return None
@@ -264,6 +264,19 @@ class RankWorker:
     def _report(self, record: dict) -> None:
         with self._lock:
             self._reports.append(record)
+
+
+def _sendable(result, entrypoint: str, rank: int):
+    """``result``, or None (with a warning on this rank's output) where it cannot reach the driver: the
+    training is done by then, and failing the job over its return value would also retry it."""
+    try:
+        ray.cloudpickle.dumps(result)
+        return result
+    except Exception as err:  # noqa: BLE001 -- whatever the pickler says, the job itself succeeded
+        print(f"warning: rank {rank}: the return value of {entrypoint} cannot be sent to the driver "
+              f"({type(err).__name__}: {err}); it is dropped (return plain data: numbers, strings, lists, dicts)",
+              flush=True)
+        return None
 
 
 def name_rank_in_logs(rank: int) -> None:

@@ -97,6 +97,9 @@ def test_summary_lines_compare_with_the_reference_and_say_where_everything_is(tm
                         "(3.0000 nats)")
     assert lines[1] == f"metrics {tmp_path / METRICS_FILE}"
     assert lines[2] == "full rank logs (stdout/stderr of every worker): /tmp/ray/session_x/logs"
+    silent = summary_lines({0: None}, [], writer, "/logs")  # an entrypoint that never reported a step
+    assert silent[0].startswith("warning: the entrypoint reported no step, so there are no metrics")
+    assert not any(str(tmp_path / METRICS_FILE) in line for line in silent)  # no path to a file never written
 
 
 def _spec(tmp_path, **job):
@@ -178,3 +181,15 @@ def test_run_steps_reports_lr_grad_norm_and_samples_for_a_model_without_tokens()
     assert all(r["throughput_unit"] == "samples" and r["samples"] == 5 and "tokens" not in r for r in records)
     assert all(r["lr"] == 0.01 and r["grad_norm"] > 0 for r in records)
     assert step_entry(1, {0: records[0]})["throughput_unit"] == "samples/s"
+
+
+def test_a_return_value_that_cannot_reach_the_driver_is_dropped_with_a_warning(capsys):
+    """Training was done by then: failing the job over it (and retrying it under max_failures) helped nobody."""
+    import threading
+
+    from launch.workers import _sendable
+
+    assert _sendable({"loss": 1.5}, "mine:train", 0) == {"loss": 1.5}
+    assert _sendable({"lock": threading.Lock()}, "mine:train", 1) is None
+    assert capsys.readouterr().out.startswith("warning: rank 1: the return value of mine:train cannot be sent to "
+                                              "the driver (TypeError: cannot pickle")
