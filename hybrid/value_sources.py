@@ -165,35 +165,31 @@ class ModuleValues:
             raise ConfigError(f"{kind} {entry.name!r} is on the meta device and its module "
                               f"({type(module).__name__}) has no reset_parameters() to initialize it; pass "
                               "init_fn=, attach a hybrid.param_init initializer, or build it off meta.")
-        own = {e.key: e for e in self.entries}
-        saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
-        try:
-            for key, e in own.items():
-                cpu = torch.zeros(e.tensor.shape, dtype=e.tensor.dtype, device="cpu")
-                if e.is_param:
-                    module._parameters[key] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad)
-                else:
-                    module._buffers[key] = cpu
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(self.sources.seed, self.name))
-                if init_fn is None:
-                    own_init()
-                else:
-                    self._as_after_construction(own_init, init_fn)
-            return {e.name: (module._parameters if e.is_param else module._buffers)[key].detach()
-                    for key, e in own.items()}
-        finally:
-            module._parameters.clear()
-            module._parameters.update(saved_params)
-            module._buffers.clear()
-            module._buffers.update(saved_buffers)
+        copies = {}  # id(the entry's tensor) -> its CPU copy, wherever the model holds it (tied aliases too)
+        for e in self.entries:
+            cpu = torch.zeros(e.tensor.shape, dtype=e.tensor.dtype, device="cpu")
+            copies[id(e.tensor)] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad) if e.is_param else cpu
+        out = {id(t): t for t in copies.values()}
+        # Without init_fn only the module's own reset runs; with it, its ancestors' init too (the whole model).
+        scope = module if init_fn is None else self.sources.model
+        with _only_these_real(scope, copies, self.sources), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(self.sources.seed, self.name))
+            if init_fn is None:
+                own_init()
+            else:
+                self._as_after_construction(own_init, init_fn)
+            held = {e.key: (module._parameters if e.is_param else module._buffers).get(e.key) for e in self.entries}
+        # an init may have replaced a tensor (module.weight = nn.Parameter(...)): what the module holds counts
+        return {e.name: (held[e.key] if held[e.key] is not None and id(held[e.key]) not in out
+                         and not held[e.key].is_meta else copies[id(e.tensor)]).detach() for e in self.entries}
 
     def _as_after_construction(self, own_init: Optional[Callable], init_fn: Callable) -> None:
         """The module's tensors as ``model.apply(init_fn)`` leaves them after an ordinary build (Hugging
         Face's ``post_init``): the constructor's ``reset_parameters`` first, then ``init_fn`` on the module and
         on each ancestor in turn (``apply`` visits children first, so a parent's init of its children's
-        tensors wins). The rest of the model stays on ``meta``, where an ancestor's init costs nothing and
-        draws no random numbers; an ancestor's init that cannot run there (it reads values) is skipped."""
+        tensors wins). Every other tensor of the model is on ``meta`` meanwhile (``_only_these_real``), where
+        an ancestor's init costs nothing and draws no random numbers; one that cannot run there (it reads
+        values) is skipped with a warning."""
         if own_init is not None:
             try:
                 own_init()
@@ -207,31 +203,31 @@ class ModuleValues:
                 ancestor = self.sources.model.get_submodule(prefix)
             except AttributeError:
                 continue
-            with _on_meta_but(ancestor, self.module):
-                try:
-                    init_fn(ancestor)
-                except Exception as err:
-                    _warn_once((prefix, type(err)), f"init_fn({prefix or 'the model'}) cannot run with its "
-                               f"tensors on meta ({type(err).__name__}: {err}); its init of its descendants' "
-                               "tensors is not applied")
+            try:
+                init_fn(ancestor)
+            except Exception as err:
+                _warn_once((prefix, type(err)), f"init_fn({prefix or 'the model'}) cannot run with its "
+                           f"tensors on meta ({type(err).__name__}: {err}); its init of its descendants' "
+                           "tensors is not applied")
 
 
 @contextlib.contextmanager
-def _on_meta_but(root: nn.Module, keep: nn.Module):
-    """Every tensor under ``root`` on ``meta`` for the block, except ``keep``'s own (the CPU copies being
-    initialized): an ancestor's init then changes nothing already materialized (its own tensors, siblings
-    done earlier in the walk), draws no random numbers for them, and costs nothing. Restored afterwards."""
+def _only_these_real(scope: nn.Module, copies: dict, sources: "ValueSources"):
+    """For the block, every tensor slot under ``scope`` holds a meta stand-in, except the slots of the tensors
+    being initialized, which hold their CPU copies (``copies``: id of the model's tensor -> copy), under
+    every name they have. An init then changes nothing the walk already materialized, draws no random numbers
+    for anything else, and reaches a tensor through any of its aliases. Every slot is restored afterwards."""
     saved = []
-    for module in root.modules():
-        if module is keep:
-            continue
-        for store in (module._parameters, module._buffers):
-            for key, t in list(store.items()):
-                saved.append((store, key, t))  # meta ones too: an init that reassigns one must not untie it
-                if t is not None and not t.is_meta:
-                    stand_in = torch.empty_like(t, device="meta")
-                    store[key] = nn.Parameter(stand_in, t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
     try:
+        for store, key in sources.slots(scope):
+            t = store[key]
+            if t is None:
+                continue
+            saved.append((store, key, t))
+            if id(t) in copies:
+                store[key] = copies[id(t)]
+            elif not t.is_meta:
+                store[key] = sources.stand_in(t)
         yield
     finally:
         for store, key, t in saved:
@@ -253,11 +249,28 @@ class ValueSources:
     def __init__(self, model: nn.Module, *, seed: int = 0, init_fn: Optional[Callable] = None, weights=None,
                  tp_rank: int = 0, tp: int = 1):
         self.model, self.seed, self.init_fn = model, int(seed), init_fn
+        self._slots: dict = {}       # id(scope) -> its tensor slots (``slots``)
+        self._stand_ins: dict = {}   # id(tensor) -> (its meta stand-in, the tensor: keeps the id taken)
         self.tp_rank, self.tp = tp_rank, tp
         self.weights: Optional[WeightsFile] = None
         if weights is not None:
             self.weights = weights if isinstance(weights, WeightsFile) else open_weights(weights)
             self.weights.check(*self.expected_shapes())
+
+    def slots(self, scope: nn.Module) -> list:
+        """Every ``(store, key)`` of a parameter or buffer under ``scope`` (tied ones under each name), listed
+        once per scope: the walk changes what the slots hold, never which slots there are."""
+        if id(scope) not in self._slots:
+            self._slots[id(scope)] = [(store, key) for m in scope.modules(remove_duplicate=False)
+                                      for store in (m._parameters, m._buffers) for key in store]
+        return self._slots[id(scope)]
+
+    def stand_in(self, t: torch.Tensor) -> torch.Tensor:
+        """A meta tensor like ``t`` (a parameter for a parameter), made once per tensor."""
+        if id(t) not in self._stand_ins:
+            meta = torch.empty_like(t, device="meta")
+            self._stand_ins[id(t)] = (nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta, t)
+        return self._stand_ins[id(t)][0]
 
     def expected_shapes(self) -> tuple[dict, set]:
         """(name -> full shape of every parameter and persistent buffer, names of tied aliases)."""
@@ -286,7 +299,7 @@ def materialize(model: nn.Module, seed: int = 0, *, init_fn: Optional[Callable] 
     sources = ValueSources(model, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
     refs = references(model)
     try:
-        for group in sources.modules():
+        for group in list(sources.modules()):  # listed before any tensor is replaced (ties are by identity)
             for e in group.entries:
                 if not e.tensor.is_meta and sources.weights is None:
                     continue
