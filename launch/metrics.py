@@ -186,13 +186,13 @@ def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsW
         verdict = "below" if loss < nats else "not yet below"
         lines.append(f"final loss {loss:.4f} nats (mean of the last {len(last)} steps), {verdict} the "
                      f"{reference['name']} ({nats:.4f} nats)")
-    if history:
+    if history or writer.path.exists():  # a resume with nothing left to train still has its metrics
         where = f"metrics {writer.path}"
         if writer.tensorboard_dir is not None:
             where += f" (TensorBoard: tensorboard --logdir {writer.tensorboard_dir})"
         lines.append(where)
     else:
-        lines.append("warning: the entrypoint reported no step, so there are no metrics: report each step with "
-                     "ctx.report(...) or train through hybrid.train.run_steps")
+        lines.append("warning: the entrypoint reported no step in this run, so there are no metrics: report "
+                     "each step with ctx.report(...) or train through hybrid.train.run_steps")
     lines.append(f"full rank logs (stdout/stderr of every worker): {logs}")
     return lines

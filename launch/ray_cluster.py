@@ -176,7 +176,7 @@ def remote_cluster(address: str, timeout_s: float = 60.0, runtime_env: Optional[
             if connected:
                 ray.shutdown()
                 signals.reassert()
-            _restore_env("RAY_AUTH_MODE", auth_mode)
+            _restore_auth_mode(auth_mode)
 
 
 def _token_auth_as_ray_start_does() -> None:
@@ -190,13 +190,27 @@ def _token_auth_as_ray_start_does() -> None:
     except ImportError:  # a Ray without token authentication
         return
     quiet = logging.getLogger(setup.__name__)  # its "token authentication is enabled" is about clusters it starts
-    level, quiet.level = quiet.level, logging.ERROR
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     except (AttributeError, TypeError):  # a private API of another shape: Ray's default then
         pass
     finally:
-        quiet.level = level
+        quiet.setLevel(level)
+
+
+def _restore_auth_mode(value: Optional[str]) -> None:
+    """``RAY_AUTH_MODE`` as it was, and Ray's cached config re-read from it (token mode switched it)."""
+    if os.environ.get("RAY_AUTH_MODE") == value:
+        return
+    _restore_env("RAY_AUTH_MODE", value)
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError, TypeError):
+        pass
 
 
 def resolve_address(address: str) -> str:

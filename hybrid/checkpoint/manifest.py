@@ -80,7 +80,7 @@ def build(*, step: int, optimizer_step_count: int, global_step: int, world: Mapp
     if optimizer is not None:
         manifest["optimizer"] = dict(optimizer)
     try:
-        json.dumps(manifest)
+        json.dumps(manifest, sort_keys=True)  # as ``write`` will: mixed key types fail here, on every rank
     except (TypeError, ValueError) as exc:
         raise ValueError(f"checkpoint extra state and model_config must be JSON-serializable "
                          f"(numbers, strings, lists, dicts): {exc}") from exc

@@ -210,12 +210,16 @@ def _publish(run_dir, tmp: Path, final: Path, doc: dict, keep_last: Optional[int
     try:
         manifest.write(tmp, doc)
         layout.publish(tmp, final, integrity.seal_text(tmp, final.name))
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 -- whatever it is, the other ranks wait to hear of it
         layout.remove(tmp)
-        return str(_write_failed(layout.step_of(final), tmp, _os_cause(exc) + " on rank 0", _unwritable(exc),
-                                 run_dir=run_dir))
-    for gone in layout.prune(run_dir, keep_last, keep=final, good=integrity.looks_intact):
-        log.info("pruned checkpoint %s", gone)
+        cause = _os_cause(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        return str(_write_failed(layout.step_of(final), tmp, cause + " on rank 0",
+                                 isinstance(exc, OSError) and _unwritable(exc), run_dir=run_dir))
+    try:
+        for gone in layout.prune(run_dir, keep_last, keep=final, good=integrity.looks_intact):
+            log.info("pruned checkpoint %s", gone)
+    except Exception as exc:  # noqa: BLE001 -- the checkpoint is saved; pruning is tidying
+        log.warning("saved %s, but pruning older checkpoints failed (%s)", final, exc)
     return None
 
 

@@ -115,6 +115,8 @@ class ParamGatherer:
         self._warned: set = set()
         self.counts: Counter = Counter()
         self._order = 0                   # a hash of the units gathered since the last start_units_check()
+        # its all-reduce buffer, filled by kernels: a tensor made from host numbers would sync a CUDA stream
+        self._order_sums = torch.zeros(2, dtype=torch.float64, device=self._empty.device)
         for module in module_units:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
@@ -162,7 +164,9 @@ class ParamGatherer:
         order, self._order = self._order, 0
         if self.comm.size == 1:
             return None
-        sums = torch.tensor([order, order * order], dtype=torch.float64, device=self._empty.device)
+        sums = self._order_sums
+        sums[0].fill_(order)
+        sums[1].fill_(order * order)
         return sums, self.comm.all_reduce(sums, async_op=True)
 
     def finish_units_check(self, pending) -> None:

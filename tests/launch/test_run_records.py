@@ -98,7 +98,7 @@ def test_summary_lines_compare_with_the_reference_and_say_where_everything_is(tm
     assert lines[1] == f"metrics {tmp_path / METRICS_FILE}"
     assert lines[2] == "full rank logs (stdout/stderr of every worker): /tmp/ray/session_x/logs"
     silent = summary_lines({0: None}, [], writer, "/logs")  # an entrypoint that never reported a step
-    assert silent[0].startswith("warning: the entrypoint reported no step, so there are no metrics")
+    assert silent[0].startswith("warning: the entrypoint reported no step in this run, so there are no metrics")
     assert not any(str(tmp_path / METRICS_FILE) in line for line in silent)  # no path to a file never written
 
 

@@ -314,3 +314,12 @@ def test_a_checkpoint_of_another_optimizer_or_its_options_is_refused_by_name():
     with pytest.raises(CheckpointError, match=r"holding state exp_avg, exp_avg_sq but this run's AdamW holds "
                                               r"exp_avg, exp_avg_sq, max_exp_avg_sq \(an option such as amsgrad"):
         check_same_optimizer(adamw, {"type": "AdamW", "state": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]}, where)
+
+
+def test_extra_state_that_json_can_dump_but_not_sort_is_refused_before_any_rank_writes():
+    """json.dumps took {1: .., "a": ..}; the manifest's sorted write then failed on rank 0 alone, after the
+    data was written, and the other ranks waited for it until the collective timeout."""
+    from hybrid.checkpoint import manifest
+
+    with pytest.raises(ValueError, match="must be JSON-serializable"):
+        manifest.build(step=1, optimizer_step_count=1, global_step=1, world={}, params={}, extra={1: "x", "a": "y"})
