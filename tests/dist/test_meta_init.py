@@ -173,3 +173,18 @@ def test_a_module_built_off_meta_starts_as_dp_rank_0_holds_it(stage):
     """It was taken as each rank held it: the ranks trained different weights at stage 0, silently."""
     first, second = run_local(_partly_off_meta, 2, stage, timeout_s=120)
     assert first == second
+
+
+def _built_differently():
+    with torch.device("cpu" if dist.get_rank() == 0 else "meta"):  # "weights loaded on rank 0 only"
+        model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    try:
+        hybrid.initialize(model, _config(0), seed=0)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_built_the_model_differently_are_refused_not_hung():
+    for message in run_local(_built_differently, 2, timeout_s=120):
+        assert message is not None and message.startswith("the DP ranks built the model differently"), message
