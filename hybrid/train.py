@@ -100,6 +100,8 @@ class Context:
         self.world_size = world_size
         self.device = torch.device(device)
         self.step = 0  # optimizer steps completed (a resumed run starts above 0)
+        self.data_state: dict = {}     # what the entrypoint's data stream needs to continue: saved with each checkpoint
+        self.resumed_extra: dict = {}  # what the checkpoint resumed from saved beside the model (``data_state``)
         self._reporter = reporter
         self._stop_requested = stop_requested
         # Made before the entrypoint builds the engine: the baseline of every measurement.
@@ -271,6 +273,7 @@ def resume(ctx: Context, engine) -> int:
             ctx.report({"checkpoint_warning": warning, "skipped_checkpoints": skipped})
         return 0
     ctx.step = resumed.step
+    ctx.resumed_extra = dict(resumed.extra or {})
     ctx.report({"resumed_from": resumed.step, "checkpoint": str(resumed.path),
                 "saved_world": resumed.saved_world, "skipped_checkpoints": skipped})
     return resumed.step
@@ -281,7 +284,7 @@ def save_checkpoint(ctx: Context, engine, step: int) -> Optional[str]:
     rank 0 reports ``checkpoint_saved``. Returns the checkpoint's path when one was written."""
     s = ctx.settings
     path = checkpoint.maybe_save(s.checkpoint_dir, engine, step, s.checkpoint_every, s.checkpoint_keep_last,
-                                 extra={"data_position": step}, model_config=ctx.model_config,
+                                 extra={"data_position": step, **ctx.data_state}, model_config=ctx.model_config,
                                  force=(step == ctx.steps))
     if path is None:
         return None

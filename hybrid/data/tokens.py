@@ -161,6 +161,7 @@ class TokenFile:
             raise DataError(f"data file {self.shown} holds {self.tokens} tokens, too few for one row of seq_len "
                             f"{seq_len}; give it at least {2 * self.window - 1} tokens or lower model.seq_len.")
         self._data = np.memmap(self.path, dtype=DTYPES[self.meta.dtype], mode="r", shape=(self.tokens,))
+        self.origin = (0, 0, 0)  # (step, epoch, position) the counting of steps starts from (``continue_from``)
         if check:
             self._check_ids()
 
@@ -210,13 +211,39 @@ class TokenFile:
         n = self.windows_per_epoch
         if rows > n:
             raise DataError(f"data file {self.shown} holds {n} rows of seq_len {self.seq_len}, fewer than the "
-                            f"{rows} one step needs (micro_batch x dp); use more text or a smaller job.micro_batch.")
-        steps_per_epoch = n // rows
-        epoch, within = divmod(step, steps_per_epoch)
+                            f"{rows} one step needs (micro_batch x gradient accumulation x dp); use more text or "
+                            "a smaller job.micro_batch.")
+        epoch, first = self._place(step, rows, self.origin)
         key = _key(self.seed, epoch)
         offset = int(_mix(np.array([int(key)], dtype=np.uint64))[0] % np.uint64(self.window))
-        positions = within * rows + np.arange(rows, dtype=np.int64)
+        positions = first + np.arange(rows, dtype=np.int64)
         return offset + permute(positions, n, key) * self.window
+
+    def _place(self, step: int, rows: int, origin: tuple) -> tuple[int, int]:
+        """(epoch, first position in it) of ``step``'s ``rows`` rows, steps counted from ``origin`` = (step,
+        epoch, position) onwards: the rest of that epoch first, then whole epochs of ``n // rows`` steps (a
+        remainder of fewer than ``rows`` rows is left out of an epoch; the next one's order differs)."""
+        n = self.windows_per_epoch
+        s0, e0, w0 = origin if step >= origin[0] else (0, 0, 0)
+        k, first_steps = step - s0, (n - w0) // rows
+        if k < first_steps:
+            return e0, w0 + k * rows
+        epoch, within = divmod(k - first_steps, n // rows)
+        return e0 + 1 + epoch, within * rows
+
+    def data_state(self, rows: int) -> dict:
+        """What a checkpoint keeps to continue this stream (``continue_from``): the rows of every step and
+        where this run's counting of steps started."""
+        return {"data_rows_per_step": rows, "data_origin": list(self.origin)}
+
+    def continue_from(self, step: int, state: dict) -> None:
+        """Continue a run checkpointed after ``step`` steps with ``state`` (``data_state``): later steps read
+        the rows after the ones it read, whatever their own row count (a resume may change micro_batch, the
+        accumulation or the DP size); with an unchanged row count, exactly what an uninterrupted run reads."""
+        rows, origin = state.get("data_rows_per_step"), tuple(state.get("data_origin") or (0, 0, 0))
+        if not rows:
+            return
+        self.origin = (int(step), *self._place(int(step), int(rows), origin))
 
     def global_batch(self, step: int, rows: int) -> torch.Tensor:
         """``rows`` windows of ``seq_len + 1`` tokens for ``step``, the same on every call."""

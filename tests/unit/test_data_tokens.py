@@ -80,6 +80,34 @@ def test_a_resumed_reader_continues_with_the_batches_an_uninterrupted_one_reads(
     assert all(torch.equal(u, r) for u, r in zip(uninterrupted, before + after))
 
 
+def _resumed(path, saved_step: int, state: dict) -> TokenFile:
+    reader = TokenFile(path, seq_len=32, seed=3)
+    reader.continue_from(saved_step, state)
+    return reader
+
+
+@pytest.mark.parametrize("rows_after", [8, 4, 12])
+def test_a_resume_with_another_global_batch_reads_the_rows_after_those_already_read(counting, rows_after):
+    """The data position was the step alone: resumed with half the rows per step, the job read again rows it
+    had trained on (and skipped rows with more)."""
+    first = TokenFile(counting, seq_len=32, seed=3)  # 303 rows per epoch: 37 steps of 8, 7 left out
+    saved_step = 20
+    read = [first.starts(s, 8) for s in range(saved_step)]
+    state = first.data_state(8)
+    after = _resumed(counting, saved_step, state)
+    rest_of_epoch = (first.windows_per_epoch - saved_step * 8) // rows_after
+    more = [after.starts(s, rows_after) for s in range(saved_step, saved_step + rest_of_epoch)]
+    epoch = np.concatenate(read + more).tolist()
+    assert len(set(epoch)) == len(epoch)  # no row of the epoch twice
+    assert len(epoch) > first.windows_per_epoch - rows_after  # and none skipped but the remainder
+    if rows_after == 8:  # the same batch: exactly what an uninterrupted reader reads, epochs later too
+        assert all(np.array_equal(after.starts(s, 8), first.starts(s, 8)) for s in range(saved_step, 120))
+    # resumed again with the batch it now has: it goes on as the first resume does
+    again = _resumed(counting, saved_step + 30, after.data_state(rows_after))
+    assert all(np.array_equal(again.starts(s, rows_after), after.starts(s, rows_after))
+               for s in range(saved_step + 30, saved_step + 120))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
 def test_the_permutation_is_a_bijection(n):
     out = permute(np.arange(n), n, _key(7, n))
