@@ -84,10 +84,22 @@ def read_metadata(path: Path, shown: Optional[Path] = None) -> TokenFileMeta:
                         "with `hybrid data prepare`.") from None
     if fields["dtype"] not in DTYPES:
         raise DataError(f"{meta_shown} says dtype {fields['dtype']!r}; a token file is uint16 or uint32.")
-    if not isinstance(fields["vocab_size"], int) or fields["vocab_size"] < 1:
-        raise DataError(f"{meta_shown} says vocab_size {fields['vocab_size']!r}; it must be a whole number >= 1.")
+    limit = 2 ** (16 if fields["dtype"] == "uint16" else 32)
+    for key, low in (("vocab_size", 1), ("tokens", 0)):
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise DataError(f"{meta_shown} says {key} {value!r}; it must be a whole number >= {low}; write it "
+                            "again with `hybrid data prepare`.")
+    if fields["vocab_size"] > limit:
+        raise DataError(f"{meta_shown} says vocab_size {fields['vocab_size']} for {fields['dtype']} ids, which hold "
+                        f"at most {limit}; write it again with `hybrid data prepare`.")
+    entropy, sources = doc.get("unigram_entropy_nats"), doc.get("sources", ())
+    if entropy is not None and (isinstance(entropy, bool) or not isinstance(entropy, (int, float))):
+        raise DataError(f"{meta_shown} says unigram_entropy_nats {entropy!r}; it must be a number (or absent).")
+    if not isinstance(sources, (list, tuple)):
+        raise DataError(f"{meta_shown} says sources {sources!r}; it must be a list of file names (or absent).")
     return TokenFileMeta(**fields, tokenizer=str(doc.get("tokenizer", "unknown")),
-                         unigram_entropy_nats=doc.get("unigram_entropy_nats"), sources=tuple(doc.get("sources", ())))
+                         unigram_entropy_nats=entropy, sources=tuple(sources))
 
 
 # ------------------------------------------------------------------------------------------ permutation
@@ -153,13 +165,16 @@ class TokenFile:
             self.meta = read_metadata(self.path, self.shown)
         if self.meta.dtype not in DTYPES:
             raise DataError(f"dtype {self.meta.dtype!r} of {self.shown} is not a token dtype; use uint16 or uint32.")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"TokenFile needs seq_len >= 1, got {seq_len!r}")
         self.seq_len, self.seed = seq_len, seed
         self.tokens = self._token_count()
         self.window = seq_len + 1
         self.windows_per_epoch = (self.tokens - self.window + 1) // self.window
-        if self.windows_per_epoch < 1:
+        if self.windows_per_epoch < 1:  # each epoch cuts at an offset of up to seq_len tokens
             raise DataError(f"data file {self.shown} holds {self.tokens} tokens, too few for one row of seq_len "
-                            f"{seq_len}; give it at least {2 * self.window - 1} tokens or lower model.seq_len.")
+                            f"{seq_len} at every epoch's offset; give it at least {2 * self.window - 1} tokens or "
+                            "lower model.seq_len.")
         self._data = np.memmap(self.path, dtype=DTYPES[self.meta.dtype], mode="r", shape=(self.tokens,))
         self.origin = (0, 0, 0)  # (step, epoch, position) the counting of steps starts from (``continue_from``)
         if check:
@@ -252,6 +267,9 @@ class TokenFile:
     def batch(self, step: int, micro_batch: int, dp_rank: int = 0, dp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of DP rank ``dp_rank``: its ``micro_batch`` rows of the step's global batch of
         ``micro_batch · dp`` rows; targets are the inputs shifted by one token."""
+        if micro_batch < 1 or dp < 1 or not 0 <= dp_rank < dp:
+            raise ValueError(f"TokenFile.batch needs micro_batch >= 1 and 0 <= dp_rank < dp, got micro_batch "
+                             f"{micro_batch}, dp_rank {dp_rank}, dp {dp}")
         starts = self.starts(step, micro_batch * dp)[dp_rank * micro_batch:(dp_rank + 1) * micro_batch]
         rows = self._rows(starts)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

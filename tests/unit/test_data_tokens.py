@@ -108,6 +108,30 @@ def test_a_resume_with_another_global_batch_reads_the_rows_after_those_already_r
                for s in range(saved_step + 30, saved_step + 120))
 
 
+@pytest.mark.parametrize("field, value", [("tokens", "61715"), ("tokens", None), ("tokens", -5),
+                                          ("vocab_size", True), ("vocab_size", 1_000_000),
+                                          ("unigram_entropy_nats", "n/a"), ("sources", 5)])
+def test_a_sidecar_with_a_field_of_the_wrong_kind_is_one_sentence(tmp_path, field, value):
+    """They gave a TypeError traceback (exit 1), a rank's ValueError after the launch, or went unchecked."""
+    import json
+
+    path = write_tokens(tmp_path / "t.bin", np.arange(1000) % 50)
+    meta = path.with_name(path.name + ".json")
+    doc = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**doc, field: value}))
+    with pytest.raises(DataError, match=f"says {field} "):
+        TokenFile(path, seq_len=8)
+
+
+def test_batch_arguments_out_of_range_are_refused(counting):
+    tf = TokenFile(counting, seq_len=32)
+    for args in ((0, 4, 2, 2), (0, 4, -2, 2), (0, 0, 0, 1)):  # -2 read rank 0's rows; 0 rows divided by zero
+        with pytest.raises(ValueError, match="TokenFile.batch needs"):
+            tf.batch(*args)
+    with pytest.raises(ValueError, match="seq_len >= 1"):
+        TokenFile(counting, seq_len=0)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
 def test_the_permutation_is_a_bijection(n):
     out = permute(np.arange(n), n, _key(7, n))
