@@ -371,6 +371,16 @@ class Comm:
             with heartbeat.collective(f"{self.name}.barrier"):
                 dist.barrier(group=self.group)
 
+    def extremes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(elementwise max, elementwise min) of ``values`` (a 1-D float tensor, the same length on every rank)
+        over the group, from one MAX all-reduce of ``values`` and ``-values``: equal when every rank holds
+        the same values."""
+        if self.size == 1:
+            return values, values
+        both = torch.cat([values, -values])
+        self.all_reduce(both, op=dist.ReduceOp.MAX)
+        return both[:len(values)], -both[len(values):]
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

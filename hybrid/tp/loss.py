@@ -109,9 +109,8 @@ def _check_even_split(comm: Comm, local_vocab: int, device) -> None:
     key = (id(comm.group), local_vocab)
     if key in _EVEN:
         return
-    widths = torch.tensor([local_vocab, -local_vocab], dtype=torch.float64, device=device)
-    comm.all_reduce(widths, op=dist.ReduceOp.MAX)
-    widest, narrowest = int(widths[0]), -int(widths[1])
+    widths = torch.tensor([local_vocab], dtype=torch.float64, device=device)
+    widest, narrowest = (int(t[0]) for t in comm.extremes(widths))
     if widest != narrowest:
         raise ValueError(f"vocab_parallel_cross_entropy: the TP ranks hold logits of {narrowest} to {widest} "
                          "vocabulary entries; each must hold an equal V/tp slice (hybrid.tp layers split the "

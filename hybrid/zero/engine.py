@@ -212,14 +212,11 @@ class ZeroEngine:
         """Every tensor not on meta (all of them for a model built the ordinary way; a module a meta-built
         model builds off meta) as DP rank 0 holds it: ranks seeded apart would otherwise start apart."""
         tensors = list(self.module.parameters()) + list(self.module.buffers())
-        if self.dp_comm.size > 1:  # every rank must broadcast the same tensors, or the broadcasts pair wrongly
-            meta = torch.tensor([t.is_meta for t in tensors], dtype=torch.float32, device=self.device)
-            both = torch.cat([meta, -meta])
-            self.dp_comm.all_reduce(both, op=dist.ReduceOp.MAX)
-            if not torch.equal(both[:len(tensors)], -both[len(tensors):]):
-                raise ConfigError("the DP ranks built the model differently (some tensors are on meta on some "
-                                  "ranks and real on others, e.g. weights loaded on rank 0 only): build it the same "
-                                  "way on every rank (on meta everywhere, with weights= naming the file to load)")
+        meta = torch.tensor([t.is_meta for t in tensors], dtype=torch.float32, device=self.device)
+        if not torch.equal(*self.dp_comm.extremes(meta)):  # else the broadcasts below would pair wrongly
+            raise ConfigError("the DP ranks built the model differently (some tensors are on meta on some "
+                              "ranks and real on others, e.g. weights loaded on rank 0 only): build it the same "
+                              "way on every rank (on meta everywhere, with weights= naming the file to load)")
         for t in tensors:
             if not t.is_meta:
                 self.dp_comm.broadcast(t.data)
