@@ -169,7 +169,6 @@ class ModuleValues:
         for e in self.entries:
             cpu = torch.zeros(e.tensor.shape, dtype=e.tensor.dtype, device="cpu")
             copies[id(e.tensor)] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad) if e.is_param else cpu
-        out = {id(t): t for t in copies.values()}
         # Without init_fn only the module's own reset runs; with it, its ancestors' init too (the whole model).
         scope = module if init_fn is None else self.sources.model
         with _only_these_real(scope, copies, self.sources), torch.random.fork_rng(devices=[]):
@@ -179,9 +178,9 @@ class ModuleValues:
             else:
                 self._as_after_construction(own_init, init_fn)
             held = {e.key: (module._parameters if e.is_param else module._buffers).get(e.key) for e in self.entries}
-        # an init may have replaced a tensor (module.weight = nn.Parameter(...)): what the module holds counts
-        return {e.name: (held[e.key] if held[e.key] is not None and id(held[e.key]) not in out
-                         and not held[e.key].is_meta else copies[id(e.tensor)]).detach() for e in self.entries}
+        # what the module holds counts: its copy, or a tensor an init put in its place (module.weight = ...)
+        return {e.name: (held[e.key] if held[e.key] is not None and not held[e.key].is_meta
+                         else copies[id(e.tensor)]).detach() for e in self.entries}
 
     def _as_after_construction(self, own_init: Optional[Callable], init_fn: Callable) -> None:
         """The module's tensors as ``model.apply(init_fn)`` leaves them after an ordinary build (Hugging

@@ -63,11 +63,12 @@ def train(ctx: Context, after_step=()) -> dict:
     # A step takes micro_batch x gradient_accumulation_steps rows per rank, as micro-batches of micro_batch:
     # a re-plan that halves the micro-batch and doubles the accumulation keeps the step's rows.
     rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
-    started = []
+    started = False
 
     def batches(step: int):
+        nonlocal started
         if not started and hasattr(stream, "continue_from"):  # after run_steps' resume, before the first step
-            started.append(step)
+            started = True
             if ctx.resumed_extra:
                 stream.continue_from(ctx.resumed_extra.get("data_position", step), ctx.resumed_extra)
             ctx.data_state = stream.data_state(rows * mesh.dp)
