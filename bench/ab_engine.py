@@ -9,6 +9,7 @@ CHANGE (off = the behaviour before it):
   exchange-ar   large gloo all-reduces as exchange + broadcasts (off: gloo's all-reduce)
   handoff       stages 0-1 copy fresh gradients into the emptied buffer (off: zero it, accumulate into it)
   keep-buckets  stages 2-3 on CPU reuse reduced buckets (off: a fresh zeroed bucket every time)
+  shm           DP collectives through shared memory (hybrid.shm_collectives; off: the gloo paths above)
 
 Prints the median step time (ms, rank 0, first step of each block left out) of both variants.
 """
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-CHANGES = ("exchange-rs", "exchange-ar", "handoff", "keep-buckets")
+CHANGES = ("exchange-rs", "exchange-ar", "handoff", "keep-buckets", "shm")
 
 
 class _AllReduceScatter:
@@ -60,6 +61,11 @@ def _switch(change: str, on: bool, engine, originals: dict) -> None:
         hc._PairwiseReduceScatter = originals["rs"] if on else _AllReduceScatter
     elif change == "exchange-ar":
         hc._ExchangeAllReduce = originals["ar"] if on else _GlooAllReduce
+    elif change == "shm":
+        comm = engine.dp_comm
+        if comm._shm_tried:  # connected by the first block (on) and kept aside while off
+            originals.setdefault("shm", comm._shm)
+            comm._shm = originals["shm"] if on else None
     elif change == "keep-buckets":
         engine.reducer.bucket_pool.cap_numel = hb.KEEP_BUCKET_NUMEL if on else 0
         engine.reducer.bucket_pool.clear()

@@ -35,6 +35,12 @@ flight; its receive buffers are kept for later calls in a ``BufferPool`` (``Comm
 in use and kept together stay within ``exchange_cap_numel(N)`` elements while handles are waited in launch
 order.
 
+When every rank of a gloo group is on this host, CPU tensors of ``SHM_MIN_BYTES`` or more go through
+shared memory instead (``hybrid.shm_collectives``: an all-reduce, reduce-scatter or all-gather of 16 MB between
+two ranks in ~5 ms where gloo took ~14 ms, the exchange ~6-13 ms); the group connects at its first such call
+(collectively: every rank makes the same calls) and falls back to the paths above for good when the ranks
+cannot share memory.
+
 Every collective issued is recorded in ``hybrid.heartbeat`` (entered, and inside it until it returns), so
 the launcher can tell which rank its peers were waiting for when they time out.
 """
@@ -49,6 +55,7 @@ import torch.distributed as dist
 
 from hybrid import heartbeat
 from hybrid.buffer_pool import BufferPool
+from hybrid.shm_collectives import ShmGroup
 
 
 class _Done:
@@ -79,6 +86,10 @@ class _AverageOnWait:
 EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
 EXCHANGE_SLICES = 2       # slices in flight (so ``EXCHANGE_SLICES · (N-1) · EXCHANGE_NUMEL`` elements at most)
 EXCHANGE_MIN_NUMEL = 1 << 24  # gloo all-reduces from this many elements (64 MB fp32) go as exchange + broadcasts
+# CPU tensors from this size go through shared memory (where the group can); below it gloo's latency is small
+# in absolute terms and the staging pages would cost more memory than the data moved
+SHM_MIN_BYTES = 1 << 20
+_shm_groups: dict = {}  # process group -> its ShmGroup, or None where the ranks cannot share memory
 _TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
 
 
@@ -245,6 +256,22 @@ class Comm:
         # The exchange's receive buffers, reused by later calls (a layout's units come in a few sizes); a
         # call that would pass the cap starts in its handle's wait() instead (unless none is in use).
         self.exchange_pool = BufferPool(exchange_cap_numel(self.size))
+        self._shm: Optional[ShmGroup] = None
+        self._shm_tried = False
+
+    def _shared_memory(self, tensor: torch.Tensor) -> Optional[ShmGroup]:
+        """The group's shared-memory transport for ``tensor`` (CPU, contiguous, ``SHM_MIN_BYTES`` or more, a
+        dtype that adds), connecting at the first such call; ``None`` where it does not apply."""
+        if (tensor.device.type != "cpu" or not tensor.is_contiguous() or _nbytes(tensor) < SHM_MIN_BYTES
+                or tensor.dtype == torch.bool or tensor.is_complex()):
+            return None
+        if not self._shm_tried:
+            self._shm_tried = True
+            group = self.group if self.group is not None else dist.group.WORLD
+            if group not in _shm_groups:  # one transport per group, shared by every Comm over it
+                _shm_groups[group] = ShmGroup.connect(group, label=f"{self.name} shared-memory collective")
+            self._shm = _shm_groups[group]
+        return self._shm
 
     def global_rank(self, rank_in_group: int) -> int:
         if self._ranks is None:
@@ -257,8 +284,9 @@ class Comm:
         return self._tag
 
     def buffer_tensors(self) -> list:
-        """The receive buffers this comm keeps between calls (for memory reports)."""
-        return self.exchange_pool.kept()
+        """The buffers this comm keeps between calls (for memory reports): the exchange's receive buffers and
+        this rank's shared-memory region."""
+        return self.exchange_pool.kept() + ([self._shm.own_region()] if self._shm else [])
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, op: str, nbytes: int) -> None:
@@ -289,7 +317,11 @@ class Comm:
         if average and op is None and self.native_avg and tensor.is_cuda:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.all_reduce"):
-            if (op is None and tensor.device.type == "cpu" and tensor.is_contiguous()
+            shm = self._shared_memory(tensor) if op is None else None
+            if shm:
+                shm.all_reduce(tensor)
+                work = _Done()
+            elif (op is None and tensor.device.type == "cpu" and tensor.is_contiguous()
                     and tensor.numel() >= EXCHANGE_MIN_NUMEL):
                 work = _ExchangeAllReduce(self, tensor)
                 if not async_op:
@@ -318,6 +350,10 @@ class Comm:
             op, average = dist.ReduceOp.AVG, False
         with heartbeat.collective(f"{self.name}.reduce_scatter"):
             if input.device.type == "cpu" and _is_own_slice(output, input, self.rank):
+                shm = self._shared_memory(input)
+                if shm:
+                    shm.reduce_scatter(input, average)
+                    return _Done()
                 work = _PairwiseReduceScatter(self, input, average)
                 if not async_op:
                     work.wait()
@@ -340,7 +376,11 @@ class Comm:
             return _Done()
         self._count("all_gather", _nbytes(output))
         with heartbeat.collective(f"{self.name}.all_gather"):
-            if output.device.type == "cpu" and output.is_contiguous():
+            shm = self._shared_memory(output)
+            if shm:
+                shm.all_gather(output, input)
+                work = _Done()
+            elif output.device.type == "cpu" and output.is_contiguous():
                 work = self._broadcast_gather(output, input)
                 if not async_op:
                     work.wait()

@@ -352,13 +352,27 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
     transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
     comm_buffers = 0
     if device == "cpu":
-        from hybrid.comm import exchange_numel
         from hybrid.zero.buckets import kept_bucket_numel
 
-        exchange = exchange_numel(units, dp, stage) if dp > 1 else 0
-        comm_buffers = (exchange + kept_bucket_numel(units, stage)) * grad_item
+        comm_buffers = _cpu_comm_bytes(units, dp, stage, item, grad_item) + kept_bucket_numel(units, stage) * grad_item
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
                             int(activations), int(runtime_reserve), device == "cpu", int(comm_buffers))
+
+
+def _cpu_comm_bytes(units: list, dp: int, stage: int, item: int, grad_item: int) -> int:
+    """Bytes ``hybrid.comm`` keeps for the collectives of ``units`` on CPU: gloo's exchange buffers where the
+    DP ranks are on different hosts; where they share one, those of the collectives below ``SHM_MIN_BYTES``
+    plus the shared-memory pages of the larger ones (``hybrid.shm_collectives``). The larger of the two."""
+    from hybrid.comm import SHM_MIN_BYTES, exchange_numel
+    from hybrid.shm_collectives import resident_bytes
+
+    if dp <= 1:
+        return 0
+    across_hosts = exchange_numel(units, dp, stage) * grad_item
+    small = [n for n in units if n * grad_item < SHM_MIN_BYTES]
+    large = [n * max(item, grad_item) for n in units if n * max(item, grad_item) >= SHM_MIN_BYTES]
+    one_host = exchange_numel(small, dp, stage) * grad_item + resident_bytes(dp, max(large, default=0))
+    return max(across_hosts, one_host)
 
 
 def _waiting_buckets(units: list, cap: int) -> int:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import hybrid
 from hybrid.local_launch import run_local
 from hybrid.memory import model_state_bytes
-from hybrid.comm import exchange_numel
+from hybrid.comm import SHM_MIN_BYTES, exchange_numel
+from hybrid.shm_collectives import region_bytes
 from hybrid.zero.buckets import kept_bucket_numel
 from hybrid.zero.optimizer import CONVERT_NUMEL
 from tests.dist.zero_models import WideNet, batch, rank_rows
@@ -51,11 +52,15 @@ def _config(stage, precision, zero):
     return {"zero_optimization": z, "bf16": {"enabled": precision == "bf16"}, "gradient_clipping": 1.0}
 
 
-def _live_tensor_bytes() -> int:
+def _live_tensor_bytes(engine) -> int:
+    """Bytes of every live tensor's storage, but the peers' shared-memory regions this rank maps (the peer's
+    memory; the report counts this rank's own region)."""
     gc.collect()
+    shm = engine.dp_comm._shm
+    peers = {r.data_ptr() for q, r in enumerate(shm._regions) if q != shm.rank} if shm else set()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and obj.untyped_storage().data_ptr() not in peers:
             storage = obj.untyped_storage()
             if storage.nbytes():
                 storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
@@ -85,7 +90,7 @@ def _measure():
         threshold = engine.config.zero.param_persistence_threshold
         persistent = sum(n for n in engine.layout.numels if n < threshold) if stage == 3 else 0
         out[name] = dict(traffic=engine.comm_report(), memory=engine.memory_report(), at_init=at_init,
-                         live=_live_tensor_bytes(),
+                         live=_live_tensor_bytes(engine),
                          gathered_in_forward=seen[-1], psi=engine.layout.param_numel,
                          padded=engine.layout.full_numel, persistent=persistent,
                          probe=engine.layout.locate(engine.names.index("blocks.1.fc1.weight"))[0].numel,
@@ -118,7 +123,12 @@ def test_memory_and_traffic_per_stage():
             # on CPU, reduced buckets kept for the next backward.
             owned = psi if stage == 0 else psi // 2  # the elements this rank's optimizer steps
             bound = (4 * min(owned, CONVERT_NUMEL) if precision == "bf16" else 0)
-            bound += size * (exchange_numel(r["unit_numels"], 2, stage) + kept_bucket_numel(r["unit_numels"], stage))
+            # gloo's exchange buffers, or those of the collectives below SHM_MIN_BYTES and this rank's
+            # shared-memory region, whichever hybrid.comm used
+            small = [n for n in r["unit_numels"] if n * size < SHM_MIN_BYTES]
+            bound += max(size * exchange_numel(r["unit_numels"], 2, stage),
+                         size * exchange_numel(small, 2, stage) + region_bytes(2))
+            bound += size * kept_bucket_numel(r["unit_numels"], stage)
             if bound:
                 assert 0 < mem["scratch"] <= bound, f"{case}: {mem} (bound {bound})"
             else:

@@ -1,0 +1,140 @@
+"""Real multi-process runs of hybrid.shm_collectives through hybrid.comm: results against gloo's own
+collectives, slicing, fallback agreement, a peer that exits, and nothing left in /dev/shm."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid.local_launch import LocalRunError, run_local
+
+pytestmark = pytest.mark.slow
+
+
+def _small_slices():
+    import hybrid.comm as comm_module
+    import hybrid.shm_collectives as shm
+
+    shm.SLICE_BYTES = 64  # 16 fp32 / 32 bf16 elements per slice: many slices, a short last one
+    comm_module.SHM_MIN_BYTES = 0
+
+
+def _against_gloo():
+    _small_slices()
+    from hybrid.comm import Comm
+
+    comm = Comm(name="world")
+    r, n = comm.rank, comm.size
+    gen = torch.Generator().manual_seed(r)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for numel in (1, n * 16 + 1, 101, 333):
+            x = (torch.randn(numel, generator=gen) * 100).to(dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            got = x.clone()
+            comm.all_reduce(got)
+            mean = x.clone().float()
+            h = comm.all_reduce(mean, average=True, async_op=True)
+            ref_mean = x.clone().float()
+            dist.all_reduce(ref_mean)
+            h.wait()
+            results.append(("all_reduce", str(dtype), numel, _close(got, expected, dtype),
+                            torch.allclose(mean, ref_mean / n, rtol=1e-5, atol=1e-3)))
+            # the engine's reduce-scatter: the output is this rank's part of the input
+            bucket = (torch.randn(numel * n, generator=gen) * 100).to(dtype)
+            keep = bucket.clone()
+            summed = bucket.clone()
+            dist.all_reduce(summed)
+            own = bucket.tensor_split(n)[r]
+            comm.reduce_scatter(own, bucket, async_op=True).wait()
+            others = [q for q in range(n) if q != r]
+            untouched = all(torch.equal(bucket.tensor_split(n)[q], keep.tensor_split(n)[q]) for q in others)
+            results.append(("reduce_scatter", str(dtype), numel, _close(own, summed.tensor_split(n)[r], dtype),
+                            untouched))
+            chunk = (torch.randn(numel, generator=gen) * 100).to(dtype)
+            out = torch.empty(numel * n, dtype=dtype)
+            comm.all_gather(out, chunk)
+            ref = [torch.empty(numel, dtype=dtype) for _ in range(n)]
+            dist.all_gather(ref, chunk)
+            results.append(("all_gather", str(dtype), numel, torch.equal(out, torch.cat(ref)), True))
+    return results, comm._shm is not None, comm.report(), [b.numel() for b in comm.buffer_tensors()]
+
+
+def _close(got, expected, dtype):
+    if dtype == torch.bfloat16:  # summed in another order
+        return torch.allclose(got.float(), expected.float(), rtol=2e-2, atol=1.0)
+    return torch.allclose(got.double(), expected.double(), rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shared_memory_collectives_match_gloo(world):
+    import hybrid.shm_collectives as shm
+
+    before = _our_files()
+    for results, connected, report, kept in run_local(_against_gloo, world):
+        assert connected
+        bad = [row for row in results if not (row[3] and row[4])]
+        assert not bad, bad
+        assert report["all_reduce_calls"] == 24 and report["reduce_scatter_calls"] == 12  # counted as before
+        assert kept == [2 * (world - 1) * 64], "the region in the memory report (SLICE_BYTES as set in the rank)"
+        assert shm.region_bytes(world) == 2 * (world - 1) * shm.slot_bytes(world) <= 2 * shm.SLICE_BYTES
+    assert _our_files() == before, "every region and doorbell file was unlinked"
+
+
+def _our_files():
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("hybrid-shm-"))
+
+
+def _one_rank_opts_out(opt_out_rank):
+    _small_slices()
+    from hybrid.comm import Comm
+
+    if dist.get_rank() == opt_out_rank:
+        os.environ["HYBRID_SHM_COLLECTIVES"] = "0"
+    comm = Comm(name="world")
+    x = torch.full((1000,), float(comm.rank + 1))
+    comm.all_reduce(x)
+    return comm._shm is None, x[0].item()
+
+
+def test_one_rank_without_shared_memory_makes_the_group_fall_back():
+    for fell_back, value in run_local(_one_rank_opts_out, 3, 1):
+        assert fell_back and value == 6.0
+
+
+def _other_host(other_rank):
+    _small_slices()
+    import hybrid.shm_collectives as shm
+    from hybrid.comm import Comm
+
+    if dist.get_rank() == other_rank:
+        shm._host_key = lambda: "another machine"
+    comm = Comm(name="world")
+    x = torch.full((1000,), float(comm.rank + 1))
+    comm.reduce_scatter(x.tensor_split(comm.size)[comm.rank], x)
+    return comm._shm is None, x.tensor_split(comm.size)[comm.rank].tolist()
+
+
+def test_ranks_on_different_hosts_use_gloo():
+    for rank, (fell_back, own) in enumerate(run_local(_other_host, 2, 0)):
+        assert fell_back and own == [3.0] * 500
+
+
+def _peer_exits():
+    _small_slices()
+    from hybrid.comm import Comm
+
+    comm = Comm(name="world")
+    x = torch.ones(1000)
+    comm.all_reduce(x)  # connected
+    if comm.rank == 1:
+        os._exit(3)
+    comm.all_reduce(x)
+    return "finished"
+
+
+def test_a_peer_that_exits_is_an_error_not_a_hang():
+    with pytest.raises(LocalRunError, match="rank 1 of the group exited during a collective"):
+        run_local(_peer_exits, 2, timeout_s=60)
