@@ -268,6 +268,7 @@ class Comm:
         if not self._shm_tried:
             self._shm_tried = True
             group = self.group if self.group is not None else dist.group.WORLD
+            _forget_destroyed_groups()
             if group not in _shm_groups:  # one transport per group, shared by every Comm over it
                 _shm_groups[group] = ShmGroup.connect(group, label=f"{self.name} shared-memory collective")
             self._shm = _shm_groups[group]
@@ -420,6 +421,14 @@ class Comm:
         both = torch.cat([values, -values])
         self.all_reduce(both, op=dist.ReduceOp.MAX)
         return both[:len(values)], -both[len(values):]
+
+
+def _forget_destroyed_groups() -> None:
+    """Drop the transports of groups ``destroy_process_group`` has removed (their doorbells close)."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if live is not None:
+        for group in [g for g in _shm_groups if g not in live]:
+            del _shm_groups[group]
 
 
 def _nbytes(t: torch.Tensor) -> int:

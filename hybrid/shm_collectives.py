@@ -3,29 +3,30 @@
 gloo moves a CPU tensor from one process to another on the same machine through loopback TCP: the sender's
 kernel copies it into a socket, the receiver's copies it out, and a 16 MB fp32 all-reduce between two ranks
 took ~14 ms on the bench machine. A `ShmGroup` maps a small region of every rank of the group into every rank
-(a file in ``/dev/shm``) and moves data with plain tensor copies and adds (~5 ms for the same all-reduce);
-a doorbell -- one FIFO per rank, a 4-byte message per peer -- orders the steps (~15 us, where a gloo barrier
-took ~150 us).
+(an anonymous ``memfd``, opened by the peers through ``/proc/<pid>/fd``) and moves data with plain tensor
+copies and adds (~4 ms for the same all-reduce); a doorbell -- one pipe per rank, a 12-byte message per peer
+-- orders the steps (~15 us, where a gloo barrier took ~150 us).
 
 Contract:
 
 * ``ShmGroup.connect(group)`` is collective over ``group`` (every rank calls it at the same point in its
   sequence of collectives; it uses the group's own gloo collectives twice) and returns a group on every
   rank or ``None`` on every rank: ``None`` when the group is not a gloo group of 2+ ranks all on this host
-  (same boot, ``/dev/shm`` and PID namespace, checked by reading a random cookie back through the mapping),
-  when ``/dev/shm`` has no room for the regions, or when any rank has ``HYBRID_SHM_COLLECTIVES=0``. The
-  files are unlinked as soon as every rank has mapped them: nothing is left in ``/dev/shm`` after
-  ``connect`` returns, whatever happens to the ranks later.
+  (same boot and PID namespace, checked by reading a random cookie back through the mapping), when the
+  regions cannot be allocated, or when any rank has ``HYBRID_SHM_COLLECTIVES=0``. Nothing has a name in
+  any file system: a rank killed at any point leaves nothing behind.
 * ``reduce_scatter(input, average)``: this rank's part of ``input`` (``input.view(-1).tensor_split(N)``'s
   entry ``rank``) receives the sum (or mean) over the ranks; the other parts keep this rank's values.
 * ``all_gather(output, input)``: ``output.view(-1).tensor_split(N)`` receives every rank's ``input``.
 * ``all_reduce(tensor)``: the sum, in place (a reduce-scatter, then an all-gather of the reduced parts).
 
-Each call has finished when it returns. Every rank must issue the same calls in the same order, as for any
-collective. Data goes in slices of one slot (``SLICE_BYTES / (N-1)``) per peer through two alternating buffers, so one doorbell
-ring per slice suffices: a rank writes buffer ``b`` again only two rings later, after every peer has rung
-the ring between, which it does only after reading ``b``. A peer that exits (or a doorbell that stays quiet
-past the group's timeout) raises ``RuntimeError`` instead of a hang.
+Each call has finished when it returns. Every rank must issue the same calls, of the same sizes, in the same
+order, as for any collective; each doorbell message carries a signature of its collective (kind, dtype,
+element count), so ranks that do not are an error, not mixed data. Data goes in slices of one slot
+(``SLICE_BYTES / (N-1)``) per peer through two alternating buffers, so one ring per slice suffices: a rank
+writes buffer ``b`` again only two rings later, after every peer has rung the ring between, which it does only
+after reading ``b``. A peer that exits (or a doorbell that stays quiet past the group's timeout) raises
+``RuntimeError`` instead of a hang.
 
 Each rank's region is two buffers of ``SLICE_BYTES`` (2 MiB at every N); a rank's resident memory also counts
 the pages it reads of its peers' regions (`resident_bytes`).
@@ -39,6 +40,8 @@ import select
 import socket
 import struct
 import time
+import weakref
+import zlib
 from datetime import timedelta
 from typing import Optional
 
@@ -47,7 +50,7 @@ import torch.distributed as dist
 
 SLICE_BYTES = 1 << 20  # bytes of one buffer (its N-1 peer slots together)
 ENV_SWITCH = "HYBRID_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (gloo is used instead)
-_MSG = struct.Struct("<I")
+_MSG = struct.Struct("<III")  # sender, ring number, signature of the collective
 _POLL_MS = 500  # how often a waiting rank checks that its peers are alive
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
 
@@ -77,12 +80,11 @@ def resident_bytes(size: int, largest_bytes: int) -> int:
 
 
 def _host_key() -> Optional[str]:
-    """What ranks sharing memory through ``/dev/shm`` and signalling each other by PID have in common."""
+    """What ranks that open each other's memory through ``/proc/<pid>/fd`` have in common."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return "|".join((socket.gethostname(), boot, str(os.stat("/dev/shm").st_dev),
-                         os.readlink("/proc/self/ns/pid"), os.readlink("/proc/self/ns/ipc")))
+        return "|".join((socket.gethostname(), boot, os.readlink("/proc/self/ns/pid")))
     except OSError:
         return None
 
@@ -104,32 +106,37 @@ def _group_timeout(group) -> timedelta:
 
 
 class _Doorbell:
-    """A barrier over the group: ``ring()`` tells every peer this rank has reached its next ring and waits
-    until every peer has reached it too. Messages carry the sender's rank; a peer may be one ring ahead."""
+    """A barrier over the group: ``ring(signature)`` tells every peer this rank has reached its next ring and
+    waits until every peer has reached it too. A message is (sender, ring number, signature of the collective
+    the ring belongs to); a peer may be one ring ahead. Ranks whose signatures differ for the same ring issued
+    different collectives: an error here, where gloo would have refused the sizes, not mixed data."""
 
-    def __init__(self, rank: int, read_fd: int, write_fds: dict, pids: dict, timeout: timedelta, label: str):
-        self._msg = _MSG.pack(rank)
-        self._read_fd, self._write_fds, self._pids = read_fd, write_fds, pids
+    def __init__(self, rank: int, read_fd: int, own_write_fd: int, write_fds: dict, pids: dict,
+                 timeout: timedelta, label: str):
+        self._rank, self._read_fd, self._own_write_fd = rank, read_fd, own_write_fd
+        self._write_fds, self._pids = write_fds, pids
         self._timeout_s, self._label = timeout.total_seconds(), label
         self._rings = 0
-        self._arrived = {q: 0 for q in write_fds}
+        self._arrived = {q: [] for q in write_fds}  # signatures of the rings each peer reached, not yet passed
         self._pending = b""
         self._poll = select.poll()
         self._poll.register(read_fd, select.POLLIN)
+        _open_doorbells.add(self)
 
-    def ring(self) -> None:
+    def ring(self, signature: int, what: str) -> None:
         self._rings += 1
+        msg = _MSG.pack(self._rank, self._rings % (1 << 32), signature)
         for q, fd in self._write_fds.items():
             try:
-                os.write(fd, self._msg)
+                os.write(fd, msg)
             except BrokenPipeError:  # its read end closed: the peer is gone
                 raise RuntimeError(f"{self._label}: rank {q} of the group exited during a collective") from None
         deadline = None
-        while any(n < self._rings for n in self._arrived.values()):
+        while any(not sigs for sigs in self._arrived.values()):
             if self._poll.poll(_POLL_MS):
                 self._read()
                 continue
-            late = [q for q, n in self._arrived.items() if n < self._rings]
+            late = [q for q, sigs in self._arrived.items() if not sigs]
             gone = [q for q in late if not _alive(self._pids[q])]
             if gone:
                 raise RuntimeError(f"{self._label}: rank {gone[0]} of the group exited during a collective")
@@ -137,20 +144,34 @@ class _Doorbell:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self._label}: rank {late[0]} of the group did not reach the collective "
                                    f"within the group's timeout ({self._timeout_s:.0f} s)")
+        for q, sigs in self._arrived.items():
+            if sigs.pop(0) != signature:
+                raise RuntimeError(f"{self._label}: rank {q} of the group issued a different collective than this "
+                                   f"rank's {what}; every rank must issue the same collectives, of the same "
+                                   "sizes, in the same order")
 
     def _read(self) -> None:
         data = self._pending + os.read(self._read_fd, 4096)
         whole = len(data) - len(data) % _MSG.size
-        for (q,) in _MSG.iter_unpack(data[:whole]):
-            self._arrived[q] += 1
+        for q, _, signature in _MSG.iter_unpack(data[:whole]):
+            self._arrived[q].append(signature)
         self._pending = data[whole:]
 
     def close(self) -> None:
-        for fd in (self._read_fd, *self._write_fds.values()):
+        _open_doorbells.discard(self)
+        for fd in (self._read_fd, self._own_write_fd, *self._write_fds.values()):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self._write_fds = {}
+
+    __del__ = close
+
+
+_open_doorbells: "weakref.WeakSet[_Doorbell]" = weakref.WeakSet()
+# A forked child (a DataLoader worker) must not keep a rank's doorbell open: peers would not see it go.
+os.register_at_fork(after_in_child=lambda: [bell.close() for bell in list(_open_doorbells)])
 
 
 class ShmGroup:
@@ -169,11 +190,11 @@ class ShmGroup:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size < 2 or str(dist.get_backend(group)).lower() != "gloo":
             return None
-        own = _OwnFiles.create(region_bytes(size)) if os.environ.get(ENV_SWITCH, "1") != "0" else None
+        own = _OwnMemory.create(region_bytes(size)) if os.environ.get(ENV_SWITCH, "1") != "0" else None
+        opened = None
         try:
-            mine = own.describe() if own else None
             everyone = [None] * size
-            dist.all_gather_object(everyone, (_host_key(), mine), group=group)
+            dist.all_gather_object(everyone, (_host_key(), own.describe() if own else None), group=group)
             keys = {key for key, _ in everyone}
             if None in keys or len(keys) != 1 or any(desc is None for _, desc in everyone):
                 return None
@@ -181,21 +202,18 @@ class ShmGroup:
             agreed = [None] * size
             dist.all_gather_object(agreed, opened is not None, group=group)
             if not all(agreed):
-                if opened:
-                    opened[1].close()
                 return None
             regions, bell_fds = opened
             pids = {q: desc["pid"] for q, (_, desc) in enumerate(everyone) if q != rank}
-            bell = _Doorbell(rank, own.fifo_fd, bell_fds, pids, _group_timeout(group), label)
-            own.fifo_fd = None  # the doorbell owns it now
+            bell = _Doorbell(rank, own.read_fd, own.write_fd, bell_fds, pids, _group_timeout(group), label)
+            own.read_fd = own.write_fd = None  # the doorbell owns them now
+            opened = None
             return cls(rank, size, regions, bell)
         finally:
+            if opened:
+                opened[1].close()
             if own:
                 own.release()
-
-    def close(self) -> None:
-        self._bell.close()
-        self._regions = []
 
     def own_region(self) -> torch.Tensor:
         return self._regions[self.rank]
@@ -220,12 +238,13 @@ class ShmGroup:
         own, dtype = parts[self.rank], input.dtype
         width = self._slot_bytes // dtype.itemsize
         peers = [q for q in range(self.size) if q != self.rank]
+        signature, what = _signature("reduce_scatter", input)
         for lo in range(0, parts[0].numel(), width):
             buf = self._next_buffer()
             for q in peers:
                 send = parts[q][lo:lo + width]
                 self._slot(self.rank, buf, self._reader_slot(self.rank, q), dtype, send.numel()).copy_(send)
-            self._bell.ring()
+            self._bell.ring(signature, what)
             out = own[lo:lo + width]
             for q in peers:
                 out.add_(self._slot(q, buf, self._reader_slot(q, self.rank), dtype, out.numel()))
@@ -239,11 +258,12 @@ class ShmGroup:
         if input is not None and own.data_ptr() != input.data_ptr():
             own.copy_(input.reshape(-1))
         width = self._slot_bytes // dtype.itemsize
+        signature, what = _signature("all_gather", output)
         for lo in range(0, chunks[0].numel(), width):
             buf = self._next_buffer()
             mine = own[lo:lo + width]
             self._slot(self.rank, buf, 0, dtype, mine.numel()).copy_(mine)
-            self._bell.ring()
+            self._bell.ring(signature, what)
             for q in range(self.size):
                 if q != self.rank:
                     dst = chunks[q][lo:lo + width]
@@ -254,69 +274,62 @@ class ShmGroup:
         self.all_gather(tensor)
 
 
-class _OwnFiles:
-    """This rank's region file and doorbell FIFO in ``/dev/shm``, until every peer has opened them."""
+def _signature(kind: str, tensor: torch.Tensor) -> tuple:
+    """(32-bit signature, description) of a collective over ``tensor``: equal on ranks issuing the same one."""
+    what = f"{kind} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} elements"
+    return zlib.crc32(what.encode()), what
 
-    def __init__(self, path: str, fifo: str, cookie: bytes, region: torch.Tensor, fifo_fd: int):
-        self.path, self.fifo, self.cookie, self.region, self.fifo_fd = path, fifo, cookie, region, fifo_fd
+
+class _OwnMemory:
+    """This rank's region (an anonymous ``memfd``: no name anywhere, gone with the last process that maps it)
+    and its doorbell pipe; peers open both through ``/proc/<pid>/fd``."""
+
+    def __init__(self, memfd: int, region: torch.Tensor, read_fd: int, write_fd: int, cookie: bytes):
+        self.memfd, self.region, self.read_fd, self.write_fd, self.cookie = memfd, region, read_fd, write_fd, cookie
 
     @classmethod
-    def create(cls, nbytes: int) -> Optional["_OwnFiles"]:
-        base = f"/dev/shm/hybrid-shm-{os.getpid()}-{secrets.token_hex(6)}"
-        path, fifo = base + ".region", base + ".bell"
-        fd = fifo_fd = None
+    def create(cls, nbytes: int) -> Optional["_OwnMemory"]:
+        memfd = read_fd = write_fd = None
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.posix_fallocate(fd, 0, nbytes)  # no room: an error now, not a SIGBUS on first touch
-            os.close(fd)
-            fd = None
-            os.mkfifo(fifo, 0o600)
-            fifo_fd = os.open(fifo, os.O_RDWR)  # a reader from the start: peers' opens for writing never block
-            region = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            memfd = os.memfd_create("hybrid-shm", os.MFD_CLOEXEC)
+            os.posix_fallocate(memfd, 0, nbytes)  # no room: an error now, not a SIGBUS on first touch
+            region = torch.from_file(f"/proc/self/fd/{memfd}", shared=True, size=nbytes, dtype=torch.uint8)
+            read_fd, write_fd = os.pipe()  # this rank keeps a writer: its own reads never see end-of-file
             cookie = secrets.token_bytes(16)
             region[:16].copy_(torch.frombuffer(bytearray(cookie), dtype=torch.uint8))
-            return cls(path, fifo, cookie, region, fifo_fd)
-        except (OSError, RuntimeError):
-            for f in (fd, fifo_fd):
-                if f is not None:
-                    os.close(f)
-            for p in (path, fifo):
-                _unlink(p)
+            return cls(memfd, region, read_fd, write_fd, cookie)
+        except (OSError, RuntimeError, AttributeError):  # AttributeError: no os.memfd_create (not Linux)
+            _FdSet(enumerate(fd for fd in (memfd, read_fd, write_fd) if fd is not None)).close()
             return None
 
     def describe(self) -> dict:
-        return dict(path=self.path, fifo=self.fifo, cookie=self.cookie, pid=os.getpid(),
+        return dict(pid=os.getpid(), memfd=self.memfd, bell=self.write_fd, cookie=self.cookie,
                     nbytes=self.region.numel())
 
     def release(self) -> None:
-        """Unlink the files (the mappings and open FIFO ends stay valid); close the FIFO if unclaimed."""
-        _unlink(self.path)
-        _unlink(self.fifo)
-        if self.fifo_fd is not None:
-            os.close(self.fifo_fd)
-            self.fifo_fd = None
+        """Close what no one needs once the peers have opened theirs (the mapping stays valid)."""
+        _FdSet(enumerate(fd for fd in (self.memfd, self.read_fd, self.write_fd) if fd is not None)).close()
+        self.memfd = self.read_fd = self.write_fd = None
 
 
-def _open_peers(rank: int, descs: list, own: _OwnFiles) -> Optional[tuple]:
-    """Map every peer's region and open its FIFO for writing; ``None`` (all closed) if any fails or any
-    cookie does not read back (a file of the same name that is not the peer's memory)."""
-    regions, fds = [], {}
+def _open_peers(rank: int, descs: list, own: _OwnMemory) -> Optional[tuple]:
+    """Map every peer's region and open its doorbell for writing; ``None`` (all closed) if any fails or any
+    cookie does not read back (not the peer's memory)."""
+    regions, fds = [], _FdSet()
     try:
         for q, desc in enumerate(descs):
             if q == rank:
                 regions.append(own.region)
                 continue
-            if not os.path.exists(desc["path"]):
-                raise OSError(f"{desc['path']} is not visible here")
-            region = torch.from_file(desc["path"], shared=True, size=desc["nbytes"], dtype=torch.uint8)
+            proc = f"/proc/{desc['pid']}/fd"
+            region = torch.from_file(f"{proc}/{desc['memfd']}", shared=True, size=desc["nbytes"], dtype=torch.uint8)
             if bytes(region[:16].tolist()) != desc["cookie"]:
-                raise OSError(f"{desc['path']} is not rank {q}'s memory")
+                raise OSError(f"rank {q}'s region does not read back")
             regions.append(region)
-            fds[q] = os.open(desc["fifo"], os.O_WRONLY | os.O_NONBLOCK)
-            os.set_blocking(fds[q], True)
-        return regions, _FdSet(fds)
-    except (OSError, RuntimeError):
-        _FdSet(fds).close()
+            fds[q] = os.open(f"{proc}/{desc['bell']}", os.O_WRONLY | os.O_CLOEXEC)
+        return regions, fds
+    except Exception:  # noqa: BLE001 -- any failure to share memory means gloo, agreed on by every rank
+        fds.close()
         return None
 
 
@@ -327,10 +340,3 @@ class _FdSet(dict):
                 os.close(fd)
             except OSError:
                 pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -444,8 +444,11 @@ class ZeroEngine:
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = False) -> dict:
-        """fp32 CPU copies of every parameter by name (tied ones once), with the single-process shapes at
-        every TP degree (TP slices are gathered over the TP group), identical on every rank; with
+        """The module's ``state_dict()`` keys -- every parameter and persistent buffer, a tied tensor under each
+        of its names (one shared copy, as ``state_dict()`` shares them), so ``load_state_dict(..., strict=True)``
+        of the single-process model takes it -- as fp32 CPU copies (integer buffers keep their dtype), with
+        the single-process shapes at every TP degree (TP slices are gathered over the TP group), identical on
+        every rank; with
         ``rank0_only`` only the first rank of the mesh (DP rank 0, TP rank 0) keeps them and the others
         return ``{}``, so one rank, not every rank, holds the whole model in host memory (FSDP's
         ``rank0_only``).
@@ -471,10 +474,16 @@ class ZeroEngine:
             del full  # the unit's gather buffer goes before the next one is made
         if not gather:
             return {}
-        out = {}
-        for name, p in self.module.named_parameters():
-            i = self._index.get(id(p))
-            out[name] = full_by_param[i] if i is not None else self._tp_full(p.detach().float(), p)
+        out, done = {}, {}
+        for name, p in _state_dict_entries(self.module):
+            if id(p) not in done:  # a tied tensor is copied once; its names share the copy
+                i = self._index.get(id(p))
+                if isinstance(p, nn.Parameter):
+                    done[id(p)] = full_by_param[i] if i is not None else self._tp_full(p.detach().float(), p)
+                else:  # a persistent buffer: floating ones in fp32 like the parameters, others as they are
+                    done[id(p)] = p.detach().to("cpu", torch.float32 if p.is_floating_point() else p.dtype,
+                                                copy=True)
+            out[name] = done[id(p)]
         return {} if rank0_only and tp_rank != 0 else out
 
     def _tp_full(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -676,3 +685,17 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
             where = f"module {name!r}" if name else "the model"
             raise ConfigError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
                               f"the ZeRO engine reduces dense gradients: build it with sparse=False")
+
+
+def _state_dict_entries(module: nn.Module):
+    """``(name, tensor)`` for every key ``module.state_dict()`` has -- parameters and persistent buffers, a
+    shared module or tied tensor under each of its names -- without calling ``state_dict()`` (stage 3 refuses
+    it while parameters are released)."""
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, p in mod._parameters.items():
+            if p is not None:
+                yield dot + name, p
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield dot + name, b

@@ -80,7 +80,7 @@ def test_shared_memory_collectives_match_gloo(world):
         assert report["all_reduce_calls"] == 24 and report["reduce_scatter_calls"] == 12  # counted as before
         assert kept == [2 * (world - 1) * 64], "the region in the memory report (SLICE_BYTES as set in the rank)"
         assert shm.region_bytes(world) == 2 * (world - 1) * shm.slot_bytes(world) <= 2 * shm.SLICE_BYTES
-    assert _our_files() == before, "every region and doorbell file was unlinked"
+    assert _our_files() == before, "nothing is left in /dev/shm"
 
 
 def _our_files():
@@ -138,3 +138,47 @@ def _peer_exits():
 def test_a_peer_that_exits_is_an_error_not_a_hang():
     with pytest.raises(LocalRunError, match="rank 1 of the group exited during a collective"):
         run_local(_peer_exits, 2, timeout_s=60)
+
+
+def _mismatched_sizes():
+    _small_slices()
+    from hybrid.comm import Comm
+
+    comm = Comm(name="world")
+    comm.all_reduce(torch.ones(8))  # connected
+    n = 64 if comm.rank == 0 else 40  # stage 3 on ranks that gather different units
+    comm.all_gather(torch.zeros(2 * n), torch.ones(n))
+    return "mixed silently"
+
+
+def test_ranks_issuing_different_collectives_are_an_error():
+    with pytest.raises(LocalRunError, match="issued a different collective than this rank's all_gather of "
+                                            r"(128|80) float32 elements"):
+        run_local(_mismatched_sizes, 2, timeout_s=60)
+
+
+def _fork_and_exit():
+    _small_slices()
+    from hybrid.comm import Comm
+
+    comm = Comm(name="world")
+    x = torch.ones(1000)
+    comm.all_reduce(x)
+    if comm.rank == 1:
+        pid = os.fork()
+        if pid == 0:  # a DataLoader-like child that outlives its rank
+            import time
+            time.sleep(20)
+            os._exit(0)
+        os._exit(3)
+    comm.all_reduce(x)
+    return "finished"
+
+
+def test_a_forked_child_does_not_keep_a_dead_rank_looking_alive():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(LocalRunError, match="rank 1 of the group exited during a collective"):
+        run_local(_fork_and_exit, 2, timeout_s=60)
+    assert time.monotonic() - start < 15

@@ -112,7 +112,8 @@ def reference(engine_config=None, lrs=None, make=ParityNet, forward=parity_forwa
         opt.zero_grad(set_to_none=False)
         if sched is not None:
             sched.step()
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    # state_dict()'s keys, as full_state_dict() gives them (ParityNet's tied head.weight included)
+    return losses, norms, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
 def train_engine(engine, rank: int, world: int, forward=parity_forward, steps: int = STEPS):
