@@ -2,8 +2,17 @@
 
 Library code raises a subclass of ``UserError`` for anything the user can fix (a bad config field, a
 cluster that cannot hold the model, a file that is not a checkpoint). The CLI prints ``str(err)`` alone
-and exits with status 2; it never shows a traceback for these.
+and exits with status 2; it never shows a traceback for these. ``listing(names)`` is the one way a message
+names several things.
 """
+
+
+def listing(names, limit: int = 5) -> str:
+    """``'a', 'b' and 3 more``: the first ``limit`` names, quoted, and how many are left out."""
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    more = len(names) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 class UserError(Exception):

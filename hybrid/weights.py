@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, listing
 
 SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
@@ -30,12 +30,6 @@ SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return (text.splitlines()[0] if text else type(err).__name__)[:200]
-
-
-def _listing(names: list, limit: int = 5) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    more = len(names) - limit
-    return shown + (f" and {more} more" if more > 0 else "")
 
 
 class WeightsFile:
@@ -58,17 +52,17 @@ class WeightsFile:
         wrong = [n for n in expected if n in self.shapes and tuple(self.shapes[n]) != tuple(expected[n])]
         if missing:
             raise CheckpointError(f"weights file {self.path} has no tensor {missing[0]!r}, which the model needs"
-                                  + (f" (missing too: {_listing(missing[1:])})" if len(missing) > 1 else "")
+                                  + (f" (missing too: {listing(missing[1:])})" if len(missing) > 1 else "")
                                   + "; load a file saved from this model (hybrid checkpoint consolidate).")
         if extra:
             raise CheckpointError(f"weights file {self.path} has a tensor {extra[0]!r} that the model does not "
-                                  "have" + (f" (also: {_listing(extra[1:])})" if len(extra) > 1 else "")
+                                  "have" + (f" (also: {listing(extra[1:])})" if len(extra) > 1 else "")
                                   + "; load a file saved from this model or rename its keys.")
         if wrong:
             n = wrong[0]
             raise CheckpointError(f"weights file {self.path} holds {n!r} with shape {list(self.shapes[n])} but "
                                   f"the model's is {list(expected[n])}"
-                                  + (f" (also wrong: {_listing(wrong[1:])})" if len(wrong) > 1 else "")
+                                  + (f" (also wrong: {listing(wrong[1:])})" if len(wrong) > 1 else "")
                                   + "; load weights of the same model configuration.")
 
     def __enter__(self):

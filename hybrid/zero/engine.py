@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.comm import Comm
-from hybrid.errors import ConfigError, LossError, UsageError
+from hybrid.errors import ConfigError, LossError, UsageError, listing
 from hybrid.config import TrainConfig
 from hybrid.value_sources import ValueSources, has_meta
 from hybrid.param_attrs import is_tensor_parallel, tensor_parallel_dim
@@ -625,8 +625,7 @@ def _check_trainable_unchanged(names, params, frozen) -> None:
 
 
 def _subject(names: list) -> str:
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return f"{len(names)} parameter(s) ({shown}) {'were' if len(names) > 1 else 'was'}"
+    return f"{len(names)} parameter(s) ({listing(names, 3)}) {'were' if len(names) > 1 else 'was'}"
 
 
 def _note_cast(module: nn.Module, dtype: torch.dtype) -> None:

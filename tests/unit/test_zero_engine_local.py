@@ -137,7 +137,7 @@ def test_a_parameter_of_a_meta_built_model_unfrozen_after_initialize_is_refused(
     model[0].weight.requires_grad_(False)
     engine = hybrid.initialize(model, config(1))
     model[0].weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match=r"\(0\.weight\) was unfrozen after hybrid\.initialize"):
+    with pytest.raises(RuntimeError, match=r"\('0\.weight'\) was unfrozen after hybrid\.initialize"):
         engine.backward(engine(torch.randn(2, 4)).sum())
 
 
@@ -158,7 +158,7 @@ def test_a_parameter_unfrozen_after_initialize_is_refused(stage):
 def test_a_complex_parameter_is_refused():
     model = torch.nn.Linear(4, 4)
     model.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
-    with pytest.raises(ValueError, match=r"1 parameter\(s\) \(phase\) was complex; .*view_as_real"):
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) \('phase'\) was complex; .*view_as_real"):
         hybrid.initialize(model, config(0))
 
 
