@@ -9,6 +9,7 @@ CHANGE (off = the behaviour before it):
   exchange-ar   large gloo all-reduces as exchange + broadcasts (off: gloo's all-reduce)
   handoff       stages 0-1 copy fresh gradients into the emptied buffer (off: zero it, accumulate into it)
   keep-buckets  stages 2-3 on CPU reuse reduced buckets (off: a fresh zeroed bucket every time)
+  empty-buckets stages 2-3 take new buckets uninitialised (off: zero-filled first)
   shm           DP collectives through shared memory (hybrid.shm_collectives; off: the gloo paths above)
 
 Prints the median step time (ms, rank 0, first step of each block left out) of both variants.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-CHANGES = ("exchange-rs", "exchange-ar", "handoff", "keep-buckets", "shm")
+CHANGES = ("exchange-rs", "exchange-ar", "handoff", "keep-buckets", "empty-buckets", "shm")
 
 
 class _AllReduceScatter:
@@ -61,6 +62,11 @@ def _switch(change: str, on: bool, engine, originals: dict) -> None:
         hc._PairwiseReduceScatter = originals["rs"] if on else _AllReduceScatter
     elif change == "exchange-ar":
         hc._ExchangeAllReduce = originals["ar"] if on else _GlooAllReduce
+    elif change == "empty-buckets":
+        r = engine.reducer
+        r._new_bucket = (type(r)._new_bucket.__get__(r) if on else
+                         lambda u: r.bucket_pool.take(r.layout.units[u].numel, r.grad_shard.dtype,
+                                                      r.grad_shard.device, zeroed=True))
     elif change == "shm":
         comm = engine.dp_comm
         if comm._shm_tried:  # connected by the first block (on) and kept aside while off
