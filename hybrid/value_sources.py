@@ -4,10 +4,12 @@ A model may be built on the ``meta`` device (``with torch.device("meta"): model 
 allocated, and the values are produced later, only where and when a rank needs them. ``ValueSources``
 walks the model's modules in order (each tensor once, tied ones under their first name) and, for each
 tensor, answers ``values(entry, lo, hi)``: elements ``[lo, hi)`` of this TP rank's flattened tensor, fp32
-on the CPU. In order of precedence, the values are
+on the CPU (integer, bool and fp64 tensors in their own dtype: ``value_dtype``). In order of precedence,
+the values are
 
 1. the pretrained tensor of the same name in ``weights`` (``hybrid.weights``; the file holds full,
-   TP-unsharded tensors and the rank reads only its range of its slice),
+   TP-unsharded tensors and the rank reads only its range of its slice; a tied tensor may be held under
+   any one of its names),
 2. the tensor's own values when it is not on ``meta`` (a model built the ordinary way),
 3. the parameter's layout-independent initializer (``hybrid.param_init``; the built-in layers and GPT
    attach one to every parameter): only the chunks holding ``[lo, hi)`` are drawn,
@@ -115,6 +117,12 @@ def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return p
 
 
+def value_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor's values are handed over in: fp32 (the masters' precision) for floating tensors,
+    the tensor's own for integer, bool and fp64 ones, whose values fp32 would round."""
+    return torch.float32 if t.is_floating_point() and t.dtype != torch.float64 else t.dtype
+
+
 @dataclass
 class ModuleValues:
     """The value sources of one module's direct tensors (see the module docstring for the precedence)."""
@@ -130,11 +138,13 @@ class ModuleValues:
         t = entry.tensor
         dim = tensor_parallel_dim(t) if entry.is_param else None
         shape = full_shape(t, src.tp) if entry.is_param else t.shape
+        dtype = value_dtype(t)
         if src.weights is not None and entry.persistent:
-            return read_local_range(lambda a, b: src.weights.read(entry.name, a, b), shape, dim, src.tp_rank,
+            name = src.name_in_file(entry.name)
+            return read_local_range(lambda a, b: src.weights.read(name, a, b, dtype), shape, dim, src.tp_rank,
                                     src.tp, lo, hi)
         if not t.is_meta:
-            return t.detach().reshape(-1)[lo:hi].to(device="cpu", dtype=torch.float32, copy=True)
+            return t.detach().reshape(-1)[lo:hi].to(device="cpu", dtype=dtype, copy=True)
         init = get_initializer(t) if entry.is_param else None
         if init is not None:
             return local_values(init, src.seed, init.key or entry.name, shape, dim, src.tp_rank, src.tp, lo, hi)
@@ -142,7 +152,7 @@ class ModuleValues:
             raise ConfigError(f"tensor-parallel parameter {entry.name!r} is on the meta device without a "
                               "hybrid.param_init initializer, so its TP slices cannot match the full tensor; "
                               "attach one with set_initializer or build the model off meta.")
-        return self._fallback_values()[entry.name].reshape(-1)[lo:hi].float()
+        return self._fallback_values()[entry.name].reshape(-1)[lo:hi].to(dtype)
 
     @property
     def init_bytes(self) -> int:
@@ -252,9 +262,21 @@ class ValueSources:
         self._stand_ins: dict = {}   # id(tensor) -> (its meta stand-in, the tensor: keeps the id taken)
         self.tp_rank, self.tp = tp_rank, tp
         self.weights: Optional[WeightsFile] = None
+        self._in_file: dict = {}  # a tied tensor's name -> the other name of it the weights file holds
         if weights is not None:
             self.weights = weights if isinstance(weights, WeightsFile) else open_weights(weights)
-            self.weights.check(*self.expected_shapes())
+            expected, aliases = self.expected_shapes()
+            for name, others in aliases.items():  # any one name of a tied tensor will do
+                if name not in self.weights.shapes:
+                    present = next((a for a in others if a in self.weights.shapes), None)
+                    if present is not None:
+                        self._in_file[name] = present
+            expected = {self._in_file.get(n, n): shape for n, shape in expected.items()}
+            self.weights.check(expected, {a for others in aliases.values() for a in others})
+
+    def name_in_file(self, name: str) -> str:
+        """The name the weights file holds tensor ``name`` under (itself, or another name of a tied tensor)."""
+        return self._in_file.get(name, name)
 
     def slots(self, scope: nn.Module) -> list:
         """Every ``(store, key)`` of a parameter or buffer under ``scope`` (tied ones under each name), listed
@@ -271,14 +293,20 @@ class ValueSources:
             self._stand_ins[id(t)] = (nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta, t)
         return self._stand_ins[id(t)][0]
 
-    def expected_shapes(self) -> tuple[dict, set]:
-        """(name -> full shape of every parameter and persistent buffer, names of tied aliases)."""
-        expected = {}
+    def expected_shapes(self) -> tuple[dict, dict]:
+        """(name -> full shape of every parameter and persistent buffer, name -> the other names of the same
+        tensor in ``state_dict()``: a tied tensor's aliases)."""
+        expected, name_of = {}, {}
         for _, _, entries in module_entries(self.model):
             for e in entries:
                 if e.persistent:
                     expected[e.name] = tuple(full_shape(e.tensor, self.tp) if e.is_param else e.tensor.shape)
-        aliases = set(self.model.state_dict(keep_vars=True)) - set(expected)
+                    name_of[id(e.tensor)] = e.name
+        aliases = {name: [] for name in expected}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            name = name_of.get(id(t))
+            if name is not None and key != name:
+                aliases[name].append(key)
         return expected, aliases
 
     def modules(self) -> Iterator[ModuleValues]:

@@ -38,14 +38,17 @@ class WeightsFile:
     def __init__(self, path: Path, shapes: dict):
         self.path, self.shapes = path, shapes
 
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def read(self, name: str, lo: int, hi: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` flattened, as ``dtype`` (fp32 unless the model's tensor is
+        an integer or fp64 one, which keeps its values exactly)."""
         raise NotImplementedError
 
     def close(self) -> None:
         pass
 
     def check(self, expected: Mapping[str, tuple], aliases: Iterable[str] = ()) -> None:
-        """Raise one ``CheckpointError`` unless the file holds exactly ``expected`` (name -> full shape)."""
+        """Raise one ``CheckpointError`` unless the file holds exactly ``expected`` (name -> full shape);
+        ``aliases`` may be present or not."""
         optional = set(aliases)
         missing = [n for n in expected if n not in self.shapes]
         extra = [n for n in self.shapes if n not in expected and n not in optional]
@@ -90,9 +93,9 @@ class TorchWeights(WeightsFile):
         self._state = state
         super().__init__(path, {str(k): tuple(v.shape) for k, v in state.items()})
 
-    def read(self, name, lo, hi):
+    def read(self, name, lo, hi, dtype=torch.float32):
         flat = self._state[name].reshape(-1)
-        return flat[lo:hi].to(torch.float32, copy=True)
+        return flat[lo:hi].to(dtype, copy=True)
 
 
 class SafetensorsWeights(WeightsFile):
@@ -110,15 +113,15 @@ class SafetensorsWeights(WeightsFile):
                                   "give a complete .safetensors file.") from None
         super().__init__(path, shapes)
 
-    def read(self, name, lo, hi):
+    def read(self, name, lo, hi, dtype=torch.float32):
         shape = self.shapes[name]
         try:
             if len(shape) == 0:
-                return self._file.get_tensor(name).reshape(-1)[lo:hi].to(torch.float32, copy=True)
+                return self._file.get_tensor(name).reshape(-1)[lo:hi].to(dtype, copy=True)
             row = math.prod(shape[1:])
             first, last = lo // row, (hi - 1) // row
             rows = self._file.get_slice(name)[first:last + 1].reshape(-1)
-            return rows[lo - first * row:hi - first * row].to(torch.float32, copy=True)
+            return rows[lo - first * row:hi - first * row].to(dtype, copy=True)
         except Exception as err:
             raise CheckpointError(f"weights file {self.path} is damaged: reading {name!r} failed "
                                   f"({_first_line(err)}).") from None

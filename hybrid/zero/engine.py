@@ -244,10 +244,11 @@ class ZeroEngine:
         for p in self.module.parameters():
             if not p.requires_grad and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
+        cast = {}  # id(buffer) -> its cast: a buffer registered in several modules stays one tensor
         for m in self.module.modules():
             for key, buf in m._buffers.items():
                 if buf is not None and buf.is_floating_point() and buf.dtype != self.dtype:
-                    m._buffers[key] = buf.to(self.dtype)
+                    m._buffers[key] = cast.setdefault(id(buf), buf.to(self.dtype))
 
     def _grad_norm_runs(self) -> list:
         """``(grad view, is_tensor_parallel)`` covering this rank's gradient shard, split where the flag flips."""
@@ -472,19 +473,33 @@ class ZeroEngine:
                 local = full[slot.offset:slot.offset + slot.numel].view(self.shapes[slot.param])
                 full_by_param[slot.param] = self._tp_full(local, self.params[slot.param])
             del full  # the unit's gather buffer goes before the next one is made
+        buffers = self._dp_rank0_buffers()  # every rank's, also between accumulation micro-steps
         if not gather:
             return {}
         out, done = {}, {}
         for name, p in _state_dict_entries(self.module):
+            if name.endswith(_EXTRA_STATE):  # what the module's get_extra_state() returns, as state_dict() has it
+                out[name] = p
+                continue
             if id(p) not in done:  # a tied tensor is copied once; its names share the copy
                 i = self._index.get(id(p))
                 if isinstance(p, nn.Parameter):
                     done[id(p)] = full_by_param[i] if i is not None else self._tp_full(p.detach().float(), p)
                 else:  # a persistent buffer: floating ones in fp32 like the parameters, others as they are
-                    done[id(p)] = p.detach().to("cpu", torch.float32 if p.is_floating_point() else p.dtype,
-                                                copy=True)
+                    done[id(p)] = buffers[id(p)].to(torch.float32 if p.is_floating_point() else p.dtype)
             out[name] = done[id(p)]
         return {} if rank0_only and tp_rank != 0 else out
+
+    def _dp_rank0_buffers(self) -> dict:
+        """id(buffer) -> a CPU copy of DP rank 0's value of every persistent buffer of the module (ranks'
+        buffers differ between accumulation micro-steps: they are broadcast at each optimizer step)."""
+        copies = {}
+        for _, b in _state_dict_entries(self.module):
+            if not isinstance(b, nn.Parameter) and isinstance(b, torch.Tensor) and id(b) not in copies:
+                copy = b.detach().clone()
+                self.dp_comm.broadcast(copy, 0)
+                copies[id(b)] = copy.cpu()
+        return copies
 
     def _tp_full(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``param``'s single-process tensor, from this TP rank's slice ``local``."""
@@ -687,9 +702,9 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
 
 
 def _state_dict_entries(module: nn.Module):
-    """``(name, tensor)`` for every key ``module.state_dict()`` has -- parameters and persistent buffers, a
-    shared module or tied tensor under each of its names -- without calling ``state_dict()`` (stage 3 refuses
-    it while parameters are released)."""
+    """``(name, value)`` for every key ``module.state_dict()`` has -- parameters, persistent buffers and
+    ``get_extra_state()``, a shared module or tied tensor under each of its names -- without calling
+    ``state_dict()`` (stage 3 refuses it while parameters are released)."""
     for prefix, mod in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for name, p in mod._parameters.items():
@@ -698,3 +713,8 @@ def _state_dict_entries(module: nn.Module):
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
                 yield dot + name, b
+        if type(mod).get_extra_state is not nn.Module.get_extra_state:
+            yield dot + _EXTRA_STATE, mod.get_extra_state()
+
+
+_EXTRA_STATE = "_extra_state"  # torch's key for a module's get_extra_state()

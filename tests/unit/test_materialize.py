@@ -238,3 +238,29 @@ def test_weights_file_errors_are_one_sentence(tmp_path):
             hybrid.materialize(GPT(TINY, device="meta"), weights=path)
         message = str(info.value)
         assert "\n" not in message and len(message) < 400, (what, message)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("count", torch.tensor([2 ** 40 + 1, 2 ** 24 + 1]))
+
+
+@pytest.mark.parametrize("kept", ["emb.weight", "head.weight"])
+def test_a_weights_file_may_hold_a_tied_tensor_under_any_of_its_names(tmp_path, kept):
+    """safetensors' save_model keeps the alphabetically first name (GPT-2: lm_head.weight), torch.save every
+    name, consolidate the first: each loads; integer buffers keep values fp32 would round."""
+    source = _Tied()
+    state = {k: v.clone() for k, v in source.state_dict().items() if k in (kept, "count")}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    for path in (tmp_path / "w.safetensors", tmp_path / "w.pt"):
+        with torch.device("meta"):
+            model = _Tied()
+        hybrid.materialize(model, weights=path)
+        assert model.head.weight is model.emb.weight
+        assert torch.equal(model.emb.weight, source.emb.weight)
+        assert model.count.tolist() == [2 ** 40 + 1, 2 ** 24 + 1]

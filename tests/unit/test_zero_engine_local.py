@@ -270,3 +270,48 @@ def test_a_backward_that_raises_partway_stops_the_engine_with_one_sentence():
     for call in (lambda: engine.backward(head(body(torch.randn(3, 4))).sum()), engine.step):
         with pytest.raises(RuntimeError, match=r"raised partway through \(RuntimeError\).*restart from the last"):
             call()
+
+
+class _WithState(torch.nn.Module):
+    """Tied weights, a buffer shared by two submodules, an int64 buffer, a non-persistent one and extra state."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+        self.a, self.b = torch.nn.Module(), torch.nn.Module()
+        shared = torch.zeros(4)
+        self.a.register_buffer("ema", shared)
+        self.b.register_buffer("ema", shared)
+        self.register_buffer("count", torch.tensor([2 ** 40 + 1]))
+        self.register_buffer("scratch", torch.ones(3), persistent=False)
+
+    def get_extra_state(self):
+        return {"version": 3}
+
+    def set_extra_state(self, state):
+        self.version = state["version"]
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        self.a.ema.add_(1.0)  # one tensor: b sees it too
+        return torch.nn.functional.cross_entropy(self.head(h + self.b.ema).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_full_state_dict_has_state_dicts_keys_and_loads_strictly(stage, bf16):
+    engine = hybrid.initialize(_WithState(), {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}})
+    x, y = torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, 4]])
+    engine.backward(engine(x, y))
+    engine.step()
+    full = engine.full_state_dict()
+    fresh = _WithState()
+    assert list(full) == list(fresh.state_dict()), "tied names, persistent buffers and extra state, in order"
+    assert full["head.weight"] is full["emb.weight"] and full["a.ema"] is full["b.ema"]
+    assert full["a.ema"].tolist() == [1.0] * 4, "a buffer shared by two modules stays one tensor (bf16 too)"
+    assert full["count"].dtype == torch.int64 and full["count"].item() == 2 ** 40 + 1
+    assert full["_extra_state"] == {"version": 3}
+    fresh.load_state_dict(full, strict=True)
+    assert fresh.version == 3
