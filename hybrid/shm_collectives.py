@@ -49,7 +49,10 @@ import torch
 import torch.distributed as dist
 
 SLICE_BYTES = 1 << 20  # bytes of one buffer (its N-1 peer slots together)
-ENV_SWITCH = "HYBRID_SHM_COLLECTIVES"  # "0" turns the shared-memory path off (gloo is used instead)
+ENV_SWITCH = "HYBRID_SHM_COLLECTIVES"  # 0 / false / off / no turns the shared-memory path off (gloo instead)
+# How a rank reports that a peer, not itself, broke a collective (the launcher blames the peer for these)
+PEER_EXITED = "of the group exited during a collective"
+PEER_LATE = "did not reach the collective within the group's timeout"
 _MSG = struct.Struct("<III")  # sender, ring number, signature of the collective
 _POLL_MS = 500  # how often a waiting rank checks that its peers are alive
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
@@ -77,6 +80,10 @@ def resident_bytes(size: int, largest_bytes: int) -> int:
     slot = min(-(-slot_bytes(size) // page) * page, -(-part // page) * page)
     slots_read = 2 if size == 2 else 4
     return 2 * (size - 1) * slot + (size - 1) * slots_read * slot
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _host_key() -> Optional[str]:
@@ -112,8 +119,9 @@ class _Doorbell:
     different collectives: an error here, where gloo would have refused the sizes, not mixed data."""
 
     def __init__(self, rank: int, read_fd: int, own_write_fd: int, write_fds: dict, pids: dict,
-                 timeout: timedelta, label: str):
+                 timeout: timedelta, label: str, global_ranks: list):
         self._rank, self._read_fd, self._own_write_fd = rank, read_fd, own_write_fd
+        self._global = global_ranks
         self._write_fds, self._pids = write_fds, pids
         self._timeout_s, self._label = timeout.total_seconds(), label
         self._rings = 0
@@ -130,7 +138,7 @@ class _Doorbell:
             try:
                 os.write(fd, msg)
             except BrokenPipeError:  # its read end closed: the peer is gone
-                raise RuntimeError(f"{self._label}: rank {q} of the group exited during a collective") from None
+                raise RuntimeError(f"{self._label}: {self._who(q)} {PEER_EXITED}") from None
         deadline = None
         while any(not sigs for sigs in self._arrived.values()):
             if self._poll.poll(_POLL_MS):
@@ -139,16 +147,18 @@ class _Doorbell:
             late = [q for q, sigs in self._arrived.items() if not sigs]
             gone = [q for q in late if not _alive(self._pids[q])]
             if gone:
-                raise RuntimeError(f"{self._label}: rank {gone[0]} of the group exited during a collective")
+                raise RuntimeError(f"{self._label}: {self._who(gone[0])} {PEER_EXITED}")
             deadline = deadline or time.monotonic() + self._timeout_s
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self._label}: rank {late[0]} of the group did not reach the collective "
-                                   f"within the group's timeout ({self._timeout_s:.0f} s)")
+                raise RuntimeError(f"{self._label}: {self._who(late[0])} {PEER_LATE} ({self._timeout_s:.0f} s)")
         for q, sigs in self._arrived.items():
             if sigs.pop(0) != signature:
-                raise RuntimeError(f"{self._label}: rank {q} of the group issued a different collective than this "
+                raise RuntimeError(f"{self._label}: {self._who(q)} issued a different collective than this "
                                    f"rank's {what}; every rank must issue the same collectives, of the same "
                                    "sizes, in the same order")
+
+    def _who(self, q: int) -> str:
+        return f"global rank {self._global[q]} (rank {q})"
 
     def _read(self) -> None:
         data = self._pending + os.read(self._read_fd, 4096)
@@ -190,7 +200,7 @@ class ShmGroup:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size < 2 or str(dist.get_backend(group)).lower() != "gloo":
             return None
-        own = _OwnMemory.create(region_bytes(size)) if os.environ.get(ENV_SWITCH, "1") != "0" else None
+        own = _OwnMemory.create(region_bytes(size)) if _enabled() else None
         opened = None
         try:
             everyone = [None] * size
@@ -205,7 +215,8 @@ class ShmGroup:
                 return None
             regions, bell_fds = opened
             pids = {q: desc["pid"] for q, (_, desc) in enumerate(everyone) if q != rank}
-            bell = _Doorbell(rank, own.read_fd, own.write_fd, bell_fds, pids, _group_timeout(group), label)
+            bell = _Doorbell(rank, own.read_fd, own.write_fd, bell_fds, pids, _group_timeout(group), label,
+                             dist.get_process_group_ranks(group))
             own.read_fd = own.write_fd = None  # the doorbell owns them now
             opened = None
             return cls(rank, size, regions, bell)

@@ -52,7 +52,7 @@ from typing import Any, Optional, TextIO
 
 import ray
 
-from hybrid import heartbeat
+from hybrid import heartbeat, shm_collectives
 from hybrid.checkpoint import layout
 from hybrid.errors import JobError, UserError
 from hybrid.memory_budget import OutOfMemoryError
@@ -382,7 +382,7 @@ DIED, RAISED, PEER = 0, 1, 2
 # Messages of gloo and NCCL when the other end of a collective vanished or never came.
 PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
                  "Application timeout caused pair closure", "Watchdog caught collective operation timeout",
-                 "NCCL communicator was aborted")
+                 "NCCL communicator was aborted", shm_collectives.PEER_EXITED, shm_collectives.PEER_LATE)
 
 
 def failure_order(err: Exception) -> int:

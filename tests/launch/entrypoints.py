@@ -80,9 +80,9 @@ def environment(ctx):
 SLEEP_S = 120.0  # far past the tests' collective timeout; the driver kills the sleeper when it gives up
 
 
-def sleep_past_timeout_on_rank_1(ctx):
+def sleep_past_timeout_on_rank_1(ctx, numel: int = 1):
     """Three steps of a TP then a DP all-reduce on every rank; before step 3 rank 1 sleeps for SLEEP_S."""
-    t = torch.ones(1)
+    t = torch.ones(numel)
     for step in range(3):
         if step == 2 and ctx.rank == 1:
             time.sleep(SLEEP_S)
@@ -91,6 +91,13 @@ def sleep_past_timeout_on_rank_1(ctx):
         ctx.step = step + 1
         ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
     return {"rank": ctx.rank}
+
+
+def sleep_past_timeout_on_rank_1_shm(ctx):
+    """The same with 1 MiB all-reduces, which go through shared memory between the ranks of one host."""
+    from hybrid.comm import SHM_MIN_BYTES
+
+    return sleep_past_timeout_on_rank_1(ctx, SHM_MIN_BYTES // 4)
 
 
 def _resident_follows_live_tensors() -> None:

@@ -201,10 +201,11 @@ def test_a_rank_that_never_joins_a_collective_is_a_timeout_not_a_hang(cluster):
                         r"job.max_failures is 0, so the job was not restarted", message), message
 
 
-def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(cluster):
+@pytest.mark.parametrize("entrypoint", ["sleep_past_timeout_on_rank_1", "sleep_past_timeout_on_rank_1_shm"])
+def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(cluster, entrypoint):
     started = time.monotonic()
     with pytest.raises(JobFailed) as info:
-        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:sleep_past_timeout_on_rank_1",
+        plan_and_run(make_spec(entrypoint=f"tests.launch.entrypoints:{entrypoint}",
                                collective_timeout_s=2), io.StringIO(), tty=False)
     assert time.monotonic() - started < 60  # well before the sleeper (SLEEP_S = 120 s) would wake up
     message = str(info.value)
