@@ -369,8 +369,9 @@ def _cpu_comm_bytes(units: list, dp: int, stage: int, item: int, grad_item: int)
     if dp <= 1:
         return 0
     across_hosts = exchange_numel(units, dp, stage) * grad_item
+    widest = max(item, grad_item)  # a unit's largest collective: its parameters' all-gather or its gradients'
     small = [n for n in units if n * grad_item < SHM_MIN_BYTES]
-    large = [n * max(item, grad_item) for n in units if n * max(item, grad_item) >= SHM_MIN_BYTES]
+    large = [n * widest for n in units if n * widest >= SHM_MIN_BYTES]
     one_host = exchange_numel(small, dp, stage) * grad_item + resident_bytes(dp, max(large, default=0))
     return max(across_hosts, one_host)
 

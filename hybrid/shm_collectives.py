@@ -169,11 +169,7 @@ class _Doorbell:
 
     def close(self) -> None:
         _open_doorbells.discard(self)
-        for fd in (self._read_fd, self._own_write_fd, *self._write_fds.values()):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_all((self._read_fd, self._own_write_fd, *self._write_fds.values()))
         self._write_fds = {}
 
     __del__ = close
@@ -222,7 +218,7 @@ class ShmGroup:
             return cls(rank, size, regions, bell)
         finally:
             if opened:
-                opened[1].close()
+                _close_all(opened[1].values())
             if own:
                 own.release()
 
@@ -310,7 +306,7 @@ class _OwnMemory:
             region[:16].copy_(torch.frombuffer(bytearray(cookie), dtype=torch.uint8))
             return cls(memfd, region, read_fd, write_fd, cookie)
         except (OSError, RuntimeError, AttributeError):  # AttributeError: no os.memfd_create (not Linux)
-            _FdSet(enumerate(fd for fd in (memfd, read_fd, write_fd) if fd is not None)).close()
+            _close_all((memfd, read_fd, write_fd))
             return None
 
     def describe(self) -> dict:
@@ -319,14 +315,14 @@ class _OwnMemory:
 
     def release(self) -> None:
         """Close what no one needs once the peers have opened theirs (the mapping stays valid)."""
-        _FdSet(enumerate(fd for fd in (self.memfd, self.read_fd, self.write_fd) if fd is not None)).close()
+        _close_all((self.memfd, self.read_fd, self.write_fd))
         self.memfd = self.read_fd = self.write_fd = None
 
 
 def _open_peers(rank: int, descs: list, own: _OwnMemory) -> Optional[tuple]:
     """Map every peer's region and open its doorbell for writing; ``None`` (all closed) if any fails or any
     cookie does not read back (not the peer's memory)."""
-    regions, fds = [], _FdSet()
+    regions, fds = [], {}
     try:
         for q, desc in enumerate(descs):
             if q == rank:
@@ -340,13 +336,14 @@ def _open_peers(rank: int, descs: list, own: _OwnMemory) -> Optional[tuple]:
             fds[q] = os.open(f"{proc}/{desc['bell']}", os.O_WRONLY | os.O_CLOEXEC)
         return regions, fds
     except Exception:  # noqa: BLE001 -- any failure to share memory means gloo, agreed on by every rank
-        fds.close()
+        _close_all(fds.values())
         return None
 
 
-class _FdSet(dict):
-    def close(self) -> None:
-        for fd in self.values():
+def _close_all(fds) -> None:
+    """Close every fd of ``fds`` that is not None, whatever state each is in."""
+    for fd in fds:
+        if fd is not None:
             try:
                 os.close(fd)
             except OSError:

@@ -473,29 +473,32 @@ class ZeroEngine:
                 local = full[slot.offset:slot.offset + slot.numel].view(self.shapes[slot.param])
                 full_by_param[slot.param] = self._tp_full(local, self.params[slot.param])
             del full  # the unit's gather buffer goes before the next one is made
-        buffers = self._dp_rank0_buffers()  # every rank's, also between accumulation micro-steps
+        entries = list(_state_dict_entries(self.module))
+        buffers = self._dp_rank0_buffers(entries)  # every rank's, also between accumulation micro-steps
         if not gather:
             return {}
         out, done = {}, {}
-        for name, p in _state_dict_entries(self.module):
-            if name.endswith(_EXTRA_STATE):  # what the module's get_extra_state() returns, as state_dict() has it
-                out[name] = p
+        for name, kind, value in entries:
+            if kind == _EXTRA:  # what the module's get_extra_state() returns, as state_dict() has it
+                out[name] = value
                 continue
-            if id(p) not in done:  # a tied tensor is copied once; its names share the copy
-                i = self._index.get(id(p))
-                if isinstance(p, nn.Parameter):
-                    done[id(p)] = full_by_param[i] if i is not None else self._tp_full(p.detach().float(), p)
+            if id(value) not in done:  # a tied tensor is copied once; its names share the copy
+                if kind == _PARAM:
+                    i = self._index.get(id(value))
+                    done[id(value)] = (full_by_param[i] if i is not None
+                                       else self._tp_full(value.detach().float(), value))
                 else:  # a persistent buffer: floating ones in fp32 like the parameters, others as they are
-                    done[id(p)] = buffers[id(p)].to(torch.float32 if p.is_floating_point() else p.dtype)
-            out[name] = done[id(p)]
+                    done[id(value)] = buffers[id(value)].to(torch.float32 if value.is_floating_point() else value.dtype)
+            out[name] = done[id(value)]
         return {} if rank0_only and tp_rank != 0 else out
 
-    def _dp_rank0_buffers(self) -> dict:
-        """id(buffer) -> a CPU copy of DP rank 0's value of every persistent buffer of the module (ranks'
-        buffers differ between accumulation micro-steps: they are broadcast at each optimizer step)."""
+    def _dp_rank0_buffers(self, entries: list) -> dict:
+        """id(buffer) -> a CPU copy of DP rank 0's value of every persistent buffer in ``entries``
+        (``_state_dict_entries``; ranks' buffers differ between accumulation micro-steps: they are broadcast
+        at each optimizer step)."""
         copies = {}
-        for _, b in _state_dict_entries(self.module):
-            if not isinstance(b, nn.Parameter) and isinstance(b, torch.Tensor) and id(b) not in copies:
+        for _, kind, b in entries:
+            if kind == _BUFFER and id(b) not in copies:
                 copy = b.detach().clone()
                 self.dp_comm.broadcast(copy, 0)
                 copies[id(b)] = copy.cpu()
@@ -702,19 +705,19 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
 
 
 def _state_dict_entries(module: nn.Module):
-    """``(name, value)`` for every key ``module.state_dict()`` has -- parameters, persistent buffers and
-    ``get_extra_state()``, a shared module or tied tensor under each of its names -- without calling
-    ``state_dict()`` (stage 3 refuses it while parameters are released)."""
+    """``(name, kind, value)`` for every key ``module.state_dict()`` has -- parameters, persistent buffers and
+    ``get_extra_state()`` (kinds ``_PARAM``, ``_BUFFER``, ``_EXTRA``), a shared module or tied tensor under
+    each of its names -- without calling ``state_dict()`` (stage 3 refuses it while parameters are released)."""
     for prefix, mod in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for name, p in mod._parameters.items():
             if p is not None:
-                yield dot + name, p
+                yield dot + name, _PARAM, p
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
-                yield dot + name, b
+                yield dot + name, _BUFFER, b
         if type(mod).get_extra_state is not nn.Module.get_extra_state:
-            yield dot + _EXTRA_STATE, mod.get_extra_state()
+            yield dot + "_extra_state", _EXTRA, mod.get_extra_state()  # torch's key for it
 
 
-_EXTRA_STATE = "_extra_state"  # torch's key for a module's get_extra_state()
+_PARAM, _BUFFER, _EXTRA = "parameter", "buffer", "extra state"
