@@ -197,17 +197,20 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # * activations: see ``gpt_activation_bytes``;
 # * runtime reserve: CUDA context, cuBLAS workspaces and NCCL buffers, outside every allocator statistic
 #   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
-#   figure measured is the process's RSS growth since the Context was made, what the first engine build
-#   faults in beyond its tensors plus the heap's slack after the first steps (``DEFAULT_CPU_RUNTIME_RESERVE_GB``).
-# On CPU the phases add up differently (``MemoryPrediction.peak``). (gloo's own reduce-scatter would hold a
-# unit-sized copy of its input; ``hybrid.comm`` all-reduces in place on CPU instead, so nothing is counted.)
+#   figure measured is the process's RSS growth since the Context was made (with glibc returning freed
+#   blocks, ``hybrid.memory_budget.follow_live_tensors``), what the engine build faults in beyond its tensors.
+# Backward (``MemoryPrediction.backward_peak``): it starts with every activation and gathered unit alive and
+# the first bucket being filled; each later bucket is filled while the activations and gathered units of
+# the modules already back-propagated are freed, so the buckets in flight only dominate at the end, beside
+# the unit still running. The first bucket counts whole on CUDA (allocated at once); on CPU a new bucket's
+# pages are faulted in as gradients are written into it, so only the largest parameter's gradient counts.
+# On CPU the gloo exchange's receive buffers and the kept stage 2-3 buckets come on top (``comm_buffers``).
 
 DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLAS workspaces ~1 GB
-# CPU: RSS growth measured right after the engine is built, beyond its model states (torch's kernels and
-# thread pools faulted in, autograd, the values drawn while materializing): ~75 MB on torch 2.13; and
-# what glibc's heap keeps beyond the live tensors once the first steps have run (freed activations and
-# step buffers not reused: RSS grows ~75-100 MB from step 1 to step 2 at 27-53M parameters, then stays).
-DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.15
+# CPU: RSS growth beyond the tensors a rank's first steps hold at their peak (torch's kernels and thread
+# pools faulted in, autograd's and the optimizer's small blocks): 46-109 MB measured at 27-53M parameters
+# on torch 2.13 (tests/dist/test_memory_prediction.py).
+DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.075
 ALIGN_BYTES = 16  # as hybrid.zero.engine.ALIGN_BYTES
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 FP32 = 4
@@ -221,11 +224,13 @@ class MemoryPrediction:
     params: int
     grads: int
     optimizer: int
-    inflight: int          # gradient buckets and stage-3 gathered units
+    gathered: int          # stage 3: units gathered at once (the running one and those prefetched)
+    running_unit: int      # stage 3: the largest unit, gathered while its own gradients come in
+    buckets: int           # stages 2-3: gradient buckets in flight at once
+    first_bucket: int      # stages 2-3: what the first bucket holds while every activation is still alive
     optimizer_transient: int
     activations: int       # layers, logits and loss, at their peak (start of backward)
     runtime_reserve: int
-    phases_overlap: bool = False  # CPU: the step's transients land on top of the freed activations
     comm_buffers: int = 0  # CPU: the gloo exchange's receive buffers and stage 2-3 buckets, kept
 
     @property
@@ -233,15 +238,18 @@ class MemoryPrediction:
         return self.params + self.grads + self.optimizer
 
     @property
+    def inflight(self) -> int:
+        return self.gathered + self.buckets
+
+    @property
+    def backward_peak(self) -> int:
+        """Activations, gathered units and buckets at the worst point of backward (see the notes above)."""
+        return max(self.gathered + self.activations + self.first_bucket, self.buckets + self.running_unit)
+
+    @property
     def peak(self) -> int:
-        # On CUDA backward (activations + buckets in flight) and the optimizer step do not overlap: the
-        # caching allocator reuses the freed activations. On CPU glibc keeps the (small) activation blocks in
-        # the heap, so RSS does not fall after backward, while every large buffer (buckets, the collectives'
-        # copies, the step's pieces) is a fresh mapping on top of them.
-        held = self.model_states + self.comm_buffers
-        if self.phases_overlap:
-            return held + self.activations + max(self.inflight, self.optimizer_transient)
-        return held + max(self.inflight + self.activations, self.optimizer_transient)
+        # The optimizer step runs after backward has freed its activations, buckets and gathered units.
+        return self.model_states + self.comm_buffers + max(self.backward_peak, self.optimizer_transient)
 
     @property
     def total(self) -> int:
@@ -249,7 +257,8 @@ class MemoryPrediction:
 
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "model_states": self.model_states, "inflight": self.inflight,
+                "model_states": self.model_states, "inflight": self.inflight, "gathered": self.gathered,
+                "buckets": self.buckets,
                 "optimizer_transient": self.optimizer_transient, "activations": self.activations,
                 "runtime_reserve": self.runtime_reserve, "comm_buffers": self.comm_buffers, "peak": self.peak,
                 "total": self.total}
@@ -317,6 +326,7 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
     zero = zero or ZeroConfig()
     v.stage("stage", stage)
     dp = _positive_int(dp, "dp")
+    param_numels = _as_units(units).numels
     layout, persistent = unit_layout(units, stage, dp, precision, zero.reduce_bucket_size,
                                      zero.param_persistence_threshold)
     item = DTYPE_BYTES[precision]
@@ -332,10 +342,11 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
     master = 0 if precision == "fp32" else shard * FP32
     optimizer = master + 2 * shard * FP32
 
-    inflight = 0
-    waiting = _waiting_buckets(units, zero.reduce_bucket_size)
+    buckets = first_bucket = gathered = running_unit = 0
     if stage >= 2:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
-        inflight += waiting * grad_item
+        buckets = _waiting_buckets(units, zero.reduce_bucket_size) * grad_item
+        first_bucket = min(max(units), max(param_numels, default=0)) if device == "cpu" else max(units)
+        first_bucket *= grad_item
     if stage >= 3:
         others = sorted((n for u, n in enumerate(units) if u not in persistent), reverse=True)
         if others:
@@ -345,7 +356,7 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
                     break
                 budget -= n
                 prefetched += n
-            inflight += (others[0] + prefetched) * item
+            gathered, running_unit = (others[0] + prefetched) * item, others[0] * item
     from hybrid.zero.optimizer import batch_numel
 
     piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
@@ -355,8 +366,9 @@ def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
         from hybrid.zero.buckets import kept_bucket_numel
 
         comm_buffers = _cpu_comm_bytes(units, dp, stage, item, grad_item) + kept_bucket_numel(units, stage) * grad_item
-    return MemoryPrediction(int(params), int(grads), int(optimizer), int(inflight), int(transient),
-                            int(activations), int(runtime_reserve), device == "cpu", int(comm_buffers))
+    return MemoryPrediction(int(params), int(grads), int(optimizer), int(gathered), int(running_unit), int(buckets),
+                            int(first_bucket),
+                            int(transient), int(activations), int(runtime_reserve), int(comm_buffers))
 
 
 def _cpu_comm_bytes(units: list, dp: int, stage: int, item: int, grad_item: int) -> int:

@@ -10,7 +10,12 @@
 * on CPU -- the stand-in that makes the closed loop testable without a GPU -- the process's peak RSS
   growth since the baseline (``peak_bytes``): Linux's ``VmHWM`` reset to the current RSS through
   ``/proc/self/clear_refs`` at the baseline, else ``ru_maxrss``, which cannot be reset (so the figure is
-  the peak since the process started, less the RSS at the baseline).
+  the peak since the process started, less the RSS at the baseline). The meter first makes glibc return
+  freed blocks to the system (``follow_live_tensors``), so that RSS follows the live tensors as
+  ``max_memory_allocated`` does on CUDA: with glibc's defaults the heap it keeps after a peak is counted
+  too, and varied by +-12 % between identical runs (which freed blocks it can reuse depends on the timing
+  of the collectives' threads). That costs the CPU rank page faults on its transient buffers (steps 7-20 %
+  slower in ``bench/ab_engine.py malloc``); the benchmarks build engines without a meter.
 
 ``budget_bytes`` is the rank's memory budget: the GPU's total on CUDA (NVML's, else the device's), and
 on CPU the declared ``cluster.gpu_memory_gb`` the driver passes. ``used_bytes`` is what is held against it
@@ -61,6 +66,19 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def follow_live_tensors() -> bool:
+    """Make glibc serve blocks of 64 KiB and more from their own mappings and give freed heap above 128 KiB
+    back at once, so the process's RSS follows its live tensors; False where libc is not glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 64 * 1024)) and bool(mallopt(m_trim_threshold, 128 * 1024))
+
+
 class MemoryMeter:
     def __init__(self, device="cpu", budget_bytes: Optional[float] = None, nvml=None,
                  gpu_index: Optional[int] = None):
@@ -74,6 +92,7 @@ class MemoryMeter:
             self.baseline = 0
             self._hwm = False
         else:
+            follow_live_tensors()
             self._hwm = _reset_peak_rss()
             self.baseline = _status_bytes("VmRSS") if self._hwm else _maxrss_bytes()
         self.budget_bytes = float(budget_bytes) if budget_bytes else self._device_total()
@@ -165,4 +184,4 @@ def should_measure(step: int, every: int, first: int = 3) -> bool:
     return step <= first or (every > 0 and step % every == 0)
 
 
-__all__ = ["MemoryMeter", "OutOfMemoryError", "NEAR_OOM", "near_oom", "should_measure"]
+__all__ = ["MemoryMeter", "follow_live_tensors", "OutOfMemoryError", "NEAR_OOM", "near_oom", "should_measure"]

@@ -100,29 +100,12 @@ def sleep_past_timeout_on_rank_1_shm(ctx):
     return sleep_past_timeout_on_rank_1(ctx, SHM_MIN_BYTES // 4)
 
 
-def _resident_follows_live_tensors() -> None:
-    """Blocks of 64 KB and more from their own mappings, and freed heap returned above 128 KB: the CPU
-    stand-in's RSS then follows the live tensors instead of the heap glibc keeps after a peak (with glibc's
-    defaults a re-planned stage-3 rank measured 400-440 MB where its tensors and activations took ~320, which
-    left the held buffer a few MB from tipping it over its budget too)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: the defaults stay
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 128 * 1024)
-
-
 def train_holding_extra(ctx):
     """The built-in GPT training, plus memory the planner cannot see: from step 2 on (after the first
     checkpoint; after the first step of a resumed attempt) the rank holds a buffer, written so its pages are
     really resident: HOLD_EXTRA_MB MB (job.env), or with HOLD_OVER_BUDGET_MB what takes the rank's resident
     memory that far over its budget at the first hold -- sized once per rank (kept in the run directory), so
     every later attempt holds the same bytes whatever stage it runs at."""
-    _resident_follows_live_tensors()
     held = []
     extra = float(os.environ.get("HOLD_EXTRA_MB", "0"))
     over = os.environ.get("HOLD_OVER_BUDGET_MB")

@@ -3,8 +3,8 @@
 The model (27.6M parameters, fp32, tp=1, dp=4, small ``zero:`` buckets) and ``cluster.gpu_memory_gb = 0.56``
 make the planner choose stage 1 (stage 0 fits its arithmetic). The entrypoint
 ``tests.launch.entrypoints:train_holding_extra`` holds a buffer the planner cannot see (allocated after the
-step-2 checkpoint, sized once per rank to take its resident memory OVER_MB past the budget; the ranks keep
-glibc from holding freed heap, so RSS follows the live tensors and the stage-1 and stage-3 footprints lie
+step-2 checkpoint, sized once per rank to take its resident memory OVER_MB past the budget; each rank's
+memory meter keeps glibc from holding freed heap, so RSS follows the live tensors and the stage-1 and stage-3 footprints lie
 ~120 MB apart rather than within heap noise of each other), so at
 step 3 every rank's measured peak RSS growth exceeds the 0.56 GB budget and its budget check raises
 ``torch.OutOfMemoryError``. The driver re-plans from the
