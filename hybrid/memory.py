@@ -207,9 +207,9 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # On CPU the gloo exchange's receive buffers and the kept stage 2-3 buckets come on top (``comm_buffers``).
 
 DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLAS workspaces ~1 GB
-# CPU: RSS growth beyond the tensors a rank's first steps hold at their peak (torch's kernels and thread
-# pools faulted in, autograd's and the optimizer's small blocks): 46-109 MB measured at 27-53M parameters
-# on torch 2.13 (tests/dist/test_memory_prediction.py).
+# CPU: RSS growth beyond the tensors a rank's first steps hold at their peak (torch's thread pools and
+# caches, autograd's and the optimizer's small blocks; libraries' code pages are not counted): 18-79 MB
+# measured at 53M parameters on torch 2.13 (tests/dist/test_memory_prediction.py).
 DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.075
 ALIGN_BYTES = 16  # as hybrid.zero.engine.ALIGN_BYTES
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}

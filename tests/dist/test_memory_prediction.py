@@ -6,7 +6,7 @@ stages 0-3, fp32 and bf16: each rank makes a ``MemoryMeter`` before building the
 ``hybrid.memory.predict_memory(...).total`` (the engine's real layout, gloo's reduce-scatter copies, the
 GPT's activations, the CPU runtime reserve). Each case runs in fresh processes (RSS is per process).
 With and without activation checkpointing: each stage with both precisions and both, each precision with
-both (8 cases in all).
+both (8 cases); stage 2 on DP 3 and stage 3 on DP 4.
 Figures, as the test prints them, are in bench/RESULTS.md.
 """
 
@@ -28,7 +28,7 @@ MICRO_BATCH, DP, TOLERANCE = 4, 2, 0.15
 AC_FIELD = "activation_checkpointing"
 
 
-def _case(stage: int, precision: str, checkpointing: bool) -> dict:
+def _case(stage: int, precision: str, checkpointing: bool, dp: int = DP) -> dict:
     import torch.distributed as dist
 
     shape = dict(SHAPE, **({AC_FIELD: True} if checkpointing else {}))
@@ -47,24 +47,25 @@ def _case(stage: int, precision: str, checkpointing: bool) -> dict:
     activations = gpt_activation_bytes(SHAPE["seq_len"], MICRO_BATCH, SHAPE["hidden"], SHAPE["n_heads"],
                                        SHAPE["n_layers"], SHAPE["vocab_size"], precision=precision,
                                        checkpointing=checkpointing)
-    predicted = predict_memory(modules, DP, stage, precision, activations=activations, device="cpu",
+    predicted = predict_memory(modules, dp, stage, precision, activations=activations, device="cpu",
                                runtime_reserve=DEFAULT_CPU_RUNTIME_RESERVE_GB * GB)
     return {"measured": measured, "predicted": predicted.total, "parts": predicted.as_dict(),
             "params": sum(modules.numels)}
 
 
-# Every pair of (stage, precision, checkpointing) values occurs (a covering array: 8 runs instead of 16).
-CASES = [(stage, precision, (stage + (precision == "bf16")) % 2 == 1)
-         for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
+# Every pair of (stage, precision, checkpointing) values occurs (a covering array: 8 runs instead of 16), on
+# DP 2; and the sharded stages on 3 and 4 ranks.
+CASES = [(stage, precision, (stage + (precision == "bf16")) % 2 == 1, DP)
+         for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")] + [(2, "bf16", False, 3), (3, "fp32", True, 4)]
 
 
-@pytest.mark.parametrize("stage, precision, checkpointing", CASES,
-                         ids=[f"{s}-{p}-{'ac' if c else 'no-ac'}" for s, p, c in CASES])
-def test_prediction_within_15_percent_of_measured_peak(stage, precision, checkpointing):
-    results = run_local(_case, DP, stage, precision, checkpointing, timeout_s=600)
+@pytest.mark.parametrize("stage, precision, checkpointing, dp", CASES,
+                         ids=[f"{s}-{p}-{'ac' if c else 'no-ac'}-dp{n}" for s, p, c, n in CASES])
+def test_prediction_within_15_percent_of_measured_peak(stage, precision, checkpointing, dp):
+    results = run_local(_case, dp, stage, precision, checkpointing, dp, timeout_s=600)
     assert results[0]["params"] >= 50_000_000
     for rank, r in enumerate(results):
         dev = (r["measured"] - r["predicted"]) / r["predicted"]
-        print(f"stage {stage} {precision} ac={checkpointing} rank {rank}: predicted {r['predicted'] / 1e6:.1f} MB, "
+        print(f"stage {stage} {precision} ac={checkpointing} dp {dp} rank {rank}: predicted {r['predicted'] / 1e6:.1f} MB, "
               f"measured {r['measured'] / 1e6:.1f} MB ({100 * dev:+.1f}%) {r['parts']}")
         assert abs(dev) <= TOLERANCE, (rank, r)
