@@ -94,11 +94,22 @@ def _candidates(path: Path, fallback: bool) -> list:
     return [(e.path, _TEMPORARY if e.temporary else _FINAL, e.step) for e in entries]
 
 
-def _where(path: Path, where: int, step: int) -> Path:
-    if where == _GIVEN:
-        return path
-    run_dir = layout.run_dir_of(path)
-    return layout.temporary_dir(run_dir, step) if where == _TEMPORARY else layout.final_dir(run_dir, step)
+def _where(path: Path, where: int, name: str) -> Path:
+    """The candidate on this rank: ``path`` itself, or rank 0's directory ``name`` in the run's checkpoints
+    (by name, not rebuilt from its step: a directory renamed ``step-3`` is still a checkpoint)."""
+    return path if where == _GIVEN else layout.checkpoints_dir(layout.run_dir_of(path)) / name
+
+
+def _inventory(ckpt: Path) -> Inventory:
+    """``integrity.inventory``, with a manifest whose values it cannot use (a hand-edited format-2 one, which
+    no seal protects: ``"step": "two"``, ``"world": null``) reported as damaged instead of escaping as a
+    ValueError or TypeError on the ranks that read it while the others wait in the next collective."""
+    try:
+        return integrity.inventory(ckpt)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        raise CheckpointDamaged(ckpt, Problem(integrity.CORRUPT, layout.MANIFEST), integrity.FIX) from None
 
 
 def _encode(problem: Problem, names) -> tuple[int, int]:
@@ -130,7 +141,7 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
                 ckpt, where, step = pending.pop(0)
                 head[1:3] = torch.tensor([step, where])
                 try:
-                    inv = integrity.inventory(ckpt)
+                    inv = _inventory(ckpt)
                     head[0], head[3] = _CANDIDATE, len(inv.files)
                 except CheckpointDamaged as exc:
                     head[0] = _DAMAGED
@@ -139,15 +150,17 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
                     head[0], head[3], error = _ERROR, 1, exc
         head = _broadcast(head, comm, device)
         what, step, where, n_files, kind, index = (int(v) for v in head)
+        if what != _NONE and (what != _ERROR or n_files):
+            name = broadcast_text(ckpt.name if comm.rank == 0 else "", comm, device)
         if what == _NONE:
             if len(skipped) > interrupted:
                 raise _none_good(layout.run_dir_of(path), skipped)
             return Choice(None, None, skipped)
         if what == _ERROR:
             if error is None:
-                error = _error_elsewhere(path, _where(path, where, step) if n_files else None)
+                error = _error_elsewhere(path, _where(path, where, name) if n_files else None)
             raise error
-        ckpt = _where(path, where, step)
+        ckpt = _where(path, where, name)
         if what == _DAMAGED:
             problem = _decode(kind, index, _SMALL)
         else:
@@ -178,7 +191,7 @@ def _verify_together(ckpt: Path, inv: Optional[Inventory], n_files: int, comm: C
     verdict = torch.zeros(1 + n_files, dtype=torch.int64)  # [a rank disagrees, each file's problem kind]
     names = []
     try:
-        inv = inv or integrity.inventory(ckpt)
+        inv = inv or _inventory(ckpt)
         names = list(inv.files)
         if len(names) != n_files:
             raise CheckpointDamaged(ckpt, Problem(integrity.CORRUPT, layout.MANIFEST), integrity.FIX)

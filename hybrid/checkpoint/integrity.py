@@ -195,7 +195,24 @@ def inventory(directory) -> Inventory:
             raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX)
         files = {name: Expected(int(f["bytes"]), int(f["crc32"])) for name, f in sorted(doc["files"].items())}
         return Inventory(doc, files, True)
+    if _malformed(doc):  # format 2 sealed nothing: a hand-edited manifest is damaged, like a flipped byte
+        raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX)
     return Inventory(doc, _legacy_files(directory), False)
+
+
+def _malformed(doc: dict) -> bool:
+    """Whether the values the loader reads from a manifest have the wrong type (``"world": null``,
+    ``"step": "two"``): the loader would fail with a raw TypeError or ValueError."""
+    try:
+        for key in ("step", "optimizer_step_count", "global_step"):
+            int(doc[key])
+        world = doc["world"]
+        for key in ("world_size", "dp", "tp"):
+            int(world[key])
+        return not all(isinstance(doc.get(key, {}), dict)
+                       for key in ("params", "frozen", "buffers", "aliases", "optimizer", "extra"))
+    except (KeyError, TypeError, ValueError):
+        return True
 
 
 def _named_step(directory: Path) -> Optional[int]:

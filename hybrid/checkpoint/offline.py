@@ -13,6 +13,7 @@ verified, for ``hybrid checkpoint inspect``.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
     # (manifest section, DCP key kind) for every tensor of the single-process state dict
     sections = [("params", "master")] + list(manifest.PLAIN_KINDS.items())
     parts, buffers = {}, {}  # (name, tp rank) -> DCP key, DCP key -> tensor to fill
+    empty = {}  # DCP key -> a zero-element parameter's tensor: no rank holds a piece of it, so none is saved
     try:
         saved = reader.read_metadata().state_dict_metadata
         for section, kind in sections:
@@ -54,11 +56,15 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
                 for r in range(tp) if spec["tp_dim"] is not None else range(1):
                     key = manifest.tensor_key(kind, r, name)
                     parts[name, r] = key
+                    if kind == "master" and key not in saved and math.prod(spec["shape"]) == 0:
+                        empty[key] = torch.empty(spec["shape"], dtype=torch.float32)
+                        continue
                     dtype = torch.float32 if kind == "master" else saved[key].properties.dtype
                     buffers[key] = torch.empty(saved[key].size, dtype=dtype)
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(buffers, storage_reader=reader, no_dist=True)
+        buffers.update(empty)
     except Exception as exc:  # a truncated or missing data file: say which checkpoint, not DCP's internals
         raise CheckpointError(f"{ckpt} is damaged and cannot be read ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); "

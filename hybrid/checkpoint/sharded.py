@@ -52,7 +52,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
 from hybrid.comm import Comm
-from hybrid.errors import CheckpointWriteError
+from hybrid.errors import CheckpointError, CheckpointWriteError
 from hybrid.param_attrs import tensor_parallel_dim
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,10 @@ class _PlainState:
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> "_PlainState":
+        # A parameter goes by its first named_parameters() name (the engine's); a buffer by its first
+        # state_dict name: named_buffers() also lists non-persistent names, which are never saved.
         first = {}
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        for name, tensor in module.named_parameters():
             first.setdefault(id(tensor), name)
         param_ids = {id(p) for p in module.parameters()}
         frozen, buffers, aliases = {}, {}, {}
@@ -323,6 +325,15 @@ def _everyone() -> Comm:
     return Comm(None, name="checkpoint")
 
 
+def _unreadable_data(ckpt: Path, exc: "dcp.api.CheckpointException") -> CheckpointError:
+    """One sentence for DCP's multi-rank traceback: a data file that passed the size check (a format-2
+    checkpoint has no checksums) but does not decode."""
+    rank, (error, _) = min(exc.failures.items())
+    detail = str(error).splitlines()[0].split(". ")[0].rstrip(".") if str(error) else "no detail"
+    return CheckpointError(f"{ckpt} is damaged: rank {rank} could not read its data ({type(error).__name__}: "
+                           f"{detail}); {integrity.FIX}")
+
+
 def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str, Any]] = None) -> Resumed:
     world = _World.of(engine)
     ckpt, doc = choice.path, choice.inventory.manifest
@@ -342,7 +353,10 @@ def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str
     if same_world:
         state[rng_key] = b""
     offsets = {key: start for key, (start, _) in pieces.items()}
-    dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner(offsets))
+    try:
+        dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner(offsets))
+    except dcp.api.CheckpointException as exc:  # collective: every rank gets the same one
+        raise _unreadable_data(ckpt, exc) from None
     if same_world:
         rng.restore(state[rng_key])
     engine.optimizer_step_count = int(doc["optimizer_step_count"])

@@ -29,12 +29,12 @@ class Group:
 
 
 def embedding_names(module) -> set:
-    """Names of the parameters registered on embedding modules (a tied alias counts under each name)."""
-    out = set()
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        if type(m).__name__.endswith("Embedding"):
-            out |= {f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)}
-    return out
+    """Names (``named_parameters()``'s: a tied parameter goes by its first name) of the parameters registered
+    on an embedding module under any of their names: a weight tied to a head declared before the embedding is
+    still an embedding weight."""
+    on_embeddings = {id(p) for m in module.modules() if type(m).__name__.endswith("Embedding")
+                     for p in m.parameters(recurse=False)}
+    return {name for name, p in module.named_parameters() if id(p) in on_embeddings}
 
 
 def _exempt(name: str, shape: Sequence[int], embedding: bool, no_decay) -> bool:

@@ -22,6 +22,7 @@ stays the latest, resume loads it, and the next save replaces the torn directory
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -336,6 +337,68 @@ def _check_any_model(got: dict, run_dir: str, out_file) -> None:
     assert _equal(model.state_dict(), {**got["saved"], "head.weight": got["saved"]["embed.weight"]})
 
 
+class _WithEmptyParameter(nn.Module):
+    """A zero-element parameter (a zero-width adapter): no rank holds a piece of it, so no piece is saved."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x):
+        return (self.fc(x) ** 2).mean() + self.empty.sum()
+
+
+def _save_with_empty_parameter(stage: int, run_dir: str) -> dict:
+    engine = hybrid.initialize(_WithEmptyParameter(), _train_config(stage))
+    engine.backward(engine(torch.ones(2, 4)))
+    engine.step()
+    checkpoint.save(run_dir, engine, 1)
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_zero_element_parameter_consolidates(tmp_path, stage):
+    full = run_local(_save_with_empty_parameter, 2, stage, str(tmp_path / "run"))[0]
+    state, _, _ = checkpoint.consolidate(tmp_path / "run")  # was refused as "damaged"
+    assert set(state) == set(full) and state["empty"].shape == (0, 3)
+    assert _equal(state, full)
+
+
+class _SharedBuffer(nn.Module):
+    """One tensor registered as a non-persistent buffer, then as a persistent one in a later module."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        cache = torch.randn(4)
+        self.a, self.b = nn.Module(), nn.Module()
+        self.a.register_buffer("cache", cache, persistent=False)
+        self.b.register_buffer("cache", cache)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return (self.lin(x + self.b.cache) ** 2).mean()
+
+
+def _save_and_load_shared_buffer(run_dir: str) -> tuple:
+    engine = hybrid.initialize(_SharedBuffer(0), _train_config(1))
+    engine.backward(engine(torch.ones(2, 4)))
+    engine.step()
+    checkpoint.save(run_dir, engine, 1)
+    other = hybrid.initialize(_SharedBuffer(7), _train_config(1))
+    checkpoint.load(run_dir, other)
+    return engine.module.b.cache.clone(), other.module.b.cache.clone()
+
+
+def test_a_buffer_also_registered_as_non_persistent_is_saved_under_its_state_dict_name(tmp_path):
+    saved, loaded = run_local(_save_and_load_shared_buffer, 2, str(tmp_path / "run"))[0]
+    assert torch.equal(loaded, saved)  # was never written: the new model's values stayed
+    state, _, doc = checkpoint.consolidate(tmp_path / "run")  # was a KeyError on the alias
+    assert set(doc["buffers"]) == {"b.cache"} and not doc["aliases"] and torch.equal(state["b.cache"], saved)
+
+
 def _check_bf16(ranks: list) -> None:
     for got in ranks:
         assert got["views"] and got["full"], "fp32 masters and Adam moments restore bit-identically"
@@ -458,6 +521,15 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])
 
 
+def _as_format_2(manifest_path: Path, **edit) -> None:
+    """Rewrite a checkpoint as the unsealed format 2 (no checksums), with ``edit`` applied to its manifest."""
+    doc = json.loads(manifest_path.read_text())
+    doc.pop("files")
+    doc.update(version=2, **edit)
+    manifest_path.write_text(json.dumps(doc))
+    (manifest_path.parent / "COMPLETE").write_text(manifest_path.parent.name + "\n")
+
+
 def _damage_plan(pristine: Path, root: Path) -> dict:
     """label -> (a copy of ``pristine``, the file of its newest checkpoint (step 4) to damage, how, and the
     problem a verification must name)."""
@@ -466,7 +538,11 @@ def _damage_plan(pristine: Path, root: Path) -> dict:
     damages = [(f"flip {name}", name, _flip_middle, f"corrupt: {name}") for name in files]
     damages += [("truncate __1_0.distcp", "__1_0.distcp", _truncate, "truncated: __1_0.distcp"),
                 ("delete __0_0.distcp", "__0_0.distcp", Path.unlink, "missing: __0_0.distcp"),
-                ("delete .metadata", ".metadata", Path.unlink, "missing: .metadata")]
+                ("delete .metadata", ".metadata", Path.unlink, "missing: .metadata"),
+                ("format-2 manifest with a step that is no number", "hybrid.json",
+                 lambda path: _as_format_2(path, step="four"), "corrupt: hybrid.json"),
+                ("format-2 manifest without its world", "hybrid.json",
+                 lambda path: _as_format_2(path, world=None), "corrupt: hybrid.json")]
     return {label: (root / f"run{i}", name, damage, problem)
             for i, (label, name, damage, problem) in enumerate(damages)}
 
@@ -474,12 +550,14 @@ def _damage_plan(pristine: Path, root: Path) -> dict:
 def _damaged_world(cfg_dict: dict, root: str) -> dict:
     """Stage 1, DP 2: train 4 steps, checkpoint steps 2 and 4. Rank 0 damages copies of the run; then at
     stage 3 (another seed) every copy is resumed, one with no good checkpoint through hybrid.train.resume,
-    a damaged checkpoint is loaded explicitly, and a run is resumed with rank 1's directory listing stale."""
+    a damaged checkpoint is loaded explicitly, and a run is resumed with rank 1's directory listing stale,
+    one whose newest checkpoint directory was renamed, and one whose format-2 data does not decode."""
     from hybrid.checkpoint import layout
     from hybrid.train import Context, JobSettings, resume
 
     cfg, root = GPTConfig.from_dict(cfg_dict), Path(root)
     pristine, none_good, stale = root / "pristine", root / "none-good", root / "stale"
+    renamed, garbage = root / "renamed", root / "garbage"
     mesh, engine = _engine(cfg, 1, 2, 1)
     saved = {}
     for step in range(1, 5):
@@ -495,6 +573,13 @@ def _damaged_world(cfg_dict: dict, root: str) -> dict:
         for step in (2, 4):
             _flip_middle(none_good / "checkpoints" / f"step-{step:06d}" / "__1_0.distcp")
         shutil.copytree(pristine, stale)
+        shutil.copytree(pristine, renamed)
+        (renamed / "checkpoints" / "step-000004").rename(renamed / "checkpoints" / "step-4")
+        shutil.copytree(pristine, garbage)
+        newest = garbage / "checkpoints" / "step-000004"
+        _as_format_2(newest / "hybrid.json")
+        data = newest / "__1_0.distcp"
+        data.write_bytes(bytes(reversed(data.read_bytes())))  # same size: format 2 checks sizes only
     dist.barrier()
 
     out = {"saved": saved, "expected": {label: problem for label, (*_, problem) in plan.items()}, "runs": {}}
@@ -527,6 +612,13 @@ def _damaged_world(cfg_dict: dict, root: str) -> dict:
     finally:
         layout.scan = real_scan
     out["stale"] = resumed.step if resumed else None
+    resumed = checkpoint.resume_if_available(renamed, engine)
+    out["renamed"] = (resumed.path.name, resumed.step, _by_value(_full(mesh, engine)))
+    try:
+        checkpoint.resume_if_available(garbage, engine)
+        out["garbage"] = None
+    except CheckpointError as err:
+        out["garbage"] = str(err)
     return out
 
 
@@ -550,6 +642,11 @@ def test_resume_skips_damaged_checkpoints_on_every_rank(tmp_path):
         assert "is damaged (corrupt: __1_0.distcp)" in got["explicit"] and "\n" not in got["explicit"]
         assert got["explicit"] == ranks[0]["explicit"]
         assert got["stale"] == 4  # rank 0 chose; rank 1 loaded its choice although it saw nothing
+        name, step, full = got["renamed"]  # rank 1 looked for step-000004 and called it corrupt
+        assert (name, step) == ("step-4", 4) and _equal(_tensors(full), _tensors(got["saved"][4]))
+        garbage = tmp_path / "garbage" / "checkpoints" / "step-000004"
+        assert re.match(rf"{re.escape(str(garbage))} is damaged: rank \d could not read its data \(", got["garbage"])
+        assert "\n" not in got["garbage"] and got["garbage"] == ranks[0]["garbage"]  # not DCP's multi-rank traceback
 
 
 def _locked_and_full_world(cfg_dict: dict, root: str) -> dict:

@@ -110,6 +110,21 @@ def test_state_probe():
         probe_state(torch.optim.ASGD, {"lr": 1e-3})
 
 
+def test_a_tied_embedding_weight_is_exempt_whichever_module_is_declared_first():
+    class HeadFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4, 5, bias=False)
+            self.emb = torch.nn.Embedding(5, 4)
+            self.head.weight = self.emb.weight
+
+    model = HeadFirst()
+    assert [n for n, _ in model.named_parameters()] == ["head.weight"]  # the tied weight's first name
+    assert embedding_names(model) == {"head.weight"}
+    of, groups = assign(["head.weight"], [(5, 4)], embedding_names(model), OptimizerConfig(weight_decay=0.1))
+    assert groups[of[0]].weight_decay == 0.0
+
+
 def test_default_groups_exempt_biases_norms_and_embeddings():
     model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
     names = [n for n, _ in model.named_parameters()]
