@@ -92,6 +92,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = 0
             self._hwm = False
+            self._file_baseline = None
         else:
             follow_live_tensors()
             self._hwm = _reset_peak_rss()
@@ -126,6 +127,10 @@ class MemoryMeter:
         measured ~45 MB more than a warm one for the same steps)."""
         now = _status_bytes("RssFile")
         return max(0, now - self._file_baseline) if now is not None and self._file_baseline is not None else 0
+
+    def resident_growth(self) -> int:
+        """CPU: the RSS growth now (not the peak), counted as ``measure`` counts its peak."""
+        return max(0, (_status_bytes("VmRSS") or 0) - self.baseline - self._code_pages_mapped())
 
     def measure(self) -> dict:
         """This rank's memory now (see the module docstring); the CUDA peaks are reset for the next call."""

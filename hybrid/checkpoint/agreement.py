@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -90,8 +91,25 @@ def _candidates(path: Path, fallback: bool) -> list:
         if layout.is_checkpoint_dir(path):
             return [(ckpt, _GIVEN, 0)]
         return [(ckpt, _FINAL, layout.step_of(ckpt))]
+    problem = _not_a_run_dir(path)
+    if problem is not None:
+        raise problem
     entries = layout.candidates(layout.run_dir_of(path))
     return [(e.path, _TEMPORARY if e.temporary else _FINAL, e.step) for e in entries]
+
+
+def _not_a_run_dir(path: Path) -> Optional[CheckpointError]:
+    """Why a resume cannot look for checkpoints under ``path`` (it would silently start fresh, and save
+    where no resume looks), or None."""
+    if layout.is_checkpoint_dir(path):
+        return CheckpointError(f"{path} is one checkpoint, not a run directory; resume with the run directory "
+                               f"that holds it to load the newest good checkpoint, or load this one with "
+                               f"hybrid.checkpoint.load.")
+    if os.path.lexists(path) and not path.is_dir():
+        return CheckpointError(f"{path} is a file, not a run directory; pass the directory the job writes its "
+                               f"checkpoints under.")
+    problem = layout.layout_problem(layout.run_dir_of(path))
+    return CheckpointError(f"cannot resume from {path}: {problem}.") if problem else None
 
 
 def _where(path: Path, where: int, name: str) -> Path:
@@ -158,7 +176,7 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
             return Choice(None, None, skipped)
         if what == _ERROR:
             if error is None:
-                error = _error_elsewhere(path, _where(path, where, name) if n_files else None)
+                error = _error_elsewhere(path, _where(path, where, name) if n_files else None, fallback)
             raise error
         ckpt = _where(path, where, name)
         if what == _DAMAGED:
@@ -263,9 +281,11 @@ def _all_reduce_max(t: torch.Tensor, comm: Comm, device) -> torch.Tensor:
     return t.cpu()
 
 
-def _error_elsewhere(path: Path, ckpt: Optional[Path]) -> CheckpointError:
+def _error_elsewhere(path: Path, ckpt: Optional[Path], fallback: bool) -> CheckpointError:
     """Rank 0 could not use ``path`` (or its checkpoint ``ckpt``); this rank gives the same sentence where
     it sees the same."""
+    if ckpt is None and fallback and _not_a_run_dir(path) is not None:
+        return _not_a_run_dir(path)
     try:
         integrity.inventory(ckpt) if ckpt is not None else layout.resolve(path)
     except CheckpointError as exc:

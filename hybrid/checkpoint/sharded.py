@@ -181,7 +181,7 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
             layout.remove(tmp)
             tmp.mkdir(parents=True)
         except OSError as err:
-            failure = str(_write_failed(step, tmp, _os_cause(err) + " on rank 0", _unwritable(err),
+            failure = str(_write_failed(step, tmp, _os_cause(err) + " on rank 0", _fix(err),
                                         run_dir=run_dir, wrote=False))
     _fail_together(failure, everyone, engine.device)  # also the barrier before anyone writes
     state, pieces = _pieces(views, world.tp_rank)
@@ -216,7 +216,7 @@ def _publish(run_dir, tmp: Path, final: Path, doc: dict, keep_last: Optional[int
         layout.remove(tmp)
         cause = _os_cause(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         return str(_write_failed(layout.step_of(final), tmp, cause + " on rank 0",
-                                 isinstance(exc, OSError) and _unwritable(exc), run_dir=run_dir))
+                                 _fix(exc if isinstance(exc, OSError) else None), run_dir=run_dir))
     try:
         for gone in layout.prune(run_dir, keep_last, keep=final, good=integrity.looks_intact):
             log.info("pruned checkpoint %s", gone)
@@ -231,32 +231,36 @@ def _fail_together(failure: Optional[str], comm: Comm, device) -> None:
         raise CheckpointWriteError(agreement.broadcast_text(failure or "", comm, device))
 
 
-def _cause(exc: "dcp.api.CheckpointException") -> tuple[str, bool]:
+def _cause(exc: "dcp.api.CheckpointException") -> tuple[str, str]:
     """The first rank's failure in a DCP exception, in words ("No space left on device on rank 1"), and
-    whether it says the directory cannot be written."""
+    the fix it calls for (``_fix``)."""
     failures = sorted(exc.failures.items())
     for rank, (err, _) in failures:
         if isinstance(err, OSError):
-            return f"{_os_cause(err)} on rank {rank}", _unwritable(err)
+            return f"{_os_cause(err)} on rank {rank}", _fix(err)
     if failures:
         rank, (err, _) = failures[0]
         first = str(err).splitlines()[0] if str(err) else "no detail"
-        return f"{type(err).__name__}: {first} on rank {rank}", False
-    return "no detail", False
+        return f"{type(err).__name__}: {first} on rank {rank}", _fix(None)
+    return "no detail", _fix(None)
 
 
 def _os_cause(err: OSError) -> str:
     return os.strerror(err.errno) if err.errno else (err.strerror or str(err))
 
 
-def _unwritable(err: OSError) -> bool:
-    return err.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+def _fix(err: Optional[OSError]) -> str:
+    """What a failed write of the checkpoint directory calls for, by its error."""
+    if err is not None and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make it writable for every rank"
+    if err is not None and err.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        return "move aside the file that stands where a directory of the path goes (or the directory where a file does)"
+    return "free space there (or lower job.checkpoint.keep_last)"
 
 
-def _write_failed(step: int, tmp: Path, cause: str, unwritable: bool, *, run_dir, wrote: bool = True
+def _write_failed(step: int, tmp: Path, cause: str, fix: str, *, run_dir, wrote: bool = True
                   ) -> CheckpointWriteError:
     previous = layout.latest(run_dir)
-    fix = "make it writable for every rank" if unwritable else "free space there (or lower job.checkpoint.keep_last)"
     what = f"the partial {tmp.name} was removed" if wrote else "nothing was written"
     return CheckpointWriteError(
         f"saving the step-{step} checkpoint into {tmp.parent} failed ({cause}; {what}); {fix} and run the job "

@@ -399,6 +399,37 @@ def test_a_buffer_also_registered_as_non_persistent_is_saved_under_its_state_dic
     assert set(doc["buffers"]) == {"b.cache"} and not doc["aliases"] and torch.equal(state["b.cache"], saved)
 
 
+def _resume_from_paths_that_are_no_run_directory(root: str) -> dict:
+    root = Path(root)
+    engine = hybrid.initialize(_WithEmptyParameter(), _train_config(1))
+    checkpoint.save(root / "run", engine, 3)
+    if dist.get_rank() == 0:
+        (root / "a-file").write_text("x")
+        (root / "odd" / "checkpoints").parent.mkdir()
+        (root / "odd" / "checkpoints").write_text("x")
+    dist.barrier()
+    out = {}
+    for label, path in (("step", root / "run" / "checkpoints" / "step-000003"), ("file", root / "a-file"),
+                        ("checkpoints file", root / "odd")):
+        try:
+            out[label] = checkpoint.resume_if_available(path, engine)
+        except CheckpointError as err:
+            out[label] = str(err)
+    return out
+
+
+def test_resuming_from_a_path_that_is_no_run_directory_is_refused_not_a_fresh_start(tmp_path):
+    ranks = run_local(_resume_from_paths_that_are_no_run_directory, 2, str(tmp_path))
+    assert ranks[0] == ranks[1]  # the same sentence on every rank
+    got = ranks[0]
+    step = tmp_path / "run" / "checkpoints" / "step-000003"
+    assert got["step"].startswith(f"{step} is one checkpoint, not a run directory; resume with the run directory")
+    assert got["file"].startswith(f"{tmp_path / 'a-file'} is a file, not a run directory;")
+    assert got["checkpoints file"] == (f"cannot resume from {tmp_path / 'odd'}: {tmp_path / 'odd' / 'checkpoints'} "
+                                       "is a file, not a directory; move it aside so checkpoints can be written "
+                                       "there.")
+
+
 def _check_bf16(ranks: list) -> None:
     for got in ranks:
         assert got["views"] and got["full"], "fp32 masters and Adam moments restore bit-identically"

@@ -115,13 +115,11 @@ def train_holding_extra(ctx):
             return extra
         path = Path(ctx.settings.checkpoint_dir) / f"hold-rank{ctx.rank}.mb"
         if not path.exists():
-            from hybrid.memory_budget import _status_bytes
-
             meter = ctx.memory_meter
             # From the resident memory now, not the peak: the buffer (fresh mmap'ed pages) adds to what is
             # resident, and freed heap pages below the peak would otherwise absorb part of it (seen in CI:
             # a hold sized from the peak left the rank 7 MB under its budget).
-            now = (_status_bytes("VmRSS") or 0) - meter.baseline
+            now = meter.resident_growth()
             path.write_text(str(max(0.0, (meter.budget_bytes - now) / 1e6 + float(over))))
         return float(path.read_text())
 
