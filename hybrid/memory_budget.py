@@ -15,7 +15,7 @@
   freed blocks to the system (``follow_live_tensors``), so that RSS follows the live tensors as
   ``max_memory_allocated`` does on CUDA: with glibc's defaults the heap it keeps after a peak is counted
   too, and varied by +-12 % between identical runs (which freed blocks it can reuse depends on the timing
-  of the collectives' threads). That costs the CPU rank page faults on its transient buffers (steps 7-20 %
+  of the collectives' threads). That costs the CPU rank page faults on its transient buffers (steps 11-23 %
   slower in ``bench/ab_engine.py malloc``); the benchmarks build engines without a meter.
 
 ``budget_bytes`` is the rank's memory budget: the GPU's total on CUDA (NVML's, else the device's), and
@@ -68,8 +68,9 @@ def _reset_peak_rss() -> bool:
 
 
 def follow_live_tensors() -> bool:
-    """Make glibc serve blocks of 64 KiB and more from their own mappings and give freed heap above 128 KiB
-    back at once, so the process's RSS follows its live tensors; False where libc is not glibc."""
+    """Make glibc serve blocks of 1 MiB and more from their own mappings and give freed heap above 2 MiB back
+    at once, so the process's RSS follows its live tensors (to ~1 %); False where libc is not glibc.
+    (64 KiB / 128 KiB followed them to 0.1 %, but cost a CPU step 16-31 % instead of 11-23 %.)"""
     import ctypes
 
     try:
@@ -77,7 +78,7 @@ def follow_live_tensors() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 64 * 1024)) and bool(mallopt(m_trim_threshold, 128 * 1024))
+    return bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_trim_threshold, 2 << 20))
 
 
 class MemoryMeter:
