@@ -258,7 +258,7 @@ class MemoryPrediction:
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "model_states": self.model_states, "inflight": self.inflight, "gathered": self.gathered,
-                "buckets": self.buckets,
+                "running_unit": self.running_unit, "buckets": self.buckets, "first_bucket": self.first_bucket,
                 "optimizer_transient": self.optimizer_transient, "activations": self.activations,
                 "runtime_reserve": self.runtime_reserve, "comm_buffers": self.comm_buffers, "peak": self.peak,
                 "total": self.total}

@@ -167,7 +167,7 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
                 except CheckpointError as exc:  # intact but unreadable here (another format): never skipped
                     head[0], head[3], error = _ERROR, 1, exc
         head = _broadcast(head, comm, device)
-        what, step, where, n_files, kind, index = (int(v) for v in head)
+        what, _, where, n_files, kind, index = (int(v) for v in head)
         if what != _NONE and (what != _ERROR or n_files):
             name = broadcast_text(ckpt.name if comm.rank == 0 else "", comm, device)
         if what == _NONE:
@@ -284,8 +284,8 @@ def _all_reduce_max(t: torch.Tensor, comm: Comm, device) -> torch.Tensor:
 def _error_elsewhere(path: Path, ckpt: Optional[Path], fallback: bool) -> CheckpointError:
     """Rank 0 could not use ``path`` (or its checkpoint ``ckpt``); this rank gives the same sentence where
     it sees the same."""
-    if ckpt is None and fallback and _not_a_run_dir(path) is not None:
-        return _not_a_run_dir(path)
+    if ckpt is None and fallback and (problem := _not_a_run_dir(path)) is not None:
+        return problem
     try:
         integrity.inventory(ckpt) if ckpt is not None else layout.resolve(path)
     except CheckpointError as exc:
