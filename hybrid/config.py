@@ -595,12 +595,18 @@ def _optimizer_from(section) -> OptimizerConfig:
     else:
         where, params = "optimizer", {k: val for k, val in section.items() if k != "type" and k not in _OPT_OURS}
     kind = section.get("type", "AdamW")
-    decoupled = params.pop("decoupled_weight_decay", params.pop("adam_w_mode", True))
-    decoupled = _bool(decoupled, f"{where}.adam_w_mode")
+    given = [k for k in ("decoupled_weight_decay", "adam_w_mode") if k in params]
+    values = {k: _bool(params.pop(k), f"{where}.{k}") for k in given}
+    if len(set(values.values())) > 1:
+        raise ConfigError(f"{where}.decoupled_weight_decay and {where}.adam_w_mode disagree (torch's and "
+                          f"DeepSpeed's name for the same switch); keep one of them.")
+    decoupled = values[given[0]] if given else True
     if isinstance(kind, str) and kind.lower() == "adamw" and not decoupled:
-        raise ConfigError(f"{where}.adam_w_mode is false but optimizer.type is AdamW; use type Adam for L2 decay")
+        raise ConfigError(f"{where}.{given[0]} is false but optimizer.type is AdamW; use type Adam for L2 decay")
     cls = torch_optimizer_class(kind, decoupled)
-    _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"}, where)
+    flat = {"type", "params"} if "params" not in section else set()  # named in the list of what may go here
+    _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"} | flat,
+                    where)
     params.setdefault("weight_decay", DEEPSPEED_WEIGHT_DECAY if "params" in section else
                       default_weight_decay(kind, decoupled))  # plain: the class named, not the one run
     plain = ("lr", "betas", "eps", "weight_decay")

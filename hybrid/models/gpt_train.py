@@ -36,6 +36,7 @@ is the plan's); the launcher's memory prediction reads the same mapping (``zero_
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -199,10 +200,15 @@ def training_config(options: dict, stage: int, precision: str, offload: bool = F
     zero = {**(zero or {}), "stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
-                                  "scheduler": options.get("scheduler"),
-                                  "gradient_clipping": options["gradient_clipping"],
-                                  "gradient_accumulation_steps": accumulation})
+    try:
+        return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
+                                      "scheduler": options.get("scheduler"),
+                                      "gradient_clipping": options["gradient_clipping"],
+                                      "gradient_accumulation_steps": accumulation})
+    except ConfigError as err:  # the optimizer and scheduler came from the model config's train: section
+        if str(err).startswith(("optimizer", "scheduler")):
+            raise ConfigError(re.sub(r"(?:^|(?<=[ (]))(optimizer|scheduler)\.", r"train.\1.", str(err))) from None
+        raise
 
 
 def zero_options(section: Any) -> dict:
@@ -213,7 +219,11 @@ def zero_options(section: Any) -> dict:
 
     if section is None:
         return {}
-    names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name != "stage"]
+    if isinstance(section, dict) and "offload_optimizer" in section:
+        raise ConfigError("zero.offload_optimizer in the model config is not read: a launched job's optimizer "
+                          "offload is the cluster file's parallel.offload (auto, true or false); remove it here "
+                          "and set that instead.")
+    names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
     options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
     ZeroConfig(**options)  # every field checked, named zero.<field>
     return options

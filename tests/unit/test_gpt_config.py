@@ -117,6 +117,15 @@ def test_logits_and_loss_agree_with_torch_cross_entropy():
         model(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
 
 
+def test_zero_offload_in_the_model_config_points_at_the_cluster_files_lever():
+    from hybrid.models.gpt_train import zero_options
+
+    with pytest.raises(ConfigError, match=r"^zero.offload_optimizer in the model config is not read: .* the "
+                                          r"cluster file's parallel.offload"):
+        zero_options({"offload_optimizer": {"device": "cpu"}})
+    assert zero_options({"reduce_bucket_size": 1000}) == {"reduce_bucket_size": 1000}
+
+
 def test_train_options_are_checked_with_the_shared_vocabulary():
     from hybrid.models.gpt_train import TRAIN_DEFAULTS, train_options
 
@@ -135,8 +144,14 @@ def test_train_options_are_checked_with_the_shared_vocabulary():
                              ({"lrr": 1}, "train.lrr is not a known setting; use one of: lr, weight_decay, "
                                           "gradient_clipping, branching, optimizer, scheduler."),
                              ({"optimizer": {"type": "SGD", "params": {"momentun": 0.9}}},
-                              "optimizer.params.momentun is not a known setting; use one of: adam_w_mode, dampening, "
+                              "train.optimizer.params.momentun is not a known setting; use one of: adam_w_mode, dampening, "
                               "decoupled_weight_decay, lr, maximize, momentum, nesterov, weight_decay."),
+                             ({"optimizer": {"type": "AdamW", "tpye": "x"}},
+                              "train.optimizer.tpye is not a known setting; use one of: adam_w_mode, amsgrad, betas, "
+                              "decoupled_weight_decay, eps, lr, maximize, params, type, weight_decay."),
+                             ({"optimizer": {"adam_w_mode": True, "decoupled_weight_decay": False}},
+                              "train.optimizer.decoupled_weight_decay and train.optimizer.adam_w_mode disagree (torch's and "
+                              "DeepSpeed's name for the same switch); keep one of them."),
                              ([1], "train must be a mapping like {lr: 0.005}, got list [1].")):
         with pytest.raises(ConfigError) as err:
             train_options(section)
