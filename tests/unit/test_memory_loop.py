@@ -285,6 +285,9 @@ def test_spec_reads_max_replans_and_the_runtime_reserve(tmp_path):
     assert replan.runtime_reserve(build_plan(custom)) == 2.5e9
     with pytest.raises(ConfigError, match="cluster.runtime_reserve_gb"):
         spec(cluster={"runtime_reserve_gb": -1})
+    with pytest.raises(ConfigError, match=r"^cluster.runtime_reserve_gb must be a number from 0 to below "
+                                          r"cluster.gpu_memory_gb \(8 GB\), got 8"):
+        spec(cluster={"runtime_reserve_gb": 8})  # nothing would be left for the model
     with pytest.raises(ConfigError, match="job.max_replans"):
         spec(job={"max_replans": "many"})
 
