@@ -41,6 +41,7 @@ INTER_NODE = ("infiniband", "roce", "ethernet", "loopback")
 # Sane bounds: a value outside them is a typo (a timeout in ms, a world in the wrong unit), not a plan.
 MAX_NODES = 100_000
 MAX_GPUS_PER_NODE = 1024
+MAX_WORLD_SIZE = 1 << 20  # ranks in all: beyond any cluster built, and the plan lists every rank
 MAX_GPU_MEMORY_GB = 100_000
 MAX_HOST_MEMORY_GB = 1_000_000
 MAX_STEPS = 10**12
@@ -170,6 +171,9 @@ def _cluster(d: dict) -> ClusterSpec:
                            MAX_NODES)
     gpus = v.positive_int("cluster.gpus_per_node",
                           v.required(d, "cluster", "gpus_per_node", "ranks per node, at least 1"), MAX_GPUS_PER_NODE)
+    if nodes * gpus > MAX_WORLD_SIZE:
+        raise ConfigError(f"cluster.nodes x cluster.gpus_per_node is {nodes} x {gpus} = {nodes * gpus} ranks, above the "
+                          f"{MAX_WORLD_SIZE} hybrid plans for; lower cluster.nodes or cluster.gpus_per_node.")
     memory = v.positive_number("cluster.gpu_memory_gb",
                                v.required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80"),
                                MAX_GPU_MEMORY_GB, unit="GB")

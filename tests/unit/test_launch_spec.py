@@ -62,6 +62,9 @@ BAD = {
                                   "job.entrypoint is 'no_such_pkg.mod:train'"),
     "no such function": (_replace("hybrid.models.gpt:train", "hybrid.models.gpt:nope"), "has no function 'nope'"),
     "nodes 0": (_replace("nodes: 2", "nodes: 0"), "cluster.nodes must be a whole number from 1 to 100000, got 0"),
+    "world too large": (_replace("nodes: 2", "nodes: 100000").replace("gpus_per_node: 2", "gpus_per_node: 1024"),
+                        "cluster.nodes x cluster.gpus_per_node is 100000 x 1024 = 102400000 ranks, above the "
+                        "1048576 hybrid plans for; lower cluster.nodes or cluster.gpus_per_node."),
     "yaml syntax": (_replace("  steps: 5\n", "  steps: [5\n"), "line "),
     "bad stage": (_replace("zero_stage: auto", "zero_stage: 4"),
                   "parallel.zero_stage must be 'auto' or 0, 1, 2 or 3, got 4"),
