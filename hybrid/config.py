@@ -416,11 +416,13 @@ class TrainConfig:
         return self
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict, prefix: str = "") -> "TrainConfig":
         """Build from our dict or a DeepSpeed-style dict; unknown keys raise ``ConfigError`` (all of a section's
-        in one sentence); DeepSpeed settings that do not change the training are ignored with one log line."""
+        in one sentence); DeepSpeed settings that do not change the training are ignored with one log line.
+        ``prefix`` is where the optimizer and scheduler sections sit in the user's file (``"train."`` for a model
+        config's), so that their errors name the path the user wrote."""
         ignored: list = []
-        cfg = _from_dict(_drop_deepspeed_knobs(_section(d, "config"), "", ignored))
+        cfg = _from_dict(_drop_deepspeed_knobs(_section(d, "config"), "", ignored), prefix)
         if ignored:
             log.warning("ignoring DeepSpeed settings that do not change the training here: %s", ", ".join(ignored))
         return cfg
@@ -523,14 +525,14 @@ _TOP_KEYS = {"zero", "zero_optimization", "precision", "bf16", "fp16", "optimize
              "train_batch_size", "max_nonfinite_skips"}
 
 
-def _from_dict(d: dict) -> TrainConfig:
+def _from_dict(d: dict, prefix: str = "") -> TrainConfig:
     _reject_unknown(d, _TOP_KEYS, "")
     kwargs: dict = {}
     kwargs["zero"] = _zero_from(d)
     kwargs["precision"] = _precision_from(d)
-    kwargs["optimizer"] = _optimizer_from(d.get("optimizer"))
+    kwargs["optimizer"] = _optimizer_from(d.get("optimizer"), f"{prefix}optimizer")
     if d.get("scheduler") is not None:
-        kwargs["scheduler"] = _scheduler_from(d["scheduler"])
+        kwargs["scheduler"] = _scheduler_from(d["scheduler"], f"{prefix}scheduler")
     for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "max_nonfinite_skips"):
         if key in d:
             kwargs[key] = d[key]
@@ -584,16 +586,16 @@ def _precision_from(d: dict) -> str:
     return "bf16" if bf16 else "fp32"
 
 
-def _optimizer_from(section) -> OptimizerConfig:
+def _optimizer_from(section, name: str = "optimizer") -> OptimizerConfig:
     if section is None:
         return OptimizerConfig()
-    section = _section(section, "optimizer")
+    section = _section(section, name)
     ours = {k: section[k] for k in _OPT_OURS if k in section}
     if "params" in section:  # DeepSpeed: {"type": ..., "params": {...}}
-        _reject_unknown(section, {"type", "params", *_OPT_OURS}, "optimizer")
-        where, params = "optimizer.params", dict(_section(section["params"], "optimizer.params"))
+        _reject_unknown(section, {"type", "params", *_OPT_OURS}, name)
+        where, params = f"{name}.params", dict(_section(section["params"], f"{name}.params"))
     else:
-        where, params = "optimizer", {k: val for k, val in section.items() if k != "type" and k not in _OPT_OURS}
+        where, params = name, {k: val for k, val in section.items() if k != "type" and k not in _OPT_OURS}
     kind = section.get("type", "AdamW")
     given = [k for k in ("decoupled_weight_decay", "adam_w_mode") if k in params]
     values = {k: _bool(params.pop(k), f"{where}.{k}") for k in given}
@@ -602,8 +604,8 @@ def _optimizer_from(section) -> OptimizerConfig:
                           f"DeepSpeed's name for the same switch); keep one of them.")
     decoupled = values[given[0]] if given else True
     if isinstance(kind, str) and kind.lower() == "adamw" and not decoupled:
-        raise ConfigError(f"{where}.{given[0]} is false but optimizer.type is AdamW; use type Adam for L2 decay")
-    cls = torch_optimizer_class(kind, decoupled)
+        raise ConfigError(f"{where}.{given[0]} is false but {name}.type is AdamW; use type Adam for L2 decay")
+    cls = torch_optimizer_class(kind, decoupled, f"{name}.type")
     flat = {"type", "params"} if "params" not in section else set()  # named in the list of what may go here
     _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"} | flat,
                     where)
@@ -622,12 +624,12 @@ def _optimizer_from(section) -> OptimizerConfig:
     return OptimizerConfig(**{f.name: getattr(cfg, f.name) for f in fields(OptimizerConfig)})
 
 
-def _scheduler_from(section) -> SchedulerConfig:
-    section = _section(section, "scheduler")
-    _reject_unknown(section, {"type", "params"}, "scheduler")
-    params = _section(section.get("params", {}), "scheduler.params")
+def _scheduler_from(section, name: str = "scheduler") -> SchedulerConfig:
+    section = _section(section, name)
+    _reject_unknown(section, {"type", "params"}, name)
+    params = _section(section.get("params", {}), f"{name}.params")
     cfg = SchedulerConfig.__new__(SchedulerConfig)
     object.__setattr__(cfg, "type", section.get("type"))
     object.__setattr__(cfg, "params", tuple(params.items()))
-    _check_scheduler(cfg, "scheduler")
+    _check_scheduler(cfg, name)
     return SchedulerConfig(cfg.type, cfg.params)

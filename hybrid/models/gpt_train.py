@@ -36,7 +36,6 @@ is the plan's); the launcher's memory prediction reads the same mapping (``zero_
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -200,15 +199,10 @@ def training_config(options: dict, stage: int, precision: str, offload: bool = F
     zero = {**(zero or {}), "stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    try:
-        return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
-                                      "scheduler": options.get("scheduler"),
-                                      "gradient_clipping": options["gradient_clipping"],
-                                      "gradient_accumulation_steps": accumulation})
-    except ConfigError as err:  # the optimizer and scheduler came from the model config's train: section
-        if str(err).startswith(("optimizer", "scheduler")):
-            raise ConfigError(re.sub(r"(?:^|(?<=[ (]))(optimizer|scheduler)\.", r"train.\1.", str(err))) from None
-        raise
+    return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
+                                  "scheduler": options.get("scheduler"),
+                                  "gradient_clipping": options["gradient_clipping"],
+                                  "gradient_accumulation_steps": accumulation}, prefix="train.")
 
 
 def zero_options(section: Any) -> dict:
