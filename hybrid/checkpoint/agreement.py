@@ -118,18 +118,6 @@ def _where(path: Path, where: int, name: str) -> Path:
     return path if where == _GIVEN else layout.checkpoints_dir(layout.run_dir_of(path)) / name
 
 
-def _inventory(ckpt: Path) -> Inventory:
-    """``integrity.inventory``, with a manifest whose values it cannot use (a hand-edited format-2 one, which
-    no seal protects: ``"step": "two"``, ``"world": null``) reported as damaged instead of escaping as a
-    ValueError or TypeError on the ranks that read it while the others wait in the next collective."""
-    try:
-        return integrity.inventory(ckpt)
-    except CheckpointError:
-        raise
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-        raise CheckpointDamaged(ckpt, Problem(integrity.CORRUPT, layout.MANIFEST), integrity.FIX) from None
-
-
 def _encode(problem: Problem, names) -> tuple[int, int]:
     return integrity.KINDS.index(problem.kind) + 1, list(names).index(problem.file)
 
@@ -159,7 +147,7 @@ def choose(path, comm: Comm, device, *, fallback: bool) -> Choice:
                 ckpt, where, step = pending.pop(0)
                 head[1:3] = torch.tensor([step, where])
                 try:
-                    inv = _inventory(ckpt)
+                    inv = integrity.inventory(ckpt)
                     head[0], head[3] = _CANDIDATE, len(inv.files)
                 except CheckpointDamaged as exc:
                     head[0] = _DAMAGED
@@ -209,7 +197,7 @@ def _verify_together(ckpt: Path, inv: Optional[Inventory], n_files: int, comm: C
     verdict = torch.zeros(1 + n_files, dtype=torch.int64)  # [a rank disagrees, each file's problem kind]
     names = []
     try:
-        inv = inv or _inventory(ckpt)
+        inv = inv or integrity.inventory(ckpt)
         names = list(inv.files)
         if len(names) != n_files:
             raise CheckpointDamaged(ckpt, Problem(integrity.CORRUPT, layout.MANIFEST), integrity.FIX)

@@ -188,6 +188,10 @@ def inventory(directory) -> Inventory:
         if seal is None:  # format 2 sealed nothing: a manifest that does not parse is damaged
             raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX) from None
         raise  # sealed and intact, so it really is another format
+    # Format 2 sealed nothing: a hand-edited manifest is damaged, like a flipped byte (checked before the step
+    # is read as a number below).
+    if seal is None and "files" not in doc and _malformed(doc):
+        raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX)
     if named is not None and doc.get("step") is not None and int(doc["step"]) != named:
         raise CheckpointDamaged(directory, Problem(MISPLACED, MANIFEST), FIX)
     if "files" in doc:
@@ -195,8 +199,6 @@ def inventory(directory) -> Inventory:
             raise CheckpointDamaged(directory, Problem(CORRUPT, MARKER), FIX)
         files = {name: Expected(int(f["bytes"]), int(f["crc32"])) for name, f in sorted(doc["files"].items())}
         return Inventory(doc, files, True)
-    if _malformed(doc):  # format 2 sealed nothing: a hand-edited manifest is damaged, like a flipped byte
-        raise CheckpointDamaged(directory, Problem(CORRUPT, MANIFEST), FIX)
     return Inventory(doc, _legacy_files(directory), False)
 
 
