@@ -131,27 +131,29 @@ def positive_int(path: str, value: Any, hi: Optional[int] = None, whole_floats: 
 
 
 def number(path: str, value: Any, lo: Optional[float] = None, hi: Optional[float] = None,
-           lo_open: bool = False, unit: str = "", need: Optional[str] = None) -> float:
-    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); never NaN or infinity."""
+           lo_open: bool = False, unit: str = "", need: Optional[str] = None, hi_open: bool = False) -> float:
+    """A finite number in ``[lo, hi]`` (``lo_open``, ``hi_open``: that end excluded); never NaN or infinity.
+    ``need`` replaces the wording of the range in the error."""
     ok = _is_number(value) and math.isfinite(value)
     if ok and lo is not None:
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:
-        ok = value <= hi
+        ok = value < hi if hi_open else value <= hi
     if not ok:
-        raise invalid(path, need or _number_need(lo, hi, lo_open, unit), value)
+        raise invalid(path, need or _number_need(lo, hi, lo_open, unit, hi_open), value)
     return float(value)
 
 
-def _number_need(lo, hi, lo_open: bool, unit: str) -> str:
+def _number_need(lo, hi, lo_open: bool, unit: str, hi_open: bool = False) -> str:
     unit = f" {unit}" if unit else ""
     if lo is not None and hi is not None:
         low = f"above {lo:g}" if lo_open else f"from {lo:g}"
-        return f"a number {low}{' and at most' if lo_open else ' to'} {hi:g}{unit}"
+        high = ("and" if lo_open else "to") + (" below" if hi_open else " at most" if lo_open else "")
+        return f"a number {low} {high} {hi:g}{unit}"
     if lo is not None:
         return f"a number {'above' if lo_open else 'at least'} {lo:g}{unit}"
     if hi is not None:
-        return f"a number at most {hi:g}{unit}"
+        return f"a number {'below' if hi_open else 'at most'} {hi:g}{unit}"
     return f"a finite number{unit}"
 
 

@@ -192,9 +192,7 @@ def _cluster(d: dict) -> ClusterSpec:
     reserve = d.get("runtime_reserve_gb")
     if reserve is not None:
         need = f"a number from 0 to below cluster.gpu_memory_gb ({memory:g} GB)"
-        reserve = v.number("cluster.runtime_reserve_gb", reserve, 0, memory, unit="GB", need=need)
-        if reserve >= memory:  # nothing would be left for the model
-            raise v.invalid("cluster.runtime_reserve_gb", need, reserve)
+        reserve = v.number("cluster.runtime_reserve_gb", reserve, 0, memory, hi_open=True, need=need)
     enforce = v.boolean("cluster.enforce_memory_budget", d.get("enforce_memory_budget", False))
     return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve, enforce)
 
