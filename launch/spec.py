@@ -172,8 +172,8 @@ def _cluster(d: dict) -> ClusterSpec:
     gpus = v.positive_int("cluster.gpus_per_node",
                           v.required(d, "cluster", "gpus_per_node", "ranks per node, at least 1"), MAX_GPUS_PER_NODE)
     if nodes * gpus > MAX_WORLD_SIZE:
-        raise ConfigError(f"cluster.nodes x cluster.gpus_per_node is {nodes} x {gpus} = {nodes * gpus} ranks, above the "
-                          f"{MAX_WORLD_SIZE} hybrid plans for; lower cluster.nodes or cluster.gpus_per_node.")
+        raise ConfigError(f"cluster.nodes x cluster.gpus_per_node is {nodes} x {gpus} = {nodes * gpus} ranks, "
+                          f"above the {MAX_WORLD_SIZE} hybrid plans for; lower cluster.nodes or cluster.gpus_per_node.")
     memory = v.positive_number("cluster.gpu_memory_gb",
                                v.required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80"),
                                MAX_GPU_MEMORY_GB, unit="GB")
