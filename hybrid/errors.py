@@ -3,8 +3,10 @@
 Library code raises a subclass of ``UserError`` for anything the user can fix (a bad config field, a
 cluster that cannot hold the model, a file that is not a checkpoint). The CLI prints ``str(err)`` alone
 and exits with status 2; it never shows a traceback for these. ``listing(names)`` is the one way a message
-names several things.
+names several things, ``first_line(err)`` the one way it quotes another library's exception.
 """
+
+from typing import Optional
 
 
 def listing(names, limit: int = 5) -> str:
@@ -13,6 +15,13 @@ def listing(names, limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     more = len(names) - limit
     return shown + (f" and {more} more" if more > 0 else "")
+
+
+def first_line(err: BaseException, empty: str = "no detail", limit: Optional[int] = None) -> str:
+    """The first line of ``err``'s message (``empty`` when it has none), at most ``limit`` characters: a
+    library's multi-line message or traceback quoted inside one sentence."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else empty)[:limit]
 
 
 class UserError(Exception):

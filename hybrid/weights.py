@@ -22,14 +22,13 @@ from typing import Iterable, Mapping
 
 import torch
 
-from hybrid.errors import CheckpointError, listing
+from hybrid.errors import CheckpointError, first_line, listing
 
 SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
 
 def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:200]
+    return first_line(err, type(err).__name__, 200)
 
 
 class WeightsFile:

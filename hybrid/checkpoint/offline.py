@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from hybrid.checkpoint import integrity, layout, manifest
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, first_line
 
 
 def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, dict]:
@@ -66,8 +66,7 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
             dcp.load(buffers, storage_reader=reader, no_dist=True)
         buffers.update(empty)
     except Exception as exc:  # a truncated or missing data file: say which checkpoint, not DCP's internals
-        raise CheckpointError(f"{ckpt} is damaged and cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+        raise CheckpointError(f"{ckpt} is damaged and cannot be read ({type(exc).__name__}: {first_line(exc)}); "
                               f"use an older checkpoint.") from exc
     state = {}
     for section, _ in sections:

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
 from hybrid.comm import Comm
-from hybrid.errors import CheckpointError, CheckpointWriteError
+from hybrid.errors import CheckpointError, CheckpointWriteError, first_line
 from hybrid.param_attrs import tensor_parallel_dim
 
 log = logging.getLogger(__name__)
@@ -240,8 +240,7 @@ def _cause(exc: "dcp.api.CheckpointException") -> tuple[str, str]:
             return f"{_os_cause(err)} on rank {rank}", _fix(err)
     if failures:
         rank, (err, _) = failures[0]
-        first = str(err).splitlines()[0] if str(err) else "no detail"
-        return f"{type(err).__name__}: {first} on rank {rank}", _fix(None)
+        return f"{type(err).__name__}: {first_line(err)} on rank {rank}", _fix(None)
     return "no detail", _fix(None)
 
 
@@ -333,7 +332,7 @@ def _unreadable_data(ckpt: Path, exc: "dcp.api.CheckpointException") -> Checkpoi
     """One sentence for DCP's multi-rank traceback: a data file that passed the size check (a format-2
     checkpoint has no checksums) but does not decode."""
     rank, (error, _) = min(exc.failures.items())
-    detail = str(error).splitlines()[0].split(". ")[0].rstrip(".") if str(error) else "no detail"
+    detail = first_line(error).split(". ")[0].rstrip(".")  # torch's unpickling advice runs on for lines
     return CheckpointError(f"{ckpt} is damaged: rank {rank} could not read its data ({type(error).__name__}: "
                            f"{detail}); {integrity.FIX}")
 
