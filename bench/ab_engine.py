@@ -83,8 +83,9 @@ def _switch(change: str, on: bool, engine, originals: dict) -> None:
             follow_live_tensors()
         else:
             m_trim_threshold, m_mmap_threshold = -1, -3
-            ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 32 << 20)
-            ctypes.CDLL("libc.so.6").mallopt(m_trim_threshold, 64 << 20)
+            mallopt = ctypes.CDLL("libc.so.6").mallopt
+            mallopt(m_mmap_threshold, 32 << 20)
+            mallopt(m_trim_threshold, 64 << 20)
     elif change == "keep-buckets":
         engine.reducer.bucket_pool.cap_numel = hb.KEEP_BUCKET_NUMEL if on else 0
         engine.reducer.bucket_pool.clear()
