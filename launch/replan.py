@@ -102,13 +102,23 @@ def initial_choice(lp) -> Choice:
 
 
 def start_note(lp) -> Optional[str]:
-    """One line when the job starts above the planner's choice (``initial_choice``), else None."""
+    """One line when the job starts above the planner's choice (``initial_choice``), or when what it starts with
+    exceeds the usable budget by the complete prediction (a stage the user forced, or no rung that fits);
+    else None."""
     planned, start = planned_choice(lp), initial_choice(lp)
-    if start == planned:
+    usable = usable_bytes(lp)
+    if start != planned:
+        return (f"starting at {start.describe()} (predicted {human_bytes(predict(lp, start).total)}), not the "
+                f"planner's {planned.describe()}: its complete prediction, {human_bytes(predict(lp, planned).total)}, "
+                f"exceeds the {human_bytes(usable)} usable")
+    predicted = predict(lp, start).total
+    if predicted <= usable:
         return None
-    return (f"starting at {start.describe()} (predicted {human_bytes(predict(lp, start).total)}), not the planner's "
-            f"{planned.describe()}: its complete prediction, {human_bytes(predict(lp, planned).total)}, exceeds "
-            f"the {human_bytes(usable_bytes(lp))} usable")
+    why = ("parallel.zero_stage is set, so no other stage is tried" if lp.spec.parallel.zero_stage is not None
+           else "no other option on the ladder fits either")
+    return (f"warning: {start.describe()} is predicted to need {human_bytes(predicted)}, more than the "
+            f"{human_bytes(usable)} usable ({why}); starting anyway, and a rank that runs out of memory makes the "
+            "job re-plan or stop")
 
 
 def device_of(lp) -> str:

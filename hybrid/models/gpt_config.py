@@ -25,6 +25,9 @@ from hybrid.yamlfile import load_yaml
 
 
 _FLOAT_FIELDS = ("dropout", "layer_norm_eps", "init_std")
+# 30x the deepest published transformers (~128 blocks): a bound that only catches typos, which would
+# otherwise keep the planner building the model on the meta device for minutes.
+MAX_LAYERS = 4096
 
 
 def shape_violation(hidden: int, n_heads: int, tp: int = 1, vocab_size=None, ffn_hidden=None):
@@ -56,7 +59,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads", "mlp_ratio"):
-            v.positive_int(f"model.{name}", getattr(self, name))
+            v.positive_int(f"model.{name}", getattr(self, name), hi=MAX_LAYERS if name == "n_layers" else None)
         if shape_violation(self.hidden, self.n_heads):
             raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.hidden={self.hidden}; "
                               f"choose n_heads so that hidden is a multiple of it.")

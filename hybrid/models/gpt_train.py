@@ -160,8 +160,22 @@ def train_options(section: Any) -> dict:
     for key in ("optimizer", "scheduler"):
         if options[key] is not None:
             options[key] = v.mapping(f"train.{key}", options[key])
+    _one_place_each(section, options["optimizer"])
     training_config(options, stage=1, precision="fp32")  # every optimizer/scheduler field checked up front
     return options
+
+
+def _one_place_each(section: Mapping, optimizer: Optional[dict]) -> None:
+    """``train.lr`` / ``train.weight_decay`` are the optimizer's defaults: one the user also wrote under
+    ``train.optimizer`` (or its ``params``) with another value would be silently overridden, so it is refused."""
+    if not optimizer:
+        return
+    inner = optimizer.get("params") if isinstance(optimizer.get("params"), Mapping) else optimizer
+    where = "train.optimizer.params" if inner is not optimizer else "train.optimizer"
+    for key in ("lr", "weight_decay"):
+        if key in section and key in inner and v.yaml_number(section[key]) != v.yaml_number(inner[key]):
+            raise ConfigError(f"train.{key}={v.quote(section[key])} and {where}.{key}={v.quote(inner[key])} "
+                              f"disagree; set {key} in one place (remove one of them).")
 
 
 def build_model(model_config: Mapping, tp_comm=None) -> GPT:

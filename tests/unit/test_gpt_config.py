@@ -41,6 +41,7 @@ def test_shipped_configs_load_and_count_near_their_names():
     (dict(n_heads=5), "model.n_heads"),
     (dict(hidden=0), "model.hidden"),
     (dict(n_layers=True), "model.n_layers"),
+    (dict(n_layers=200_000), "model.n_layers must be a whole number from 1 to 4096"),
     (dict(vocab_size=2.5), "model.vocab_size"),
     (dict(dropout=1.0), "model.dropout"),
     (dict(layer_norm_eps=-1.0), "model.layer_norm_eps"),
@@ -152,7 +153,16 @@ def test_train_options_are_checked_with_the_shared_vocabulary():
                              ({"optimizer": {"adam_w_mode": True, "decoupled_weight_decay": False}},
                               "train.optimizer.decoupled_weight_decay and train.optimizer.adam_w_mode disagree (torch's and "
                               "DeepSpeed's name for the same switch); keep one of them."),
+                             ({"lr": 0.01, "optimizer": {"lr": 0.001}},
+                              "train.lr=0.01 and train.optimizer.lr=0.001 disagree; set lr in one place (remove one "
+                              "of them)."),
+                             ({"weight_decay": 0.1, "optimizer": {"type": "SGD", "params": {"weight_decay": 0}}},
+                              "train.weight_decay=0.1 and train.optimizer.params.weight_decay=0 disagree; set "
+                              "weight_decay in one place (remove one of them)."),
                              ([1], "train must be a mapping like {lr: 0.005}, got list [1].")):
         with pytest.raises(ConfigError) as err:
             train_options(section)
         assert str(err.value) == message
+    # the same value in both places is not a conflict; the optimizer's alone sets it
+    assert training_config(train_options({"lr": "1e-2", "optimizer": {"lr": 0.01}}), 1, "fp32").optimizer.lr == 0.01
+    assert training_config(train_options({"optimizer": {"lr": 0.02}}), 1, "fp32").optimizer.lr == 0.02

@@ -339,3 +339,15 @@ def test_the_job_starts_on_the_first_rung_the_complete_prediction_fits(tmp_path)
     forced = dataclasses.replace(lp, spec=dataclasses.replace(
         lp.spec, parallel=dataclasses.replace(lp.spec.parallel, zero_stage=1)))
     assert replan.initial_choice(forced) == planned  # a stage the user chose is run as chosen
+    assert replan.start_note(forced).startswith("warning: stage 1 is predicted to need ")
+    assert "(parallel.zero_stage is set, so no other stage is tried)" in replan.start_note(forced)
+
+
+def test_the_start_warns_when_no_rung_fits_the_complete_prediction(tmp_path):
+    lp = _plan(tmp_path, 0.08, reduce_bucket_size=100_000, prefetch_bucket_size=1)  # the runtime reserve alone is 75 MB
+    planned = replan.planned_choice(lp)
+    assert replan.initial_choice(lp) == planned  # nothing better to start with
+    assert all(replan.predict(lp, c).total > replan.usable_bytes(lp) for c in [planned] + replan.ladder(lp, planned))
+    note = replan.start_note(lp)
+    assert note.startswith(f"warning: {planned.describe()} is predicted to need ")
+    assert "usable (no other option on the ladder fits either); starting anyway" in note
