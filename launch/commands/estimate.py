@@ -28,7 +28,7 @@ from fractions import Fraction
 import click
 
 from hybrid import validate as v
-from hybrid.errors import ConfigError, PlanError
+from hybrid.errors import ConfigError
 from hybrid.memory import activation_bytes, gpt_activation_bytes, parse_count
 from hybrid.models.gpt_config import GPTConfig, shape_violation
 from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage
@@ -174,14 +174,12 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
         activations = _activations(kind, shape, vocab, tp, precision, activation_checkpointing)
         checkpointed = _activations(kind, shape, vocab, tp, precision, checkpointing=True)
 
-    try:
-        memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
-        # Without the flag the planner may still turn checkpointing on (after plain ZeRO-3, before offload).
-        plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom,
-                            checkpointed_activation_bytes=checkpointed,
-                            activation_checkpointing=True if activation_checkpointing else None)
-    except PlanError as err:
-        raise PlanError(f"--gpus: {err}") from None
+    memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
+    # Without the flag the planner may still turn checkpointing on (after plain ZeRO-3, before offload). Its
+    # PlanError names the fix itself (more GPUs, or for activations the sequence, micro-batch or TP degree).
+    plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom,
+                        checkpointed_activation_bytes=checkpointed,
+                        activation_checkpointing=True if activation_checkpointing else None)
     prediction = None
     if vocab is not None:
         prediction = _gpt_prediction(vocab, shape, gpus // tp, tp, precision, activations)

@@ -206,3 +206,11 @@ def test_no_suggested_gpu_count_is_beyond_what_estimate_accepts(capsys, params):
     counts = [int(word) for word in err.replace("(", " ").split() if word.isdigit()]
     assert counts and all(n <= MAX_GPUS for n in counts), err
     assert f"more than {MAX_GPUS:,}" in err
+
+
+def test_activations_too_large_name_their_own_fixes_not_the_gpu_count(capsys):
+    code, out, err = run(capsys, "estimate", "--params", "1B", "--gpus", "8", "--layers", "24", "--hidden", "2048",
+                         "--heads", "16", "--seq", "65536", "--micro-batch", "64")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: activations with activation checkpointing alone need ") and "--gpus" not in err
+    assert "(model.seq_len, --seq)" in err and "(job.micro_batch, --micro-batch)" in err
