@@ -217,6 +217,12 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {quote(value, 40)}"
 
 
+def without_nulls(d: Mapping) -> dict:
+    """``d`` without its empty (YAML null) values: in a cluster file an empty value is the field left unset,
+    so its default applies, the same for every field."""
+    return {key: value for key, value in d.items() if value is not None}
+
+
 UNKNOWN_KEYS_SHOWN = 10  # an unknown-key sentence names this many, then counts the rest
 
 

@@ -9,8 +9,9 @@ directory, ``job.entrypoint`` must be a ``module:function`` taking one argument,
 installed package, from any current directory; the checkpoint directory must be creatable and writable.
 ``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>`` under the current
 directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks.
-``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's choice), true
-or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
+An empty value (YAML null, ``offload:`` with nothing after it) is the field left unset: its default applies,
+for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
+choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
 memory where the probes cannot measure it. Nothing here
 contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.capacity``'s check, made
 before one is started.)
@@ -179,8 +180,8 @@ def _cluster(d: dict) -> ClusterSpec:
                                MAX_GPU_MEMORY_GB, unit="GB")
     links = d.get("interconnect")
     links = {} if links is None else links
-    links = v.mapping("cluster.interconnect", links, ("intra_node", "inter_node"),
-                      example="{intra_node: nvlink, inter_node: infiniband}")
+    links = v.without_nulls(v.mapping("cluster.interconnect", links, ("intra_node", "inter_node"),
+                                      example="{intra_node: nvlink, inter_node: infiniband}"))
     intra = v.one_of("cluster.interconnect.intra_node", links.get("intra_node", "unspecified"),
                      INTRA_NODE + ("unspecified",))
     inter = v.one_of("cluster.interconnect.inter_node", links.get("inter_node", "unspecified"),
@@ -273,7 +274,8 @@ def _env(d: Any) -> dict:
 def _checkpoint(d: Any, base_dir: Path, local: bool) -> CheckpointSpec:
     if d is None:
         return CheckpointSpec()
-    d = v.mapping("job.checkpoint", d, ("dir", "every", "keep_last"), example="{dir: ./runs/demo, every: 10}")
+    d = v.without_nulls(v.mapping("job.checkpoint", d, ("dir", "every", "keep_last"),
+                                  example="{dir: ./runs/demo, every: 10}"))
     directory = v.text("job.checkpoint.dir", v.required(d, "job.checkpoint", "dir", "the directory for checkpoints"),
                        "a directory path")
     every = v.positive_int("job.checkpoint.every", d.get("every", 10), MAX_STEPS)
@@ -380,7 +382,7 @@ def _section(data: dict, name: str, required: bool) -> dict:
             raise ConfigError(f"section {name!r} is missing from the cluster file; add it "
                               "(see clusters/local.yaml for the shape).")
         return {}
-    return v.mapping(name, data[name])
+    return v.without_nulls(v.mapping(name, data[name]))
 
 
 def _resolve(p: str, base_dir: Path, field_name: str) -> Path:

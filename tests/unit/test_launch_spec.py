@@ -37,6 +37,23 @@ def test_shipped_cluster_files_load_with_paths_resolved_against_the_file():
     assert dgx.job.checkpoint.dir == ROOT / "runs" / "gpt-13b"
 
 
+def test_an_empty_value_is_the_field_left_unset_for_every_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(GOOD)
+    defaults = load_spec(path)
+    empty = GOOD.replace("  tp: auto\n  zero_stage: auto\n", "  tp:\n  zero_stage:\n  precision:\n  offload:\n") + (
+        "  activation_checkpointing:\n")
+    empty = empty.replace("  steps: 5\n", "  steps: 5\n  micro_batch:\n  seed:\n  max_failures:\n  checkpoint:\n"
+                                           "  collective_timeout_s:\n  run_dir:\n  working_dir:\n")
+    empty = empty.replace("  gpu_memory_gb: 80\n", "  gpu_memory_gb: 80\n  interconnect: {intra_node: null}\n"
+                                                   "  connect_timeout_s:\n  runtime_reserve_gb:\n")
+    path.write_text(empty)
+    assert load_spec(path) == defaults
+    path.write_text(GOOD.replace("steps: 5", "steps:"))  # a required field left empty is missing
+    with pytest.raises(ConfigError, match=r"^job\.steps is missing; add it \(the number of training steps\)\.$"):
+        load_spec(path)
+
+
 def test_overrides_and_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(GOOD)
