@@ -58,6 +58,11 @@ from hybrid.buffer_pool import BufferPool
 from hybrid.shm_collectives import ShmGroup
 
 
+# broadcast_many packs tensors below this many elements into one buffer per dtype (a copy in and out);
+# larger ones are worth their own collective and no copy.
+COALESCE_MAX_NUMEL = 1 << 20
+
+
 class _Done:
     """Handle for an op that completed synchronously (or needed no communication)."""
 
@@ -406,6 +411,38 @@ class Comm:
         with heartbeat.collective(f"{self.name}.broadcast"):
             work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
         return work if async_op else _Done()
+
+    def broadcast_many(self, tensors, src_rank_in_group: int = 0) -> None:
+        """Every tensor of ``tensors`` from ``src_rank_in_group``, in place: tensors under
+        ``COALESCE_MAX_NUMEL`` elements packed into one broadcast per dtype and device (a model's hundreds of
+        BatchNorm statistics are one collective, not hundreds), larger ones broadcast as they are; a tensor
+        listed twice moves once. Counted as one broadcast per collective issued, of the bytes it moves."""
+        if self.size == 1:
+            return
+        packs, works, seen = {}, [], set()
+        for t in tensors:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if t.numel() >= COALESCE_MAX_NUMEL and t.is_contiguous():
+                works.append(self.broadcast(t, src_rank_in_group, async_op=True))
+            elif t.numel():
+                packs.setdefault((t.dtype, t.device), []).append(t)
+        flats = []
+        for pack in packs.values():
+            flat = torch.cat([t.reshape(-1) for t in pack])
+            works.append(self.broadcast(flat, src_rank_in_group, async_op=True))
+            flats.append((flat, pack))
+        for work in works:
+            work.wait()
+        if self.rank == src_rank_in_group:
+            return
+        with torch.no_grad():
+            for flat, pack in flats:
+                offset = 0
+                for t in pack:
+                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()
 
     def barrier(self) -> None:
         if self.size > 1:

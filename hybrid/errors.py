@@ -6,7 +6,11 @@ and exits with status 2; it never shows a traceback for these. ``listing(names)`
 names several things, ``first_line(err)`` the one way it quotes another library's exception.
 """
 
+import re
 from typing import Optional
+
+# gloo and other C++ libraries open their messages with the source location, "[.../pair.cc:537] "
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*")
 
 
 def listing(names, limit: int = 5) -> str:
@@ -17,11 +21,12 @@ def listing(names, limit: int = 5) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def first_line(err: BaseException, empty: str = "no detail", limit: Optional[int] = None) -> str:
-    """The first line of ``err``'s message (``empty`` when it has none), at most ``limit`` characters: a
-    library's multi-line message or traceback quoted inside one sentence."""
+def first_line(err, empty: str = "no detail", limit: Optional[int] = None) -> str:
+    """The first line of ``err``'s message (an exception or a text; ``empty`` when it has none), without a C++
+    source-location prefix, at most ``limit`` characters: a library's multi-line message or traceback quoted
+    inside one sentence."""
     text = str(err).strip()
-    return (text.splitlines()[0] if text else empty)[:limit]
+    return (_SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else empty)[:limit]
 
 
 class UserError(Exception):

@@ -54,7 +54,7 @@ import ray
 
 from hybrid import heartbeat, shm_collectives
 from hybrid.checkpoint import layout
-from hybrid.errors import JobError, UserError
+from hybrid.errors import JobError, UserError, first_line
 from hybrid.memory_budget import OutOfMemoryError
 from hybrid.train import JobSettings
 from hybrid.units import count
@@ -441,17 +441,12 @@ def cause_of(err: Exception, pid: Optional[int] = None) -> str:
     return _first_line(err)
 
 
-def _first_line(err: Exception, limit: int = 300) -> str:
-    text = str(err).strip()
-    first = text.splitlines()[0] if text else "no message"
-    return _SOURCE_PREFIX.sub("", first)[:limit]  # gloo prefixes its messages with [file.cc:line]
-
-
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*")
+def _first_line(err: Exception) -> str:
+    return first_line(err, "no message", 300)
 
 
 def _death_detail(text: str) -> str:
     match = re.search(r"Worker exit detail: (.*?)(?:\.\s|$)", text, re.S)
     if match:
         return match.group(1).strip().replace("\n", " ")[:200]
-    return text.strip().splitlines()[0][:200] if text.strip() else "no detail"
+    return first_line(text, limit=200)

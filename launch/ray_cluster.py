@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
-from hybrid.errors import ConfigError
+from hybrid.errors import ConfigError, first_line
 from hybrid.validate import quote
 from launch import signals
 from launch.capacity import check_embedded
@@ -324,8 +324,7 @@ def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float
         raise ConfigError(f"cluster.address is {quote(address)}: the Ray cluster at {target} accepted the connection "
                           f"but did not let the driver join within cluster.connect_timeout_s = {timeout_s:g} s; "
                           "check that it is healthy (`ray status`) or raise cluster.connect_timeout_s.")
-    text = str(err).strip()
-    first = text.splitlines()[0] if text else type(err).__name__
+    first = first_line(err, type(err).__name__)
     raise ConfigError(f"cluster.address is {quote(address)}, but joining the Ray cluster at {target} failed "
                       f"({quote(first)[1:-1]}); {_NO_CLUSTER_FIX}.")
 

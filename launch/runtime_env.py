@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from hybrid.errors import ConfigError
+from hybrid.errors import ConfigError, first_line
 from launch import ray_cluster
 from launch.spec import LaunchSpec
 
@@ -110,7 +110,7 @@ def ship(env: dict) -> dict:
         env = upload_working_dir_if_needed(env, scratch_dir=tempfile.gettempdir(),
                                            logger=logging.getLogger(__name__), **options)
     except Exception as err:  # Ray's RuntimeEnvSetupError, ValueError: too large, unreadable, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, type(err).__name__)
         raise ConfigError(f"job.working_dir {directory} could not be shipped to the ranks ({first}); keep only "
                           "code and small files there (data and runs elsewhere) or point job.working_dir at "
                           "the code's directory.") from None

@@ -54,6 +54,7 @@ from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
 from hybrid.comm import Comm
 from hybrid.errors import CheckpointError, CheckpointWriteError, first_line
 from hybrid.param_attrs import tensor_parallel_dim
+from hybrid.state_entries import BUFFER, state_dict_entries
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +110,14 @@ class _PlainState:
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> "_PlainState":
-        # A parameter goes by its first named_parameters() name (the engine's); a buffer by its first
-        # state_dict name: named_buffers() also lists non-persistent names, which are never saved.
-        first = {}
-        for name, tensor in module.named_parameters():
-            first.setdefault(id(tensor), name)
-        param_ids = {id(p) for p in module.parameters()}
-        frozen, buffers, aliases = {}, {}, {}
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        # A tensor goes by its first state_dict name, which for a parameter is its named_parameters() name
+        # (the engine's); non-persistent buffer names are never saved, so they name nothing here.
+        first, frozen, buffers, aliases = {}, {}, {}, {}
+        for name, kind, tensor in state_dict_entries(module, extra=False):
             canonical = first.setdefault(id(tensor), name)
             if canonical != name:
                 aliases[name] = canonical
-            elif id(tensor) not in param_ids:
+            elif kind == BUFFER:
                 buffers[name] = tensor
             elif not tensor.requires_grad:  # a trainable parameter is saved as the engine's master
                 frozen[name] = tensor

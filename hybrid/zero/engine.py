@@ -87,6 +87,7 @@ from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
 from hybrid.schedule import lr_at
+from hybrid.state_entries import BUFFER, EXTRA, PARAM, state_dict_entries
 from hybrid.tp.layers import TensorParallelModule
 from hybrid.tp.sharding import gather_tp_tensor
 from hybrid.zero.optimizer import FlatOptimizer
@@ -375,11 +376,8 @@ class ZeroEngine:
         rows, and rank 0's is the one a checkpoint saves. Non-persistent buffers (caches) stay as they are."""
         if self.dp_comm.size == 1:
             return
-        handles = [self.dp_comm.broadcast(buf, async_op=True)
-                   for sub in self.module.modules() for name, buf in sub._buffers.items()
-                   if buf is not None and name not in sub._non_persistent_buffers_set]
-        for handle in handles:
-            handle.wait()
+        self.dp_comm.broadcast_many(value for _, kind, value in state_dict_entries(self.module, extra=False)
+                                    if kind == BUFFER)
 
     @torch.no_grad()
     def _refresh_params(self) -> None:
@@ -473,17 +471,17 @@ class ZeroEngine:
                 local = full[slot.offset:slot.offset + slot.numel].view(self.shapes[slot.param])
                 full_by_param[slot.param] = self._tp_full(local, self.params[slot.param])
             del full  # the unit's gather buffer goes before the next one is made
-        entries = list(_state_dict_entries(self.module))
+        entries = list(state_dict_entries(self.module))
         buffers = self._dp_rank0_buffers(entries)  # every rank's, also between accumulation micro-steps
         if not gather:
             return {}
         out, done = {}, {}
         for name, kind, value in entries:
-            if kind == _EXTRA:  # what the module's get_extra_state() returns, as state_dict() has it
+            if kind == EXTRA:  # what the module's get_extra_state() returns, as state_dict() has it
                 out[name] = value
                 continue
             if id(value) not in done:  # a tied tensor is copied once; its names share the copy
-                if kind == _PARAM:
+                if kind == PARAM:
                     i = self._index.get(id(value))
                     done[id(value)] = (full_by_param[i] if i is not None
                                        else self._tp_full(value.detach().float(), value))
@@ -494,15 +492,11 @@ class ZeroEngine:
 
     def _dp_rank0_buffers(self, entries: list) -> dict:
         """id(buffer) -> a CPU copy of DP rank 0's value of every persistent buffer in ``entries``
-        (``_state_dict_entries``; ranks' buffers differ between accumulation micro-steps: they are broadcast
+        (``state_dict_entries``; ranks' buffers differ between accumulation micro-steps: they are broadcast
         at each optimizer step)."""
-        copies = {}
-        for _, kind, b in entries:
-            if kind == _BUFFER and id(b) not in copies:
-                copy = b.detach().clone()
-                self.dp_comm.broadcast(copy, 0)
-                copies[id(b)] = copy.cpu()
-        return copies
+        copies = {id(b): b.detach().clone() for _, kind, b in entries if kind == BUFFER}
+        self.dp_comm.broadcast_many(copies.values(), 0)
+        return {key: copy.cpu() for key, copy in copies.items()}
 
     def _tp_full(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``param``'s single-process tensor, from this TP rank's slice ``local``."""
@@ -702,22 +696,3 @@ def _refuse_sparse_gradients(module: nn.Module) -> None:
             where = f"module {name!r}" if name else "the model"
             raise ConfigError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
                               f"the ZeRO engine reduces dense gradients: build it with sparse=False")
-
-
-def _state_dict_entries(module: nn.Module):
-    """``(name, kind, value)`` for every key ``module.state_dict()`` has -- parameters, persistent buffers and
-    ``get_extra_state()`` (kinds ``_PARAM``, ``_BUFFER``, ``_EXTRA``), a shared module or tied tensor under
-    each of its names -- without calling ``state_dict()`` (stage 3 refuses it while parameters are released)."""
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, p in mod._parameters.items():
-            if p is not None:
-                yield dot + name, _PARAM, p
-        for name, b in mod._buffers.items():
-            if b is not None and name not in mod._non_persistent_buffers_set:
-                yield dot + name, _BUFFER, b
-        if type(mod).get_extra_state is not nn.Module.get_extra_state:
-            yield dot + "_extra_state", _EXTRA, mod.get_extra_state()  # torch's key for it
-
-
-_PARAM, _BUFFER, _EXTRA = "parameter", "buffer", "extra state"

@@ -112,3 +112,25 @@ def test_all_reduce_as_exchange_and_broadcasts(world):
         assert averaged == [total / world] * 9
         assert small == [float(sum(range(world)))] * 3
         assert counted == 2 * 4 * (11 + 9 + 3)  # counted as the all-reduces they stand for
+
+
+def _broadcast_many():
+    import hybrid.comm
+
+    comm = Comm(name="world")
+    r = comm.rank
+    hybrid.comm.COALESCE_MAX_NUMEL = 64  # so one tensor goes by itself
+    small = [torch.full((3,), float(r)), torch.full((2, 2), r, dtype=torch.int64), torch.empty(0),
+             torch.full((5, 4), float(r)).t()]  # a non-contiguous one
+    big = torch.full((100,), float(r) + 0.5)
+    comm.broadcast_many(small + [big, small[0]], 1)  # small[0] listed twice moves once
+    report = comm.report()
+    return [t.tolist() for t in small] + [big.tolist()], report["broadcast_calls"], report["broadcast"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_broadcast_many_packs_small_tensors_per_dtype(world):
+    for rank, (values, calls, nbytes) in enumerate(run_local(_broadcast_many, world)):
+        assert values == [[1.0] * 3, [[1, 1], [1, 1]], [], [[1.0] * 5] * 4, [1.5] * 100], rank
+        assert calls == 3  # float32 pack, int64 pack, the big one
+        assert nbytes == (3 + 20) * 4 + 4 * 8 + 100 * 4
