@@ -117,6 +117,14 @@ def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return p
 
 
+def _unwritten(dtype: torch.dtype):
+    """What a tensor holds before the module's own init runs, so what the init never wrote can be told: NaN,
+    or an integer dtype's lowest value (an init never writes either); bool cannot be told (False)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
 def value_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a tensor's values are handed over in: fp32 (the masters' precision) for floating tensors,
     the tensor's own for integer, bool and fp64 ones, whose values fp32 would round."""
@@ -132,6 +140,7 @@ class ModuleValues:
     module: nn.Module
     entries: list
     _fallback: Optional[dict] = field(default=None, repr=False)
+    _unwritten: set = field(default_factory=set, repr=False)  # names no init wrote all of (``_unwritten``)
 
     def values(self, entry: TensorEntry, lo: int, hi: int) -> torch.Tensor:
         src = self.sources
@@ -152,7 +161,22 @@ class ModuleValues:
             raise ConfigError(f"tensor-parallel parameter {entry.name!r} is on the meta device without a "
                               "hybrid.param_init initializer, so its TP slices cannot match the full tensor; "
                               "attach one with set_initializer or build the model off meta.")
-        return self._fallback_values()[entry.name].reshape(-1)[lo:hi].to(dtype)
+        values = self._fallback_values()[entry.name]
+        if entry.name in self._unwritten:
+            raise self._unwritten_error(entry)
+        return values.reshape(-1)[lo:hi].to(dtype)
+
+    def _unwritten_error(self, entry: TensorEntry) -> ConfigError:
+        kind = "parameter" if entry.is_param else "buffer"
+        cls = type(self.module).__name__
+        own = any(hasattr(self.module, m) for m in ("reset_parameters", "_reset_parameters"))
+        fn = self.sources.init_fn is not None
+        who = (f"neither {cls}.reset_parameters() nor init_fn wrote" if own and fn else
+               f"{cls}.reset_parameters() did not write" if own else
+               f"{cls} has no reset_parameters() and init_fn did not write")
+        return ConfigError(f"{kind} {entry.name!r} is on the meta device and {who} all of its values, so what "
+                           f"{cls}.__init__ put there is lost; set it in {cls}.reset_parameters() or in init_fn, or "
+                           "build the module off meta.")
 
     @property
     def init_bytes(self) -> int:
@@ -177,7 +201,7 @@ class ModuleValues:
                               "init_fn=, attach a hybrid.param_init initializer, or build it off meta.")
         copies = {}  # id(the entry's tensor) -> its CPU copy, wherever the model holds it (tied aliases too)
         for e in self.entries:
-            cpu = torch.zeros(e.tensor.shape, dtype=e.tensor.dtype, device="cpu")
+            cpu = torch.full(e.tensor.shape, _unwritten(e.tensor.dtype), dtype=e.tensor.dtype, device="cpu")
             copies[id(e.tensor)] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad) if e.is_param else cpu
         # Without init_fn only the module's own reset runs; with it, its ancestors' init too (the whole model).
         scope = module if init_fn is None else self.sources.model
@@ -189,8 +213,12 @@ class ModuleValues:
                 self._as_after_construction(own_init, init_fn)
             held = {e.key: (module._parameters if e.is_param else module._buffers).get(e.key) for e in self.entries}
         # what the module holds counts: its copy, or a tensor an init put in its place (module.weight = ...)
-        return {e.name: (held[e.key] if held[e.key] is not None and not held[e.key].is_meta
-                         else copies[id(e.tensor)]).detach() for e in self.entries}
+        out = {e.name: (held[e.key] if held[e.key] is not None and not held[e.key].is_meta
+                        else copies[id(e.tensor)]).detach() for e in self.entries}
+        self._unwritten = {e.name for e in self.entries
+                           if e.tensor.is_meta and (out[e.name] == _unwritten(out[e.name].dtype)).any()
+                           or out[e.name].is_floating_point() and out[e.name].isnan().any()}
+        return out
 
     def _as_after_construction(self, own_init: Optional[Callable], init_fn: Callable) -> None:
         """The module's tensors as ``model.apply(init_fn)`` leaves them after an ordinary build (Hugging

@@ -188,6 +188,43 @@ def test_a_meta_parameter_without_any_init_is_one_sentence():
         hybrid.materialize(Bare())
 
 
+class _Rotary(nn.Module):
+    """What __init__ computes and no init writes: a norm's ones, a rotary table, a position index."""
+
+    def __init__(self, writes=()):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("inv_freq", 1.0 / 10.0 ** (torch.arange(4.0) / 4), persistent=False)
+        self.register_buffer("positions", torch.arange(4))
+        self.writes = writes
+
+    def init_fn(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight)
+        if module is self:
+            for name in self.writes:
+                getattr(self, name).copy_(getattr(_Rotary(), name))
+
+
+@pytest.mark.parametrize("left", ["scale", "inv_freq", "positions"])
+def test_a_meta_tensor_no_init_wrote_is_one_sentence_not_zeros(left):
+    writes = [n for n in ("scale", "inv_freq", "positions") if n != left]
+    with torch.device("meta"):
+        model = _Rotary(writes)
+    kind = "parameter" if left == "scale" else "buffer"
+    with pytest.raises(ConfigError, match=rf"^{kind} '{left}' is on the meta device and _Rotary has no "
+                                          r"reset_parameters\(\) and init_fn did not write all of its values, so "
+                                          r"what _Rotary.__init__ put there is lost; set it in "):
+        hybrid.materialize(model, init_fn=model.init_fn)
+    with torch.device("meta"):
+        model = _Rotary(["scale", "inv_freq", "positions"])
+    hybrid.materialize(model, init_fn=model.init_fn)  # an init that writes them all: the ordinary values
+    ordinary = _Rotary()
+    for name in ("scale", "inv_freq", "positions"):
+        assert torch.equal(getattr(model, name), getattr(ordinary, name)), name
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_weights_file_round_trip(tmp_path, suffix):
     source = GPT(TINY, seed=9)
