@@ -19,7 +19,8 @@ the values are
    parent's reset of a child's tensor is superseded by the child's own); with ``init_fn``, what
    ``model.apply(init_fn)`` after an ordinary build gives (Hugging Face's ``post_init``): the module's
    ``reset_parameters``, then ``init_fn`` on it and on each of its ancestors, nearest first (the rest of the
-   model on ``meta``), so a parent's init of its children's tensors wins.
+   model on ``meta``), so a parent's init of its children's tensors wins. A meta tensor that no init writes
+   in full (what its ``__init__`` computed is gone on meta) is a ``ConfigError`` naming it, never zeros.
 
 So the values depend on ``seed`` and the names only, never on the DP size, ZeRO stage or TP degree: every
 layout builds the same model. ``materialize(model, seed=...)`` applies the same rules to a whole model
