@@ -52,7 +52,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
 from hybrid.comm import Comm
-from hybrid.errors import CheckpointError, CheckpointWriteError, first_line
+from hybrid.errors import CheckpointError, CheckpointWriteError, UsageError, first_line
 from hybrid.param_attrs import tensor_parallel_dim
 from hybrid.state_entries import BUFFER, state_dict_entries
 
@@ -156,6 +156,10 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     ``extra`` (JSON-serializable, rank 0's value is kept) comes back from ``load`` as ``Resumed.extra``;
     ``keep_last`` prunes older complete checkpoints (None keeps all).
     """
+    pending = engine.unsaved_gradients()
+    if pending is not None:
+        raise UsageError(f"cannot save a checkpoint now: {pending}, and a checkpoint holds no gradients, so a "
+                         "resume from it would drop them; save right after an engine.step() that returned True")
     world = _World.of(engine)
     views = engine.shard_views()
     plain = _PlainState.of(engine.module)

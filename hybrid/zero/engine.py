@@ -72,6 +72,7 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 from __future__ import annotations
 
 import logging
+from typing import Optional
 from dataclasses import dataclass
 
 import torch
@@ -527,6 +528,17 @@ class ZeroEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step's ``step()`` will step the optimizer."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def unsaved_gradients(self) -> Optional[str]:
+        """What a checkpoint taken now would lose, or None: a checkpoint holds no gradients, so between a
+        backward and its step, or inside an accumulation window, the gradients gathered so far."""
+        into = self.micro_steps % self.config.gradient_accumulation_steps
+        if self._awaiting_step:
+            return "engine.backward() ran without its engine.step(), so its gradients are pending"
+        if into:
+            return (f"{into} of the {self.config.gradient_accumulation_steps} micro-steps of this optimizer step "
+                    "(gradient_accumulation_steps) have run, so their gradients are accumulated but not applied")
+        return None
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
         """``hybrid.checkpoint.save(save_dir, engine, global_step, extra=client_state)`` (a collective); the

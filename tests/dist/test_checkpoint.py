@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import hybrid
 from hybrid import checkpoint
 from hybrid.config import TrainConfig
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, UsageError
 from hybrid.local_launch import run_local
 from hybrid.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
@@ -816,7 +816,16 @@ def _deepspeed_names_runs(run_dir: str) -> dict:
     again = hybrid.initialize(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), config)
     loaded, client_state = again.load_checkpoint(run_dir)
     same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), again.full_state_dict().values()))
-    return dict(boundaries=boundaries, path=path, loaded=loaded, client_state=client_state, same=same,
+    refused = []  # a checkpoint holds no gradients: none is taken while some are pending
+    engine.backward(engine(x[rank::world]).square().mean())
+    for _ in range(2):  # between a backward and its step, then between the window's two micro-steps
+        try:
+            engine.save_checkpoint(run_dir)
+        except UsageError as err:
+            refused.append(str(err))
+        if engine.micro_steps % 2 == 0:
+            engine.step()
+    return dict(boundaries=boundaries, path=path, loaded=loaded, client_state=client_state, same=same, refused=refused,
                 steps=(engine.global_steps, again.global_steps), lr=again.get_lr(),
                 norm=engine.get_global_grad_norm() == engine.last_grad_norm,
                 training=(engine.eval().module.training, engine.train().module.training))
@@ -828,3 +837,10 @@ def test_deepspeed_engine_names_train_save_and_load_like_the_hybrid_ones(tmp_pat
         assert res["path"] == res["loaded"] == str(tmp_path / "run" / "checkpoints" / "step-000002")
         assert res["client_state"] == {"epoch": 3} and res["same"] and res["steps"] == (2, 2)
         assert res["lr"] == [0.01] and res["norm"] and res["training"] == (False, True)
+        assert res["refused"] == [
+            "cannot save a checkpoint now: engine.backward() ran without its engine.step(), so its gradients are "
+            "pending, and a checkpoint holds no gradients, so a resume from it would drop them; save right after an "
+            "engine.step() that returned True",
+            "cannot save a checkpoint now: 1 of the 2 micro-steps of this optimizer step (gradient_accumulation_steps) "
+            "have run, so their gradients are accumulated but not applied, and a checkpoint holds no gradients, so a "
+            "resume from it would drop them; save right after an engine.step() that returned True"]
