@@ -46,6 +46,8 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
 * bf16: the model's parameters are bf16, master weights and moments fp32; gradients are summed over DP and
   accumulated over micro-steps in ``zero.reduce_dtype`` (default bf16, the seed's bytes; fp32 as torchtitan
   and Megatron do: autograd's bf16 gradient is added into fp32 buffers by the post-accumulate hook).
+  Floating-point tensors given to the engine's forward (at any depth of its arguments) are cast to bf16, as
+  FSDP's ``cast_forward_inputs`` does; integer ones (token ids, indices) are left as they are.
   fp32: the fp32 parameters are the master weights (no second copy).
 * ``zero.offload_optimizer.device: cpu`` (stages 1-3): the fp32 master and the optimizer state live in host
   memory; each unit's reduced gradient shard is copied to the host as soon as it is reduced (on CUDA on a
@@ -78,6 +80,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from hybrid.comm import Comm
 from hybrid.errors import ConfigError, LossError, UsageError, listing
@@ -272,7 +275,14 @@ class ZeroEngine:
         return runs
 
     # -- training -------------------------------------------------------------------------------------
+    def _cast_input(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        return x
+
     def __call__(self, *args, **kwargs):
+        if self.dtype != torch.float32:  # bf16: floating inputs in the module's dtype, as FSDP's cast_forward_inputs
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
         if self.gatherer is None:
             return self.module(*args, **kwargs)
         self.gatherer.begin_forward()

@@ -315,3 +315,22 @@ def test_full_state_dict_has_state_dicts_keys_and_loads_strictly(stage, bf16):
     assert full["_extra_state"] == {"version": 3}
     fresh.load_state_dict(full, strict=True)
     assert fresh.version == 3
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bf16_engine_casts_floating_inputs_to_bf16(stage):
+    class Mix(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale, index):
+            assert x.dtype == scale["s"].dtype == torch.bfloat16 and index.dtype == torch.int64
+            return (self.fc(x) * scale["s"])[index].float().square().mean()
+
+    engine = hybrid.initialize(Mix(), {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}})
+    x = torch.randn(3, 4, requires_grad=True)  # an fp32 input, as the data loader made it
+    loss = engine(x, {"s": torch.tensor(2.0, dtype=torch.float64)}, index=torch.tensor([0, 2]))
+    engine.backward(loss)
+    assert engine.step() and x.grad is not None and x.grad.dtype == torch.float32  # the cast is differentiable
