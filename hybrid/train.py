@@ -124,7 +124,18 @@ class Context:
         return self.settings.stage
 
     def report(self, metrics: dict) -> None:
-        """Send ``metrics`` (plain numbers, strings, dicts) to the driver, tagged with rank, mesh and step."""
+        """Send ``metrics`` (plain numbers, strings, dicts; tensors become numbers or lists) to the driver,
+        tagged with rank, mesh and step. A report with ``loss`` is a step's (the driver's progress line and
+        metrics.jsonl): its ``loss`` must be a number (a float or a one-element tensor); ``step_time_s``,
+        ``lr``, ``grad_norm`` are optional (``step_metrics`` fills them)."""
+        if not isinstance(metrics, Mapping):
+            raise TrainError(f"ctx.report() takes a dict of metrics, got {type(metrics).__name__}; pass e.g. "
+                             "{'loss': loss.item()}")
+        metrics = _plain(dict(metrics))
+        loss = metrics.get("loss", 0.0)
+        if "loss" in metrics and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+            raise TrainError(f"ctx.report(): 'loss' must be a number (a float or a one-element tensor), got "
+                             f"{type(loss).__name__} {str(loss)[:40]!r}; report the step's loss, e.g. loss.item()")
         record = {"rank": self.rank, "step": self.step, "time": time.time(),
                   "dp_rank": getattr(self.mesh, "dp_rank", 0), "tp_rank": getattr(self.mesh, "tp_rank", 0),
                   **metrics}

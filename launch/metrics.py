@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -62,7 +63,8 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
         by_dp.setdefault(r.get("dp_rank", rank), r)
     dp_records = list(by_dp.values())
     first = records[min(records)]
-    slowest = max(r["step_time_s"] for r in records.values())
+    times = [r["step_time_s"] for r in records.values() if isinstance(r.get("step_time_s"), (int, float))]
+    slowest = max(times) if times else None  # an entrypoint's own report may leave it out
     unit = first.get("throughput_unit", "tokens")
     count = max(r.get(unit, 0) or 0 for r in records.values())
     mem = [model_state_bytes(records[rank].get("memory")) for rank in sorted(records)]
@@ -71,8 +73,19 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     extra = {"memory_measured": measured} if measured else {}  # hybrid.memory_budget, on measured steps
     return {**extra, "step": step, "loss": sum(r["loss"] for r in dp_records) / len(dp_records),
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
-            "throughput": count / slowest if slowest > 0 else 0.0, "throughput_unit": f"{unit}/s",
+            "throughput": count / slowest if slowest else 0.0, "throughput_unit": f"{unit}/s",
             "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}
+
+
+def _finite(value):
+    """``value`` with NaN and infinities as None (JSON has no such numbers: ``jq`` and browsers refuse them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def lines_before(lines: Iterable[str], step: int) -> list[str]:
@@ -115,7 +128,7 @@ class MetricsWriter:
         if self._last_step is None or step <= self._last_step:
             self._rewind(step)
         with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(json.dumps(_finite(entry), allow_nan=False) + "\n")
         self._last_step = step
         if self._tb is not None:
             self._scalars(entry)

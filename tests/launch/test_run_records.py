@@ -4,6 +4,7 @@ metrics.jsonl across restarts, TensorBoard events, the runtime_env, and the new 
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -42,6 +43,27 @@ def test_a_regression_model_is_never_shown_in_tokens():
         progress.add({"rank": rank, "reports": [record]})
     text = out.getvalue() + progress.summary([], 1.0)
     assert "samples/s" in text and "tokens" not in text
+
+
+def test_an_entrypoints_own_report_reaches_metrics_as_plain_finite_json(tmp_path):
+    from hybrid.train import TrainError
+
+    got = []
+    ctx = Context(None, {}, JobSettings(steps=2, micro_batch=2, stage=1), rank=0, world_size=1, reporter=got.append)
+    ctx.step = 1
+    ctx.report({"loss": torch.tensor(2.5), "lr": torch.tensor([1e-3]), "extra": {"a": torch.ones(2)}})
+    assert (got[0]["loss"], got[0]["lr"], got[0]["extra"]) == (2.5, pytest.approx(1e-3), {"a": [1.0, 1.0]})
+    for bad, shown in (("low", "str 'low'"), (None, "NoneType 'None'"), (torch.ones(2), "list '[1.0, 1.0]'")):
+        with pytest.raises(TrainError, match=rf"^ctx.report\(\): 'loss' must be a number \(a float or a "
+                                             rf"one-element tensor\), got {re.escape(shown)}; report"):
+            ctx.report({"loss": bad})
+    entry = step_entry(1, {0: {"rank": 0, "step": 1, "loss": float("nan")}})  # no step_time_s: it is optional
+    assert entry["step_time_s"] is None and entry["throughput"] == 0.0
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write(entry)
+    writer.write({**_entry(2, loss=float("inf")), "grad_norm": float("nan")})
+    rows = [json.loads(line, parse_constant=pytest.fail) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [(r["loss"], r.get("grad_norm")) for r in rows] == [(None, None), (None, None)]  # JSON has no NaN
 
 
 def _entry(step, loss=1.0):
