@@ -262,8 +262,8 @@ def _env(d: Any) -> dict:
     for key, value in d.items():
         if not isinstance(key, str) or not key or "=" in key or "\0" in key:
             raise v.invalid("job.env", "environment variable names: non-empty strings without '='", key)
-        if isinstance(value, (dict, list)) or value is None:
-            raise v.invalid(v.join("job.env", key), "a string or a number", value)
+        if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and "\0" in value):
+            raise v.invalid(v.join("job.env", key), "a string (without a NUL character) or a number", value)
         if isinstance(value, float):  # YAML already turned 1.10 into 1.1: what was written is lost
             raise v.invalid(v.join("job.env", key), f"a string (quote it, as in {key}: '{value}', so it reaches "
                             "the ranks exactly as written) or a whole number", value)
@@ -366,11 +366,31 @@ def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
         raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but module {v.quote(module_name)} cannot be "
                           f"imported{where} ({type(err).__name__}: {v.quote(str(err))[1:-1]}); give a "
                           "module:function importable from there or installed.") from None
+    _check_not_shadowed(module_name, working_dir, field_name, entrypoint)
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but {module_name} has no function "
                           f"{v.quote(fn_name)}; give an importable module:function.")
     return fn
+
+
+def _check_not_shadowed(module_name: str, working_dir, field_name: str, entrypoint: str) -> None:
+    """The working dir's own module of that name must be the one imported: a ``launch.py`` or ``hybrid/`` of the
+    user's loses to the toolkit's packages of those names (imported first, here and on the ranks)."""
+    if working_dir is None:
+        return
+    top = module_name.split(".")[0]
+    mine = [p for p in (Path(working_dir) / f"{top}.py", Path(working_dir) / top) if p.exists()]
+    loaded = getattr(sys.modules.get(top), "__file__", None)
+    if not mine or loaded is None:
+        return
+    try:
+        Path(loaded).resolve().relative_to(Path(working_dir).resolve())
+    except ValueError:
+        raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but the module name {v.quote(top)} is already "
+                          f"taken by {v.quote(str(Path(loaded).parent if loaded.endswith('__init__.py') else loaded))}, "
+                          f"which is imported instead of job.working_dir's {v.quote(mine[0].name)}; rename yours "
+                          "(and the entrypoint) to a name of its own.") from None
 
 
 # -------------------------------------------------------------------------------------------- helpers

@@ -115,3 +115,16 @@ def test_launch_rejects_the_same_files_before_starting_ray(tmp_path, capsys):
     path.write_text(_replace("nodes: 2", "nodes: 0"))
     assert main(["launch", str(path)]) == 2
     assert "cluster.nodes must be" in capsys.readouterr().err
+
+
+def test_a_nul_in_an_env_value_and_a_module_the_toolkit_shadows_are_one_sentence(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(GOOD.replace("  steps: 5\n", '  steps: 5\n  env: {A: "x\\0y"}\n'))
+    with pytest.raises(ConfigError, match=r"^job\.env\.A must be a string \(without a NUL character\) or a number, "):
+        load_spec(path)
+    (tmp_path / "launch.py").write_text("def train(ctx):\n    return 1\n")  # the toolkit's launch package wins
+    path.write_text(GOOD.replace("hybrid.models.gpt:train", "launch:train"))
+    with pytest.raises(ConfigError, match=r"^job\.entrypoint is 'launch:train', but the module name 'launch' is "
+                                          r"already taken by .*, which is imported instead of job\.working_dir's "
+                                          r"'launch\.py'; rename yours"):
+        load_spec(path)
