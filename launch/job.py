@@ -333,7 +333,7 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     where = {p.rank: p for p in group.placement}.get(rank)
     if err is None:
         cause = hung_cause(rank, failures, beats, failed_at, timeout_s)
-        log.error("rank %d hung: %s", rank, cause)
+        log.error("rank %d %s", rank, cause)
         return AttemptOutcome(False, failure=Failure(rank, where.node_index if where else None, cause))
     failure = Failure(rank, where.node_index if where else None, cause_of(err, where.pid if where else None))
     cause = getattr(err, "cause", None)

@@ -376,7 +376,8 @@ def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
 
 def _check_not_shadowed(module_name: str, working_dir, field_name: str, entrypoint: str) -> None:
     """The working dir's own module of that name must be the one imported: a ``launch.py`` or ``hybrid/`` of the
-    user's loses to the toolkit's packages of those names (imported first, here and on the ranks)."""
+    user's loses to the toolkit's packages of those names, and a ``queue.py`` to the standard library's, when
+    they were imported first (here and on the ranks)."""
     if working_dir is None:
         return
     top = module_name.split(".")[0]
@@ -384,13 +385,34 @@ def _check_not_shadowed(module_name: str, working_dir, field_name: str, entrypoi
     loaded = getattr(sys.modules.get(top), "__file__", None)
     if not mine or loaded is None:
         return
+    loaded_path = Path(loaded).resolve()
+    if _inside(loaded_path, Path(working_dir).resolve()) or not any(_inside(loaded_path, d) for d in _installed_dirs()):
+        return  # the user's own module (a rank may import it from the job's original directory)
+    raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but the module name {v.quote(top)} is already "
+                      f"taken by {v.quote(str(Path(loaded).parent if loaded.endswith('__init__.py') else loaded))}, "
+                      f"which is imported instead of job.working_dir's {v.quote(mine[0].name)}; rename yours "
+                      "(and the entrypoint) to a name of its own.")
+
+
+def _inside(path: Path, directory: Path) -> bool:
     try:
-        Path(loaded).resolve().relative_to(Path(working_dir).resolve())
+        path.relative_to(directory)
+        return True
     except ValueError:
-        raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but the module name {v.quote(top)} is already "
-                          f"taken by {v.quote(str(Path(loaded).parent if loaded.endswith('__init__.py') else loaded))}, "
-                          f"which is imported instead of job.working_dir's {v.quote(mine[0].name)}; rename yours "
-                          "(and the entrypoint) to a name of its own.") from None
+        return False
+
+
+def _installed_dirs() -> list:
+    """Where modules that are not the user's live: the toolkit's own packages, the standard library,
+    site-packages."""
+    import sysconfig
+
+    root = Path(__file__).resolve().parents[1]
+    dirs = {root / "hybrid", root / "launch"}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        if sysconfig.get_paths().get(key):
+            dirs.add(Path(sysconfig.get_paths()[key]).resolve())
+    return sorted(dirs)
 
 
 # -------------------------------------------------------------------------------------------- helpers

@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import threading
+import traceback
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -236,6 +237,13 @@ class RankWorker:
         except KeyboardInterrupt as interrupt:  # Ray would report a cancelled task
             raise RuntimeError(f"the entrypoint raised KeyboardInterrupt({', '.join(map(repr, interrupt.args))})"
                                ) from interrupt
+        except Exception as err:
+            if _round_trips(err):
+                raise
+            # The driver could not rebuild it (an __init__ with other arguments than its args): Ray would
+            # report "Failed to deserialize exception" instead of the cause. The traceback stays in this log.
+            traceback.print_exc()
+            raise RuntimeError(f"{type(err).__name__}: {err}") from None
 
     def drain(self) -> dict:
         """Reports buffered since the last drain, the NVML samples of this node (local rank 0 only), and
@@ -264,6 +272,15 @@ class RankWorker:
     def _report(self, record: dict) -> None:
         with self._lock:
             self._reports.append(record)
+
+
+def _round_trips(err: BaseException) -> bool:
+    """Whether the driver can unpickle ``err`` (Ray sends a rank's exception pickled)."""
+    try:
+        ray.cloudpickle.loads(ray.cloudpickle.dumps(err))
+        return True
+    except Exception:  # noqa: BLE001 -- any failure means the driver would get none of it
+        return False
 
 
 def _sendable(result, entrypoint: str, rank: int):

@@ -182,3 +182,15 @@ def test_a_dropped_cluster_session_makes_no_ray_call_at_teardown(monkeypatch):
     group.actors, group.pg = ["actor"], "pg"
     group.shutdown(graceful=True)
     assert calls == [] and group.actors == [] and group.pg is None
+
+
+class _TwoArgError(Exception):
+    def __init__(self, what, code):  # pickling passes only args=(message,): unpickling raises TypeError
+        super().__init__(f"{what} failed with {code}")
+
+
+def test_an_exception_the_driver_cannot_unpickle_is_sent_as_its_type_and_message():
+    from launch.workers import _round_trips
+
+    assert _round_trips(ValueError("plain")) and _round_trips(ConfigError("a sentence"))
+    assert not _round_trips(_TwoArgError("download", 3))
