@@ -60,6 +60,7 @@ from hybrid.train import JobSettings
 from hybrid.units import count
 from launch import memory_loop, ray_cluster, replan, signals
 from launch.display import Progress
+from launch.log_forwarding import LogActivity
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
 from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
@@ -250,17 +251,18 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
     spec = plan.spec
     # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
-    shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
     env = runtime_env(spec)
     env["env_vars"]["HYBRID_JOB_ID"] = plan.job_id
     if spec.cluster.address.startswith("ray://"):  # the working dir went with the job at connect time
         env = {"env_vars": env["env_vars"]}
     else:
         env = ship(env)
+    shared_dir = tempfile.mkdtemp(prefix="hybrid-rendezvous-") if spec.cluster.is_local else None
     group = WorkerGroup(spec.cluster.nodes, spec.cluster.gpus_per_node, bool(plan.use_gpus),
                         env=env.pop("env_vars"), shared_dir=shared_dir, runtime_env=env,
                         isolate_gpus=spec.job.isolate_gpus)
     graceful = False
+    logs = LogActivity()
     try:
         try:
             placement = group.start(spec.job.placement_timeout_s)
@@ -279,6 +281,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
         refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan, choice),
                          working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
         outcome = _collect(group, refs, progress, spec.job.collective_timeout_s)
+        logs.settle()  # the ranks' last lines reach the terminal before the summary and the teardown
         outcome.placement = placement
         graceful = outcome.ok
         return outcome
@@ -286,6 +289,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
         return AttemptOutcome(False, failure=Failure(None, None, f"the connection to the Ray cluster at "
                                                      f"{spec.cluster.address} was lost ({err})"), retryable=False)
     finally:
+        logs.close()
         group.shutdown(graceful=graceful)
         if shared_dir is not None:
             shutil.rmtree(shared_dir, ignore_errors=True)

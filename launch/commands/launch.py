@@ -18,8 +18,9 @@ from typing import Optional
 
 import click
 
-from hybrid.errors import UserError
+from hybrid.errors import UserError, first_line
 from launch.cli import EXIT_FAILED
+from launch.log_forwarding import no_dedup
 from launch.spec import load_spec
 
 
@@ -27,18 +28,13 @@ class RayMissing(UserError):
     """``hybrid launch`` was run where Ray cannot be imported."""
 
 
-def _first_line(err: Exception) -> str:
-    """The first line of ``err``'s message (its type's name when it has none)."""
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 def require_ray() -> None:
     """Import Ray, or raise ``RayMissing`` (one sentence: what needs it, how to install it, what runs without)."""
+    no_dedup()  # Ray reads it when imported
     try:
         import ray  # noqa: F401
     except ImportError as err:
-        raise RayMissing(f"hybrid launch needs Ray, which cannot be imported here ({_first_line(err)}); install it with "
+        raise RayMissing(f"hybrid launch needs Ray, which cannot be imported here ({first_line(err, type(err).__name__)}); install it with "
                          f"`pip install ray`, or run your entrypoint under torchrun, where the library itself "
                          f"needs no Ray.") from None
 
