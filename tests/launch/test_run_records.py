@@ -143,9 +143,10 @@ def test_job_fields_run_dir_working_dir_and_env(tmp_path, monkeypatch):
     assert _spec(tmp_path, checkpoint={"dir": "ckpt"}).job.run_dir == tmp_path / "ckpt"
     for job, message in [({"working_dir": "nowhere"}, "job.working_dir is 'nowhere', but"),
                          ({"env": ["A"]}, "job.env must be a mapping like {MY_FLAG: '1'}, got list ['A']."),
-                         ({"env": {"A": {"b": 1}}}, "job.env.A must be a string or a number, got {'b': 1}."),
+                         ({"env": {"A": {"b": 1}}},
+                          "job.env.A must be a string (without a NUL character) or a number, got {'b': 1}."),
                          ({"run_dir": 3}, "job.run_dir must be a directory path for metrics and logs, got 3.")]:
-        with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[").replace("(", r"\(")):
+        with pytest.raises(ConfigError, match="^" + re.escape(message)):
             _spec(tmp_path, **job)
 
 
