@@ -351,9 +351,11 @@ def check_entrypoint(entrypoint: Any, working_dir: Optional[Path] = None) -> Non
 
 
 def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
-                       working_dir: Optional[str | os.PathLike] = None) -> Callable:
+                       working_dir: Optional[str | os.PathLike] = None, check_shadowing: bool = True) -> Callable:
     """Import ``module:function`` and return the function; ``working_dir`` goes first on ``sys.path``
-    (as Ray puts a job's working_dir first on its workers)."""
+    (as Ray puts a job's working_dir first on its workers). The driver also refuses a working-dir module that
+    an installed one of that name shadows (``check_shadowing``; a rank, which imports from its shipped copy,
+    leaves that to the driver)."""
     if not isinstance(entrypoint, str) or entrypoint.count(":") != 1 or not all(entrypoint.split(":")):
         raise v.invalid(field_name, "module:function, e.g. hybrid.models.gpt:train", entrypoint)
     module_name, fn_name = entrypoint.split(":")
@@ -366,7 +368,8 @@ def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
         raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but module {v.quote(module_name)} cannot be "
                           f"imported{where} ({type(err).__name__}: {v.quote(str(err))[1:-1]}); give a "
                           "module:function importable from there or installed.") from None
-    _check_not_shadowed(module_name, working_dir, field_name, entrypoint)
+    if check_shadowing:
+        _check_not_shadowed(module_name, working_dir, field_name, entrypoint)
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"{field_name} is {v.quote(entrypoint)}, but {module_name} has no function "

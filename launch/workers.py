@@ -221,7 +221,7 @@ class RankWorker:
         here = os.getcwd()  # the copy of the job's working_dir on this node, when one was shipped
         local_path = (lambda path: localize_shipped(path, working_dir, here)) if working_dir else None
         local_config = local_path(model_config_path) if local_path else model_config_path
-        fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None)
+        fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None, check_shadowing=False)
         with open(local_config) as f:
             model_config = yaml.safe_load(f)
         self._ctx = Context(self._mesh, model_config, settings, model_config_path=local_config,
