@@ -8,7 +8,9 @@ stats, after ``launch.capacity`` confirmed this machine can host it. Its Ray tem
 address out of ``/tmp/ray/ray_current_cluster`` (where ``address: auto`` of another process would find
 it), and lets the teardown kill any process of it that a Ctrl-C in the middle of a node's start left
 unregistered. Leaving the block (normally, on an error, on Ctrl-C or SIGTERM) shuts the driver and every
-node down.
+node down. Its Ray processes run in sessions of their own, so a signal to the launcher's process group
+(a terminal's Ctrl-C or hangup, GNU ``timeout``, ``kill -- -PGID``) reaches the launcher alone and the
+teardown stops them in order; while it runs, SIGHUP is an interrupt too unless ignored (``nohup``).
 
 ``auto`` and ``ray://host:port`` attach to a running cluster, start nothing and only disconnect on exit.
 ``auto`` means ``RAY_ADDRESS`` when set, else the cluster ``ray start`` recorded in Ray's default temp
@@ -28,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -102,7 +105,11 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
     """Start an embedded Ray cluster of ``nodes`` nodes on 127.0.0.1 and connect the driver to it. Its temp
     directory goes at teardown; its session logs are moved to ``keep_logs`` first when given."""
     os.environ.update(_LOCAL_ENV)  # for every Ray process started below, which inherit it
-    with signals.as_interrupt():
+    # The nodes run in sessions of their own (``_own_sessions``): a terminal's hangup reaches the launcher
+    # alone, so it is an interrupt too, unless ignored (``nohup``); else the launcher died of it at once and
+    # left the raylets' agents orphaned.
+    ours = signals.with_hangup()
+    with signals.as_interrupt(*ours):
         import ray
         from ray._private import ray_constants
         from ray.cluster_utils import Cluster
@@ -119,18 +126,19 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
             log.info("starting embedded Ray: %d nodes x %d CPUs on %s", nodes, ranks_per_node, LOOPBACK)
             try:
                 cluster = Cluster(initialize_head=False)
-                for i in range(nodes):
-                    cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
-                    signals.take_back()  # each node's start installed a SIGTERM handler of Ray's own
+                with _own_sessions():
+                    for i in range(nodes):
+                        cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
+                        signals.take_back(*ours)  # each node's start installed a SIGTERM handler of Ray's own
                 cluster.wait_for_nodes()
                 ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
             except SystemExit as exit_:  # Ray's SIGTERM handler (a node's, ray.init's) exits rather than raise
                 raise KeyboardInterrupt("SIGTERM while the embedded cluster started") from exit_
-            with signals.as_interrupt():  # again: ray.init installed a SIGTERM handler of its own
+            with signals.as_interrupt(*ours):  # again: ray.init installed a SIGTERM handler of its own
                 yield cluster
         finally:
-            with signals.ignored():  # a second Ctrl-C must not cut the teardown short
-                _shutdown(ray, cluster)
+            with signals.ignored(*ours):  # a second Ctrl-C must not cut the teardown short
+                _shutdown(ray, cluster, ours)
                 _kill_marked(base)
                 if keep_logs is not None:
                     _keep_logs(base, keep_logs)
@@ -357,13 +365,61 @@ def _node_args(index: int, ranks_per_node: int, head: bool) -> dict:
     return args
 
 
-def _shutdown(ray, cluster) -> None:
+@contextlib.contextmanager
+def _own_sessions() -> Iterator[None]:
+    """Inside the block every Ray process this driver starts (GCS, raylet, log monitor; the raylet's
+    workers and agents follow their raylet) gets a session, and so a process group, of its own.
+
+    A signal to the launcher's process group -- a terminal's Ctrl-C, GNU ``timeout``, ``kill -- -PGID`` --
+    then reaches the launcher alone, which stops the nodes itself by pid (``_shutdown``, ``_kill_marked``).
+    Left in the launcher's group, a group SIGTERM killed the GCS and the raylets at the same instant as it
+    interrupted the launcher, whose teardown then waited on the dead GCS until Ray's 60 s reconnect timeout
+    aborted it (exit 1, no teardown, temp dirs and logs left). SIGINT never hit this only because Ray
+    blocks it in its children. A session rather than just a group: no job control of the terminal (hangup,
+    SIGTTOU on output) applies to them either.
+
+    Only where the kernel kills Ray's processes when their parent dies (``PR_SET_PDEATHSIG``, Linux),
+    as Ray itself decides on Windows: without it Ray's reaper cleans up by the launcher's process group,
+    which its processes must then share. A Ray whose private start-up API has another shape keeps its own
+    behaviour.
+
+    Why here and not in the teardown (skipping Ray's calls once the GCS is found dead): the call that
+    waits is not the cluster's teardown but the job's (the worker group's placement-group removal, a GCS
+    request), and with the GCS gone Ray's core worker aborts the whole process after its 60 s reconnect
+    timeout whatever the launcher does meanwhile. Kept out of the signal, the cluster stays whole until
+    the launcher has stopped its ranks and nodes in order. A kill of every process of a control group
+    (systemd's ``KillMode=control-group``, Slurm's) still reaches the nodes directly."""
+    try:
+        from ray._private import services
+        from ray._private.utils import detect_fate_sharing_support
+
+        popen = services.ConsolePopen
+        own = sys.platform.startswith("linux") and bool(detect_fate_sharing_support())
+    except (ImportError, AttributeError):
+        own = False
+    if not own:
+        yield
+        return
+
+    class OwnSessionPopen(popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
+
+
+def _shutdown(ray, cluster, ignoring=signals.BOTH) -> None:
     # Never let a failing teardown hide the error that brought us here, and never skip killing the nodes.
     try:
         ray.shutdown()
     except Exception:  # pragma: no cover - best effort
         log.exception("ray.shutdown failed")
-    signals.reassert()  # the teardown's ignore is back before the nodes are stopped
+    signals.reassert(*ignoring)  # the teardown's ignore is back before the nodes are stopped
     if cluster is not None:
         try:
             cluster.shutdown()

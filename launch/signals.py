@@ -1,7 +1,8 @@
 """SIGINT and SIGTERM as ``KeyboardInterrupt`` (so ``finally`` teardowns run), or ignored for a while.
 
 ``as_interrupt(*signals)`` and ``ignored()`` are context managers that install the handler for the
-block and restore the previous ones after it; ``take_back()`` re-installs the interrupt inside a block
+block and restore the previous ones after it; ``with_hangup()`` adds SIGHUP to a set unless it is
+ignored (``nohup``); ``take_back()`` re-installs the interrupt inside a block
 after a library replaced it; ``reassert()`` re-installs whatever Python believes is installed, after a
 library reset it beneath Python. Off the main thread they change nothing (Python allows
 signal handlers only there).
@@ -14,6 +15,17 @@ import signal
 from typing import Iterator
 
 BOTH = (signal.SIGTERM, signal.SIGINT)
+
+
+def with_hangup(signals=BOTH) -> tuple:
+    """``signals`` plus SIGHUP unless SIGHUP is ignored now (``nohup``, which must keep working): for a
+    block whose child processes do not get a terminal's hangup themselves (an embedded Ray cluster in
+    sessions of its own), so that a hangup stops them through the block's teardown instead of killing
+    this process outright and orphaning them. Call it before the block installs anything."""
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is None or hup in signals or signal.getsignal(hup) == signal.SIG_IGN:
+        return tuple(signals)
+    return (*signals, hup)
 
 
 def _raise_interrupt(signum, frame):
