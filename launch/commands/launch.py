@@ -52,7 +52,7 @@ def launch_command(cluster_file: str, steps: Optional[int], stage: Optional[int]
       0    every rank finished
       1    the job failed while running (the error line names the rank and cause)
       2    a problem you can fix: bad cluster file or option, no Ray cluster, model that cannot fit
-      130  interrupted by Ctrl-C (SIGINT) or SIGTERM; every Ray process started is stopped
+      130  interrupted by Ctrl-C (SIGINT), SIGTERM or SIGHUP; every Ray process started is stopped
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = load_spec(cluster_file).with_overrides(steps=steps, stage=stage)
