@@ -149,13 +149,17 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
 
 def _keep_logs(base: str, keep_logs: Path) -> None:
     """Move the session logs out of the embedded cluster's temp dir before it is removed (best effort: a
-    failure to keep logs must not fail the job)."""
+    failure to keep logs must not fail the job). The logs already there, the previous launch's (a failed
+    run's, say, rerun to resume), become ``<keep_logs>.previous``."""
     sessions = sorted(Path(base).glob("ray/session_2*/logs"))
     if not sessions:
         return
     try:
         target = Path(keep_logs)
-        shutil.rmtree(target, ignore_errors=True)
+        if target.exists():
+            previous = target.with_name(target.name + ".previous")
+            shutil.rmtree(previous, ignore_errors=True)
+            target.rename(previous)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(sessions[-1]), str(target))
     except OSError as err:

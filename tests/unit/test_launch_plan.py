@@ -392,3 +392,19 @@ def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_conf
     assert sum(p.numel() for p in model.parameters()) == 134_912 and model.tok_emb.weight.is_meta
     with pytest.raises(ConfigError, match="no model: mapping .* define build_model"):
         build_model({"params": "7B"})
+
+
+def test_kept_logs_move_the_previous_launchs_aside(tmp_path):
+    from launch.ray_cluster import _keep_logs
+
+    def session(name):
+        logs = tmp_path / name / "ray" / "session_2026-12-02" / "logs"
+        logs.mkdir(parents=True)
+        (logs / "worker.out").write_text(name)
+        return str(tmp_path / name)
+
+    kept = tmp_path / "run" / "ray-logs"
+    for name in ("first", "second", "third"):
+        _keep_logs(session(name), kept)
+    assert (kept / "worker.out").read_text() == "third"
+    assert (kept.parent / "ray-logs.previous" / "worker.out").read_text() == "second"
