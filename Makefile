@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
