@@ -118,12 +118,19 @@ def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return p
 
 
-def _unwritten(dtype: torch.dtype):
+def _unwritten_fill(dtype: torch.dtype):
     """What a tensor holds before the module's own init runs, so what the init never wrote can be told: NaN,
     or an integer dtype's lowest value (an init never writes either); bool cannot be told (False)."""
     if dtype.is_floating_point or dtype.is_complex:
         return float("nan")
     return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _still_unwritten(t: torch.Tensor) -> bool:
+    """Whether some element of ``t`` still holds ``_unwritten_fill`` (NaN compares unequal, so it is tested apart)."""
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.isnan().any())
+    return t.dtype != torch.bool and bool((t == _unwritten_fill(t.dtype)).any())
 
 
 def value_dtype(t: torch.Tensor) -> torch.dtype:
@@ -141,7 +148,7 @@ class ModuleValues:
     module: nn.Module
     entries: list
     _fallback: Optional[dict] = field(default=None, repr=False)
-    _unwritten: set = field(default_factory=set, repr=False)  # names no init wrote all of (``_unwritten``)
+    _unwritten: set = field(default_factory=set, repr=False)  # meta tensors' names no init wrote all of
 
     def values(self, entry: TensorEntry, lo: int, hi: int) -> torch.Tensor:
         src = self.sources
@@ -202,7 +209,7 @@ class ModuleValues:
                               "init_fn=, attach a hybrid.param_init initializer, or build it off meta.")
         copies = {}  # id(the entry's tensor) -> its CPU copy, wherever the model holds it (tied aliases too)
         for e in self.entries:
-            cpu = torch.full(e.tensor.shape, _unwritten(e.tensor.dtype), dtype=e.tensor.dtype, device="cpu")
+            cpu = torch.full(e.tensor.shape, _unwritten_fill(e.tensor.dtype), dtype=e.tensor.dtype, device="cpu")
             copies[id(e.tensor)] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad) if e.is_param else cpu
         # Without init_fn only the module's own reset runs; with it, its ancestors' init too (the whole model).
         scope = module if init_fn is None else self.sources.model
@@ -216,9 +223,7 @@ class ModuleValues:
         # what the module holds counts: its copy, or a tensor an init put in its place (module.weight = ...)
         out = {e.name: (held[e.key] if held[e.key] is not None and not held[e.key].is_meta
                         else copies[id(e.tensor)]).detach() for e in self.entries}
-        self._unwritten = {e.name for e in self.entries
-                           if e.tensor.is_meta and (out[e.name] == _unwritten(out[e.name].dtype)).any()
-                           or out[e.name].is_floating_point() and out[e.name].isnan().any()}
+        self._unwritten = {e.name for e in self.entries if e.tensor.is_meta and _still_unwritten(out[e.name])}
         return out
 
     def _as_after_construction(self, own_init: Optional[Callable], init_fn: Callable) -> None:
