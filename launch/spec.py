@@ -412,9 +412,8 @@ def _installed_dirs() -> list:
 
     root = Path(__file__).resolve().parents[1]
     dirs = {root / "hybrid", root / "launch"}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        if sysconfig.get_paths().get(key):
-            dirs.add(Path(sysconfig.get_paths()[key]).resolve())
+    paths = sysconfig.get_paths()
+    dirs.update(Path(paths[key]).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(key))
     return sorted(dirs)
 
 
