@@ -31,7 +31,7 @@ from fractions import Fraction
 
 from hybrid import validate as v
 from hybrid.errors import ConfigError
-from hybrid.validate import PRECISIONS, STAGES
+from hybrid.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -68,7 +68,7 @@ def _check_precision(precision: str) -> tuple[int, int, int]:
 
 
 def model_state_bytes(
-    params: int, dp: int, stage: int, tp: int = 1, precision: str = "bf16"
+    params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION
 ) -> ModelStateBytes:
     """Per-GPU bytes of parameters, gradients and optimizer states at ZeRO ``stage``."""
     params = _positive_int(params, "params")
@@ -85,7 +85,7 @@ def model_state_bytes(
     return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
 
 
-def all_stages(params: int, dp: int, tp: int = 1, precision: str = "bf16") -> dict[int, ModelStateBytes]:
+def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> dict[int, ModelStateBytes]:
     """``model_state_bytes`` for every stage, keyed 0..3."""
     return {stage: model_state_bytes(params, dp, stage, tp, precision) for stage in STAGES}
 
@@ -166,7 +166,7 @@ class OffloadBytes:
     host: int | float
 
 
-def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = "bf16") -> OffloadBytes:
+def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> OffloadBytes:
     """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
     states = model_state_bytes(params, dp, stage, tp, precision)
     if stage == 0:
@@ -301,7 +301,7 @@ def _as_units(units) -> ModelUnits:
     return units if isinstance(units, ModelUnits) else ModelUnits.from_lists(units)
 
 
-def unit_layout(units, stage: int, dp: int, precision: str = "bf16",
+def unit_layout(units, stage: int, dp: int, precision: str = DEFAULT_PRECISION,
                 reduce_bucket_size: int = 500_000_000, param_persistence_threshold: int = 100_000):
     """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage
     (``hybrid.zero.partition.unit_groups``); ``units`` is a ``ModelUnits`` or a list of per-unit numel lists."""
@@ -314,7 +314,7 @@ def unit_layout(units, stage: int, dp: int, precision: str = "bf16",
     return build_layout(list(units.numels), groups, dp if stage >= 1 else 1, align), persistent
 
 
-def predict_memory(units, dp: int, stage: int, precision: str = "bf16", *,
+def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISION, *,
                    activations: float = 0, zero=None,
                    runtime_reserve: float = 0, device: str = "cuda") -> MemoryPrediction:
     """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks for a model whose trainable
@@ -400,7 +400,7 @@ def _waiting_buckets(units: list, cap: int) -> int:
 
 
 def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
-                         tp: int = 1, precision: str = "bf16", mlp_ratio: int = 4,
+                         tp: int = 1, precision: str = DEFAULT_PRECISION, mlp_ratio: int = 4,
                          checkpointing: bool = False) -> int:
     """Activation bytes of the built-in GPT at the start of backward (its peak), for one micro-batch.
 

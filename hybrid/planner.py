@@ -36,7 +36,7 @@ from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, offload_bytes
 from hybrid.units import human_bytes as _gb
-from hybrid.validate import STAGES
+from hybrid.validate import DEFAULT_PRECISION, STAGES
 
 # The largest GPU count the planner suggests or takes (``hybrid estimate --gpus``): beyond any real cluster.
 MAX_GPUS = 10**7
@@ -218,7 +218,7 @@ def choose_stage(
     dp: int,
     tp: int,
     gpu_memory_bytes: float,
-    precision: str = "bf16",
+    precision: str = DEFAULT_PRECISION,
     activation_bytes: float = 0.0,
     headroom: float = 0.1,
     forced_stage: int | None = None,

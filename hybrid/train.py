@@ -41,6 +41,7 @@ import torch
 from hybrid import checkpoint
 from hybrid.errors import UserError
 from hybrid.memory_budget import MemoryMeter, should_measure
+from hybrid.validate import DEFAULT_PRECISION
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class JobSettings:
     steps: int
     micro_batch: int
     stage: int
-    precision: str = "bf16"
+    precision: str = DEFAULT_PRECISION
     seed: int = 0
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Optional
 from hybrid.errors import ConfigError
 
 PRECISIONS = ("bf16", "fp32")
+DEFAULT_PRECISION = "bf16"  # the GPU default: the seed's bytes (bf16 parameters and gradients, fp32 masters)
 STAGES = (0, 1, 2, 3)
 # Seeds feed torch.Generator.manual_seed, also as seed * 1_000_003 + step (hybrid.data): 32 bits keeps
 # that product inside the generator's 64-bit range for any step count.

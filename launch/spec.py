@@ -33,7 +33,7 @@ from hybrid import validate as v
 from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
 from hybrid.planner import check_lever, check_offload_stage
-from hybrid.validate import PRECISIONS
+from hybrid.validate import DEFAULT_PRECISION, PRECISIONS
 from hybrid.yamlfile import load_yaml
 
 ADDRESS_HELP = "'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'"
@@ -107,7 +107,7 @@ class JobSpec:
 class ParallelSpec:
     tp: Optional[int] = None  # None: auto = gpus_per_node for a model with TP layers, else 1
     zero_stage: Optional[int] = None  # None: auto = the planner's choice
-    precision: str = "bf16"
+    precision: str = DEFAULT_PRECISION
     offload: Optional[bool] = None  # optimizer states in host memory; None: auto = the planner's choice
     activation_checkpointing: Optional[bool] = None  # None: auto = the planner's choice
 
@@ -324,7 +324,7 @@ def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
                               f"{cluster.gpus_per_node}; TP groups must lie inside one node, so use a divisor "
                               f"of {cluster.gpus_per_node} or 'auto'.")
     stage = v.stage("parallel.zero_stage", d.get("zero_stage", "auto"), auto=True)
-    precision = v.one_of("parallel.precision", d.get("precision", "bf16"), PRECISIONS)
+    precision = v.one_of("parallel.precision", d.get("precision", DEFAULT_PRECISION), PRECISIONS)
     offload = check_lever("parallel.offload", d.get("offload", "auto"))
     checkpointing = check_lever("parallel.activation_checkpointing", d.get("activation_checkpointing", "auto"))
     check_offload_stage(offload, stage, "parallel.offload", "parallel.zero_stage")

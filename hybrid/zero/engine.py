@@ -85,6 +85,7 @@ from torch.utils._pytree import tree_map
 from hybrid.comm import Comm
 from hybrid.errors import ConfigError, LossError, UsageError, listing
 from hybrid.config import TrainConfig
+from hybrid.cpu_bf16 import slow_bf16_note
 from hybrid.value_sources import ValueSources, has_meta
 from hybrid.param_attrs import is_tensor_parallel, tensor_parallel_dim
 from hybrid.zero.buckets import GradReducer
@@ -153,6 +154,7 @@ class ZeroEngine:
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = resolve_device(self.params, device)
+        _note_slow_bf16(self.device, self.dtype)
         tp_rank, tp = (self.tp_comm.rank, self.tp_comm.size) if self.tp_comm is not None else (0, 1)
         # Weights are checked (names, shapes) before anything is allocated.
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
@@ -671,6 +673,14 @@ def _note_cast(module: nn.Module, dtype: torch.dtype) -> None:
         name = str(dtype).replace("torch.", "")
         log.warning("the model's parameters are %s; hybrid runs the module in %s, the config's precision "
                     "(bf16: {\"enabled\": true} selects bf16), so give it %s inputs", " and ".join(odd), name, name)
+
+
+def _note_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
+    """bf16 on a CPU without native bf16 matmul is ~100x slower than fp32: say so (once, on the first rank)."""
+    if dtype == torch.bfloat16 and (not dist.is_initialized() or dist.get_rank() == 0):
+        note = slow_bf16_note(device)
+        if note is not None:
+            log.warning("%s", note)
 
 
 def _refuse_complex(named) -> None:

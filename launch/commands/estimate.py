@@ -33,7 +33,7 @@ from hybrid.memory import activation_bytes, gpt_activation_bytes, parse_count
 from hybrid.models.gpt_config import GPTConfig, shape_violation
 from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage
 from hybrid.units import human_bytes
-from hybrid.validate import PRECISIONS, STAGES
+from hybrid.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
 from launch.spec import MAX_GPU_MEMORY_GB
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
@@ -149,7 +149,7 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
 @click.option("--gpus", type=int, required=True, help="Total GPU count (DP × TP).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree; DP = gpus / tp.")
 @click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="Memory per GPU in GB (10^9).")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True)
 @click.option("--headroom", type=float, default=0.1, show_default=True, help="Fraction of memory kept free.")
 @click.option("--layers", type=int, help="Transformer layers (with --hidden --heads --seq --micro-batch).")
 @click.option("--hidden", type=int, help="Hidden size.")
