@@ -54,7 +54,9 @@ def _pgid(pid: int) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"])
+# INT: Ctrl-C in a terminal; HUP: the terminal closed. A group TERM (GNU timeout, kill -- -PGID) takes the same
+# path as INT here and as TERM to the launcher alone in test_launch_cli.py.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["INT", "HUP"])
 def test_a_signal_to_the_launchers_process_group_stops_everything_and_exits_130(tmp_path, signum):
     proc = _start_in_own_session(_cluster_file(tmp_path))
     lines, marked, took = [], None, None

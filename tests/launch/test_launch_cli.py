@@ -89,8 +89,9 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
     assert wait_gone(launcher_pid(proc, trace)) == [] and watch.wait_survivors() == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_ctrl_c_and_sigterm_tear_everything_down_and_exit_130(tmp_path, signum):
+def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_path):
+    """``kill PID``. Ctrl-C (SIGINT to the terminal's process group), a group SIGTERM and a hangup are
+    tests/launch/test_group_signal.py's: one signal handler serves all of them."""
     proc = start(cluster_file(tmp_path, steps=5000))
     watch = NetWatch(proc.pid).start()
     lines = []
@@ -99,7 +100,7 @@ def test_ctrl_c_and_sigterm_tear_everything_down_and_exit_130(tmp_path, signum):
             lines.append(line)
             if line.startswith("step "):
                 break
-        proc.send_signal(signum)
+        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
         watch.stop()
