@@ -131,6 +131,7 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
                         cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
                         signals.take_back(*ours)  # each node's start installed a SIGTERM handler of Ray's own
                 cluster.wait_for_nodes()
+                _watch_gcs(cluster)
                 ray.init(address=cluster.address, log_to_driver=True, logging_level=logging.WARNING)
             except SystemExit as exit_:  # Ray's SIGTERM handler (a node's, ray.init's) exits rather than raise
                 raise KeyboardInterrupt("SIGTERM while the embedded cluster started") from exit_
@@ -139,6 +140,7 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
         finally:
             with signals.ignored(*ours):  # a second Ctrl-C must not cut the teardown short
                 _shutdown(ray, cluster, ours)
+                _watch_gcs(None)
                 _kill_marked(base)
                 if keep_logs is not None:
                     _keep_logs(base, keep_logs)
@@ -392,7 +394,8 @@ def _own_sessions() -> Iterator[None]:
     request), and with the GCS gone Ray's core worker aborts the whole process after its 60 s reconnect
     timeout whatever the launcher does meanwhile. Kept out of the signal, the cluster stays whole until
     the launcher has stopped its ranks and nodes in order. A kill of every process of a control group
-    (systemd's ``KillMode=control-group``, Slurm's) still reaches the nodes directly."""
+    (systemd's ``KillMode=control-group``, Slurm's) still reaches the nodes directly: then ``gcs_lost``
+    makes the teardown skip its GCS calls, so that it ends before that timeout."""
     try:
         from ray._private import services
         from ray._private.utils import detect_fate_sharing_support
@@ -417,10 +420,67 @@ def _own_sessions() -> Iterator[None]:
         services.ConsolePopen = popen
 
 
+_gcs_pid: Optional[int] = None  # the GCS server of this process's embedded cluster, while it runs
+
+
+def _watch_gcs(cluster) -> None:
+    """Remember the pid of ``cluster``'s GCS server (None: forget it), for ``gcs_lost``."""
+    global _gcs_pid
+    _gcs_pid = None
+    head = getattr(cluster, "head_node", None)
+    try:
+        from ray._private import ray_constants
+
+        _gcs_pid = head.all_processes[ray_constants.PROCESS_TYPE_GCS_SERVER][0].process.pid
+    except (AttributeError, KeyError, IndexError, ImportError):
+        pass  # no cluster, or a Ray whose private layout differs: never reported lost
+
+
+def gcs_lost() -> bool:
+    """Whether this process's embedded cluster lost its GCS server: a kill of every process of the job at
+    once (systemd's ``KillMode=control-group``, Slurm's ``scancel``) reaches the cluster's processes directly.
+    Then a synchronous Ray call that needs the GCS (removing a placement group) waits until Ray's 60 s
+    reconnect timeout aborts the whole process; a teardown skips those calls instead (``within``), and stops
+    the nodes by pid. False on a cluster this process did not start."""
+    return _gcs_pid is not None and not _alive(_gcs_pid)
+
+
+def within(call, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Run ``call()`` (Ray calls that need the GCS) in a helper thread and wait until it returns, ``timeout_s``
+    passes, or this process's embedded cluster loses its GCS (``gcs_lost``): True when it returned. A GCS
+    that is being killed can stop answering before its process is gone, and Ray's synchronous calls (a
+    placement group's removal) then wait for it with no timeout of their own; the teardown goes on without
+    them (the nodes are stopped by pid, a remote cluster reclaims a lost driver's actors and placement group)."""
+    done = threading.Event()
+    failure: list = []
+
+    def run():
+        try:
+            call()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            failure.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ray-teardown-call", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(poll_s):
+        if gcs_lost():
+            log.warning("the embedded Ray cluster's GCS is gone (killed from outside); stopping its nodes by pid")
+            return False
+        if time.monotonic() >= deadline:
+            log.warning("the Ray cluster did not answer a teardown call within %.0f s; going on without it",
+                        timeout_s)
+            return False
+    if failure:
+        raise failure[0]
+    return True
+
+
 def _shutdown(ray, cluster, ignoring=signals.BOTH) -> None:
     # Never let a failing teardown hide the error that brought us here, and never skip killing the nodes.
     try:
-        ray.shutdown()
+        ray.shutdown()  # with the GCS gone it gives up after ~5 s
     except Exception:  # pragma: no cover - best effort
         log.exception("ray.shutdown failed")
     signals.reassert(*ignoring)  # the teardown's ignore is back before the nodes are stopped

@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -45,10 +46,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybrid import heartbeat
 from hybrid.train import JobSettings
 from launch.probe import live_nodes
+from launch.ray_cluster import gcs_lost, within
 
 log = logging.getLogger(__name__)
 
 NVML_SAMPLE_INTERVAL_S = 2.0
+TEARDOWN_CALLS_S = 5.0  # killing the actors and removing the placement group: milliseconds when the GCS answers
 
 
 def _free_nodes(bundle: dict) -> str:
@@ -408,10 +411,13 @@ class WorkerGroup:
 
     def drain(self, timeout_s: float = 30.0) -> list[dict]:
         """Every rank's reports and NVML samples since the last drain (ranks that died are skipped)."""
+        if gcs_lost():
+            return []
         drained = []
+        deadline = time.monotonic() + timeout_s  # one wait for all ranks, not one per rank
         for ref in [actor.drain.remote() for actor in self.actors]:
             try:
-                drained.append(ray.get(ref, timeout=timeout_s))
+                drained.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 continue
         return drained
@@ -426,7 +432,7 @@ class WorkerGroup:
         With the connection to the cluster gone (a Ray Client session that dropped) there is nothing to
         call: the cluster reclaims a lost session's actors and placement group itself, and a Ray call now
         would start a new driver that attaches to whatever cluster it finds on this machine."""
-        if not ray.is_initialized():
+        if not ray.is_initialized() or gcs_lost():  # nothing is reachable, and the nodes are stopped by pid
             self.actors, self.pg = [], None
             return
         if graceful and self.actors:
@@ -434,11 +440,16 @@ class WorkerGroup:
                 ray.get([a.close.remote() for a in self.actors], timeout=30)
             except Exception:  # a dead or hung rank: killing below is enough
                 pass
-        try:
-            for actor in self.actors:
+        actors, pg = self.actors, self.pg
+
+        def release():
+            for actor in actors:
                 ray.kill(actor, no_restart=True)
-            if self.pg is not None:
-                remove_placement_group(self.pg)
+            if pg is not None:
+                remove_placement_group(pg)
+
+        try:
+            within(release, TEARDOWN_CALLS_S)
         except ConnectionError:  # the session dropped while tearing down: the cluster reclaims the rest
             pass
         self.actors, self.pg = [], None

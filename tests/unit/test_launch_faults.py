@@ -194,3 +194,50 @@ def test_an_exception_the_driver_cannot_unpickle_is_sent_as_its_type_and_message
 
     assert _round_trips(ValueError("plain")) and _round_trips(ConfigError("a sentence"))
     assert not _round_trips(_TwoArgError("download", 3))
+
+
+def test_a_teardown_call_is_waited_for_until_it_returns_times_out_or_the_gcs_is_gone(monkeypatch):
+    """A GCS killed from outside (systemd's control-group kill, Slurm's scancel) stops answering before its
+    process is gone, and Ray's placement-group removal then waits forever: the teardown goes on without it."""
+    import subprocess
+    import threading
+    import time
+
+    import pytest
+
+    from launch import ray_cluster
+
+    assert ray_cluster.within(lambda: None, timeout_s=5)
+    with pytest.raises(ConnectionError):
+        ray_cluster.within(lambda: (_ for _ in ()).throw(ConnectionError("session dropped")), timeout_s=5)
+
+    forever = threading.Event()
+    start = time.monotonic()
+    assert not ray_cluster.within(forever.wait, timeout_s=0.5)
+    assert time.monotonic() - start < 3
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setattr(ray_cluster, "_gcs_pid", gone.pid)  # an embedded GCS that died
+    assert ray_cluster.gcs_lost()
+    start = time.monotonic()
+    assert not ray_cluster.within(forever.wait, timeout_s=60)
+    assert time.monotonic() - start < 3
+    monkeypatch.setattr(ray_cluster, "_gcs_pid", None)  # a cluster this process did not start
+    assert not ray_cluster.gcs_lost()
+    forever.set()
+
+
+def test_with_the_embedded_gcs_gone_the_teardown_makes_no_ray_call(monkeypatch):
+    import launch.workers as workers
+
+    calls = []
+    monkeypatch.setattr(workers, "gcs_lost", lambda: True)
+    monkeypatch.setattr(workers.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(workers.ray, "kill", lambda *a, **k: calls.append("kill"))
+    monkeypatch.setattr(workers, "remove_placement_group", lambda pg: calls.append("remove_placement_group"))
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    group.actors, group.pg = ["actor"], "pg"
+    assert group.drain(timeout_s=5) == []
+    group.shutdown(graceful=True)
+    assert calls == [] and group.actors == [] and group.pg is None
