@@ -13,7 +13,8 @@ from hybrid.models.gpt import train
 
 
 def where(ctx):
-    """Report this rank's Ray node, its real TP/DP process-group members, and check an all-reduce."""
+    """Report this rank's Ray node, its real TP/DP process-group members and their timeouts, its torchrun
+    variables and where its mesh says it runs, and check an all-reduce over DP then TP."""
     t = torch.ones(1)
     ctx.mesh.dp_comm.all_reduce(t)
     ctx.mesh.tp_comm.all_reduce(t)
@@ -22,7 +23,9 @@ def where(ctx):
             "tp_group": dist.get_process_group_ranks(ctx.mesh.tp_group),
             "dp_group": dist.get_process_group_ranks(ctx.mesh.dp_group),
             "sum": t.item(), "stage": ctx.stage, "steps": ctx.steps,
-            "timeouts_s": [_timeout_s(g) for g in (dist.group.WORLD, ctx.mesh.dp_group, ctx.mesh.tp_group)]}
+            "timeouts_s": [_timeout_s(g) for g in (dist.group.WORLD, ctx.mesh.dp_group, ctx.mesh.tp_group)],
+            "env": {key: os.environ.get(key) for key in RANK_ENV}, "node_index": ctx.mesh.node_index,
+            "local_rank": ctx.mesh.local_rank, "tp": ctx.mesh.tp, "device": str(ctx.device)}
 
 
 def _timeout_s(group) -> float:
@@ -64,17 +67,6 @@ def hang_on_rank_1(ctx):
 
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE",
             "MASTER_ADDR", "MASTER_PORT")
-
-
-def environment(ctx):
-    """This rank's torchrun variables, the Ray node it really runs on, and where its mesh says it runs."""
-    t = torch.ones(1)
-    ctx.mesh.dp_comm.all_reduce(t)
-    ctx.mesh.tp_comm.all_reduce(t)
-    ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
-    return {"env": {key: os.environ.get(key) for key in RANK_ENV}, "rank": dist.get_rank(),
-            "node_id": ray.get_runtime_context().get_node_id(), "node_index": ctx.mesh.node_index,
-            "local_rank": ctx.mesh.local_rank, "tp": ctx.mesh.tp, "sum": t.item(), "device": str(ctx.device)}
 
 
 SLEEP_S = 120.0  # far past the tests' collective timeout; the driver kills the sleeper when it gives up
