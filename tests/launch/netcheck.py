@@ -13,12 +13,19 @@ import ipaddress
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
 from typing import Optional
 
 _PROC_NET = ("tcp", "tcp6", "udp", "udp6")
+
+
+def session_processes(pid: int) -> list[str]:
+    """Command lines of live processes of the Ray session a driver with ``pid`` started."""
+    out = subprocess.run(["pgrep", "-af", f"session_[0-9_-]*_{pid}( |/|$)"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
 
 
 def descendants(root: int) -> set[int]:

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from launch.ray_cluster import EMBEDDED_PREFIX, marked_pids
-from tests.launch.netcheck import STRACE_CALLS, NetWatch, descendants, strace_peers
-from tests.launch.test_launch_ray import session_processes
+from tests.launch.netcheck import STRACE_CALLS, NetWatch, descendants, session_processes, strace_peers
 
 pytestmark = pytest.mark.slow
 

@@ -52,26 +52,7 @@ def make_spec(entrypoint="hybrid.models.gpt:train", steps=30, gpu_memory_gb=80.0
     }, base_dir=ROOT)
 
 
-def session_processes(pid: int) -> list[str]:
-    """Command lines of live processes of the Ray session a driver with ``pid`` started."""
-    out = subprocess.run(["pgrep", "-af", f"session_[0-9_-]*_{pid}( |/|$)"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    audit = LoopbackAudit.install()
-    watch = NetWatch(os.getpid()).start()
-    audit.active = True
-    try:
-        with ray_cluster.local_cluster(NODES, RANKS_PER_NODE):
-            yield watch, audit
-    finally:
-        audit.active = False
-        watch.stop()
-    assert len(watch.seen) >= 10, "the watcher saw too few Ray processes to mean anything"
-    assert watch.wait_survivors() == [], "Ray processes left after teardown"
-    assert session_processes(os.getpid()) == []
+# The embedded cluster every in-process launch test of this package shares: tests/launch/conftest.py.
 
 
 def assert_loopback_only(watch, audit):

@@ -14,7 +14,6 @@ import pytest
 
 from hybrid.config import TrainConfig
 from hybrid.errors import ConfigError
-from launch import ray_cluster
 from launch.job import plan_and_run
 from launch.plan import build_plan
 from launch.spec import load_spec, parse_spec
@@ -26,12 +25,6 @@ NODES, RANKS_PER_NODE = 2, 2
 # gpt-tiny in fp32 at tp 2, dp 2, micro-batch 8: ZeRO-3 needs 2.518 MB per GPU, offloaded 2.248 MB (the
 # activations are 1.978 MB); 2.34 MB usable (0.0026 GB less 10%) leaves only the offloaded plan.
 ONLY_OFFLOAD_GB = 0.0026
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster.local_cluster(NODES, RANKS_PER_NODE):
-        yield
 
 
 def test_own_model_without_tp_layers_runs_with_tp_1_and_dp_over_all_ranks(cluster):

@@ -11,7 +11,7 @@ step 3 every rank's measured peak RSS growth exceeds the 0.56 GB budget and its 
 measured figures, prints the re-plan line, restarts every rank from checkpoint step 2 at a higher stage,
 and the job finishes; its losses after the restart equal (fp32, bit for bit) those of a run forced to the
 new stage from a copy of the same checkpoint. A buffer no plan can absorb ends in ``JobFailed``: one
-sentence naming what would fit, the step-2 checkpoint intact. The cluster is torn down at the end.
+sentence naming what would fit, the step-2 checkpoint intact. The cluster is the package's (conftest.py).
 """
 
 import io
@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from hybrid.checkpoint import layout
-from launch import ray_cluster
 from launch.job import JobFailed, plan_and_run
 from launch.memory_loop import load
 from launch.spec import parse_spec
@@ -33,12 +32,6 @@ pytestmark = pytest.mark.slow
 MODEL = {"model": {"vocab_size": 2048, "seq_len": 32, "n_layers": 8, "hidden": 512, "n_heads": 8},
          "zero": {"reduce_bucket_size": 500_000, "prefetch_bucket_size": 500_000}}
 BUDGET_GB, OVER_MB, STEPS = 0.56, 10, 5
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster.local_cluster(2, 2):
-        yield
 
 
 def make_spec(tmp: Path, run: str, env: dict, stage="auto", checkpointing="auto"):

@@ -15,7 +15,6 @@ from hybrid import checkpoint
 from hybrid.data.prepare import prepare
 from launch.job import plan_and_run
 from launch.metrics import METRICS_FILE
-from tests.launch.test_launch_ray import cluster  # noqa: F401  (the module's embedded Ray cluster)
 from tests.launch.test_launch_ray import _kill_after_first_checkpoint, assert_loopback_only, make_spec
 
 pytestmark = pytest.mark.slow
