@@ -1,7 +1,7 @@
 """One embedded Ray cluster (2 nodes x 2 CPUs, loopback only) for every in-process launch test of this package.
 
 Starting a cluster costs seconds on a 2-core machine; the launch tests' modules (test_launch_ray,
-test_levers_ray, test_replan_ray, test_token_resume_ray) share this one, which is torn down after the
+test_levers_ray, test_replan_ray) share this one, which is torn down after the
 package's last test. Every process below this driver is watched for non-loopback peers while it runs, and
 none may be left after the teardown. The CLI tests start their own clusters in subprocesses, as users do.
 """

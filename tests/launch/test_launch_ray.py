@@ -1,19 +1,19 @@
-"""The launcher on a real embedded Ray cluster (2 nodes × 2 ranks, loopback only), shared by the module.
+"""The launcher on a real embedded Ray cluster (2 nodes × 2 ranks, loopback only; the package's, conftest.py).
 
 Checks rank placement against what the ranks themselves see (their Ray node, their real process groups
-and those groups' collective timeout), training at the stage the planner picks from a small and a large
-declared GPU memory (3 and 1), and that no socket of the driver or any Ray process reaches a non-loopback
-address. Fault tolerance: a worker process SIGKILLed mid-run (after its first checkpoint) is restarted
+and those groups' collective timeout), training at the stage the planner picks from a small declared GPU
+memory (3), and that no socket of the driver or any Ray process reaches a non-loopback address. Fault
+tolerance, on a token file: a worker process SIGKILLed mid-run (after its first checkpoint) is restarted
 with every other rank from the latest checkpoint, and the job ends with weights bit-identical to an
-uninterrupted run's, and the display shows every step exactly once, in order, each checkpoint line right
-after its step; a rank that keeps failing uses up max_failures and ends as one sentence naming rank,
-node and cause; a rank that never joins a collective (or sleeps past the collective timeout) becomes a
-timeout error naming that rank, not a hang and not one of its victims. Every rank gets torchrun's
-variables, and the mesh's node index and local rank are the real placement, for tp = 1 and tp = 2. The
-cluster is torn down at the end and no process of it may remain.
+uninterrupted run's (at the default stage, 1), the display shows every step exactly once, in order, each
+checkpoint line right after its step, and metrics.jsonl holds every step once; a rank that keeps failing
+uses up max_failures and ends as one sentence naming rank, node and cause; a rank that never joins a
+collective (or sleeps past the collective timeout) becomes a timeout error naming that rank, not a hang and
+not one of its victims. Every rank gets torchrun's variables, and the mesh's node index and local rank are
+the real placement, for tp = 1 and tp = 2.
 """
-
 import io
+import json
 import os
 import re
 import signal
@@ -28,10 +28,12 @@ import ray
 import torch
 
 from hybrid import checkpoint
+from hybrid.data.prepare import prepare
 from hybrid.memory import GB
 from hybrid.planner import choose_stage
 from launch import ray_cluster
 from launch.job import JobFailed, plan_and_run
+from launch.metrics import METRICS_FILE
 from launch.plan import build_plan
 from launch.spec import parse_spec
 from tests.launch.netcheck import LoopbackAudit, NetWatch, descendants, is_loopback, peers, socket_inodes
@@ -221,15 +223,33 @@ def _kill_after_first_checkpoint(run_dir: Path, rank: int, done: threading.Event
         time.sleep(0.02)
 
 
-def test_a_killed_worker_restarts_all_ranks_from_the_checkpoint_and_ends_bit_identical(cluster, tmp_path):
-    steps, every = 20, 5
-    job = dict(steps=steps, checkpoint={"dir": str(tmp_path / "killed"), "every": every, "keep_last": 2})
-    reference = plan_and_run(make_spec(**{**job, "checkpoint": {**job["checkpoint"], "dir": str(tmp_path / "ref")}}),
-                             io.StringIO(), tty=False)
+def _token_file_config(tmp_path: Path) -> Path:
+    """gpt-tiny reading a token file prepared from two of this repository's files."""
+    prepare([ROOT / "README.md", ROOT / "hybrid" / "train.py"], tmp_path / "data" / "corpus.bin")
+    path = tmp_path / "model.yaml"
+    path.write_text((ROOT / "configs" / "gpt-tiny.yaml").read_text() + "data: data/corpus.bin\n")
+    return path
 
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def test_a_killed_worker_restarts_all_ranks_from_the_checkpoint_and_ends_bit_identical(cluster, tmp_path):
+    """On a token file: a worker SIGKILLed after the first checkpoint is restarted with every rank from that
+    checkpoint; the job ends with fp32 weights bit-identical to an uninterrupted run's (which runs the default
+    stage, 1), every step is shown once, and both runs' metrics.jsonl hold every step exactly once with the
+    same losses (the failed attempt's lines after the checkpoint were replaced)."""
+    steps, every = 20, 5
+    config = str(_token_file_config(tmp_path))
+    ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
+    job = dict(steps=steps, config=config, checkpoint={"dir": str(killed_dir), "every": every, "keep_last": 2})
+    reference = plan_and_run(make_spec(**{**job, "checkpoint": {**job["checkpoint"], "dir": str(ref_dir)}}),
+                             io.StringIO(), tty=False)
     assert reference.plan.stage == 1 and all(r["stage"] == 1 for r in reference.results.values())  # the default
+    assert reference.results[0]["reference_loss"]["name"] == "unigram entropy of the data"
     done, killed = threading.Event(), {}
-    killer = threading.Thread(target=_kill_after_first_checkpoint, args=(tmp_path / "killed", 2, done, killed))
+    killer = threading.Thread(target=_kill_after_first_checkpoint, args=(killed_dir, 2, done, killed))
     killer.start()
     out = io.StringIO()
     started = time.monotonic()
@@ -265,10 +285,16 @@ def test_a_killed_worker_restarts_all_ranks_from_the_checkpoint_and_ends_bit_ide
         assert h["loss"] == (losses[h["step"]] if h["ranks_reported"] == NODES * RANKS_PER_NODE
                              else pytest.approx(losses[h["step"]], rel=1e-6)), h
     # final consolidated weights bit-identical to the uninterrupted run's
-    got, got_dir, got_doc = checkpoint.consolidate(tmp_path / "killed")
-    want, _, _ = checkpoint.consolidate(tmp_path / "ref")
+    got, got_dir, got_doc = checkpoint.consolidate(killed_dir)
+    want, _, _ = checkpoint.consolidate(ref_dir)
     assert got_doc["step"] == steps and got_dir.name == f"step-{steps:06d}"
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # metrics.jsonl: every step once, the reference's losses
+    ref_rows, killed_rows = _metrics(ref_dir), _metrics(killed_dir)
+    assert [r["step"] for r in ref_rows] == [r["step"] for r in killed_rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in killed_rows] == [r["loss"] for r in ref_rows]
+    assert all(r["throughput_unit"] == "tokens/s" and r["lr"] == 5e-3 and r["grad_norm"] > 0 for r in killed_rows)
+    assert f"metrics {killed_dir / METRICS_FILE}" in text
     print(f"kill test: reference run {reference.wall_s:.1f} s; killed run {result.wall_s:.1f} s "
           f"(killed pid {killed['pid']} after {killed['after']}, {killed['at'] - started:.1f} s in; resumed "
           f"from step {resumed})")
