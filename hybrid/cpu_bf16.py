@@ -6,8 +6,7 @@ precision (bf16) on CPU ranks runs two orders of magnitude slower than the same 
 
 ``bf16_matmul_slowdown()`` measures it once per process (a few 256x256 matmuls in each dtype on one thread,
 so that other busy processes do not blur the ratio: about a millisecond with native bf16, ~0.2 s without);
-``slow_bf16_note(device)`` is the sentence to show where a
-bf16 model runs on such a CPU, else None.
+``slow_bf16_note(device)`` is the sentence to show where a bf16 model runs on such a CPU, else None.
 """
 
 from __future__ import annotations

@@ -305,40 +305,38 @@ def _init_within(ray, address: str, target: str, wait_s: float, timeout_s: float
                  runtime_env: Optional[dict] = None) -> None:
     """``ray.init(target)`` in a helper thread, so a cluster that accepts connections but never answers
     cannot hang the driver past ``wait_s``; Ctrl-C stays live meanwhile."""
-    outcome: dict = {}
     deadline = time.monotonic() + wait_s
 
     def init():
         while True:
             try:
                 ray.init(address=target, logging_level=logging.WARNING, runtime_env=runtime_env)
-                outcome["ok"] = True
                 return
-            except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            except BaseException as err:  # noqa: BLE001 - within() hands it to the main thread
                 if _server_not_ready(err) and time.monotonic() + CLIENT_RETRY_S < deadline:
                     with contextlib.suppress(Exception):
                         ray.shutdown()
                     time.sleep(CLIENT_RETRY_S)
                     continue
-                outcome["error"] = err
-                return
+                raise
 
     quiet = _DropMessage("SIGTERM handler is not set")  # we handle SIGTERM ourselves
     logging.getLogger("ray._private.worker").addFilter(quiet)
-    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
     try:
-        thread.start()
-        thread.join(wait_s)
-    finally:
-        logging.getLogger("ray._private.worker").removeFilter(quiet)
-    if "ok" in outcome:
-        return
-    err = outcome.get("error")
-    if err is None:
+        joined = within(init, wait_s, name="ray-connect")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM on this (the main) thread while waiting
+        raise
+    except BaseException as err:  # noqa: BLE001 - every failure of ray.init to join is one sentence
+        error = err
+    else:
+        if joined:
+            return
         raise ConfigError(f"cluster.address is {quote(address)}: the Ray cluster at {target} accepted the connection "
                           f"but did not let the driver join within cluster.connect_timeout_s = {timeout_s:g} s; "
                           "check that it is healthy (`ray status`) or raise cluster.connect_timeout_s.")
-    first = first_line(err, type(err).__name__)
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+    first = first_line(error, type(error).__name__)
     raise ConfigError(f"cluster.address is {quote(address)}, but joining the Ray cluster at {target} failed "
                       f"({quote(first)[1:-1]}); {_NO_CLUSTER_FIX}.")
 
@@ -445,12 +443,12 @@ def gcs_lost() -> bool:
     return _gcs_pid is not None and not _alive(_gcs_pid)
 
 
-def within(call, timeout_s: float, poll_s: float = 0.1) -> bool:
-    """Run ``call()`` (Ray calls that need the GCS) in a helper thread and wait until it returns, ``timeout_s``
-    passes, or this process's embedded cluster loses its GCS (``gcs_lost``): True when it returned. A GCS
-    that is being killed can stop answering before its process is gone, and Ray's synchronous calls (a
-    placement group's removal) then wait for it with no timeout of their own; the teardown goes on without
-    them (the nodes are stopped by pid, a remote cluster reclaims a lost driver's actors and placement group)."""
+def within(call, timeout_s: float, name: str = "ray-call", poll_s: float = 0.1) -> bool:
+    """Run ``call()`` in a daemon helper thread named ``name`` and wait until it returns, ``timeout_s`` passes,
+    or this process's embedded cluster loses its GCS (``gcs_lost``): True when it returned; what it raised
+    is raised here. For Ray calls with no timeout of their own: joining a cluster that accepts connections
+    but never answers, or removing a placement group while the GCS is being killed (it stops answering
+    before its process is gone). Ctrl-C stays live meanwhile."""
     done = threading.Event()
     failure: list = []
 
@@ -462,15 +460,10 @@ def within(call, timeout_s: float, poll_s: float = 0.1) -> bool:
         finally:
             done.set()
 
-    threading.Thread(target=run, name="ray-teardown-call", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while not done.wait(poll_s):
-        if gcs_lost():
-            log.warning("the embedded Ray cluster's GCS is gone (killed from outside); stopping its nodes by pid")
-            return False
-        if time.monotonic() >= deadline:
-            log.warning("the Ray cluster did not answer a teardown call within %.0f s; going on without it",
-                        timeout_s)
+        if gcs_lost() or time.monotonic() >= deadline:
             return False
     if failure:
         raise failure[0]

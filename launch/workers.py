@@ -449,7 +449,12 @@ class WorkerGroup:
                 remove_placement_group(pg)
 
         try:
-            within(release, TEARDOWN_CALLS_S)
+            released = within(release, TEARDOWN_CALLS_S, name="ray-teardown")
         except ConnectionError:  # the session dropped while tearing down: the cluster reclaims the rest
-            pass
+            released = True
+        if not released and gcs_lost():
+            log.warning("the embedded Ray cluster's GCS is gone (killed from outside); its nodes are stopped by pid")
+        elif not released:
+            log.warning("the Ray cluster did not release the job's actors and placement group within %.0f s; "
+                        "going on without it", TEARDOWN_CALLS_S)
         self.actors, self.pg = [], None
