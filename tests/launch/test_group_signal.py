@@ -58,7 +58,7 @@ def _pgid(pid: int) -> int | None:
 @pytest.mark.timeout(400)
 # INT: Ctrl-C in a terminal; HUP: the terminal closed. A group TERM (GNU timeout, kill -- -PGID) takes the same
 # path as INT here and as TERM to the launcher alone in test_launch_cli.py. "every process": systemd's
-# KillMode=control-group or Slurm's scancel, which signal the cluster's processes too (its GCS dies first).
+# KillMode=control-group or Slurm's scancel, which signal the cluster's processes too (its GCS stops answering).
 @pytest.mark.parametrize("signum, every_process", [(signal.SIGINT, False), (signal.SIGHUP, False),
                                                    (signal.SIGTERM, True)], ids=["INT", "HUP", "TERM-every-process"])
 def test_a_signal_to_the_launchers_process_group_stops_everything_and_exits_130(tmp_path, signum, every_process):
