@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -42,6 +40,8 @@ from hybrid.errors import ConfigError, first_line
 from hybrid.validate import quote
 from launch import signals
 from launch.capacity import check_embedded
+from launch.embedded_processes import alive, clean_up, processes
+from launch.reaper import Reaper
 from launch.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,10 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
         ray_constants.ENABLE_RAY_CLUSTER = False
         base = tempfile.mkdtemp(prefix=EMBEDDED_PREFIX, dir=_short_tmp())
         previous_tmpdir = os.environ.get("RAY_TMPDIR")
-        os.environ["RAY_TMPDIR"] = base
-        cluster = None
+        cluster = reaper = None
         try:
+            reaper = Reaper.start(base, keep_logs)  # cleans up in our place should this process be SIGKILLed
+            os.environ["RAY_TMPDIR"] = base
             log.info("starting embedded Ray: %d nodes x %d CPUs on %s", nodes, ranks_per_node, LOOPBACK)
             try:
                 cluster = Cluster(initialize_head=False)
@@ -141,31 +142,11 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
             with signals.ignored(*ours):  # a second Ctrl-C must not cut the teardown short
                 _shutdown(ray, cluster, ours)
                 _watch_gcs(None)
-                _kill_marked(base)
-                if keep_logs is not None:
-                    _keep_logs(base, keep_logs)
-                shutil.rmtree(base, ignore_errors=True)
+                clean_up(base, keep_logs)
+                if reaper is not None:
+                    reaper.release()
                 _restore_env("RAY_TMPDIR", previous_tmpdir)
                 ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
-
-
-def _keep_logs(base: str, keep_logs: Path) -> None:
-    """Move the session logs out of the embedded cluster's temp dir before it is removed (best effort: a
-    failure to keep logs must not fail the job). The logs already there, the previous launch's (a failed
-    run's, say, rerun to resume), become ``<keep_logs>.previous``."""
-    sessions = sorted(Path(base).glob("ray/session_2*/logs"))
-    if not sessions:
-        return
-    try:
-        target = Path(keep_logs)
-        if target.exists():
-            previous = target.with_name(target.name + ".previous")
-            shutil.rmtree(previous, ignore_errors=True)
-            target.rename(previous)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(sessions[-1]), str(target))
-    except OSError as err:
-        log.warning("could not keep the embedded cluster's logs in %s: %s", keep_logs, err)
 
 
 @contextlib.contextmanager
@@ -265,7 +246,7 @@ def is_embedded(address: str, proc: Path = Path("/proc")) -> bool:
     except ConfigError:
         return False
     needles = (f"--gcs_server_port={port}", f"--gcs-address={address}", f"--gcs_address={address}")
-    for _, cmdline in _processes(proc):
+    for _, cmdline in processes(proc):
         if any(n in cmdline for n in needles) and (EMBEDDED_PREFIX in cmdline or "hybrid_node_" in cmdline):
             return True
     return False
@@ -375,7 +356,7 @@ def _own_sessions() -> Iterator[None]:
     workers and agents follow their raylet) gets a session, and so a process group, of its own.
 
     A signal to the launcher's process group -- a terminal's Ctrl-C, GNU ``timeout``, ``kill -- -PGID`` --
-    then reaches the launcher alone, which stops the nodes itself by pid (``_shutdown``, ``_kill_marked``).
+    then reaches the launcher alone, which stops the nodes itself by pid (``_shutdown``, ``clean_up``).
     Left in the launcher's group, a group SIGTERM killed the GCS and the raylets at the same instant as it
     interrupted the launcher, whose teardown then waited on the dead GCS until Ray's 60 s reconnect timeout
     aborted it (exit 1, no teardown, temp dirs and logs left). SIGINT never hit this only because Ray
@@ -440,7 +421,7 @@ def gcs_lost() -> bool:
     Then a synchronous Ray call that needs the GCS (removing a placement group) waits until Ray's 60 s
     reconnect timeout aborts the whole process; a teardown skips those calls instead (``within``), and stops
     the nodes by pid. False on a cluster this process did not start."""
-    return _gcs_pid is not None and not _alive(_gcs_pid)
+    return _gcs_pid is not None and not alive(_gcs_pid)
 
 
 def within(call, timeout_s: float, name: str = "ray-call", poll_s: float = 0.1) -> bool:
@@ -482,77 +463,6 @@ def _shutdown(ray, cluster, ignoring=signals.BOTH) -> None:
             cluster.shutdown()
         except Exception:  # pragma: no cover - best effort
             log.exception("stopping the embedded Ray cluster failed")
-
-
-def _processes(proc: Path = Path("/proc")) -> Iterator[tuple[int, str]]:
-    """(pid, command line) of every process we can see, this one excepted."""
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                yield int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-
-
-def marked_pids(base: str, proc: Path = Path("/proc")) -> list[int]:
-    """Pids of live processes whose command line names the embedded cluster's temp dir ``base``, or whose
-    environment has it as ``RAY_TMPDIR`` (Ray's dashboard and runtime-env agents retitle themselves
-    ``ray::...``, so only their inherited environment still says whose they are), or, titled ``ray::...``,
-    that hold a file open under it."""
-    mark = f"\0RAY_TMPDIR={base}\0".encode()
-    return [pid for pid, cmdline in _processes(proc)
-            if base in cmdline or mark in _environ(proc, pid)
-            or (cmdline.startswith("ray::") and _holds_open(proc, pid, base))]
-
-
-def _holds_open(proc: Path, pid: int, base: str) -> bool:
-    """Whether the process's working directory or an open file lies under ``base``: how a Ray agent that
-    retitled itself (``ray::...``) without inheriting ``RAY_TMPDIR`` is still known (its log files are there).
-    Only asked of such processes, never of a user's shell or pager reading the logs."""
-    root = base.rstrip("/")
-    try:
-        links = [proc / str(pid) / "cwd", *(proc / str(pid) / "fd").iterdir()]
-    except OSError:
-        return False
-    for link in links:
-        try:
-            target = os.readlink(link)
-        except OSError:
-            continue
-        if target == root or target.startswith(root + "/"):
-            return True
-    return False
-
-
-def _environ(proc: Path, pid: int) -> bytes:
-    """``/proc/PID/environ`` as NUL-terminated entries (empty when it cannot be read: another user's)."""
-    try:
-        return b"\0" + (proc / str(pid) / "environ").read_bytes() + b"\0"
-    except OSError:
-        return b""
-
-
-def _kill_marked(base: str, grace_s: float = 3.0) -> None:
-    """Kill what ``cluster.shutdown`` did not: processes of a node whose start an interrupt cut short."""
-    pids = marked_pids(base)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
-            time.sleep(0.1)
-        if not pids:
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _short_tmp() -> str:

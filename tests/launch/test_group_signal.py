@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from launch import signals
-from launch.ray_cluster import marked_pids
+from launch.embedded_processes import marked_pids
 from tests.launch.test_launch_cli import HYBRID, ROOT, _marked_dir, wait_gone
 
 GROUP_STOP_WITHIN_S = 30  # the teardown takes a few seconds; the bug took Ray's 60 s GCS reconnect timeout
@@ -100,6 +100,40 @@ def test_a_signal_to_the_launchers_process_group_stops_everything_and_exits_130(
     assert ours and in_group == [], f"Ray processes in the launcher's process group: {in_group}"
     if every_process:
         assert "error" not in text.lower(), text  # the ranks' deaths are the interrupt's doing, not a failure
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sigkill_of_the_launcher_leaves_no_process_or_temp_dir_behind(tmp_path):
+    """SIGKILL (the OOM killer, ``kill -9``) gives the launcher no teardown: its GCS and raylets die with it,
+    their agents did not, and the temp dir stayed. The watchdog (``launch.reaper``) does the teardown."""
+    proc = _start_in_own_session(_cluster_file(tmp_path))
+    lines, marked, left = [], None, None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step "):
+                break
+        marked = _marked_dir(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + GROUP_STOP_WITHIN_S
+        while (left := marked_pids(marked) if marked else []) or (marked and Path(marked).exists()):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in marked_pids(marked) if marked else []:  # whatever a failed run left: by pid, ours only
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert any(l.startswith("step ") for l in lines), "".join(lines)
+    assert marked, "no Ray process of the embedded cluster was seen"
+    assert left == [], f"left running {GROUP_STOP_WITHIN_S} s after the launcher's SIGKILL: {left}"
+    assert not Path(marked).exists()
+    assert (tmp_path / "run" / "ray-logs").is_dir(), "the embedded cluster's logs were not kept"
 
 
 def test_with_hangup_adds_sighup_unless_it_is_ignored():

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.ray_cluster import EMBEDDED_PREFIX, marked_pids
+from launch.embedded_processes import marked_pids
+from launch.ray_cluster import EMBEDDED_PREFIX
 from tests.launch.netcheck import STRACE_CALLS, NetWatch, descendants, session_processes, strace_peers
 
 pytestmark = pytest.mark.slow

@@ -395,7 +395,7 @@ def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_conf
 
 
 def test_kept_logs_move_the_previous_launchs_aside(tmp_path):
-    from launch.ray_cluster import _keep_logs
+    from launch.embedded_processes import keep_logs
 
     def session(name):
         logs = tmp_path / name / "ray" / "session_2026-12-02" / "logs"
@@ -405,6 +405,6 @@ def test_kept_logs_move_the_previous_launchs_aside(tmp_path):
 
     kept = tmp_path / "run" / "ray-logs"
     for name in ("first", "second", "third"):
-        _keep_logs(session(name), kept)
+        keep_logs(session(name), kept)
     assert (kept / "worker.out").read_text() == "third"
     assert (kept.parent / "ray-logs.previous" / "worker.out").read_text() == "second"

@@ -10,7 +10,8 @@ from hybrid import validate as v
 from hybrid.errors import ConfigError
 from hybrid.yamlfile import load_yaml
 from launch.capacity import embedded_limit_error
-from launch.ray_cluster import EMBEDDED_PREFIX, is_embedded, marked_pids, split_host_port
+from launch.embedded_processes import marked_pids
+from launch.ray_cluster import EMBEDDED_PREFIX, is_embedded, split_host_port
 
 
 def test_checkers_return_normalised_values():
