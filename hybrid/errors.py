@@ -29,7 +29,28 @@ def first_line(err, empty: str = "no detail", limit: Optional[int] = None) -> st
     return (_SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else empty)[:limit]
 
 
-class UserError(Exception):
+def _rebuilt(cls, args: tuple, state: dict) -> Exception:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+class _Portable(Exception):
+    """An exception that crosses a process boundary whatever its ``__init__`` takes: a rank's error reaches the
+    driver through pickle, which by default calls ``cls(*args)`` and so fails for a subclass whose
+    constructor takes other arguments (the driver then got an unpickling error, not the sentence)."""
+
+    def __reduce__(self):
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def reworded(err: Exception, message: str) -> Exception:
+    """A copy of ``err`` (same class and attributes) whose message is ``message``."""
+    return _rebuilt(type(err), (message,), dict(getattr(err, "__dict__", {})))
+
+
+class UserError(_Portable):
     """An error the user can fix; its message is one sentence naming the field and the fix."""
 
 
@@ -54,7 +75,7 @@ class CheckpointError(UserError):
     """A path is not a usable checkpoint for this model."""
 
 
-class JobError(Exception):
+class JobError(_Portable):
     """The job failed in a way a restart would only repeat (its message is one sentence): the launcher does not
     retry it and exits 1."""
 

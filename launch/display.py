@@ -110,6 +110,11 @@ class Progress:
             self._warned.add(rank)
             self.note(warning)
 
+    def begin_at(self, step: int) -> None:
+        """An earlier launch left checkpoint ``step``: the steps up to it are not this launch's to show (a
+        restart before rank 0 reported its resume would otherwise list them as lost)."""
+        self._done = max(self._done, step)
+
     def restart(self, step: int) -> None:
         """A new attempt starts from checkpoint ``step``: show the steps up to it that are not out yet from
         the ranks that reported them, then drop what the failed attempt left of the steps after it."""

@@ -54,7 +54,7 @@ import ray
 
 from hybrid import heartbeat, shm_collectives
 from hybrid.checkpoint import layout
-from hybrid.errors import JobError, UserError, first_line
+from hybrid.errors import JobError, UserError, first_line, reworded
 from hybrid.memory_budget import OutOfMemoryError
 from hybrid.train import JobSettings
 from hybrid.units import count
@@ -171,6 +171,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
     started = time.perf_counter()
     metrics = MetricsWriter(spec.job.run_dir)
     progress = Progress(spec.job.steps, spec.cluster.world_size, stream, tty=tty, on_step=metrics.write)
+    progress.begin_at(latest_checkpoint_step(spec.job.checkpoint.dir, None) or 0)
     failures: list[str] = []
     loop = memory_loop.MemoryLoop(plan, progress)
     start = replan.start_note(plan)
@@ -343,7 +344,7 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     cause = getattr(err, "cause", None)
     if isinstance(cause, UserError):  # one sentence is the whole story: no traceback (it stays in the rank's log)
         log.debug("rank %d failed:\n%s", rank, err)
-        return AttemptOutcome(False, failure=failure, user_error=type(cause)(f"rank {rank}: {cause}"))
+        return AttemptOutcome(False, failure=failure, user_error=reworded(cause, f"rank {rank}: {cause}"))
     log.error("rank %d failed:\n%s", rank, err)
     if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
         return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)

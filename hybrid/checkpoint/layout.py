@@ -92,17 +92,28 @@ def final_dir(run_dir: PathLike, step: int) -> Path:
 
 def is_complete(path: PathLike) -> bool:
     """True for a published checkpoint: its marker is present (a missing manifest or DCP metadata behind
-    it is damage, which ``integrity`` names)."""
-    return (Path(path) / MARKER).is_file()
+    it is damage, which ``integrity`` names). A directory this user may not search counts as published:
+    verifying it then names the file it cannot read, where calling it unfinished would let a resume pass
+    it over (or prune it) without a word."""
+    try:
+        return (Path(path) / MARKER).is_file()
+    except PermissionError:
+        return True
 
 
 def scan(run_dir: PathLike) -> list[Entry]:
-    """Every checkpoint directory under ``run_dir`` (complete or not), oldest step first."""
+    """Every checkpoint directory under ``run_dir`` (complete or not), oldest step first. A ``checkpoints/``
+    directory this user may not list is one sentence (``CheckpointError``)."""
     root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
+    try:
+        if not root.is_dir():
+            return []
+        children = list(root.iterdir())
+    except PermissionError:
+        raise CheckpointError(f"cannot list {root} (permission denied), so its checkpoints cannot be read; make "
+                              f"it readable by the user that runs hybrid (chmod u+rx), then run again.") from None
     entries = []
-    for child in root.iterdir():
+    for child in children:
         match = _STEP_RE.match(child.name)
         if match and child.is_dir():
             temporary = match.group(1) is not None
@@ -234,7 +245,7 @@ def write_pointer(root: Path, name: str) -> bool:
 def read_pointer(run_dir: PathLike) -> Optional[str]:
     try:
         return (checkpoints_dir(run_dir) / POINTER).read_text().strip() or None
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # the pointer is only a hint: resume scans the directories
         return None
 
 

@@ -13,6 +13,7 @@ verified, for ``hybrid checkpoint inspect``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -27,6 +28,20 @@ from hybrid.checkpoint import integrity, layout, manifest
 from hybrid.errors import CheckpointError, first_line
 
 
+def _unreadable_said(read: Callable) -> Callable:
+    """``read`` with an operating-system error (a directory it may not list, an I/O error) turned into one
+    sentence naming the path: these run in the CLI, which shows a ``CheckpointError`` as its ``error:`` line."""
+    @functools.wraps(read)
+    def said(path, *args, **kwargs):
+        try:
+            return read(path, *args, **kwargs)
+        except OSError as exc:
+            fix = integrity.UNREADABLE_FIX if isinstance(exc, PermissionError) else integrity.FIX
+            raise CheckpointError(f"cannot read {exc.filename or path} ({exc.strerror or exc}); {fix}") from None
+    return said
+
+
+@_unreadable_said
 def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, dict]:
     """``(state_dict, checkpoint_dir, manifest)`` for a checkpoint directory (under any name), or a run
     directory or its ``checkpoints/`` directory: there, the checkpoint a resume would load (``newest_good``).
@@ -159,6 +174,7 @@ def newest_good(path: layout.PathLike) -> tuple[Path, integrity.Inventory]:
     return entry.path, found.inventory
 
 
+@_unreadable_said
 def describe(run_dir: layout.PathLike, checksums: bool = True) -> dict[str, Any]:
     """Every checkpoint directory of ``run_dir`` (a run directory, its ``checkpoints/`` directory, or one
     checkpoint directory under any name) with its status, step, world layout and size on disk.
@@ -217,11 +233,22 @@ def _row(ckpt: Path, step: Optional[int], found: Optional[Verdict], entry: Optio
     row = {"name": ckpt.name, "step": step if step is not None else (doc or {}).get("step"),
            "bytes": layout.disk_bytes(ckpt), "status": status}
     if doc is not None:
-        row.update(world=doc["world"], optimizer_step_count=doc["optimizer_step_count"],
-                   saved_at=doc.get("saved_at"), parameters=sum(
-                       _full_numel(spec, doc["world"]["tp"]) for section in ("params", "frozen")
-                       for spec in doc[section].values()))
+        row.update(_manifest_fields(doc))
     return row
+
+
+def _manifest_fields(doc: dict) -> dict:
+    """What a row shows of a manifest; nothing of one that lacks those fields (a damaged checkpoint's manifest,
+    read unverified, may hold anything)."""
+    try:
+        world = dict(doc["world"])
+        [world[k] for k in ("dp", "tp", "stage", "precision")]  # what the table shows of it
+        return {"world": world, "optimizer_step_count": int(doc["optimizer_step_count"]),
+                "saved_at": doc.get("saved_at"), "parameters": sum(
+                    _full_numel(spec, doc["world"]["tp"]) for section in ("params", "frozen")
+                    for spec in doc[section].values())}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {}
 
 
 def _status(found: Verdict, checksums: bool) -> str:

@@ -244,3 +244,64 @@ def test_verification_is_spread_over_the_ranks_by_bytes():
     assert owners == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
     assert integrity.assign(files, 1) == dict.fromkeys(files, 0)
     assert set(integrity.assign(files, 8).values()) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("edit", ["del doc['world']", "doc['world'] = None", "del doc['world']['tp']",
+                                  "del doc['optimizer_step_count']", "doc['params'] = []"])
+def test_a_hand_edited_manifest_is_listed_as_damaged_not_a_crash(pristine, tmp_path, capsys, edit):
+    import json
+
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    path = layout.final_dir(run, NEWEST) / "hybrid.json"
+    doc = json.loads(path.read_text())
+    exec(edit, {"doc": doc})
+    path.write_text(json.dumps(doc))
+    row, uses = _status(run, capsys)
+    assert "hybrid.json" in row and uses == f"resume uses: {layout.step_name(GOOD)}"
+    assert main(["checkpoint", "inspect", str(run), "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_a_pointer_that_is_not_text_is_ignored(pristine, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    (layout.checkpoints_dir(run) / "latest").write_bytes(b"\xe8\x00\xff garbage")
+    assert layout.read_pointer(run) is None
+    assert _status(run, capsys)[1] == f"resume uses: {layout.step_name(NEWEST)}"
+
+
+def test_directories_this_user_may_not_read(pristine, tmp_path, capsys, monkeypatch):
+    """A step directory that cannot be searched counts as published (verifying it names the file it cannot
+    read), never as an unfinished save a resume passes over; a ``checkpoints/`` that cannot be listed, or an
+    I/O error, is one sentence from inspect and consolidate alike, never a write error on ``--out``."""
+    import errno
+
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    locked_step, root = layout.final_dir(run, GOOD), layout.checkpoints_dir(run)
+    real_is_file, real_iterdir = Path.is_file, Path.iterdir
+
+    def is_file(path):
+        if path.parent == locked_step:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    assert layout.is_complete(locked_step)
+    assert [e.complete for e in layout.scan(run)] == [True, True]
+
+    for failure in (PermissionError(errno.EACCES, "Permission denied", str(root)),
+                    OSError(errno.EIO, "Input/output error", str(root))):
+        def iterdir(path, failure=failure):
+            if path == root:
+                raise failure
+            return real_iterdir(path)
+
+        monkeypatch.setattr(Path, "iterdir", iterdir)
+        out = tmp_path / "x.pt"
+        for argv in (["checkpoint", "inspect", str(run)], ["checkpoint", "consolidate", str(run), "--out", str(out)]):
+            err = _refused(argv, capsys)
+            assert str(root) in err and "--out" not in err, err
+            assert ("permission denied" in err.lower()) == isinstance(failure, PermissionError), err
+        assert not out.exists()

@@ -125,6 +125,20 @@ def test_a_restart_shows_the_dead_ranks_unreported_steps_up_to_the_checkpoint_on
     assert [h["step"] for h in progress.history] == list(range(1, 9))
 
 
+def test_a_launch_that_resumes_and_fails_before_any_report_lists_no_earlier_launchs_steps():
+    """A job run again resumes from checkpoint 6 of an earlier launch; its first attempt fails before rank 0
+    reports the resume: the restart must not print steps 1-6 as lost with the failed attempt's ranks."""
+    out = io.StringIO()
+    progress = Progress(total_steps=8, world_size=2, stream=out, tty=False)
+    progress.begin_at(6)
+    progress.restart(6)
+    assert _step_lines(out.getvalue()) == [] and progress.history == []
+    for rank in (0, 1):
+        progress.add({"rank": rank, "reports": [{"rank": rank, "step": 6, "resumed_from": 6, "checkpoint": "ck"}]
+                      + [_step(s, rank, 1.0) for s in (7, 8)]})
+    assert _step_lines(out.getvalue()) == [7, 8]
+
+
 def test_steps_after_the_checkpoint_run_again_replace_their_history_entry_without_a_second_line():
     out = io.StringIO()
     progress = Progress(total_steps=4, world_size=1, stream=out, tty=False)
@@ -241,3 +255,36 @@ def test_with_the_embedded_gcs_gone_the_teardown_makes_no_ray_call(monkeypatch):
     assert group.drain(timeout_s=5) == []
     group.shutdown(graceful=True)
     assert calls == [] and group.actors == [] and group.pg is None
+
+
+def test_every_user_and_job_error_reaches_the_driver_whole_whatever_its_constructor_takes():
+    """A rank's exception travels pickled; one whose ``__init__`` takes other arguments than its message (a
+    damaged checkpoint's: directory, problem, fix) came back as an unpickling error, so the driver saw a
+    RuntimeError (exit 1, retried) instead of the user's sentence (exit 2)."""
+    import pickle
+    from pathlib import Path
+
+    import hybrid.checkpoint.lock  # noqa: F401 -- defines CheckpointLocked
+    import hybrid.train  # noqa: F401 -- defines TrainError
+    from hybrid.checkpoint.integrity import UNREADABLE, CheckpointDamaged, CheckpointUnreadable, Problem
+    from hybrid.errors import JobError, UserError, reworded
+    from launch.workers import _round_trips
+
+    def every(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from every(sub)
+
+    odd = {CheckpointDamaged: CheckpointDamaged(Path("/ckpt/step-000006"), Problem("corrupt", "x.distcp"), "fix it."),
+           CheckpointUnreadable: CheckpointUnreadable(Path("/ckpt/step-000006"), Problem(UNREADABLE, "x.distcp"))}
+    classes = {UserError, JobError, *every(UserError), *every(JobError)}
+    assert CheckpointUnreadable in classes and len(classes) >= 12
+    for cls in classes:
+        err = odd.get(cls) or cls("a sentence naming the field and the fix.")
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and str(back) == str(err) and vars(back) == vars(err), cls
+        assert _round_trips(err), cls
+    unreadable = odd[CheckpointUnreadable]
+    prefixed = reworded(unreadable, f"rank 1: {unreadable}")
+    assert type(prefixed) is CheckpointUnreadable and prefixed.problem == unreadable.problem
+    assert str(prefixed) == f"rank 1: {unreadable}"
