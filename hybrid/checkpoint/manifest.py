@@ -154,8 +154,8 @@ def check_same_model(manifest: Mapping[str, Any], params: Mapping[str, Any], tp:
     saved_tp = manifest["world"]["tp"]
     if saved_tp != tp:
         raise CheckpointError(f"{where} was saved with tensor-parallel degree tp={saved_tp} but this job runs "
-                              f"tp={tp}; resume with parallel.tp: {saved_tp} (only the DP size and ZeRO stage "
-                              f"may change).")
+                              f"tp={tp}; resume with parallel.tp: {saved_tp} on nodes of at least {saved_tp} GPUs "
+                              f"(only the DP size and ZeRO stage may change), or use a new run directory.")
     for section, specs in here.items():
         for name, spec in specs.items():
             saved = manifest[section][name]
