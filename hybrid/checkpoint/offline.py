@@ -2,7 +2,7 @@
 
 ``consolidate(path)`` returns the single-process state dict, keyed like ``module.state_dict()``: every
 trainable parameter from its fp32 master pieces (read from every DP rank into one flat tensor per TP rank,
-reshaped), every frozen parameter and persistent buffer as saved (floating point ones as fp32), and every
+reshaped), every frozen parameter and persistent buffer as saved (floating point ones at least fp32: ``exported``), and every
 alias of a tied tensor as the same tensor under its other name. TP slices are concatenated along the dim
 recorded in the manifest (replicated tensors come from TP rank 0). ``torch.save`` of it loads with
 ``torch.load(weights_only=True)`` into ``model.load_state_dict`` (strict) of the single-process model.
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from hybrid.checkpoint import integrity, layout, manifest
 from hybrid.errors import CheckpointError, first_line
+from hybrid.state_entries import exported
 
 
 def _unreadable_said(read: Callable) -> Callable:
@@ -88,7 +89,7 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
         for name, spec in doc[section].items():
             slices = [buffers[parts[name, r]].view(spec["shape"]) for r in range(tp) if (name, r) in parts]
             full = slices[0] if len(slices) == 1 else torch.cat(slices, dim=spec["tp_dim"])
-            state[name] = full.float() if full.is_floating_point() else full
+            state[name] = exported(full)
     for name, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"{ckpt} holds non-finite values (NaN or inf) in {name!r}, so it is not "

@@ -92,7 +92,7 @@ from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
 from hybrid.schedule import lr_at
-from hybrid.state_entries import BUFFER, EXTRA, PARAM, state_dict_entries
+from hybrid.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
 from hybrid.tp.layers import TensorParallelModule
 from hybrid.tp.sharding import gather_tp_tensor
 from hybrid.zero.optimizer import FlatOptimizer
@@ -145,6 +145,7 @@ class ZeroEngine:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
         _refuse_complex(named)
         _note_cast(module, self.dtype)
+        model_dtypes = {p.dtype for _, p in named if p.is_floating_point()}
         _refuse_sparse_gradients(module)
         _refuse_compiled_at_stage3(module, self.stage)
         _refuse_model_of_a_stage3_engine(module)
@@ -175,7 +176,7 @@ class ZeroEngine:
         finally:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._cast_frozen_and_buffers()
+        self._cast_frozen_and_buffers(model_dtypes)
         # the frozen parameters as they are now (building on meta and casting replace the objects)
         self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in self._index]
         self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module), config.optimizer)
@@ -247,14 +248,19 @@ class ZeroEngine:
         return out
 
     @torch.no_grad()
-    def _cast_frozen_and_buffers(self) -> None:
+    def _cast_frozen_and_buffers(self, model_dtypes: set) -> None:
+        """Frozen parameters and buffers in the model's own dtype(s) (those of its trainable parameters) follow
+        the module into the run's precision, as ``module.to(dtype)`` would take them; one deliberately kept in
+        another dtype (an fp64 buffer in an fp32 model, an fp32 table in a bf16 one) stays as it is, as in the
+        single-process model."""
+        follow = model_dtypes - {self.dtype}
         for p in self.module.parameters():
-            if not p.requires_grad and p.is_floating_point() and p.dtype != self.dtype:
+            if not p.requires_grad and p.dtype in follow:
                 p.data = p.data.to(self.dtype)
         cast = {}  # id(buffer) -> its cast: a buffer registered in several modules stays one tensor
         for m in self.module.modules():
             for key, buf in m._buffers.items():
-                if buf is not None and buf.is_floating_point() and buf.dtype != self.dtype:
+                if buf is not None and buf.dtype in follow:
                     m._buffers[key] = cast.setdefault(id(buf), buf.to(self.dtype))
 
     def _grad_norm_runs(self) -> list:
@@ -458,7 +464,7 @@ class ZeroEngine:
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """The module's ``state_dict()`` keys -- every parameter and persistent buffer, a tied tensor under each
         of its names (one shared copy, as ``state_dict()`` shares them), so ``load_state_dict(..., strict=True)``
-        of the single-process model takes it -- as fp32 CPU copies (integer buffers keep their dtype), with
+        of the single-process model takes it -- as CPU copies in ``state_entries.exported`` dtypes (fp32, fp64 kept, integers as they are), with
         the single-process shapes at every TP degree (TP slices are gathered over the TP group), identical on
         every rank; with
         ``rank0_only`` only the first rank of the mesh (DP rank 0, TP rank 0) keeps them and the others
@@ -497,9 +503,9 @@ class ZeroEngine:
                 if kind == PARAM:
                     i = self._index.get(id(value))
                     done[id(value)] = (full_by_param[i] if i is not None
-                                       else self._tp_full(value.detach().float(), value))
-                else:  # a persistent buffer: floating ones in fp32 like the parameters, others as they are
-                    done[id(value)] = buffers[id(value)].to(torch.float32 if value.is_floating_point() else value.dtype)
+                                       else self._tp_full(exported(value.detach()), value))
+                else:  # a persistent buffer
+                    done[id(value)] = exported(buffers[id(value)])
             out[name] = done[id(value)]
         return {} if rank0_only and tp_rank != 0 else out
 

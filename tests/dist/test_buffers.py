@@ -57,3 +57,47 @@ def test_running_statistics_agree_on_every_rank(stage):
         assert torch.equal(mean, mean0) and torch.equal(var, var0) and tracked == tracked0, f"rank {rank}"
         assert torch.equal(midway, midway0), "full_state_dict() gives DP rank 0's buffers on every rank"
         assert scratch == rank  # a non-persistent buffer is not synchronised
+
+
+class OwnDtypes(nn.Module):
+    """A buffer kept in fp64 on purpose (an offset fp32 cannot hold: 1e8 + 1), a frozen integer parameter (an
+    index table) and an fp32 buffer that follows the model's precision."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+        self.register_buffer("origin", torch.tensor(1e8 + 1, dtype=torch.float64))
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.perm = nn.Parameter(torch.tensor([2, 0, 1]), requires_grad=False)
+
+    def forward(self, x, y):
+        shift = (self.origin - 1e8).to(x.dtype)  # 1 in fp64; 0 had the buffer been rounded to fp32 or bf16
+        return ((self.lin(x[:, self.perm]) * self.scale + shift - y.to(x.dtype)) ** 2).float().mean()
+
+
+def _own_dtypes(precision):
+    engine = hybrid.initialize(OwnDtypes(), {"zero_optimization": {"stage": 3},
+                                             "bf16": {"enabled": precision == "bf16"}})
+    x = torch.ones(4, 3, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    loss = engine(x, torch.zeros(4, 1)).item()
+    sd = engine.full_state_dict()
+    m = engine.module
+    return loss, (m.origin.dtype, m.scale.dtype), {k: v.dtype for k, v in sd.items()}, sd["origin"].item()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tensors_kept_in_their_own_dtype_stay_in_it(precision):
+    """Only the tensors in the model's own dtype follow it into the run's precision (as ``module.to`` would
+    take them); before, an fp64 buffer was rounded to fp32 in an fp32 run (the loss changed without a word)
+    and a frozen integer parameter came out of ``full_state_dict()`` as fp32."""
+    ref = OwnDtypes()
+    expected = ref(torch.ones(4, 3), torch.zeros(4, 1)).item()
+    run = torch.bfloat16 if precision == "bf16" else torch.float32
+    for loss, dtypes, exported, origin in run_local(_own_dtypes, 2, precision, timeout_s=120):
+        assert dtypes == (torch.float64, run)
+        assert exported == {"lin.weight": torch.float32, "lin.bias": torch.float32, "origin": torch.float64,
+                            "scale": torch.float32, "perm": torch.int64}
+        assert origin == 1e8 + 1
+        if precision == "fp32":
+            assert loss == pytest.approx(expected, rel=1e-6)
