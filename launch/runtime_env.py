@@ -15,8 +15,8 @@ the rank's node.
 Ray accepts a local ``working_dir`` only in ``ray.init``'s job-wide ``runtime_env``; one launcher driver may
 run several jobs on one connection, so ``ship`` does what ``ray.init`` does -- zip, upload to the GCS
 (content-addressed: an unchanged directory is not uploaded again) -- and gives the actors the package URI.
-Before Ray packs the directory, ``launch.working_dir_links.check_working_dir_links`` refuses a directory link
-that loops back (Ray's walk follows them and would pack forever).
+Before Ray packs the directory, ``launch.working_dir_check.check_working_dir`` refuses a directory link that
+loops back (Ray's walk follows them and would pack forever) and a named pipe, socket or device file.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Optional
 
 from hybrid.errors import ConfigError, first_line
 from launch import ray_cluster
-from launch.working_dir_links import check_working_dir_links, ray_default_excludes
+from launch.working_dir_check import check_working_dir, ray_default_excludes
 from launch.spec import LaunchSpec
 
 # Never worth shipping: environments, VCS data, caches (gitignore-style patterns, as Ray's excludes take).
@@ -92,13 +92,13 @@ def runtime_env(spec: LaunchSpec) -> dict:
 def client_runtime_env(spec: LaunchSpec) -> Optional[dict]:
     """The job-level ``runtime_env`` for a Ray Client connection: the working directory and its excludes
     (Ray Client uploads it at ``ray.init``; a local directory cannot be given per actor there). For a
-    ``ray://`` address the directory is checked first (``check_working_dir_links``), as Ray Client packs it."""
+    ``ray://`` address the directory is checked first (``check_working_dir``), as Ray Client packs it."""
     if spec.job.working_dir is None:
         return None
     env = {"working_dir": str(spec.job.working_dir), "excludes": working_dir_excludes(spec)}
     if spec.cluster.address.startswith("ray://"):
         # Ray Client reads .gitignore unless RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1
-        check_working_dir_links(env["working_dir"], ray_default_excludes() + env["excludes"],
+        check_working_dir(env["working_dir"], ray_default_excludes() + env["excludes"],
                                 include_gitignore=os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1")
     return env
 
@@ -106,7 +106,7 @@ def client_runtime_env(spec: LaunchSpec) -> Optional[dict]:
 def ship(env: dict) -> dict:
     """``env`` with its local ``working_dir`` uploaded to the connected Ray cluster and replaced by the
     package's URI (the ``excludes`` are applied and dropped); ``env`` without one is returned as it is. A
-    directory link that loops back (``check_working_dir_links``) is refused before Ray packs anything."""
+    directory link that loops back or a pipe (``check_working_dir``) is refused before Ray packs anything."""
     if "working_dir" not in env:
         return env
     from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
@@ -116,7 +116,7 @@ def ship(env: dict) -> dict:
     if "include_gitignore" in inspect.signature(upload_working_dir_if_needed).parameters:
         options["include_gitignore"] = True  # as ray.init does: what git ignores is not shipped either
     directory = env["working_dir"]
-    check_working_dir_links(directory, ray_default_excludes() + list(env.get("excludes") or []),
+    check_working_dir(directory, ray_default_excludes() + list(env.get("excludes") or []),
                             include_gitignore=options.get("include_gitignore", True))
     try:
         env = upload_working_dir_if_needed(env, scratch_dir=tempfile.gettempdir(),

@@ -1,11 +1,13 @@
-"""A job's working directory as Ray will walk it when packing: a directory link that loops back is refused.
+"""A job's working directory as Ray will walk it when packing: what would never finish packing is refused.
 
 Ray's packing walk (``ray._private.runtime_env.packaging._dir_travel``) follows directory symlinks, so a link
 back to a directory that contains it (``ln -s . current``, ``sub/up -> ..``) makes it pack the directory
-inside itself until the kernel's link limit (or, with two such links, practically forever).
-``check_working_dir_links`` walks the directory first as Ray will -- the same excludes, ``.gitignore`` and
-``.rayignore`` through Ray's own helpers, no file contents read, stopping at the first loop -- and refuses
-such a link in one ``ConfigError`` sentence naming it. ``launch.runtime_env`` calls it before shipping.
+inside itself until the kernel's link limit (or, with two such links, practically forever). And it zips
+every file it reaches by reading it, so a named pipe (or a link to one) blocks the launch forever without a
+word, and a socket or device file fails it. ``check_working_dir`` walks the directory first as Ray will --
+the same excludes, ``.gitignore`` and ``.rayignore`` through Ray's own helpers, no file contents read,
+stopping at the first problem -- and refuses such a link or file in one ``ConfigError`` sentence naming it.
+``launch.runtime_env`` calls it before shipping.
 """
 
 from __future__ import annotations
@@ -13,30 +15,40 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Optional, Sequence
 
 from hybrid.errors import ConfigError
 
 
-def check_working_dir_links(directory, excludes: Sequence[str] = (), include_gitignore: bool = True) -> None:
+def check_working_dir(directory, excludes: Sequence[str] = (), include_gitignore: bool = True) -> None:
     """Refuse (``ConfigError``) a working directory that Ray would never finish packing: one where a directory
     link, reached by the walk Ray makes (it follows directory symlinks; ``excludes`` -- gitignore-style,
     anchored at ``directory`` -- and, per directory, ``.gitignore`` when ``include_gitignore`` and
-    ``.rayignore`` leave paths out before it looks inside them), leads back to a directory that contains it.
+    ``.rayignore`` leave paths out before it looks inside them), leads back to a directory that contains it,
+    or where that walk reaches a file that is not a regular one (a named pipe, a socket, a device).
     A link whose contents all are excluded (``current/`` in ``.gitignore``) is no loop there and passes.
-    Reads directory listings only, never file contents (bar the ignore files), and stops at the first loop;
-    a directory that is not there or cannot be read is left to Ray's own error."""
+    Reads directory listings and file types only, never file contents (bar the ignore files), and stops at
+    the first problem; a directory that is not there or cannot be read is left to Ray's own error."""
     try:
-        loop = _first_loop(Path(directory), list(excludes), include_gitignore)
+        found = _first_problem(Path(directory), list(excludes), include_gitignore)
     except RecursionError:  # a link-free tree deeper than Python's stack: Ray's walk says so itself
         return
-    if loop is not None:
-        link, where = loop
-        raise ConfigError(f"job.working_dir {directory} cannot be shipped to the ranks: its directory link {link} "
+    if found is None:
+        return
+    kind, path, where = found
+    if kind == _LOOP:
+        raise ConfigError(f"job.working_dir {directory} cannot be shipped to the ranks: its directory link {path} "
                           f"({where}) leads back to a directory that contains it, so Ray would pack the "
-                          f"directory inside itself again and again; remove the link, add {link} to .gitignore, "
+                          f"directory inside itself again and again; remove the link, add {path} to .gitignore, "
                           "or point job.working_dir at the code's directory.")
+    raise ConfigError(f"job.working_dir {directory} cannot be shipped to the ranks: {path} is {where}, which Ray "
+                      f"cannot pack (it reads every file it ships; a pipe would block the launch forever); "
+                      f"remove it, add {path} to .gitignore, or point job.working_dir at the code's directory.")
+
+
+_LOOP, _SPECIAL = "loop", "special file"
 
 
 # Ray's own messages while the check reads ignore files ("Ignoring upload to cluster for these files") stay
@@ -71,9 +83,11 @@ def _ignore_file_matchers(include_gitignore: bool):
     return lambda path: []
 
 
-def _first_loop(directory: Path, excludes: list, include_gitignore: bool) -> Optional[tuple[str, str]]:
-    """The first directory link (its path relative to ``directory``, and ``_describe_link``'s words) through
-    which Ray's packing walk of ``directory`` would come back to a directory it is already inside, or None.
+def _first_problem(directory: Path, excludes: list, include_gitignore: bool) -> Optional[tuple[str, str, str]]:
+    """The first thing Ray's packing walk of ``directory`` would never finish with, as ``(kind, its path
+    relative to directory, words)``: ``_LOOP``, a directory link through which the walk comes back to a
+    directory it is already inside (``_describe_link``'s words), or ``_SPECIAL``, a file it reaches that is not
+    a regular file (``_special_kind``'s words); None when there is none.
 
     Mirrors ``ray._private.runtime_env.packaging._dir_travel``: at each path, the ignore files there join the
     inherited matchers, a matched path is skipped whole, a directory (a symlink to one included) is entered.
@@ -93,7 +107,7 @@ def _first_loop(directory: Path, excludes: list, include_gitignore: bool) -> Opt
         own = ignore_files(path) if _is_dir(path) else []
         return any(match(path) for match in matchers + own)
 
-    def walk(path: Path, real: str, is_link: bool) -> Optional[tuple[str, str]]:
+    def walk(path: Path, real: str, is_link: bool) -> Optional[tuple[str, str, str]]:
         own = ignore_files(path)
         matchers.extend(own)
         try:
@@ -110,12 +124,15 @@ def _first_loop(directory: Path, excludes: list, include_gitignore: bool) -> Opt
                 chain = walking[back[0] + 1:] + [(path, real, is_link)]
                 link = next((p for p, _, symlink in reversed(chain) if symlink), path)
                 shown = link.relative_to(root).as_posix()
-                return shown, _describe_link(link, shown, walking[0][1])
+                return _LOOP, shown, _describe_link(link, shown, walking[0][1])
             walking.append((path, real, is_link))
             try:
                 for entry in entries:
-                    if not _entry_is_dir(entry):
-                        continue  # a file, or a link to nothing a walk enters
+                    if not _entry_is_dir(entry):  # a file, or a link to nothing a walk enters
+                        special = _special_kind(entry)
+                        if special is not None and not excluded(Path(entry.path)):
+                            return _SPECIAL, Path(entry.path).relative_to(root).as_posix(), special
+                        continue
                     symlink = entry.is_symlink()
                     found = walk(Path(entry.path), os.path.realpath(entry.path) if symlink
                                  else os.path.join(real, entry.name), symlink)
@@ -150,6 +167,23 @@ def _entry_is_dir(entry: os.DirEntry) -> bool:
         return entry.is_dir()  # follows a symlink, as Path.is_dir in Ray's walk does
     except OSError:
         return False
+
+
+def _special_kind(entry: os.DirEntry) -> Optional[str]:
+    """What ``entry`` is (followed through a symlink, as the zip reads it) when not a regular file: ``a named
+    pipe``, ``a socket``, ``a device file``; None for a regular file or one that cannot be looked at (a
+    dangling link: Ray's own error names it)."""
+    try:
+        mode = entry.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device file"
+    return None
 
 
 def _describe_link(path: Path, shown: str, real_root: str) -> str:

@@ -1,5 +1,6 @@
-"""A directory link that loops back inside job.working_dir is one sentence before Ray packs anything (Ray's
-packing walk follows directory symlinks: `ln -s . current` plus `sub/up -> ..` made the launch spin forever),
+"""A directory link that loops back inside job.working_dir, or a file Ray cannot pack (a named pipe, a socket), is
+one sentence before Ray packs anything (Ray's packing walk follows directory symlinks: `ln -s . current` plus
+`sub/up -> ..` made the launch spin forever; it reads every file, and a pipe blocked the launch forever),
 while links Ray's walk never enters or that lead elsewhere ship as before. Pure filesystem tests: no Ray
 cluster is started (Ray's packaging helpers are imported, which works offline)."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.errors import ConfigError
-from launch.working_dir_links import check_working_dir_links
+from launch.working_dir_check import check_working_dir
 from launch.runtime_env import (ALWAYS_EXCLUDED, client_runtime_env, runtime_env, ship,
                                 working_dir_excludes)
 from launch.spec import parse_spec
@@ -30,7 +31,7 @@ def _tree(root: Path) -> Path:
 
 
 def _check(root: Path, excludes=ALWAYS_EXCLUDED):
-    check_working_dir_links(str(root), list(excludes))
+    check_working_dir(str(root), list(excludes))
 
 
 def _refused(root: Path, link: str, excludes=ALWAYS_EXCLUDED) -> str:
@@ -133,9 +134,9 @@ def test_gitignore_counts_only_when_ray_reads_it(tmp_path):
     (w / ".gitignore").write_text("current\n")
     _check(w)
     with pytest.raises(ConfigError, match="directory link current "):
-        check_working_dir_links(str(w), list(ALWAYS_EXCLUDED), include_gitignore=False)
+        check_working_dir(str(w), list(ALWAYS_EXCLUDED), include_gitignore=False)
     (w / ".rayignore").write_text("current\n")  # .rayignore always counts
-    check_working_dir_links(str(w), list(ALWAYS_EXCLUDED), include_gitignore=False)
+    check_working_dir(str(w), list(ALWAYS_EXCLUDED), include_gitignore=False)
 
 
 def test_a_working_dir_that_is_itself_a_link_and_missing_or_unreadable_ones_are_left_to_ray(tmp_path):
@@ -221,3 +222,42 @@ def test_what_passes_the_check_rays_own_packing_walk_finishes(tmp_path):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("gcs://_ray_pkg_"), done.stderr
+
+
+def _special_refused(root: Path, shown: str, what: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _check(root)
+    assert str(err.value).startswith(f"job.working_dir {root} cannot be shipped to the ranks: {shown} is {what}, ")
+    assert str(err.value).count("\n") == 0
+
+
+def test_a_pipe_socket_or_link_to_one_is_refused_unless_nothing_ships_it(tmp_path):
+    import socket
+
+    w = _tree(tmp_path / "w")
+    os.mkfifo(w / "pkg" / "pipe")
+    _special_refused(w, "pkg/pipe", "a named pipe")
+    (w / ".gitignore").write_text("pipe\n")  # ignored: Ray's walk never reads it
+    _check(w)
+    (w / "pkg" / "pipe").unlink()
+    os.mkfifo(tmp_path / "elsewhere")
+    (w / "feed").symlink_to(tmp_path / "elsewhere")  # the zip reads through the link
+    _special_refused(w, "feed", "a named pipe")
+    (w / "feed").unlink()
+    (w / ".venv").mkdir()
+    os.mkfifo(w / ".venv" / "pipe")  # in an excluded directory
+    (w / "dangling").symlink_to(tmp_path / "nothing")  # left to Ray's own error, as before
+    _check(w)
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(w / "pkg" / "sock"))
+        _special_refused(w, "pkg/sock", "a socket")
+    finally:
+        server.close()
+
+
+def test_ship_refuses_a_pipe_before_ray_reads_anything(tmp_path):
+    w = _tree(tmp_path / "w")
+    os.mkfifo(w / "pipe")
+    with pytest.raises(ConfigError, match="pipe is a named pipe"):
+        ship({"working_dir": str(w), "excludes": list(ALWAYS_EXCLUDED)})
