@@ -2,8 +2,9 @@
 
 Each command lives in its own module under ``launch/commands/`` and is registered here. ``main`` returns
 the process's exit status: 0 success, 1 the job failed (a command raised ``click.exceptions.Exit(1)``),
-2 a ``UserError`` or a usage error (one ``error:`` line on stderr, never a traceback), 130 interrupted by
-SIGINT or SIGTERM (schedulers stop jobs with SIGTERM; both raise ``KeyboardInterrupt`` here, so every
+2 a ``UserError`` or a usage error (one ``error:`` line on stderr, never a traceback; a group without its
+command prints its help first), 130 interrupted by SIGINT, SIGTERM or SIGHUP unless ignored (schedulers stop
+jobs with SIGTERM, a closed terminal sends SIGHUP; all raise ``KeyboardInterrupt`` here, so every
 ``finally`` teardown below runs).
 """
 
@@ -35,9 +36,13 @@ def _register() -> None:
 
 def main(argv=None) -> int:
     _register()
-    with signals.as_interrupt(signal.SIGTERM):
+    with signals.as_interrupt(*signals.with_hangup((signal.SIGTERM,))):
         try:
             code = cli.main(args=argv, prog_name="hybrid", standalone_mode=False)
+        except click.exceptions.NoArgsIsHelpError as err:  # a group without its command: help, then one line
+            click.echo(err.format_message())
+            click.echo(f"error: {_missing_command(err.ctx)}", err=True)
+            return EXIT_USER_ERROR
         except UserError as err:
             click.echo(f"error: {err}", err=True)
             return EXIT_USER_ERROR
@@ -50,6 +55,12 @@ def main(argv=None) -> int:
         except click.exceptions.Exit as done:
             return done.exit_code
     return code if isinstance(code, int) else EXIT_OK
+
+
+def _missing_command(ctx: click.Context) -> str:
+    names = sorted(ctx.command.list_commands(ctx)) if isinstance(ctx.command, click.Group) else []
+    shown = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+    return f"{ctx.command_path} needs a command: {shown} (see {ctx.command_path} COMMAND --help)."
 
 
 if __name__ == "__main__":

@@ -22,3 +22,40 @@ def test_reassert_restores_an_ignore_that_a_library_reset_beneath_python():
         signals.reassert()
         assert _ignored_by_the_kernel(signal.SIGTERM)
     assert not _ignored_by_the_kernel(signal.SIGTERM)
+
+
+def test_every_command_exits_130_on_sigint_sigterm_and_sighup_and_a_group_without_its_command_is_one_line(capsys):
+    """Before, only SIGTERM was an interrupt at the top: a hangup killed a command with status 129."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from launch.cli import main
+
+    waiting = ("import sys, time, click\n"
+               "from launch.cli import cli, main\n"
+               "@cli.command('wait')\n"
+               "def wait():\n"
+               "    print('waiting', flush=True)\n"
+               "    time.sleep(60)\n"
+               "sys.exit(main(['wait']))\n")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen([sys.executable, "-c", waiting], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        try:
+            assert proc.stdout.readline() == "waiting\n"
+            time.sleep(0.2)
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == 130 and err.strip() == "interrupted", (sig, proc.returncode, err)
+
+    assert main(["checkpoint"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Usage: hybrid checkpoint") and captured.err == (
+        "error: hybrid checkpoint needs a command: consolidate or inspect (see hybrid checkpoint COMMAND --help).\n")
