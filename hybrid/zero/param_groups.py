@@ -61,7 +61,25 @@ def assign(names: Sequence[str], shapes: Sequence[Sequence[int]], embeddings: se
             groups.append(group)
         of.append(index[group])
     _refuse_unused_entries(names, cfg.param_groups, used)
+    _refuse_unmatched_no_decay(names, cfg.no_decay)
     return of, groups
+
+
+def _examples(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in list(names)[-2:])
+
+
+def _refuse_unmatched_no_decay(names: Sequence[str], no_decay) -> None:
+    """A ``no_decay`` pattern that matches no parameter is a typo (``'*.bais'``) or a word taken for a mode
+    (``all``): every parameter would keep its weight decay without a word."""
+    if no_decay in ("auto", "none"):
+        return
+    for pattern in no_decay:
+        if not any(fnmatchcase(name, pattern) for name in names):
+            raise ConfigError(f"optimizer.no_decay pattern {pattern!r} matches no trainable parameter (names look "
+                              f"like {_examples(names)}; a tied parameter goes by its first name); give 'auto', "
+                              "'none' or name patterns such as ['*.bias', '*norm*.weight'] (fnmatch: '*' also "
+                              "matches dots)")
 
 
 def _refuse_unused_entries(names: Sequence[str], entries, used: set) -> None:
@@ -75,9 +93,8 @@ def _refuse_unused_entries(names: Sequence[str], entries, used: set) -> None:
             raise ConfigError(f"optimizer.param_groups[{k}].names {patterns} match only parameters an earlier "
                               "entry already takes (the first match wins); put it before that entry, or "
                               "remove it")
-        examples = ", ".join(repr(n) for n in list(names)[-2:])
         raise ConfigError(f"optimizer.param_groups[{k}].names {patterns} match no trainable parameter (names "
-                          f"look like {examples}; a tied parameter goes by its first name); fix the patterns "
+                          f"look like {_examples(names)}; a tied parameter goes by its first name); fix the patterns "
                           "(fnmatch: '*' also matches dots)")
 
 

@@ -3,6 +3,8 @@ hybrid.zero.param_groups: the default groups; hybrid.schedule: DeepSpeed's sched
 
 import math
 
+import re
+
 import pytest
 import torch
 
@@ -152,6 +154,12 @@ def test_default_groups_exempt_biases_norms_and_embeddings():
     with pytest.raises(ConfigError, match=r"^optimizer.param_groups\[1\].names \['2.\*'\] match only parameters "
                                           r"an earlier entry already takes"):
         assign(names, shapes, set(), shadowed.optimizer)
+    for no_decay in ("all", ["*.bias", "*.bais"]):  # a word taken for a mode, a typo: every decay would stay
+        mistyped = TrainConfig.from_dict({"optimizer": {"weight_decay": 0.1, "no_decay": no_decay}})
+        wrong = "all" if no_decay == "all" else "*.bais"
+        with pytest.raises(ConfigError, match=rf"^optimizer.no_decay pattern '{re.escape(wrong)}' matches no "
+                                              r"trainable parameter \(names look like '2.weight', '2.bias'"):
+            assign(names, shapes, set(), mistyped.optimizer)
 
 
 def _torch_lrs(make, steps, lr=0.1):
