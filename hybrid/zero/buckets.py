@@ -47,7 +47,8 @@ from torch.utils.hooks import RemovableHandle
 
 from hybrid.buffer_pool import BufferPool
 from hybrid.comm import Comm
-from hybrid.errors import UsageError
+from hybrid.errors import UsageError, first_line
+from hybrid.zero.params import SAME_MODULES
 from hybrid.zero.partition import FlatLayout
 
 MODES = ("all_reduce", "scatter_full", "scatter_shard")
@@ -258,7 +259,12 @@ class GradReducer:
 
     def _complete_oldest(self) -> None:
         u, handle, data = self._inflight.popleft()
-        handle.wait()
+        try:
+            handle.wait()
+        except RuntimeError as err:  # a collective timeout (gloo); NCCL's watchdog aborts the process instead
+            raise RuntimeError(f"ZeRO: the gradient reduction of unit {u} did not complete "
+                               f"({first_line(err, limit=200)}): a DP rank died or hung, or the ranks ran "
+                               f"different modules; {SAME_MODULES}") from err
         if self.mode == "scatter_shard":
             unit = self.layout.units[u]
             lo, hi = unit.shard_range(self.rank)

@@ -58,10 +58,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hybrid.comm import Comm
-from hybrid.errors import UsageError
+from hybrid.errors import UsageError, first_line
 from hybrid.zero.partition import FlatLayout
 
 log = logging.getLogger(__name__)
+# what every stage-3 mismatch sentence ends with: the rule, and the ways out
+SAME_MODULES = ("at stage 3 every DP rank must call the same modules in the same order (run every MoE expert on "
+                "every rank, with no rows if none are routed to it), or use ZeRO stage 2")
 ORDER_MODULUS = (1 << 20) - 3  # h^2 summed over 1024 ranks stays an exact float64 integer
 
 
@@ -178,14 +181,18 @@ class ParamGatherer:
         if total * total != self.comm.size * squares:
             raise UsageError(
                 "the DP ranks gathered different ZeRO stage-3 units in this step (some ran modules the others "
-                "did not, or in another order), so their forwards mixed the shards of different modules: at "
-                "stage 3 every DP rank must call the same modules in the same order (run every MoE expert on "
-                "every rank, with no rows if none are routed to it), or use ZeRO stage 2")
+                f"did not, or in another order), so their forwards mixed the shards of different modules: {SAME_MODULES}")
 
     def wait(self, u: int) -> None:
         handle = self._pending.pop(u, None)
         if handle is not None:
-            handle.wait()
+            try:
+                handle.wait()
+            except RuntimeError as err:  # a collective timeout (gloo); NCCL's watchdog aborts the process instead
+                name = self._names.get(id(self._views[u][0][0]), f"unit {u}")
+                raise RuntimeError(f"ZeRO stage 3: the all-gather of the unit holding {name!r} did not complete "
+                                   f"({first_line(err, limit=200)}): a DP rank died or hung, or the ranks ran "
+                                   f"different modules: {SAME_MODULES}") from err
             self._ready.add(u)
 
     def release(self, u: int) -> None:

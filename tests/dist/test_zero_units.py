@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid.errors import UserError
-from hybrid.local_launch import run_local
+from hybrid.local_launch import LocalRunError, run_local
 from tests.dist.own_models import AuxLossNet, CheckpointedNet, EncoderNet, FunctionalNet, SequentialNet, plain_forward
 from tests.dist.zero_models import ACCUM, config, reference, train_engine
 
@@ -142,3 +142,26 @@ def test_stage3_ranks_that_gather_different_units_are_refused_not_mixed():
     assert run_local(_routed_rank, 2, True) == [None, None]
     for message in run_local(_routed_rank, 2, False):
         assert message.startswith("the DP ranks gathered different ZeRO stage-3 units in this step"), message
+
+
+class _SkippingExperts(_RoutedExperts):
+    def forward(self, x, used):
+        return sum(self.experts[i](x).pow(2).mean() for i in used)
+
+
+def _skipping_rank():
+    engine = hybrid.initialize(_SkippingExperts(), {"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}})
+    # rank 1's rows reach no row of expert 1 and it skips it (`if idx.numel():`): one gather fewer than rank 0's
+    engine.backward(engine(torch.randn(4, 8), [0, 1] if dist.get_rank() == 0 else [0]))
+    engine.step()
+
+
+def test_stage3_ranks_that_run_a_different_number_of_modules_fail_naming_the_rule():
+    """The collectives no longer pair up: the ranks wait until the collective timeout. What then fails says
+    what the rule is (it was gloo's timeout alone)."""
+    with pytest.raises(LocalRunError) as err:
+        run_local(_skipping_rank, 2, timeout_s=3)
+    message = str(err.value)
+    assert "did not complete" in message and "the ranks ran different modules" in message, message
+    assert "at stage 3 every DP rank must call the same modules in the same order" in message, message
