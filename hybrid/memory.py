@@ -117,16 +117,36 @@ def activation_bytes(
     return float(per_layer * n_layers)
 
 
+# A number's integer part in thousands groups, all with one separator: 1,500,000 or 1_500_000.
+_GROUPED = re.compile(r"([+-]?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]{1,3}(?:_[0-9]{3})+)(?![0-9,_])")
+
+
+def _without_separators(raw: str, text, field: str) -> str:
+    """``raw`` with the thousands separators of its integer part removed; a comma or underscore anywhere
+    else (``1,5B``, ``1,2,3``, ``1_5B``, ``1,500_000``) is refused, never silently dropped."""
+    if "," not in raw and "_" not in raw:
+        return raw
+    match = _GROUPED.match(raw)
+    rest = raw[match.end():] if match else raw
+    if match is None or "," in rest or "_" in rest:
+        decimal = re.fullmatch(r"[+-]?[0-9]+[,_][0-9]+\s*[kKmMbBgGtT]", raw)  # 1,5B: a decimal comma
+        fix = f"write {re.sub('[,_]', '.', raw)}" if decimal else "write the digits alone or with a suffix (1.5M)"
+        raise ConfigError(f"{field} must be a count, got {v.quote(text)}: a comma or underscore may only separate "
+                          f"groups of three digits (1,500,000 or 1_500_000); {fix}.")
+    return match.group(1) + match.group(2).replace(",", "").replace("_", "") + rest
+
+
 def parse_count(text, field: str = "params") -> int:
     """A positive count from ``7B``, ``1.3B``, ``350M``, ``13e9``, ``7000000000`` or an int.
 
-    Suffixes K, M, B (or G) and T are powers of 1000 and are case-insensitive; ``_`` and ``,`` separators
-    are allowed. The value must come out to a whole number from 1 to ``MAX_COUNT``.
+    Suffixes K, M, B (or G) and T are powers of 1000 and are case-insensitive; ``,`` or ``_`` may separate
+    the integer part into groups of three digits (``1,500,000``, ``7_000_000``, ``1,300.5M``), nowhere else.
+    The value must come out to a whole number from 1 to ``MAX_COUNT``.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         value = Decimal(text)
     else:
-        raw = str(text).strip().replace("_", "").replace(",", "")
+        raw = _without_separators(str(text).strip(), text, field)
         match = re.fullmatch(r"([0-9.eE+-]+)\s*([kKmMbBgGtT]?)", raw)
         try:
             if not match:
@@ -134,14 +154,14 @@ def parse_count(text, field: str = "params") -> int:
             value = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()]
         except ArithmeticError:  # InvalidOperation, or Overflow for 1e1000000
             raise ConfigError(
-                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {v.quote(text)}"
+                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {v.quote(text)}."
             ) from None
     try:
         whole = value.is_finite() and 1 <= value <= MAX_COUNT and value == value.to_integral_value()
     except ArithmeticError:  # an exponent too large for the decimal context
         whole = False
     if not whole:
-        raise ConfigError(f"{field} must be a whole number from 1 to 10^18, got {v.quote(text)}")
+        raise ConfigError(f"{field} must be a whole number from 1 to 10^18, got {v.quote(text)}.")
     return int(value)
 
 

@@ -16,7 +16,10 @@ Guide", and its last row "Extremely large model → ZeRO-3 + offloading"):
 4. Stage 3 with activation checkpointing (recompute costs compute, no memory traffic).
 5. Stage 3 with the optimizer states offloaded to CPU, then offload with activation checkpointing.
 6. Else ``PlanError`` naming the smallest GPU count (at the same TP degree) that would fit, or saying that
-   the host memory is what is too small.
+   the host memory is what is too small. The count is a whole number of nodes: a multiple of the TP degree
+   (DP = GPUs / tp) and of ``ranks_per_node`` (the ranks on one node, sharing its host memory), said as
+   ``3 nodes (24 GPUs)`` unless ``node_size_known`` is False (``ranks_per_node`` is then only the ranks known
+   to share a node, such as a TP group, and the count is said in GPUs).
 
 ``activation_checkpointing`` and ``offload`` are None (auto: the planner's choice, as above), True (always
 on: every option has it) or False (never). Activation checkpointing is an option only when the checkpointed
@@ -34,7 +37,7 @@ from typing import Optional
 
 from hybrid import validate as v
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, offload_bytes
+from hybrid.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, host_bytes_per_param, offload_bytes
 from hybrid.units import human_bytes as _gb
 from hybrid.validate import DEFAULT_PRECISION, STAGES
 
@@ -146,7 +149,7 @@ def check_offload_stage(offload: Optional[bool], stage: Optional[int], offload_p
 
 
 def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed, offload, ac,
-              host_memory_bytes, ranks_per_node) -> None:
+              host_memory_bytes, ranks_per_node, node_size_known) -> None:
     v.positive_int("dp", dp)
     v.positive_int("tp", tp)
     v.positive_number("gpu_memory_bytes", gpu_memory_bytes, unit="bytes")
@@ -161,13 +164,28 @@ def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage
     if host_memory_bytes is not None:
         v.positive_number("host_memory_bytes", host_memory_bytes, unit="bytes")
     v.positive_int("ranks_per_node", ranks_per_node)
+    v.boolean("node_size_known", node_size_known)
     check_offload_stage(offload, forced_stage)
 
 
-def _gpu_count_text(gpus: int, lead: str = "at least ") -> str:
-    """A suggested GPU count (after ``lead``), or what to say when it is beyond any cluster the planner
-    reasons about."""
-    return f"{lead}{gpus}" if gpus <= MAX_GPUS else f"more than {MAX_GPUS:,}"
+def quantity(count: int, noun: str) -> str:
+    """``count`` with its thousands separated and ``noun`` in the number it takes: ``1 GPU``, ``24 GPUs``,
+    ``10,000,000 GPUs``, ``1 parameter``. Every count the planner and ``hybrid estimate`` print goes through it."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def _gpus_needed(gpus: int, tp: int, ranks_per_node: int, node_size_known: bool) -> str:
+    """The smallest count of at least ``gpus`` GPUs that makes a mesh, as text: a multiple of the TP degree
+    (DP = GPUs / tp) and, since a cluster grows by whole nodes, of ``ranks_per_node``, said in nodes when the
+    node size is known: ``3 nodes (24 GPUs)``, ``23 GPUs``, or ``more than 10,000,000 GPUs`` past any cluster
+    the planner reasons about."""
+    step = math.lcm(tp, ranks_per_node)
+    gpus = -(-gpus // step) * step
+    if gpus > MAX_GPUS:
+        return f"more than {quantity(MAX_GPUS, 'GPU')}"
+    if node_size_known and ranks_per_node > 1:
+        return f"{quantity(gpus // ranks_per_node, 'node')} ({quantity(gpus, 'GPU')})"
+    return quantity(gpus, "GPU")
 
 
 def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:
@@ -176,7 +194,8 @@ def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:
 
 
 def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Fraction, offload_allowed: bool,
-                  with_ac: bool) -> PlanError:
+                  with_ac: bool, ranks_per_node: int, node_size_known: bool,
+                  host_usable: Optional[Fraction]) -> PlanError:
     room = usable - activations
     ac = " with activation checkpointing" if with_ac else ""
     if room <= 0:
@@ -187,29 +206,48 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
         return PlanError(f"activations{ac} alone need {_gb(activations)} per GPU but only {_gb(usable)} is "
                          f"usable: {fix}.")
     p_bytes, g_bytes, o_bytes = BYTES_PER_PARAM[precision]
-    gpus_zero3 = _min_dp(p_bytes + g_bytes + o_bytes, params, tp, room) * tp
-    gpus = f"{dp * tp} GPU{'s' if dp * tp > 1 else ''}"
+
+    def needed(dp_needed: int) -> str:
+        return _gpus_needed(dp_needed * tp, tp, ranks_per_node, node_size_known)
+
+    zero3 = needed(_min_dp(p_bytes + g_bytes + o_bytes, params, tp, room))
+    what = (f"{quantity(params, 'parameter')} {'does' if params == 1 else 'do'} not fit on "
+            f"{quantity(dp * tp, 'GPU')} (tp={tp}, {_gb(usable)} usable each) even with ZeRO-3{ac}")
     if not offload_allowed:
-        return PlanError(f"{params:,} parameters do not fit on {gpus} (tp={tp}, {_gb(usable)} usable each) even "
-                         f"with ZeRO-3{ac}, and offload is off (parallel.offload: false): use "
-                         f"{_gpu_count_text(gpus_zero3)} GPUs, GPUs with more memory, or allow offload (auto)")
-    gpus_offload = _min_dp(p_bytes + g_bytes, params, tp, room) * tp  # optimizer states on the host
-    return PlanError(
-        f"{params:,} parameters do not fit on {gpus} (tp={tp}, {_gb(usable)} usable each) even with "
-        f"ZeRO-3{ac} and CPU offload: use {_gpu_count_text(gpus_offload)} GPUs "
-        f"({_gpu_count_text(gpus_zero3, lead='')} without offload) or GPUs "
-        "with more memory"
-    )
+        return PlanError(f"{what}, and offload is off (parallel.offload: false): use at least {zero3}, GPUs with "
+                         "more memory, or allow offload (auto).")
+    offload_dp = _min_dp(p_bytes + g_bytes, params, tp, room)  # the optimizer states on the host
+    if host_usable is not None:  # and a node's ranks' host shares within its host memory
+        offload_dp = max(offload_dp, _min_dp(host_bytes_per_param(precision) * ranks_per_node, params, tp,
+                                             host_usable))
+    offloaded = needed(offload_dp)
+    if offloaded.startswith("more than"):
+        use = f"use {offloaded}"
+    else:
+        without = zero3 if zero3.startswith("more than") else f"at least {zero3}"
+        use = f"use at least {offloaded} with the optimizer offloaded or {without} without"
+    return PlanError(f"{what} and CPU offload: {use}, or GPUs with more memory.")
 
 
-def _host_error(params, dp, tp, option: Option, ranks_per_node: int, host_usable: Fraction) -> PlanError:
+def _host_error(params, dp, tp, option: Option, ranks_per_node: int, node_size_known: bool,
+                host_usable: Fraction, plain_dp: Optional[int]) -> PlanError:
+    """The offloaded states do not fit the host: name the smallest count of GPUs that would do, with offload
+    (more DP ranks, smaller host shares) or, when offload is on auto (``plain_dp``), plain ZeRO-3 on more GPUs."""
     need = Fraction(option.host_bytes) * ranks_per_node
-    min_dp = max(dp, math.ceil(Fraction(option.host_bytes) * dp * ranks_per_node / host_usable))  # host ∝ 1/dp
+    host_dp = max(dp, math.ceil(Fraction(option.host_bytes) * dp * ranks_per_node / host_usable))  # host ∝ 1/dp
+    step = math.lcm(tp, ranks_per_node)
+    if plain_dp is not None and -(-plain_dp * tp // step) <= -(-host_dp * tp // step):
+        use, why = plain_dp, ", where ZeRO-3 fits without offload"
+    else:
+        use, why = host_dp, ", as more DP ranks shard the states further"
+    gpus = _gpus_needed(use * tp, tp, ranks_per_node, node_size_known)
+    ranks = (f"a node's {quantity(ranks_per_node, 'rank')} need {_gb(option.host_bytes)} each = {_gb(need)}"
+             if ranks_per_node > 1 else f"a node's one rank needs {_gb(need)}")
     return PlanError(
-        f"{params:,} parameters fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-"
-        f"{option.label}), but a node's {ranks_per_node} ranks need {_gb(option.host_bytes)} each = {_gb(need)} "
-        f"of host memory and a node has {_gb(host_usable)} usable: use {_gpu_count_text(min_dp * tp)} GPUs (more DP "
-        "ranks shard the states further) or nodes with more host memory (cluster.host_memory_gb)"
+        f"{quantity(params, 'parameter')} fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-"
+        f"{option.label}), but {ranks} of host memory and a node has {_gb(host_usable)} usable: use "
+        f"{'' if gpus.startswith('more than') else 'at least '}{gpus}{why}, or nodes with more host memory "
+        "(cluster.host_memory_gb)."
     )
 
 
@@ -228,10 +266,11 @@ def choose_stage(
     activation_checkpointing: bool | None = None,
     host_memory_bytes: float | None = None,
     ranks_per_node: int = 1,
+    node_size_known: bool = True,
 ) -> Plan:
     """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring."""
     _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed_activation_bytes,
-              offload, activation_checkpointing, host_memory_bytes, ranks_per_node)
+              offload, activation_checkpointing, host_memory_bytes, ranks_per_node, node_size_known)
     offload, ac = check_lever("offload", offload), check_lever("activation_checkpointing", activation_checkpointing)
     stages = all_stages(params, dp, tp, precision)
     usable = _usable(gpu_memory_bytes, headroom)
@@ -298,11 +337,15 @@ def choose_stage(
             if o.fits:
                 return plan(o, _offload_reason(o, option(o.stage, base_ac, False), bool(offload), base_ac, budget,
                                                ranks_per_node, host_usable))
+    smallest = acts[True] if (ac_lever or base_ac) else acts[False]  # activations of the last resort
+    if offload is not False:
         on_gpu = [o for o in offloaded if Fraction(o.device_bytes) <= usable]
         if on_gpu:  # the GPUs would do; the host memory is what is too small
-            raise _host_error(params, dp, tp, on_gpu[0], ranks_per_node, host_usable)
-    smallest = acts[True] if (ac_lever or base_ac) else acts[False]
-    raise _no_fit_error(params, dp, tp, precision, usable, smallest, offload is not False, ac_lever or base_ac)
+            plain_dp = (_min_dp(sum(BYTES_PER_PARAM[precision]), params, tp, usable - smallest)
+                        if offload is None and usable > smallest else None)
+            raise _host_error(params, dp, tp, on_gpu[0], ranks_per_node, node_size_known, host_usable, plain_dp)
+    raise _no_fit_error(params, dp, tp, precision, usable, smallest, offload is not False, ac_lever or base_ac,
+                        ranks_per_node, node_size_known, host_usable)
 
 
 def _offload_reason(o: Option, plain: Option, forced: bool, base_ac: bool, budget: str, ranks_per_node: int,

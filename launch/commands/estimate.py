@@ -17,6 +17,9 @@ table, the recommendation and the prediction all use ``hybrid.memory.gpt_activat
 Without it, the generic transformer formula ``hybrid.memory.activation_bytes`` (Korthikanti et al. 2022).
 A shape the GPT cannot have is refused in the CLI's terms either way: ``--heads`` must divide ``--hidden``,
 and ``--tp`` what ``GPTConfig.check_tp`` splits (the heads, the MLP width and, with ``--vocab``, the vocabulary).
+``--gpus-per-node`` is the node size: the ranks that share a node's host memory under offload, and the unit of
+the GPU count a no-fit error suggests (whole nodes); without it only the TP group is known to share a node
+(``choose_stage``'s ``ranks_per_node`` is then ``--tp`` and the suggestion is said in GPUs).
 Any bad input ends with one ``error: ...`` line and exit status 2.
 """
 
@@ -31,10 +34,10 @@ from hybrid import validate as v
 from hybrid.errors import ConfigError
 from hybrid.memory import activation_bytes, gpt_activation_bytes, parse_count
 from hybrid.models.gpt_config import GPTConfig, shape_violation
-from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage
+from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage, quantity
 from hybrid.units import human_bytes
 from hybrid.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
-from launch.spec import MAX_GPU_MEMORY_GB
+from launch.spec import MAX_GPU_MEMORY_GB, MAX_GPUS_PER_NODE
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 # activations_estimate in the JSON -> the label of the table's activation row
@@ -49,12 +52,23 @@ def _plain(number: float) -> int | float:
     return int(number) if float(number).is_integer() else number
 
 
-def _validate(gpus: int, tp: int, gpu_memory: float, headroom: float, shape: dict, vocab: int | None) -> None:
+def _validate(gpus: int, tp: int, gpus_per_node: int | None, gpu_memory: float, headroom: float, shape: dict,
+              vocab: int | None) -> None:
     """Every option, before anything is computed; a bad one is one ``ConfigError`` sentence naming it."""
-    v.integer("--gpus", gpus, 1, MAX_GPUS, need=f"a whole number from 1 to {MAX_GPUS} (the total GPU count, DP × TP)")
-    v.integer("--tp", tp, 1, MAX_GPUS)
+    v.integer("--gpus", gpus, 1, MAX_GPUS,
+              need=f"a whole number from 1 to {MAX_GPUS:,} (the total GPU count, DP × TP)")
+    v.integer("--tp", tp, 1, MAX_GPUS, need=f"a whole number from 1 to {MAX_GPUS:,}")
     if gpus % tp:
-        raise ConfigError(f"--gpus ({gpus}) must be a multiple of --tp ({tp}), since DP degree = gpus / tp.")
+        raise ConfigError(f"--gpus ({gpus:,}) must be a multiple of --tp ({tp:,}), since DP degree = gpus / tp.")
+    if gpus_per_node is not None:
+        v.integer("--gpus-per-node", gpus_per_node, 1, MAX_GPUS_PER_NODE,
+                  need=f"a whole number from 1 to {MAX_GPUS_PER_NODE:,} (the GPUs of one node)")
+        if gpus_per_node % tp:
+            raise ConfigError(f"--gpus-per-node ({gpus_per_node:,}) must be a multiple of --tp ({tp:,}), since a "
+                              "TP group lies inside one node.")
+        if gpus % gpus_per_node:
+            raise ConfigError(f"--gpus ({gpus:,}) must be a multiple of --gpus-per-node ({gpus_per_node:,}), since "
+                              "a cluster has whole nodes.")
     v.positive_number("--gpu-memory", gpu_memory, MAX_GPU_MEMORY_GB, unit="GB per GPU")
     check_headroom("--headroom", headroom)
     given = [name for name in _SHAPE if shape[name] is not None]
@@ -112,7 +126,7 @@ def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | No
 
 
 def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activations: float | None,
-              kind: str | None) -> str:
+              kind: str | None, gpus_per_node: int | None) -> str:
     p_kind, o_kind = precision.upper(), "FP32"
     rows = [
         ["Component", "Stage 0 (DDP)", "Stage 1", "Stage 2", "Stage 3"],
@@ -127,9 +141,11 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
     rows.append([f"Fits on {_plain(gpu_memory)} GB?"] + ["Yes" if plan.fits[s] else "No" for s in STAGES])
 
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    nodes = "" if gpus_per_node is None else \
+        f" ({quantity(plan.dp * plan.tp // gpus_per_node, 'node')} of {gpus_per_node:,})"
     lines = [
-        f"{params:,} parameters ({precision}) on {plan.dp * plan.tp} GPUs: DP {plan.dp} × TP {plan.tp}, "
-        f"{_plain(gpu_memory)} GB each, {human_bytes(plan.usable_bytes)} usable at "
+        f"{quantity(params, 'parameter')} ({precision}) on {quantity(plan.dp * plan.tp, 'GPU')}{nodes}: "
+        f"DP {plan.dp:,} × TP {plan.tp:,}, {_plain(gpu_memory)} GB each, {human_bytes(plan.usable_bytes)} usable at "
         f"{plan.headroom * 100:g}% headroom",
         "",
     ]
@@ -148,6 +164,9 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
 @click.option("--params", "params_text", required=True, help="Parameter count Ψ: 7B, 1.3B, 350M, 13e9, ...")
 @click.option("--gpus", type=int, required=True, help="Total GPU count (DP × TP).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree; DP = gpus / tp.")
+@click.option("--gpus-per-node", type=int, help="GPUs of one node (a multiple of --tp; --gpus a multiple of it): "
+              "the ranks sharing a node's host memory with offload, and the unit of a suggested GPU count. "
+              "Default: unknown, only the TP group (--tp) is known to share a node.")
 @click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="Memory per GPU in GB (10^9).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True)
 @click.option("--headroom", type=float, default=0.1, show_default=True, help="Fraction of memory kept free.")
@@ -161,12 +180,12 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
               "built-in GPT of that shape (states as the engine lays them out, buckets, activations, reserve), and the "
               "table uses that GPT's activation estimate, as hybrid plan does.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
+def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
              activation_checkpointing, vocab, as_json) -> None:
     """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
     params = parse_count(params_text, field="--params")
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
-    _validate(gpus, tp, gpu_memory, headroom, shape, vocab)
+    _validate(gpus, tp, gpus_per_node, gpu_memory, headroom, shape, vocab)
 
     kind = activations = checkpointed = None
     if shape["layers"] is not None:
@@ -177,9 +196,12 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
     memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
     # Without the flag the planner may still turn checkpointing on (after plain ZeRO-3, before offload). Its
     # PlanError names the fix itself (more GPUs, or for activations the sequence, micro-batch or TP degree).
+    # A node's ranks share its host memory (the offloaded states): all --gpus-per-node of them, or, when the
+    # node size is not given, at least the TP group, which lies inside one node.
     plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom,
                         checkpointed_activation_bytes=checkpointed,
-                        activation_checkpointing=True if activation_checkpointing else None)
+                        activation_checkpointing=True if activation_checkpointing else None,
+                        ranks_per_node=gpus_per_node or tp, node_size_known=gpus_per_node is not None)
     prediction = None
     if vocab is not None:
         prediction = _gpt_prediction(vocab, shape, gpus // tp, tp, precision, activations)
@@ -189,7 +211,7 @@ def estimate(params_text, gpus, tp, gpu_memory, precision, headroom, layers, hid
             out["prediction"] = {str(s): p.as_dict() for s, p in prediction.items()}
         click.echo(json.dumps(out))
     else:
-        click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind))
+        click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind, gpus_per_node))
         if prediction is not None:
             from launch.memory_view import prediction_lines
 

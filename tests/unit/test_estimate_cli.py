@@ -96,6 +96,10 @@ def test_human_output_for_offload(capsys):
         (["--params", "7B", "--gpus", "8", "--layers", "32"], "--hidden"),
         (["--params", "700B", "--gpus", "1"], "at least 39 GPUs"),
         (["--params", "7B", "--gpus", "8", "--vocab", "50304"], "--layers"),
+        (["--params", "1,5B", "--gpus", "8"], "--params must be a count, got '1,5B'"),
+        (["--params", "7B", "--gpus", "12", "--gpus-per-node", "8"], "multiple of --gpus-per-node (8)"),
+        (["--params", "7B", "--gpus", "16", "--tp", "4", "--gpus-per-node", "6"], "--gpus-per-node (6) must be"),
+        (["--params", "7B", "--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node must be"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
@@ -176,7 +180,8 @@ def test_console_script_help_and_exit_codes():
         [HYBRID, "estimate", "--gpus", "0", "--params", "7B"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == ["error: --gpus must be a whole number from 1 to 10000000 (the total GPU count, DP × TP), got 0."]
+    assert done.stderr.splitlines() == ["error: --gpus must be a whole number from 1 to 10,000,000 (the total GPU count, "
+                                        "DP × TP), got 0."]
 
 
 def test_monitor_command_reports_this_node(capsys):
@@ -203,7 +208,9 @@ def test_no_suggested_gpu_count_is_beyond_what_estimate_accepts(capsys, params):
 
     code, out, err = run(capsys, "estimate", "--params", params, "--gpus", "8", "--gpu-memory", "0.5")
     assert code == 2 and out == "" and err.count("\n") == 1
-    counts = [int(word) for word in err.replace("(", " ").split() if word.isdigit()]
+    import re
+
+    counts = [int(n.replace(",", "")) for n in re.findall(r"(\d[\d,]*) (?:GPU|node)", err)]  # 8,888,889 GPUs
     assert counts and all(n <= MAX_GPUS for n in counts), err
     assert f"more than {MAX_GPUS:,}" in err
 
@@ -214,3 +221,67 @@ def test_activations_too_large_name_their_own_fixes_not_the_gpu_count(capsys):
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("error: activations with activation checkpointing alone need ") and "--gpus" not in err
     assert "(model.seq_len, --seq)" in err and "(job.micro_batch, --micro-batch)" in err
+
+
+# --- QA: separators in a parameter count, the ranks sharing a node's host memory, how counts read ---------
+
+
+@pytest.mark.parametrize("text, count", [
+    ("1,500,000", 1_500_000), ("1_500_000", 1_500_000), ("7_000_000", 7_000_000), ("1,000", 1000),
+    ("1,300.5M", 1_300_500_000), ("+1,000", 1000), ("13B", 13 * 10**9), (" 2.5 B ", 2_500_000_000),
+])
+def test_thousands_groups_are_accepted(text, count):
+    from hybrid.memory import parse_count
+
+    assert parse_count(text) == count
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("1,5B", "write 1.5B."), ("1_5B", "write 1.5B."), ("1,2,3", "write the digits alone"),
+    ("1,500_000", "write the digits alone"), ("1,000,00", "write the digits alone"), ("1000,000", "write the"),
+    (",100", "write the"), ("1e1_0", "write the"), ("1.5,000", "write the"),
+])
+def test_other_separators_are_refused_in_one_sentence(text, fix):
+    from hybrid.errors import ConfigError
+    from hybrid.memory import parse_count
+
+    with pytest.raises(ConfigError) as err:
+        parse_count(text, field="params in m.yaml")  # a model config's params: (launch.model_size)
+    message = str(err.value)
+    assert message.startswith(f"params in m.yaml must be a count, got {text!r}: a comma or underscore may only "
+                              "separate groups of three digits (1,500,000 or 1_500_000); ") and message.endswith(".")
+    assert fix in message
+
+
+def test_a_comma_in_params_never_changes_the_count(capsys):
+    code, out, err = run(capsys, "estimate", "--params", "1,500,000,000", "--gpus", "8", "--json")
+    assert code == 0 and json.loads(out)["params"] == 1_500_000_000
+
+
+def test_the_tp_group_shares_a_nodes_host_memory(capsys):
+    # TP 8 lies inside one node: its 8 ranks share the node's host memory (it said "x 1 = 122.5 GB per node")
+    code, out, _ = run(capsys, "estimate", "--params", "70B", "--gpus", "8", "--tp", "8")
+    assert code == 0 and "122.5 GB per rank x 8 = 980 GB per node" in out
+    code, out, _ = run(capsys, "estimate", "--params", "70B", "--gpus", "32", "--tp", "8", "--gpus-per-node", "16",
+                       "--gpu-memory", "20")
+    assert code == 0 and "on 32 GPUs (2 nodes of 16): DP 4 × TP 8" in out
+    assert "per rank x 16 = " in out and "per node" in out
+
+
+def test_a_suggested_gpu_count_is_whole_nodes_when_the_node_size_is_given(capsys):
+    code, out, err = run(capsys, "estimate", "--params", "700B", "--gpus", "8", "--tp", "2", "--gpus-per-node", "8")
+    assert code == 2 and out == ""
+    assert "use at least 5 nodes (40 GPUs) with the optimizer offloaded or at least 20 nodes (160 GPUs) without" in err
+    code, out, err = run(capsys, "estimate", "--params", "700B", "--gpus", "8", "--tp", "2")
+    assert "use at least 40 GPUs with the optimizer offloaded or at least 156 GPUs without" in err
+    assert "node" not in err  # the node size is not known
+
+
+def test_counts_read_as_numbers(capsys):
+    code, out, _ = run(capsys, "estimate", "--params", "1", "--gpus", "1")
+    assert code == 0 and out.startswith("1 parameter (bf16) on 1 GPU: DP 1 × TP 1, ")
+    code, out, err = run(capsys, "estimate", "--params", "7B", "--gpus", "8", "--tp", "20000000")
+    assert code == 2 and "from 1 to 10,000,000," in err
+    code, out, err = run(capsys, "estimate", "--params", "1e18", "--gpus", "1", "--gpu-memory", "0.5")
+    assert code == 2 and err.rstrip().endswith("use more than 10,000,000 GPUs, or GPUs with more memory.")
+    assert "1 GPU (tp=1" in err

@@ -66,7 +66,7 @@ def test_nothing_fits_names_smallest_gpu_count():
         choose_stage(B13, 8, 1, 5 * GB, headroom=0)
     # Offload needs 4 bytes/param on the GPU: 52 GB / 5 GB -> 11 GPUs; plain ZeRO-3 16·13/5 -> 42 GPUs.
     message = str(err.value)
-    assert "at least 11 GPUs" in message and "42 without offload" in message
+    assert "use at least 11 GPUs with the optimizer offloaded or at least 42 GPUs without, or GPUs" in message
     assert choose_stage(B13, 11, 1, 5 * GB, headroom=0).offload
     with pytest.raises(PlanError):
         choose_stage(B13, 10, 1, 5 * GB, headroom=0)
@@ -173,16 +173,19 @@ def test_offload_with_checkpointing_is_the_last_row():
 
 def test_host_memory_too_small_for_the_offloaded_states_is_said():
     with pytest.raises(PlanError) as err:
-        lever_plan(9, None, host_memory_bytes=10 * GB, ranks_per_node=8)
+        lever_plan(9, None, host_memory_bytes=10 * GB, ranks_per_node=8, offload=True)
     assert str(err.value) == (
         "1,000,000,000 parameters fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-3 + "
         "offload), but a node's 8 ranks need 1.75 GB each = 14 GB of host memory and a node has 10 GB usable: use "
-        "at least 12 GPUs (more DP ranks shard the states further) or nodes with more host memory "
-        "(cluster.host_memory_gb)")
-    # at the GPU count it names, the host memory holds them
-    plan = choose_stage(B1, 12, 1, 10 * GB, headroom=0, activation_bytes=9 * GB, host_memory_bytes=10 * GB,
-                        ranks_per_node=8)
-    assert plan.offload and "host: 1.167 GB per rank x 8 = 9.333 GB of 10 GB usable per node" in plan.reason
+        "at least 2 nodes (16 GPUs), as more DP ranks shard the states further, or nodes with more host memory "
+        "(cluster.host_memory_gb).")
+    # at the GPU count it names, the host memory holds them (12 DP ranks would, but a cluster has whole nodes)
+    plan = choose_stage(B1, 16, 1, 10 * GB, headroom=0, activation_bytes=9 * GB, host_memory_bytes=10 * GB,
+                        ranks_per_node=8, offload=True)
+    assert plan.offload and "host: 875 MB per rank x 8 = 7 GB of 10 GB usable per node" in plan.reason
+    # with offload on auto, plain ZeRO-3 on as many GPUs is the cheaper way, and the sentence says so
+    with pytest.raises(PlanError, match=r"use at least 2 nodes \(16 GPUs\), where ZeRO-3 fits without offload, or"):
+        lever_plan(9, None, host_memory_bytes=10 * GB, ranks_per_node=8)
 
 
 def test_offload_off_ends_in_an_error_that_says_so():
@@ -230,3 +233,81 @@ def test_offload_bytes_are_the_issues_formula():
     assert (split.device, split.host) == (52 * GB, 13 * GB)  # 12Ψ/(tN) + the 4Ψ/(tN) fp32 gradient copy
     with pytest.raises(ConfigError, match="offload needs ZeRO stage 1, 2 or 3"):
         offload_bytes(B13, 8, 0)
+
+
+# --- the GPU count a PlanError names is a whole number of nodes, in one formatter -------------------------
+B100 = 100 * 10**9  # QA's /tmp/qa-cli/u.yaml: 100B on one node of 8 GPUs of 80 GB (72 GB usable), tp 1
+
+
+def no_fit(**kwargs) -> str:
+    with pytest.raises(PlanError) as err:
+        choose_stage(**(dict(params=B100, dp=8, tp=1, gpu_memory_bytes=80 * GB) | kwargs))
+    return str(err.value)
+
+
+def test_suggested_gpu_count_is_whole_nodes():
+    # ZeRO-3 needs 16 B x 100B / 72 GB = 22.2 -> 23 ranks; nodes of 8 make it 24 (it said "23 GPUs")
+    message = no_fit(offload=False, ranks_per_node=8)
+    assert "use at least 3 nodes (24 GPUs), GPUs with more memory, or allow offload (auto)." in message
+    assert choose_stage(B100, 24, 1, 80 * GB, offload=False, ranks_per_node=8).stage == 3
+    with pytest.raises(PlanError):
+        choose_stage(B100, 16, 1, 80 * GB, offload=False, ranks_per_node=8)
+    # without a node size (one rank per node) the count is the exact GPU count
+    assert "use at least 23 GPUs, GPUs" in no_fit(offload=False)
+
+
+def test_a_node_size_not_known_is_said_in_gpus_but_still_rounds_to_the_tp_group():
+    message = no_fit(dp=1, tp=8, offload=False, ranks_per_node=8, node_size_known=False)
+    assert "use at least 24 GPUs, GPUs" in message and "node" not in message
+
+
+def test_whole_nodes_hold_whole_tp_groups():
+    # 80B at tp 4: 16 B x 80B / 4 / 72 GB -> DP 5, 20 GPUs; nodes of 6 hold TP groups of 4 only as 12-GPU
+    # blocks, so 24 GPUs (4 nodes, DP 6)
+    message = no_fit(params=80 * 10**9, dp=1, tp=4, offload=False, ranks_per_node=6)
+    assert "use at least 4 nodes (24 GPUs), GPUs" in message
+    assert choose_stage(80 * 10**9, 6, 4, 80 * GB, offload=False, ranks_per_node=6).stage == 3
+
+
+def test_too_little_host_memory_names_whole_nodes():
+    # QA's /tmp/qa-cli/u2.yaml: 100 GB of host memory per node; offload needs 175 GB per rank at 8 ranks
+    forced = no_fit(offload=True, ranks_per_node=8, host_memory_bytes=100 * GB)
+    # a node's host: 14 B x 100B / (dp) x 8 <= 90 GB -> dp >= 124.4 -> 125 -> 128 = 16 nodes (it said 125 GPUs)
+    assert "use at least 16 nodes (128 GPUs), as more DP ranks shard the states further, or nodes" in forced
+    assert choose_stage(B100, 128, 1, 80 * GB, offload=True, ranks_per_node=8, host_memory_bytes=100 * GB).offload
+    with pytest.raises(PlanError):
+        choose_stage(B100, 120, 1, 80 * GB, offload=True, ranks_per_node=8, host_memory_bytes=100 * GB)
+    # on auto, 3 nodes run plain ZeRO-3, far fewer than offload needs
+    auto = no_fit(ranks_per_node=8, host_memory_bytes=100 * GB)
+    assert "use at least 3 nodes (24 GPUs), where ZeRO-3 fits without offload, or nodes" in auto
+
+
+def test_the_offload_count_also_fits_the_host_memory_when_it_is_known():
+    # offload alone needs 4 B x 100B / 72 GB -> 6 ranks on the GPU; a node's host of 100 GB holds 8 ranks'
+    # 14 B x 100B / dp only from dp 125 on, i.e. 16 nodes
+    message = no_fit(dp=1, ranks_per_node=8, host_memory_bytes=100 * GB)
+    assert "use at least 16 nodes (128 GPUs) with the optimizer offloaded or at least 3 nodes (24 GPUs) " \
+           "without, or" in message, message
+    assert "use at least 1 node (8 GPUs) with the optimizer offloaded" in no_fit(dp=1, ranks_per_node=8)
+
+
+def test_counts_read_as_numbers():
+    from hybrid.planner import MAX_GPUS, quantity
+
+    assert [quantity(n, "GPU") for n in (1, 2, 24, MAX_GPUS)] == ["1 GPU", "2 GPUs", "24 GPUs", "10,000,000 GPUs"]
+    assert quantity(1, "parameter") == "1 parameter"
+    assert "on 1 GPU (tp=1" in no_fit(dp=1, offload=False)
+    message = no_fit(params=10**18, dp=1, gpu_memory_bytes=GB)
+    assert message.endswith("use more than 10,000,000 GPUs, or GPUs with more memory.")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(offload=False),
+    dict(dp=1),
+    dict(activation_bytes=79 * GB),
+    dict(ranks_per_node=8, host_memory_bytes=100 * GB),
+    dict(ranks_per_node=8, host_memory_bytes=100 * GB, offload=True),
+])
+def test_every_plan_error_is_one_sentence_with_its_period(kwargs):
+    message = no_fit(**kwargs)
+    assert message.endswith(".") and "\n" not in message and message.count(". ") == 0, message
