@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 from hybrid.errors import ConfigError, PlanError
 from hybrid.memory import GB, gpt_activation_bytes
-from hybrid.planner import Plan, choose_stage
+from hybrid.planner import Plan, choose_stage, quantity
 from hybrid.units import count, human_bytes
 from launch.model_size import ModelFacts, model_facts
 from launch.spec import LaunchSpec
@@ -257,7 +257,7 @@ def format_plan(lp: LaunchPlan) -> str:
     """The plan as text: model, mesh (and why this TP degree), per-stage memory table, the levers tried,
     the chosen stage and levers, and the reason."""
     c, p, layout, par = lp.spec.cluster, lp.plan, lp.layout, lp.spec.parallel
-    lines = [f"model   {lp.spec.job.config.name}: {lp.params:,} parameters ({lp.params_source}), precision "
+    lines = [f"model   {lp.spec.job.config.name}: {quantity(lp.params, "parameter")} ({lp.params_source}), precision "
              f"{par.precision}",
              f"mesh    {count(c.nodes, 'node')} x {count(c.gpus_per_node, 'rank')} = {count(c.world_size, 'rank')}; tp={layout.tp} (inside a node), "
              f"dp={layout.dp}; backend {lp.backend}",
