@@ -257,7 +257,7 @@ def format_plan(lp: LaunchPlan) -> str:
     """The plan as text: model, mesh (and why this TP degree), per-stage memory table, the levers tried,
     the chosen stage and levers, and the reason."""
     c, p, layout, par = lp.spec.cluster, lp.plan, lp.layout, lp.spec.parallel
-    lines = [f"model   {lp.spec.job.config.name}: {quantity(lp.params, "parameter")} ({lp.params_source}), precision "
+    lines = [f"model   {lp.spec.job.config.name}: {quantity(lp.params, 'parameter')} ({lp.params_source}), precision "
              f"{par.precision}",
              f"mesh    {count(c.nodes, 'node')} x {count(c.gpus_per_node, 'rank')} = {count(c.world_size, 'rank')}; tp={layout.tp} (inside a node), "
              f"dp={layout.dp}; backend {lp.backend}",
