@@ -1,25 +1,48 @@
-"""Read a YAML config file strictly: UTF-8 only, duplicate keys refused, every failure one sentence.
+"""Read a YAML config file strictly: a regular file of at most 16 MiB, UTF-8 only, duplicate keys refused, every
+failure one sentence.
 
 ``load_yaml(path, what)`` returns the parsed document or raises ``ConfigError`` naming the file (``what``
-says which file it is, e.g. "cluster file") and the fix: a missing path, a directory, a file that cannot
-be read, bytes that are not UTF-8, a YAML syntax error (with its line), or a key given twice in one
-mapping (PyYAML would silently keep the last one).
+says which file it is, e.g. "cluster file") and the fix: a missing path, a directory or anything else that is
+not a regular file (a FIFO would block the read forever, ``/dev/zero`` never ends), a file that cannot be
+read, one over ``MAX_YAML_BYTES``, bytes that are not UTF-8, a YAML syntax error (with its line), a key given
+twice in one mapping (PyYAML would silently keep the last one), or a value Python cannot convert (an integer
+of more than 4300 digits, a 13th month). ``not_a_file(path)`` says why a path cannot be read as one, for
+a caller that checks a config path before reading it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
-from hybrid.errors import ConfigError
+from hybrid.errors import ConfigError, first_line
 from hybrid.validate import quote
+
+MAX_YAML_BYTES = 16 * 2**20  # far above any config; a bound on what a wrong path can make us read
+_INT_TAG = "tag:yaml.org,2002:int"
+
+
+class _Refused(yaml.constructor.ConstructorError):
+    """A value the loader refuses, with the fix the message gives."""
+
+    def __init__(self, problem: str, fix: str, mark):
+        super().__init__(None, None, problem, mark)
+        self.fix = fix
 
 
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, and turns a value Python cannot
+    convert (its ``ValueError``) into a marked error."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except ValueError as err:
+            raise _unconvertible(node, err) from None
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -33,24 +56,75 @@ class StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: let the base class report it
                     break
                 if duplicate:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {quote(key, 40)} is given twice", key_node.start_mark)
+                    raise _Refused(f"key {quote(key, 40)} is given twice", "keep one of them", key_node.start_mark)
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _unconvertible(node, err: ValueError) -> _Refused:
+    value = node.value if isinstance(node, yaml.ScalarNode) else ""
+    if node.tag == _INT_TAG:  # Python converts at most sys.get_int_max_str_digits() digits
+        digits = sum(c.isalnum() for c in value)
+        return _Refused(f"an integer of {digits} digits is too long to read", "write a smaller number",
+                        node.start_mark)
+    return _Refused(f"{quote(value, 40)} cannot be read ({first_line(err)})",
+                    "correct it, or quote it to keep it as text", node.start_mark)
+
+
+def _mode_problem(mode: int) -> Optional[str]:
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    return None
+
+
+def not_a_file(path: str | os.PathLike) -> Optional[str]:
+    """Why ``path`` cannot be read as a config file -- ``does not exist``, ``is a directory``, ``is not a regular
+    file`` (a FIFO, a device) or ``cannot be read (<reason>)`` -- or None when it is a regular file."""
+    try:
+        return _mode_problem(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return "does not exist"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+
+
+def _read(path: Path, named: str) -> bytes:
+    """The bytes of the regular file ``path``, at most ``MAX_YAML_BYTES``; ``named`` opens every error."""
+    try:
+        # non-blocking: opening a FIFO must not wait for a writer before fstat can refuse it
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"{named} does not exist; pass the path of a YAML file.") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{named} is a directory; pass the path of a YAML file.") from None
+    except OSError as err:
+        raise _unreadable(named, err) from None
+    problem = _mode_problem(os.fstat(fd).st_mode)
+    if problem:
+        os.close(fd)
+        raise ConfigError(f"{named} {problem}; pass the path of a YAML file.")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            raw = file.read(MAX_YAML_BYTES + 1)
+        except OSError as err:
+            raise _unreadable(named, err) from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"{named} is larger than {MAX_YAML_BYTES // 2**20} MiB, more than any config file; "
+                          "check that the path names the YAML file you meant.")
+    return raw
+
+
+def _unreadable(named: str, err: OSError) -> ConfigError:
+    return ConfigError(f"{named} cannot be read ({err.strerror or err}); check its permissions.")
 
 
 def load_yaml(path: str | os.PathLike, what: str = "config file") -> Any:
     """The parsed YAML document at ``path``; see the module docstring for the errors."""
     path = Path(path)
     shown = quote(str(path))
-    if path.is_dir():
-        raise ConfigError(f"{what} {shown} is a directory; pass the path of a YAML file.")
-    if not path.exists():
-        raise ConfigError(f"{what} {shown} does not exist; pass the path of a YAML file.")
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{what} {shown} cannot be read ({err.strerror or err}); check its permissions.") from None
+    raw = _read(path, f"{what} {shown}")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -61,8 +135,8 @@ def load_yaml(path: str | os.PathLike, what: str = "config file") -> Any:
         mark = err.problem_mark or err.context_mark
         line = mark.line + 1 if mark is not None else "?"
         problem = err.problem or err.context or "syntax error"
-        if "given twice" in problem:
-            raise ConfigError(f"{what} {shown} line {line}: {problem}; keep one of them.") from None
+        if isinstance(err, _Refused):
+            raise ConfigError(f"{what} {shown} line {line}: {problem}; {err.fix}.") from None
         raise ConfigError(f"{what} {shown} is not valid YAML at line {line} ({problem}); "
                           "fix the indentation or quoting there.") from None
     except yaml.YAMLError as err:

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 from launch import replan
+from hybrid import validate as v
+from hybrid.errors import ConfigError
 from hybrid.units import human_bytes
 
 MEMORY_FILE = "memory.json"
@@ -110,18 +112,59 @@ class MemoryLoop:
 
 
 def load(run_dir) -> dict:
-    """The ``memory.json`` of a run directory (``ConfigError`` naming the path when there is none)."""
-    from hybrid.errors import ConfigError
-
+    """The ``memory.json`` of a run directory with its figures checked (``check_record``); ``ConfigError`` of one
+    sentence naming the run directory when there is none, it cannot be read or parsed, or a field is wrong."""
     path = Path(run_dir) / MEMORY_FILE
     try:
-        record = json.loads(path.read_text())
+        # every number as a float, as the re-plan uses them: Python refuses an integer of over 4300 digits,
+        # and a float past its range is inf, which the check refuses
+        record = json.loads(path.read_text(), parse_int=float)
         if not isinstance(record, dict):
             raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        return record
     except FileNotFoundError:
         raise ConfigError(f"--measured {run_dir}: there is no {MEMORY_FILE} in it; give the run_dir of a job "
                           "launched with this version (its metrics.jsonl sits beside memory.json)") from None
+    except RecursionError:
+        raise ConfigError(f"--measured {run_dir}: {path} nests too deeply to be a {MEMORY_FILE}; give the run_dir "
+                          "of a finished or failed job") from None
     except (OSError, ValueError) as err:
         raise ConfigError(f"--measured {run_dir}: {path} is unreadable ({err}); give the run_dir of a finished "
                           "or failed job") from None
+    try:
+        return check_record(record)
+    except ConfigError as err:
+        raise ConfigError(f"--measured {run_dir}: its {MEMORY_FILE} lacks or garbles a field "
+                          f"({str(err).rstrip('.')}); give the run_dir of a job launched with this version") from None
+
+
+def check_record(record: dict) -> dict:
+    """``record`` with what ``launch.replan.from_measured`` reads checked and made floats (``step`` an int):
+    each rank of ``measured`` (a whole-number key) with ``peak_bytes`` and, where given (a null is not),
+    ``nvml_used_bytes`` and ``budget_bytes`` finite numbers at least 0, ``step`` a whole number at least 0;
+    when any rank measured, ``predicted.total`` (and ``predicted.peak`` where a rank ran on CUDA) a finite
+    number at least 0, as each is where given. ``ConfigError`` names the field."""
+    measured = v.mapping("measured", record.get("measured") or {})
+    checked = {rank: _rank_figures(v.join("measured", v.key_name(rank)), rank, m) for rank, m in measured.items()}
+    if not checked:
+        return {**record, "measured": {}}
+    predicted = v.mapping("predicted", v.required(record, "", "predicted", "the run's prediction"))
+    # the figure a rank's measurement is set against (from_measured): peak allocated on CUDA, else the total
+    needed = ("peak", "total") if any(m.get("device") == "cuda" for m in checked.values()) else ("total",)
+    for key in ("peak", "total"):
+        if key in predicted or key in needed:
+            predicted[key] = v.number(v.join("predicted", key), v.required(predicted, "predicted", key, "bytes"), 0,
+                                      unit="bytes")
+    return {**record, "measured": checked, "predicted": predicted}
+
+
+def _rank_figures(path: str, rank: str, m) -> dict:
+    if not (rank.isascii() and rank.isdecimal()):
+        raise ConfigError(f"the key {v.quote(rank, 40)} of measured must be a rank, a whole number.")
+    m = v.without_nulls(v.mapping(path, m))  # a null figure is one not measured: the re-plan's default applies
+    v.required(m, path, "peak_bytes", "bytes")
+    for key in ("peak_bytes", "nvml_used_bytes", "budget_bytes"):
+        if key in m:
+            m[key] = v.number(v.join(path, key), m[key], 0, unit="bytes")
+    if "step" in m:
+        m["step"] = v.integer(v.join(path, "step"), m["step"], 0, whole_floats=True)
+    return m

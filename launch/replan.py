@@ -271,7 +271,8 @@ def _nodes_that_fit(lp, choice: Choice, extra: float) -> Optional[int]:
 def from_measured(lp, record: dict) -> tuple[Choice, MemoryPrediction, Overshoot]:
     """Re-plan ``lp`` from a run's ``memory.json`` (``launch.memory_loop``): the largest measured peak
     against that run's prediction gives the extra every candidate must hold; the candidates are stage 0
-    to 3 at the job's micro-batch, then the rest of the ladder. Raises ``NothingFits``."""
+    to 3 at the job's micro-batch, then the rest of the ladder. ``record`` is as ``launch.memory_loop.load``
+    returns it, its figures checked there. Raises ``NothingFits``."""
     measured = record.get("measured") or {}
     if not measured:
         raise NothingFits("the run measured nothing (it stopped before its first step), so there is nothing to "

@@ -34,7 +34,7 @@ from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
 from hybrid.planner import check_lever, check_offload_stage
 from hybrid.validate import DEFAULT_PRECISION, PRECISIONS
-from hybrid.yamlfile import load_yaml
+from hybrid.yamlfile import load_yaml, not_a_file
 
 ADDRESS_HELP = "'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'"
 INTRA_NODE = ("nvlink", "pcie", "loopback")
@@ -219,8 +219,8 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     config = v.text("job.config", v.required(d, "job", "config", "the path of the model config YAML"),
                     "the path of the model config YAML")
     config_path = _resolve(config, base_dir, "job.config")
-    if not config_path.is_file():
-        state = "is a directory" if config_path.is_dir() else "does not exist"
+    state = not_a_file(config_path)
+    if state:
         raise ConfigError(f"job.config is {v.quote(config)}, but {v.quote(str(config_path))} {state}; "
                           "give the path of the model config YAML (relative to the cluster file).")
     steps = v.positive_int("job.steps", v.required(d, "job", "steps", "the number of training steps"), MAX_STEPS)

@@ -55,16 +55,13 @@ def plan_command(cluster_file: str, as_json: bool, run_dir: Optional[str]) -> No
 def _measured(plan, run_dir: str) -> dict:
     from launch.memory_loop import load
 
-    from hybrid.errors import ConfigError, PlanError
+    from hybrid.errors import PlanError
 
-    record = load(run_dir)
+    record = load(run_dir)  # every field from_measured reads is checked there
     try:
         choice, prediction, over = replan.from_measured(plan, record)
     except replan.NothingFits as err:  # here a finding about the plan, not a job that failed
         raise PlanError(f"--measured {run_dir}: {err}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise ConfigError(f"--measured {run_dir}: its memory.json lacks or garbles a field ({err!r}); give the "
-                          "run_dir of a job launched with this version") from None
     line = (f"measured {run_dir}: rank {over.rank} peaked at {human_bytes(over.measured)} (predicted "
             f"{human_bytes(over.predicted)}, {human_bytes(over.extra)} beyond it); re-planned with that: "
             f"{choice.describe()} needs {human_bytes(prediction.total + over.extra)} of "

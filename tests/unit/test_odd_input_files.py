@@ -1,0 +1,148 @@
+"""Odd input files are refused in one sentence, never a traceback or a hang: a YAML integer of more than 4300
+digits, a FIFO or device file (or an oversized file) given as a config file, and garbage figures in the
+``memory.json`` that ``hybrid plan --measured`` re-plans from."""
+
+import json
+import os
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+import hybrid.yamlfile
+from hybrid.errors import ConfigError
+from hybrid.yamlfile import load_yaml
+from launch.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "gpt-tiny.yaml"
+HUGE_INT = "9" * 5000  # past Python's 4300-digit limit for int(str)
+
+
+def _cluster(tmp_path: Path, config=TINY, steps="3") -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("cluster: {address: local, nodes: 1, gpus_per_node: 1, gpu_memory_gb: 80}\n"
+                    f"job: {{entrypoint: 'hybrid.models.gpt:train', config: '{config}', steps: {steps}}}\n")
+    return path
+
+
+def _refused(argv: list, capsys) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return captured.err
+
+
+# ------------------------------------------------------------------------------------------- YAML files
+
+
+def test_an_integer_too_long_to_convert_names_the_file_and_line(tmp_path, capsys):
+    cluster = _cluster(tmp_path, steps=HUGE_INT)
+    err = _refused(["plan", str(cluster)], capsys)
+    assert f"cluster file '{cluster}' line 2: an integer of 5000 digits is too long to read" in err, err
+
+    model = tmp_path / "model.yaml"
+    model.write_text(TINY.read_text().replace("hidden: 64", f"hidden: {HUGE_INT}"))
+    err = _refused(["plan", str(_cluster(tmp_path, config=model))], capsys)
+    assert f"model config '{model}' line " in err and "5000 digits" in err, err
+
+
+def test_a_value_python_cannot_convert_is_one_sentence_with_its_line(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("a: 1\nb: [2020-13-01]\n")
+    with pytest.raises(ConfigError, match=r"x\.yaml' line 2: '2020-13-01' cannot be read \(month must be in "
+                                          r"1\.\.12\); correct it, or quote it to keep it as text\.$"):
+        load_yaml(path)
+
+
+def test_a_device_file_is_not_a_config_file(tmp_path, capsys):
+    device = "/dev/null"  # /dev/zero takes the same path; without the check it would read until memory ran out
+    err = _refused(["plan", device], capsys)
+    assert f"cluster file '{device}' is not a regular file; pass the path of a YAML file." in err, err
+    err = _refused(["plan", str(_cluster(tmp_path, config=device))], capsys)
+    assert f"job.config is '{device}', but '{device}' is not a regular file;" in err, err
+
+
+@pytest.mark.timeout(30)  # the bug was a read that blocked forever, waiting for a writer
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path, capsys):
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    err = _refused(["plan", str(fifo)], capsys)
+    assert f"cluster file '{fifo}' is not a regular file" in err, err
+    err = _refused(["plan", str(_cluster(tmp_path, config=fifo))], capsys)
+    assert f"'{fifo}' is not a regular file" in err, err
+    with pytest.raises(ConfigError, match=r"^model config '.*pipe\.yaml' is not a regular file; pass the path"):
+        load_yaml(fifo, "model config")
+
+
+def test_an_oversized_file_is_refused_after_reading_no_more_than_the_cap(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(48 * 2**20)  # sparse: no disk used, but a read of all of it would hold 48 MiB
+    tracemalloc.start()
+    try:
+        err = _refused(["plan", str(big)], capsys)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert f"cluster file '{big}' is larger than 16 MiB" in err, err
+    assert peak < 32 * 2**20, peak  # the cap and one byte, read once
+
+
+def test_a_file_at_the_cap_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(hybrid.yamlfile, "MAX_YAML_BYTES", 16)
+    path = tmp_path / "x.yaml"
+    path.write_text("a: 1\n" + "#" * 11)  # 16 bytes
+    assert load_yaml(path) == {"a": 1}
+    path.write_text("a: 1\n" + "#" * 12)
+    with pytest.raises(ConfigError, match="is larger than"):
+        load_yaml(path)
+
+
+# ---------------------------------------------------------------------------------- memory.json figures
+
+
+def _record(peak="100000000", predicted="{\"total\": 1000, \"peak\": 1000}") -> str:
+    return f'{{"measured": {{"0": {{"peak_bytes": {peak}, "step": 2}}}}, "predicted": {predicted}}}'
+
+
+GARBAGE = {
+    "infinite": (_record(peak="1e400"), "measured.0.peak_bytes", "got inf"),
+    "NaN": (_record(peak="NaN"), "measured.0.peak_bytes", "got nan"),
+    "NaN predicted": (_record(predicted='{"total": NaN}'), "predicted.total", "got nan"),
+    "negative": (_record(peak="-5"), "measured.0.peak_bytes", "got -5"),
+    "negative predicted": (_record(predicted='{"total": -1e30}'), "predicted.total", "got -1e+30"),
+    "boolean": (_record(peak="true"), "measured.0.peak_bytes", "got True"),
+    "boolean budget": ('{"measured": {"0": {"peak_bytes": 1, "budget_bytes": false}}, "predicted": {"total": 1}}',
+                       "measured.0.budget_bytes", "got False"),
+    "too many digits": (_record(peak="9" * 5000), "measured.0.peak_bytes", "got inf"),
+    "step": ('{"measured": {"0": {"peak_bytes": 1, "step": 1.5}}, "predicted": {"total": 1}}',
+             "measured.0.step", "got 1.5"),
+    "rank": ('{"measured": {"x": {"peak_bytes": 1}}, "predicted": {"total": 1}}', "the key 'x' of measured", ""),
+    "cuda peak missing": ('{"measured": {"0": {"peak_bytes": 1, "device": "cuda"}}, "predicted": {"total": 1}}',
+                          "predicted.peak is missing", ""),
+    "deeply nested": ("[" * 100_000, "nests too deeply", ""),
+}
+
+
+@pytest.mark.parametrize("case", GARBAGE)
+def test_garbage_in_memory_json_is_one_sentence_naming_the_field(case, tmp_path, capsys):
+    text, field, got = GARBAGE[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "memory.json").write_text(text)
+    err = _refused(["plan", str(_cluster(tmp_path)), "--measured", str(run)], capsys)
+    assert err.startswith(f"error: --measured {run}: ") and "memory.json" in err, err
+    assert field in err and got in err, err
+
+
+def test_a_sound_memory_json_is_re_planned_from(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "memory.json").write_text(json.dumps({"measured": {"0": {"peak_bytes": 10**8, "nvml_used_bytes": None,
+                                                                    "step": 2}},
+                                                 "predicted": {"total": 1000}}))
+    assert main(["plan", str(_cluster(tmp_path)), "--measured", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["measured"]
+    assert out["rank"] == 0 and out["measured_bytes"] == 10**8 and out["predicted_bytes"] == 1000
