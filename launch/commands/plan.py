@@ -13,8 +13,10 @@ object (``launch.plan.plan_dict`` with ``prediction`` and, with ``--measured``, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
 from typing import Optional
 
 import click
@@ -32,10 +34,13 @@ from launch.spec import load_spec
               help="Re-plan from the memory a run measured (its run_dir, holding memory.json).")
 def plan_command(cluster_file: str, as_json: bool, run_dir: Optional[str]) -> None:
     """Show how CLUSTER_FILE would run: ranks per node, TP and DP groups, memory per ZeRO stage, chosen stage."""
-    plan = build_plan(load_spec(cluster_file))
-    stages = {s: replan.predict(plan, replan.Choice(s, plan.spec.job.micro_batch)) for s in range(4)}
-    measured = _measured(plan, run_dir) if run_dir else None
-    start = replan.start_note(plan)
+    # With --json, stdout is the one JSON object: what the user's model module prints when it is imported to
+    # count its parameters goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        plan = build_plan(load_spec(cluster_file))
+        stages = {s: replan.predict(plan, replan.Choice(s, plan.spec.job.micro_batch)) for s in range(4)}
+        measured = _measured(plan, run_dir) if run_dir else None
+        start = replan.start_note(plan)
     if as_json:
         out = {**plan_dict(plan), "prediction": {str(s): p.as_dict() for s, p in stages.items()},
                "start": dataclasses.asdict(replan.initial_choice(plan)), "start_note": start}

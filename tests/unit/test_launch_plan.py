@@ -408,3 +408,18 @@ def test_kept_logs_move_the_previous_launchs_aside(tmp_path):
         keep_logs(session(name), kept)
     assert (kept / "worker.out").read_text() == "third"
     assert (kept.parent / "ray-logs.previous" / "worker.out").read_text() == "second"
+
+
+def test_plan_json_is_one_object_even_when_the_model_module_prints(tmp_path, capsys):
+    import shutil
+
+    from launch.cli import main
+
+    own = tmp_path / "own_model"
+    shutil.copytree(ROOT / "examples" / "own_model", own)
+    source = own / "my_model.py"
+    source.write_text('print("my_model imported")\n' + source.read_text())
+    assert main(["plan", str(own / "cluster.yaml"), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["model"]["params"] > 0
+    assert "my_model imported" in captured.err
