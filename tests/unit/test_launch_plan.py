@@ -417,8 +417,10 @@ def test_plan_json_is_one_object_even_when_the_model_module_prints(tmp_path, cap
 
     own = tmp_path / "own_model"
     shutil.copytree(ROOT / "examples" / "own_model", own)
-    source = own / "my_model.py"
-    source.write_text('print("my_model imported")\n' + source.read_text())
+    source = own / "my_model.py"  # under a name no other test imported in this process
+    (own / "printing_model.py").write_text('print("my_model imported")\n' + source.read_text())
+    cluster = own / "cluster.yaml"
+    cluster.write_text(cluster.read_text().replace("my_model:", "printing_model:"))
     assert main(["plan", str(own / "cluster.yaml"), "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["model"]["params"] > 0
