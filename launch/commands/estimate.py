@@ -193,6 +193,10 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
         activations = _activations(kind, shape, vocab, tp, precision, activation_checkpointing)
         checkpointed = _activations(kind, shape, vocab, tp, precision, checkpointing=True)
 
+    prediction = gpt_params = None
+    if vocab is not None:
+        gpt_params, prediction = _gpt_prediction(vocab, shape, gpus // tp, tp, precision, activations)
+
     memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)  # 24.3 GB is 24300000000 bytes, exactly
     # Without the flag the planner may still turn checkpointing on (after plain ZeRO-3, before offload). Its
     # PlanError names the fix itself (more GPUs, or for activations the sequence, micro-batch or TP degree).
@@ -202,18 +206,20 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
                         checkpointed_activation_bytes=checkpointed,
                         activation_checkpointing=True if activation_checkpointing else None,
                         ranks_per_node=gpus_per_node or tp, node_size_known=gpus_per_node is not None)
-    prediction = None
-    if vocab is not None:
-        prediction = _gpt_prediction(vocab, shape, gpus // tp, tp, precision, activations)
     if as_json:
         out = _as_json(params, gpu_memory, plan, activations, kind)
         if prediction is not None:
             out["prediction"] = {str(s): p.as_dict() for s, p in prediction.items()}
+            out["prediction_params"] = gpt_params
         click.echo(json.dumps(out))
     else:
         click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind, gpus_per_node))
         if prediction is not None:
             from launch.memory_view import prediction_lines
+
+            note = _other_model_note(params, gpt_params)
+            if note is not None:
+                click.echo(note)
 
             for line in prediction_lines(prediction, plan.usable_bytes, "cuda"):
                 click.echo(line)
@@ -230,15 +236,28 @@ def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: 
     return activation_bytes(s, b, h, a, n, tp, checkpointing)
 
 
-def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> dict:
-    """``hybrid.memory.predict_memory`` per stage for the built-in GPT of this shape with these activation
-    bytes (``_activations``' "gpt" figure), on GPUs (the default runtime reserve included)."""
+def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> tuple:
+    """``(parameter count, {stage: hybrid.memory.predict_memory})`` for the built-in GPT of this shape with these
+    activation bytes (``_activations``' "gpt" figure), on GPUs (the default runtime reserve included)."""
     from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, model_units, predict_memory
     from hybrid.models.gpt import GPT
 
     config = GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
                        n_heads=shape["heads"])
     config.check_tp(tp)  # _check_split said these rules in the CLI's terms; any other is still the GPT's
-    units = model_units(GPT(config, device="meta"), tp)
-    return {s: predict_memory(units, dp, s, precision, activations=activations,
-                              runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB * 10**9) for s in STAGES}
+    model = GPT(config, device="meta")
+    units = model_units(model, tp)
+    return sum(p.numel() for p in model.parameters()), {
+        s: predict_memory(units, dp, s, precision, activations=activations,
+                          runtime_reserve=DEFAULT_RUNTIME_RESERVE_GB * 10**9) for s in STAGES}
+
+
+def _other_model_note(params: int, gpt_params: int) -> str | None:
+    """When ``--params`` (the seed tables' Ψ) is not the built-in GPT's count to ``PARAMS_TOLERANCE``: a note that
+    the two tables describe two models (``--params 7B`` for a 6.7B shape is a label; ``1B`` for it, a mistake)."""
+    from launch.model_size import PARAMS_TOLERANCE
+
+    if abs(Fraction(params - gpt_params, gpt_params)) <= PARAMS_TOLERANCE:
+        return None
+    return (f"note: the prediction below is of the built-in GPT of this shape, {quantity(gpt_params, 'parameter')}; "
+            f"the table above is of --params, {quantity(params, 'parameter')}.")

@@ -285,3 +285,17 @@ def test_counts_read_as_numbers(capsys):
     code, out, err = run(capsys, "estimate", "--params", "1e18", "--gpus", "1", "--gpu-memory", "0.5")
     assert code == 2 and err.rstrip().endswith("use more than 10,000,000 GPUs, or GPUs with more memory.")
     assert "1 GPU (tp=1" in err
+
+
+def test_a_prediction_of_another_model_than_params_says_so(capsys):
+    """``--vocab`` adds the prediction of the built-in GPT of the shape: when ``--params`` is another count,
+    the two tables describe two models, and the output says which is which."""
+    shape = [x for kv in SHAPE_7B.items() for x in kv]
+    code, out, _ = run(capsys, "estimate", "--params", "1B", "--gpus", "8", *shape, "--vocab", "50304")
+    assert code == 0
+    note = next(line for line in out.splitlines() if line.startswith("note: "))
+    assert "built-in GPT of this shape, 6,864,642,048 parameters" in note and "1,000,000,000 parameters" in note
+    code, out, _ = run(capsys, "estimate", "--params", "6864642048", "--gpus", "8", *shape, "--vocab", "50304")
+    assert code == 0 and "note: " not in out
+    code, out, _ = run(capsys, "estimate", "--params", "1B", "--gpus", "8", *shape, "--vocab", "50304", "--json")
+    assert json.loads(out)["prediction_params"] == 6_864_642_048
