@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from hybrid import checkpoint
+from hybrid import checkpoint, heartbeat
 from hybrid.errors import UserError
 from hybrid.memory_budget import MemoryMeter, should_measure
 from hybrid.validate import DEFAULT_PRECISION
@@ -264,6 +264,21 @@ def step_metrics(engine, loss: float, seconds: float, count: int, unit: str = "t
     return metrics
 
 
+def dp_mean(ctx: Context, value: float) -> float:
+    """``value`` averaged over the DP ranks (one 8-byte all-reduce on the DP group): every rank then reports
+    the job's loss of a step, so the driver shows it exactly from any one rank's report -- also for a step
+    whose other reports died with a rank's process before they reached the driver."""
+    import torch.distributed as dist
+
+    dp, group = getattr(ctx.mesh, "dp", 1), getattr(ctx.mesh, "dp_group", None)
+    if dp <= 1 or not dist.is_initialized():
+        return value
+    total = torch.tensor([value], dtype=torch.float64)  # CPU: gloo in every default group (cpu:gloo,cuda:nccl)
+    with heartbeat.collective("dp.job_loss"):
+        dist.all_reduce(total, group=group)
+    return float(total) / dp
+
+
 def resume(ctx: Context, engine) -> int:
     """Load the newest good checkpoint of the job's checkpoint directory into ``engine`` (every rank,
     together) and report it; returns the step to continue from (0 without a checkpoint).
@@ -352,6 +367,7 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
         else:
             count, unit = samples_per_step or batch_rows(args, kwargs) * getattr(ctx.mesh, "dp", 1), "samples"
         metrics = step_metrics(engine, loss, seconds, count, unit)
+        metrics["job_loss"] = dp_mean(ctx, loss)
         measured = None
         if should_measure(ctx.step - start_step, ctx.settings.measure_every):
             measured = metrics["memory_measured"] = ctx.memory_meter.measure()

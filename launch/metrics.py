@@ -52,8 +52,9 @@ def model_state_bytes(memory) -> Optional[float]:
 
 def step_entry(step: int, records: dict[int, dict]) -> dict:
     """The job's metrics of ``step`` from each rank's report (rank -> record): the loss averaged over the DP
-    ranks (the TP ranks of a DP rank report the same loss, so any of them stands for it, TP rank 0 first),
-    throughput at the slowest rank's pace, each rank's model-state bytes, and how many ranks reported (a
+    ranks -- the ``job_loss`` a rank of ``hybrid.train.run_steps`` reports (that average, all-reduced), else the
+    mean of the ranks' ``loss`` (the TP ranks of a DP rank report the same loss, so any of them stands for it,
+    TP rank 0 first) --, throughput at the slowest rank's pace, each rank's model-state bytes, and how many ranks reported (a
     step flushed at a restart may lack the dead rank's report; with none at all the loss is None)."""
     if not records:
         return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": 0.0,
@@ -71,7 +72,9 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     measured = {rank: records[rank]["memory_measured"] for rank in sorted(records)
                 if records[rank].get("memory_measured")}
     extra = {"memory_measured": measured} if measured else {}  # hybrid.memory_budget, on measured steps
-    return {**extra, "step": step, "loss": sum(r["loss"] for r in dp_records) / len(dp_records),
+    job_loss = first.get("job_loss")  # run_steps' ranks report the DP mean itself: exact from any one of them
+    loss = job_loss if isinstance(job_loss, (int, float)) else sum(r["loss"] for r in dp_records) / len(dp_records)
+    return {**extra, "step": step, "loss": loss,
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
             "throughput": count / slowest if slowest else 0.0, "throughput_unit": f"{unit}/s",
             "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}

@@ -288,3 +288,14 @@ def test_every_user_and_job_error_reaches_the_driver_whole_whatever_its_construc
     prefixed = reworded(unreadable, f"rank 1: {unreadable}")
     assert type(prefixed) is CheckpointUnreadable and prefixed.problem == unreadable.problem
     assert str(prefixed) == f"rank 1: {unreadable}"
+
+
+def test_a_steps_loss_comes_exact_from_any_one_ranks_job_loss():
+    """A rank of run_steps reports the DP mean of the loss (``job_loss``): a step flushed at a restart with a
+    dead rank's reports lost shows the job's loss, not the mean of the survivors' own losses."""
+    from launch.metrics import step_entry
+
+    records = {r: {**_step(3, r, loss), "dp_rank": r, "job_loss": 2.5} for r, loss in ((0, 2.0), (1, 3.0), (3, 2.0))}
+    assert step_entry(3, records)["loss"] == 2.5 and step_entry(3, records)["ranks_reported"] == 3
+    own = {r: {**_step(3, r, loss), "dp_rank": r} for r, loss in ((0, 2.0), (1, 3.0))}  # an own loop's reports
+    assert step_entry(3, own)["loss"] == 2.5
