@@ -101,6 +101,7 @@ class Context:
         self.world_size = world_size
         self.device = torch.device(device)
         self.step = 0  # optimizer steps completed (a resumed run starts above 0)
+        self._reported_step = 0  # the step of the last report with a loss
         self.data_state: dict = {}     # what the entrypoint's data stream needs to continue: saved with each checkpoint
         self.resumed_extra: dict = {}  # what the checkpoint resumed from saved beside the model (``data_state``)
         self._reporter = reporter
@@ -128,7 +129,9 @@ class Context:
         """Send ``metrics`` (plain numbers, strings, dicts; tensors become numbers or lists) to the driver,
         tagged with rank, mesh and step. A report with ``loss`` is a step's (the driver's progress line and
         metrics.jsonl): its ``loss`` must be a number (a float or a one-element tensor); ``step_time_s``,
-        ``lr``, ``grad_norm`` are optional (``step_metrics`` fills them)."""
+        ``lr``, ``grad_norm`` are optional (``step_metrics`` fills them). Its step is ``metrics["step"]``, else
+        ``ctx.step`` (``run_steps`` advances it), and where that is not past the last reported step (a loop
+        that leaves ``ctx.step`` alone) the step after it; ``ctx.step`` is then that step."""
         if not isinstance(metrics, Mapping):
             raise TrainError(f"ctx.report() takes a dict of metrics, got {type(metrics).__name__}; pass e.g. "
                              "{'loss': loss.item()}")
@@ -137,13 +140,18 @@ class Context:
         if "loss" in metrics and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
             raise TrainError(f"ctx.report(): 'loss' must be a number (a float or a one-element tensor), got "
                              f"{type(loss).__name__} {str(loss)[:40]!r}; report the step's loss, e.g. loss.item()")
-        record = {"rank": self.rank, "step": self.step, "time": time.time(),
+        step = metrics.pop("step", self.step)
+        if "loss" in metrics:
+            if isinstance(step, bool) or not isinstance(step, int) or step <= self._reported_step:
+                step = self._reported_step + 1  # a loop that does not count its steps in ctx.step: the next one
+            self.step = self._reported_step = step
+        record = {"rank": self.rank, "step": step, "time": time.time(),
                   "dp_rank": getattr(self.mesh, "dp_rank", 0), "tp_rank": getattr(self.mesh, "tp_rank", 0),
                   **metrics}
         if self._reporter is not None:
             self._reporter(record)
         else:
-            log.info("rank %d step %d: %s", self.rank, self.step, metrics)
+            log.info("rank %d step %d: %s", self.rank, step, metrics)
 
     def should_stop(self) -> bool:
         """True once the driver asked the job to stop (Ctrl-C, another rank failed)."""

@@ -54,8 +54,9 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     """The job's metrics of ``step`` from each rank's report (rank -> record): the loss averaged over the DP
     ranks -- the ``job_loss`` a rank of ``hybrid.train.run_steps`` reports (that average, all-reduced), else the
     mean of the ranks' ``loss`` (the TP ranks of a DP rank report the same loss, so any of them stands for it,
-    TP rank 0 first) --, throughput at the slowest rank's pace, each rank's model-state bytes, and how many ranks reported (a
-    step flushed at a restart may lack the dead rank's report; with none at all the loss is None)."""
+    TP rank 0 first) --, throughput at the slowest rank's pace, each rank's model-state bytes, how many ranks
+    reported (a step flushed at a restart may lack the dead rank's report; with none at all the loss is None),
+    and the other numbers the entrypoint reported (``_own_numbers``)."""
     if not records:
         return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": 0.0,
                 "throughput_unit": "tokens/s", "model_state_bytes": [], "ranks_reported": 0}
@@ -72,12 +73,34 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     measured = {rank: records[rank]["memory_measured"] for rank in sorted(records)
                 if records[rank].get("memory_measured")}
     extra = {"memory_measured": measured} if measured else {}  # hybrid.memory_budget, on measured steps
+    own = _own_numbers(dp_records[0])
     job_loss = first.get("job_loss")  # run_steps' ranks report the DP mean itself: exact from any one of them
     loss = job_loss if isinstance(job_loss, (int, float)) else sum(r["loss"] for r in dp_records) / len(dp_records)
-    return {**extra, "step": step, "loss": loss,
+    return {**own, **extra, "step": step, "loss": loss,
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
             "throughput": count / slowest if slowest else 0.0, "throughput_unit": f"{unit}/s",
             "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}
+
+
+# What a rank's step report carries besides the user's own numbers: its tags (``Context.report``) and what
+# ``hybrid.train.step_metrics`` and ``run_steps`` fill in (the throughput unit's count and rate are named by it).
+_REPORT_FIELDS = frozenset({"rank", "step", "time", "dp_rank", "tp_rank", "loss", "job_loss", "lr", "grad_norm",
+                            "step_time_s", "throughput_unit", "memory", "memory_measured", "nonfinite",
+                            "skipped_steps"})
+
+
+# What ``step_entry`` itself puts in an entry.
+_ENTRY_FIELDS = frozenset({"step", "loss", "lr", "grad_norm", "step_time_s", "throughput", "throughput_unit",
+                           "model_state_bytes", "ranks_reported", "memory_measured"})
+
+
+def _own_numbers(record: dict) -> dict:
+    """The numbers an entrypoint reported beside the loss (``ctx.report({"loss": l, "acc": a})``): into the
+    step's entry as DP rank 0 (TP rank 0) reported them."""
+    unit = record.get("throughput_unit")
+    ours = _REPORT_FIELDS | {unit, f"{unit}_per_s"}
+    return {k: v for k, v in record.items() if k not in ours and isinstance(k, str)
+            and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _finite(value):
@@ -159,8 +182,9 @@ class MetricsWriter:
 
     def _scalars(self, entry: dict) -> None:
         step = entry["step"]
-        for key in ("loss", "lr", "grad_norm", "step_time_s"):
-            if isinstance(entry.get(key), (int, float)):
+        own = [k for k in entry if k not in _ENTRY_FIELDS]  # an entrypoint's own numbers (``_own_numbers``)
+        for key in ("loss", "lr", "grad_norm", "step_time_s", *own):
+            if isinstance(entry.get(key), (int, float)) and not isinstance(entry.get(key), bool):
                 self._tb.add_scalar(f"train/{key}", entry[key], step)
         self._tb.add_scalar(f"train/throughput_{entry['throughput_unit'].replace('/', '_per_')}",
                             entry["throughput"], step)

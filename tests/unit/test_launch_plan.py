@@ -250,6 +250,24 @@ def test_context_tags_reports_and_the_loop_honours_should_stop():
     assert summary["steps"] == 2 and summary["last_loss"] is None and ctx.should_stop()
 
 
+def test_an_own_loop_that_leaves_ctx_step_alone_reports_step_after_step_with_its_own_numbers():
+    """As the README shows an own loop: ``ctx.report({"loss": ...})`` each step, ``ctx.step`` never set. Every
+    report was tagged step 0, which the driver drops as already done: no progress line, no metrics.jsonl."""
+    from hybrid.train import Context, JobSettings
+    from launch.metrics import step_entry
+
+    got = []
+    ctx = Context(None, {}, JobSettings(steps=5, micro_batch=2, stage=1), reporter=got.append)
+    for loss in (3.0, 2.5, 2.0):
+        ctx.report({"loss": loss, "step_time_s": 0.1, "acc": 0.5, "note": "text"})
+    ctx.report({"tokens_seen": 10})  # not a step's report: no step of its own
+    assert [r["step"] for r in got] == [1, 2, 3, 3] and ctx.step == 3
+    ctx.report({"loss": 1.5, "step": 7})  # a loop that names its steps keeps them
+    assert got[-1]["step"] == 7 and ctx.step == 7
+    entry = step_entry(2, {0: got[1]})
+    assert entry["loss"] == 2.5 and entry["acc"] == 0.5 and "note" not in entry and "time" not in entry
+
+
 # --- bring your own model: Ψ measured through build_model, tp only where the model has TP layers -----------
 OWN = ROOT / "examples" / "own_model"
 
