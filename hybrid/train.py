@@ -272,6 +272,28 @@ def step_metrics(engine, loss: float, seconds: float, count: int, unit: str = "t
     return metrics
 
 
+def stream_batches(ctx: Context, stream, rows: int) -> Callable[[int], tuple]:
+    """``batches(step)`` for ``run_steps`` from a stream serving ``batch(step, rows, dp_rank, dp)`` (a
+    ``hybrid.data.TokenFile``, the synthetic chain): this DP rank's ``rows`` of each step, on ``ctx.device``.
+    A stream that can continue (``continue_from`` / ``data_state``: the token file) continues, at the first
+    step after ``run_steps``' resume, from the position the checkpoint saved, and its position goes into every
+    checkpoint (``ctx.data_state``): a resume that changes the rows per step (micro-batch, accumulation, DP
+    size) reads on after the rows already read instead of re-reading or skipping some."""
+    mesh, started = ctx.mesh, False
+
+    def batches(step: int):
+        nonlocal started
+        if not started and hasattr(stream, "continue_from"):
+            started = True
+            if ctx.resumed_extra:
+                stream.continue_from(ctx.resumed_extra.get("data_position", step), ctx.resumed_extra)
+            ctx.data_state = stream.data_state(rows * mesh.dp)
+        inputs, targets = stream.batch(step, rows, mesh.dp_rank, mesh.dp)
+        return inputs.to(ctx.device), targets.to(ctx.device)
+
+    return batches
+
+
 def dp_mean(ctx: Context, value: float) -> float:
     """``value`` averaged over the DP ranks (one 8-byte all-reduce on the DP group): every rank then reports
     the job's loss of a step, so the driver shows it exactly from any one rank's report -- also for a step

@@ -8,7 +8,7 @@ import os
 
 from hybrid.models.gpt_config import GPTConfig
 from hybrid.models.gpt_train import build_engine, data_path, open_token_file, train_options
-from hybrid.train import run_steps
+from hybrid.train import run_steps, stream_batches
 
 
 def train(ctx):
@@ -19,11 +19,9 @@ def train(ctx):
     # data: is relative to the model config as the user wrote it; this rank may read a shipped copy of it
     path = data_path(ctx.model_config["data"], ctx.model_config_origin)
     data = open_token_file(path, ctx.local_path(path), config, seed=ctx.settings.seed)
-    # a step is micro_batch x gradient_accumulation_steps rows per rank (run_steps cuts the micro-batches)
-    rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
-
-    def batches(step):  # a pure function of the step: a resumed run sees the same batches
-        return data.batch(step, rows, mesh.dp_rank, mesh.dp)
-
-    summary = run_steps(ctx, engine, batches, tokens_per_step=rows * mesh.dp * config.seq_len)
+    # a step is micro_batch x gradient_accumulation_steps rows per rank (run_steps cuts the micro-batches);
+    # stream_batches serves this rank's rows and keeps the data position in every checkpoint, so a resume
+    # (at another DP size or micro-batch too) reads on after the rows already read
+    rows = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps
+    summary = run_steps(ctx, engine, stream_batches(ctx, data, rows), tokens_per_step=rows * ctx.mesh.dp * config.seq_len)
     return {**summary, "reference_loss": {"name": "unigram entropy of the data", "nats": data.unigram_entropy}}

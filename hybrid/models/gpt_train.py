@@ -44,7 +44,7 @@ from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError, DataError
 from hybrid.models.gpt import GPT
 from hybrid.models.gpt_config import GPTConfig
-from hybrid.train import Context, run_steps
+from hybrid.train import Context, run_steps, stream_batches
 
 TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "branching": 4, "optimizer": None,
                   "scheduler": None}
@@ -62,21 +62,10 @@ def train(ctx: Context, after_step=()) -> dict:
     stream, reference = data_source(ctx, model_config, options)
     # A step takes micro_batch x gradient_accumulation_steps rows per rank, as micro-batches of micro_batch:
     # a re-plan that halves the micro-batch and doubles the accumulation keeps the step's rows.
-    rows, mesh = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps, ctx.mesh
-    started = False
-
-    def batches(step: int):
-        nonlocal started
-        if not started and hasattr(stream, "continue_from"):  # after run_steps' resume, before the first step
-            started = True
-            if ctx.resumed_extra:
-                stream.continue_from(ctx.resumed_extra.get("data_position", step), ctx.resumed_extra)
-            ctx.data_state = stream.data_state(rows * mesh.dp)
-        inputs, targets = stream.batch(step, rows, mesh.dp_rank, mesh.dp)
-        return inputs.to(ctx.device), targets.to(ctx.device)
-
-    tokens_per_step = rows * mesh.dp * model_config.seq_len
-    summary = run_steps(ctx, engine, batches, tokens_per_step=tokens_per_step, after_step=after_step)
+    rows = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps
+    tokens_per_step = rows * ctx.mesh.dp * model_config.seq_len
+    summary = run_steps(ctx, engine, stream_batches(ctx, stream, rows), tokens_per_step=tokens_per_step,
+                        after_step=after_step)
     return {**summary, "reference_loss": reference, "stage": ctx.stage, "memory": engine.memory_report()}
 
 
