@@ -62,6 +62,7 @@ from launch import memory_loop, ray_cluster, replan, signals
 from launch.display import Progress
 from launch.log_forwarding import LogActivity
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
+from launch.model_size import model_facts
 from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
 from launch.runtime_env import client_runtime_env, runtime_env, ship
@@ -121,6 +122,7 @@ class JobResult:
 def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
     """Run the job of ``spec`` end to end on the cluster it names (printing to ``stream``, default stdout)."""
     stream = stream or sys.stdout  # looked up per call: stdout may have been replaced since import
+    model_facts(spec)  # the model config and the model's own hook are checked before any Ray process starts
     cluster = spec.cluster
     where = (f"starting an embedded Ray cluster: {count(cluster.nodes, 'node')} x {count(cluster.gpus_per_node, 'rank')} on "
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else

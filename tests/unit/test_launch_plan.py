@@ -443,3 +443,20 @@ def test_plan_json_is_one_object_even_when_the_model_module_prints(tmp_path, cap
     captured = capsys.readouterr()
     assert json.loads(captured.out)["model"]["params"] > 0
     assert "my_model imported" in captured.err
+
+
+def test_launch_refuses_a_bad_model_config_before_any_ray_process_starts(tmp_path, monkeypatch, capsys):
+    from launch import ray_cluster
+    from launch.cli import main
+
+    def no_cluster(*a, **k):
+        raise AssertionError("the model config is checked before a Ray cluster is started or contacted")
+
+    monkeypatch.setattr(ray_cluster, "connect", no_cluster)
+    model = tmp_path / "model.yaml"
+    model.write_text((ROOT / "configs" / "gpt-tiny.yaml").read_text() + "train: {lr: -1}\n")
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(f"cluster: {{address: local, nodes: 1, gpus_per_node: 1, gpu_memory_gb: 80}}\n"
+                       f"job: {{entrypoint: 'hybrid.models.gpt:train', config: {model}, steps: 2}}\n")
+    assert main(["launch", str(cluster)]) == 2
+    assert capsys.readouterr().err == "error: train.lr must be a number above 0, got -1.\n"
