@@ -431,7 +431,7 @@ def hung_cause(rank: int, failures: list[tuple[int, Exception]], beats: dict[int
     victims = ", ".join(str(r) for r in sorted({r for r, _ in failures}))
     ahead = max(b["entered"] for r, b in beats.items() if r != rank)
     return (f"hung: it entered no collective for {now - beat['last']:.1f} s, longer than job.collective_timeout_s "
-            f"= {timeout_s:g} s, at step {beat.get('step', 0)} after {beat['entered']} collectives (its peers "
+            f"= {timeout_s:g} s, in step {beat.get('step', 0) + 1} after {beat['entered']} collectives (its peers "
             f"reached {ahead}), while rank(s) {victims} timed out waiting for it")
 
 

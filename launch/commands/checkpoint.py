@@ -109,7 +109,7 @@ def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
             save_file(tensors, str(tmp), metadata={"format": "pt", "step": str(doc["step"])})
             state = tensors
     tmp.replace(out)
-    params = sum(t.numel() for k, t in state.items() if k not in doc["aliases"])  # a tied weight once
+    params = sum(state[k].numel() for k in (*doc["params"], *doc.get("frozen", {})))  # a tied weight once, no buffers
     click.echo(f"wrote {out}: {len(state)} tensors, {params:,} parameters (fp32) from {ckpt} "
                f"(step {doc['step']}, saved at {_layout_text(doc['world'])})")
 

@@ -163,7 +163,7 @@ def test_a_rank_that_never_joins_a_collective_is_a_timeout_not_a_hang(cluster):
     message = str(info.value)
     # the hung rank is named, not one of the ranks whose collectives timed out waiting for it
     assert re.fullmatch(r"rank 1 on node 0 failed \(hung: it entered no collective for [0-9.]+ s, longer than "
-                        r"job.collective_timeout_s = 2 s, at step 0 after 0 collectives \(its peers reached 2\), "
+                        r"job.collective_timeout_s = 2 s, in step 1 after 0 collectives \(its peers reached 2\), "
                         r"while rank\(s\) 0, 2, 3 timed out waiting for it\); "
                         r"job.max_failures is 0, so the job was not restarted", message), message
 
@@ -178,7 +178,7 @@ def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(clust
     message = str(info.value)
     assert "\n" not in message
     assert re.fullmatch(r"rank 1 on node 0 failed \(hung: it entered no collective for [0-9.]+ s, longer than "
-                        r"job.collective_timeout_s = 2 s, at step 2 after 4 collectives \(its peers reached 6\), "
+                        r"job.collective_timeout_s = 2 s, in step 3 after 4 collectives \(its peers reached 6\), "
                         r"while rank\(s\) 0, 2, 3 timed out waiting for it\); "
                         r"job.max_failures is 0, so the job was not restarted", message), message
 

@@ -56,7 +56,7 @@ def test_attribution_names_the_hung_rank_not_its_victims_but_never_over_a_ranks_
     timeouts = [(r, _task_error(RuntimeError("[pair.cc:1] Timed out waiting 2000ms for recv"))) for r in (0, 2, 3)]
     assert attribute(timeouts, beats, now, timeout) == (1, None)
     assert hung_cause(1, timeouts, beats, now, timeout) == (
-        "hung: it entered no collective for 3.0 s, longer than job.collective_timeout_s = 2 s, at step 0 after "
+        "hung: it entered no collective for 3.0 s, longer than job.collective_timeout_s = 2 s, in step 1 after "
         "4 collectives (its peers reached 6), while rank(s) 0, 2, 3 timed out waiting for it")
     # NCCL's watchdog kills the victims: dead processes, yet the hung rank is still named
     died = [(0, RayActorError()), (2, RayActorError())]
