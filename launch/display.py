@@ -205,7 +205,8 @@ class Progress:
             return f"{head}  no report (lost with the failed attempt's ranks)"
         ranks = e["ranks_reported"]
         partial = f"  ({ranks} of {self.world_size} ranks reported)" if ranks < self.world_size else ""
-        return (f"{head}  loss {e['loss']:.4f}  {e['throughput']:,.0f} {e['throughput_unit']}{mem_text}"
+        rate = f"  {e['throughput']:,.0f} {e['throughput_unit']}" if e["throughput"] is not None else ""
+        return (f"{head}  loss {e['loss']:.4f}{rate}{mem_text}"
                 f"{usage_text(self.measured)}{self._nvml_text()}{partial}")
 
     def _nvml_text(self) -> str:
@@ -241,8 +242,9 @@ class Progress:
                         f"{human_bytes(mem) if mem is not None else '-':>12}")
         if reported:
             first, last = reported[0], reported[-1]
-            mean = sum(e["throughput"] for e in reported) / len(reported)
+            rates = [e["throughput"] for e in reported if e["throughput"] is not None]
+            mean_text = f"; {sum(rates) / len(rates):,.0f} {unit} mean" if rates else ""
             rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
-                        f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}); {mean:,.0f} {unit} mean")
+                        f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}){mean_text}")
         rows += self.memory_lines()
         return "\n".join(rows)

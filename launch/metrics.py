@@ -58,7 +58,7 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     reported (a step flushed at a restart may lack the dead rank's report; with none at all the loss is None),
     and the other numbers the entrypoint reported (``_own_numbers``)."""
     if not records:
-        return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": 0.0,
+        return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": None,
                 "throughput_unit": "tokens/s", "model_state_bytes": [], "ranks_reported": 0}
     by_dp: dict = {}
     for rank, r in sorted(records.items(), key=lambda kv: (kv[1].get("tp_rank", 0), kv[0])):
@@ -68,7 +68,8 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     times = [r["step_time_s"] for r in records.values() if isinstance(r.get("step_time_s"), (int, float))]
     slowest = max(times) if times else None  # an entrypoint's own report may leave it out
     unit = first.get("throughput_unit", "tokens")
-    count = max(r.get(unit, 0) or 0 for r in records.values())
+    counted = [r[unit] for r in records.values() if isinstance(r.get(unit), (int, float))]
+    count = max(counted) if counted else None  # an own loop that counts nothing has no throughput
     mem = [model_state_bytes(records[rank].get("memory")) for rank in sorted(records)]
     measured = {rank: records[rank]["memory_measured"] for rank in sorted(records)
                 if records[rank].get("memory_measured")}
@@ -78,7 +79,7 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     loss = job_loss if isinstance(job_loss, (int, float)) else sum(r["loss"] for r in dp_records) / len(dp_records)
     return {**own, **extra, "step": step, "loss": loss,
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
-            "throughput": count / slowest if slowest else 0.0, "throughput_unit": f"{unit}/s",
+            "throughput": count / slowest if slowest and count is not None else None, "throughput_unit": f"{unit}/s",
             "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}
 
 
@@ -186,8 +187,9 @@ class MetricsWriter:
         for key in ("loss", "lr", "grad_norm", "step_time_s", *own):
             if isinstance(entry.get(key), (int, float)) and not isinstance(entry.get(key), bool):
                 self._tb.add_scalar(f"train/{key}", entry[key], step)
-        self._tb.add_scalar(f"train/throughput_{entry['throughput_unit'].replace('/', '_per_')}",
-                            entry["throughput"], step)
+        if entry["throughput"] is not None:
+            self._tb.add_scalar(f"train/throughput_{entry['throughput_unit'].replace('/', '_per_')}",
+                                entry["throughput"], step)
         if entry["model_state_bytes"]:
             self._tb.add_scalar("memory/model_state_bytes_max", max(entry["model_state_bytes"]), step)
         self._tb.flush()
