@@ -13,6 +13,7 @@ a caller that checks a config path before reading it.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, Optional
@@ -59,6 +60,33 @@ class StrictLoader(yaml.SafeLoader):
                     raise _Refused(f"key {quote(key, 40)} is given twice", "keep one of them", key_node.start_mark)
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 numbers that surprise: ``1:30`` is 90 (base 60), ``010`` is 8 (octal), ``1_0`` is 10. A config
+# number is decimal (``0x``/``0o`` prefixes kept) with ``_`` only between groups of three digits, as
+# ``hybrid.memory.parse_count`` reads counts; any other such scalar stays text, which the field's check names.
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_DECIMAL = r"(?:[0-9]{1,3}(?:_[0-9]{3})+|[0-9]+)"
+_INT = re.compile(rf"^[-+]?(?:{_DECIMAL}|0x[0-9a-fA-F]+|0o[0-7]+)$")
+_FLOAT = re.compile(rf"""^(?:[-+]?{_DECIMAL}\.[0-9]*(?:[eE][-+][0-9]+)?
+                    |[-+]?\.[0-9]+(?:[eE][-+][0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def _construct_int(loader, node) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    base = {"0x": 16, "0o": 8}.get(digits[:2], 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in entries if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+StrictLoader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+StrictLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+StrictLoader.add_constructor(_INT_TAG, _construct_int)
 
 
 def _unconvertible(node, err: ValueError) -> _Refused:

@@ -146,3 +146,19 @@ def test_a_sound_memory_json_is_re_planned_from(tmp_path, capsys):
     assert main(["plan", str(_cluster(tmp_path)), "--measured", str(run), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["measured"]
     assert out["rank"] == 0 and out["measured_bytes"] == 10**8 and out["predicted_bytes"] == 1000
+
+
+def test_yaml_11_number_forms_that_surprise_are_not_numbers(tmp_path):
+    """``1:30`` was 90 (base 60), ``010`` was 8 (octal), ``1_0`` was 10: a config number is decimal, ``_`` only
+    between groups of three digits; the rest stays text, which the field's own check then names."""
+    from hybrid.yamlfile import load_yaml
+
+    path = tmp_path / "numbers.yaml"
+    path.write_text("sexagesimal: 1:30\nleading_zero: 010\nodd_group: 1_0\ngrouped: 1_000_000\nhex: 0x10\n"
+                    "octal: 0o17\nbinary: 0b11\nfloat: 1.5\nbig: 5.0e+8\ngrouped_float: 1_000.5\nneg: -3\n"
+                    "inf: .inf\ndate: 2020-01-01\nflag: true\n")
+    doc = load_yaml(path)
+    assert doc["sexagesimal"] == "1:30" and doc["leading_zero"] == 10 and doc["odd_group"] == "1_0"
+    assert (doc["grouped"], doc["hex"], doc["octal"], doc["binary"]) == (1_000_000, 16, 15, "0b11")
+    assert (doc["float"], doc["big"], doc["grouped_float"], doc["neg"]) == (1.5, 5e8, 1000.5, -3)
+    assert doc["inf"] == float("inf") and str(doc["date"]) == "2020-01-01" and doc["flag"] is True
