@@ -118,21 +118,22 @@ def not_a_file(path: str | os.PathLike) -> Optional[str]:
         return f"cannot be read ({err.strerror or err})"
 
 
-def _read(path: Path, named: str) -> bytes:
-    """The bytes of the regular file ``path``, at most ``MAX_YAML_BYTES``; ``named`` opens every error."""
+def read_regular_file(path: Path, named: str, fix: str = "pass the path of a YAML file") -> bytes:
+    """The bytes of the regular file ``path``, at most ``MAX_YAML_BYTES``; ``named`` opens every error, ``fix``
+    ends those about the kind of file (missing, a directory, a pipe or device)."""
     try:
         # non-blocking: opening a FIFO must not wait for a writer before fstat can refuse it
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except (FileNotFoundError, NotADirectoryError):
-        raise ConfigError(f"{named} does not exist; pass the path of a YAML file.") from None
+        raise ConfigError(f"{named} does not exist; {fix}.") from None
     except IsADirectoryError:
-        raise ConfigError(f"{named} is a directory; pass the path of a YAML file.") from None
+        raise ConfigError(f"{named} is a directory; {fix}.") from None
     except OSError as err:
         raise _unreadable(named, err) from None
     problem = _mode_problem(os.fstat(fd).st_mode)
     if problem:
         os.close(fd)
-        raise ConfigError(f"{named} {problem}; pass the path of a YAML file.")
+        raise ConfigError(f"{named} {problem}; {fix}.")
     with os.fdopen(fd, "rb") as file:
         try:
             raw = file.read(MAX_YAML_BYTES + 1)
@@ -152,7 +153,7 @@ def load_yaml(path: str | os.PathLike, what: str = "config file") -> Any:
     """The parsed YAML document at ``path``; see the module docstring for the errors."""
     path = Path(path)
     shown = quote(str(path))
-    raw = _read(path, f"{what} {shown}")
+    raw = read_regular_file(path, f"{what} {shown}")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:

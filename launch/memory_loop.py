@@ -28,6 +28,7 @@ from typing import Optional
 from launch import replan
 from hybrid import validate as v
 from hybrid.errors import ConfigError
+from hybrid.yamlfile import read_regular_file
 from hybrid.units import human_bytes
 
 MEMORY_FILE = "memory.json"
@@ -115,15 +116,16 @@ def load(run_dir) -> dict:
     """The ``memory.json`` of a run directory with its figures checked (``check_record``); ``ConfigError`` of one
     sentence naming the run directory when there is none, it cannot be read or parsed, or a field is wrong."""
     path = Path(run_dir) / MEMORY_FILE
+    if not path.exists():
+        raise ConfigError(f"--measured {run_dir}: there is no {MEMORY_FILE} in it; give the run_dir of a job "
+                          "launched with this version (its metrics.jsonl sits beside memory.json)")
+    text = read_regular_file(path, f"--measured {run_dir}: {path}", "give the run_dir of a finished or failed job")
     try:
         # every number as a float, as the re-plan uses them: Python refuses an integer of over 4300 digits,
         # and a float past its range is inf, which the check refuses
-        record = json.loads(path.read_text(), parse_int=float)
+        record = json.loads(text, parse_int=float)
         if not isinstance(record, dict):
             raise ValueError(f"a JSON {type(record).__name__}, not an object")
-    except FileNotFoundError:
-        raise ConfigError(f"--measured {run_dir}: there is no {MEMORY_FILE} in it; give the run_dir of a job "
-                          "launched with this version (its metrics.jsonl sits beside memory.json)") from None
     except RecursionError:
         raise ConfigError(f"--measured {run_dir}: {path} nests too deeply to be a {MEMORY_FILE}; give the run_dir "
                           "of a finished or failed job") from None

@@ -162,3 +162,15 @@ def test_yaml_11_number_forms_that_surprise_are_not_numbers(tmp_path):
     assert (doc["grouped"], doc["hex"], doc["octal"], doc["binary"]) == (1_000_000, 16, 15, "0b11")
     assert (doc["float"], doc["big"], doc["grouped_float"], doc["neg"]) == (1.5, 5e8, 1000.5, -3)
     assert doc["inf"] == float("inf") and str(doc["date"]) == "2020-01-01" and doc["flag"] is True
+
+
+@pytest.mark.timeout(30)
+def test_a_memory_json_that_is_a_pipe_is_one_sentence(tmp_path, capsys):
+    from launch.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "memory.json")
+    assert main(["plan", str(ROOT / "clusters" / "local.yaml"), "--measured", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --measured ") and "is not a regular file" in err and err.count("\n") == 1, err
