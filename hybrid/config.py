@@ -267,10 +267,11 @@ def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
             raise ConfigError(f"{where}.{key} is not a setting of torch.optim.{cls.__name__}; use one of: "
                               f"{', '.join(allowed)}.")
     set_("extra", tuple(sorted(extra.items())))
-    set_("no_decay", _no_decay(cfg.no_decay, f"{where}.no_decay"))
-    set_("param_groups", tuple(_param_group(g, f"{where}.param_groups[{n}]") for n, g in
-                               enumerate(_list(cfg.param_groups, f"{where}.param_groups"))))
-    set_("implementation", v.one_of(f"{where}.implementation", cfg.implementation, IMPLEMENTATIONS))
+    ours = where.removesuffix(".params")  # our keys sit beside type and params, in either spelling
+    set_("no_decay", _no_decay(cfg.no_decay, f"{ours}.no_decay"))
+    set_("param_groups", tuple(_param_group(g, f"{ours}.param_groups[{n}]") for n, g in
+                               enumerate(_list(cfg.param_groups, f"{ours}.param_groups"))))
+    set_("implementation", v.one_of(f"{ours}.implementation", cfg.implementation, IMPLEMENTATIONS))
 
 
 def _list(value: Any, where: str) -> list:
@@ -287,6 +288,8 @@ def _patterns(value: Any, where: str) -> tuple:
 def _no_decay(value: Any, where: str):
     if value in ("auto", "none"):
         return value
+    if not isinstance(value, (str, list, tuple)):
+        raise v.invalid(where, "'auto', 'none' or a list of parameter name patterns", value)
     return _patterns(value, where)
 
 

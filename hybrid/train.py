@@ -382,6 +382,9 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
     accumulation = ctx.settings.gradient_accumulation_steps
     first_loss = last_loss = None
     ctx.step = start_step
+    if start_step >= ctx.steps and ctx.rank == 0:
+        log.warning("step %d reached already (the checkpoint resumed from), at or past steps = %d: nothing left to "
+                    "train; raise the steps to continue", start_step, ctx.steps)
     started = time.perf_counter()
     for step in range(start_step, ctx.steps):
         if ctx.should_stop():

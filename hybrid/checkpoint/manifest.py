@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, UsageError
 from hybrid.checkpoint.layout import MANIFEST
 
 FORMAT = "hybrid-checkpoint"
@@ -79,12 +79,37 @@ def build(*, step: int, optimizer_step_count: int, global_step: int, world: Mapp
                 "aliases": dict(sorted((aliases or {}).items())), "extra": dict(extra) if extra else {}}
     if optimizer is not None:
         manifest["optimizer"] = dict(optimizer)
+    check_extra(manifest["extra"])
     try:
         json.dumps(manifest, sort_keys=True)  # as ``write`` will: mixed key types fail here, on every rank
     except (TypeError, ValueError) as exc:
         raise ValueError(f"checkpoint extra state and model_config must be JSON-serializable "
                          f"(numbers, strings, lists, dicts): {exc}") from exc
     return manifest
+
+
+def check_extra(value: Any, where: str = "client_state") -> None:
+    """``UsageError`` (one sentence naming the entry) unless ``value`` comes back from the manifest's JSON as it
+    went in: dicts with string keys, lists, strings, finite-or-not floats, ints, bools, None. A tensor, a tuple
+    (it would come back a list) or an int key (it would come back a string) is refused, not changed."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_extra(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UsageError(f"{where} has the key {key!r} (of type {type(key).__name__}): a checkpoint keeps its "
+                                 "extra state as JSON, whose keys are strings; use string keys.")
+            check_extra(item, f"{where}[{key!r}]")
+        return
+    fix = " (tensor.tolist(), or .item() for one value)" if hasattr(value, "tolist") else \
+        " (a list for a tuple)" if isinstance(value, tuple) else ""
+    raise UsageError(f"{where} is of type {type(value).__name__}: a checkpoint keeps its extra state as JSON values "
+                     f"(numbers, strings, lists, dicts with string keys), which come back as they went in; "
+                     f"convert it{fix}.")
 
 
 def write(directory: Path, manifest: Mapping[str, Any]) -> None:

@@ -82,6 +82,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from hybrid import validate as v
 from hybrid.comm import Comm
 from hybrid.errors import ConfigError, LossError, UsageError, listing
 from hybrid.config import TrainConfig
@@ -149,7 +150,7 @@ class ZeroEngine:
         _refuse_sparse_gradients(module)
         _refuse_compiled_at_stage3(module, self.stage)
         _refuse_model_of_a_stage3_engine(module)
-        _check_tp_degree(module, self.tp_comm.size if self.tp_comm is not None else 1)
+        _check_tp_degree(module, self.tp_comm)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
@@ -437,9 +438,8 @@ class ZeroEngine:
         """Set the learning rate by hand for the steps to come: it takes ``optimizer.lr``'s place, so a schedule
         keeps its shape, scaled by ``value / optimizer.lr`` (absolute ``warmup_min_lr``/``warmup_max_lr``
         too). ``hybrid.checkpoint`` saves a rate set by hand and a resume restores it."""
-        value = float(value)
-        if not value >= 0 or value == float("inf"):
-            raise ConfigError(f"engine.lr must be a finite number >= 0, got {value!r}")
+        value = v.number("engine.lr", value.item() if isinstance(value, torch.Tensor) and value.numel() == 1
+                         else value, 0)
         self.base_lr, self.last_lr = value, None
 
     def shard_views(self) -> dict:
@@ -634,20 +634,34 @@ class ZeroEngine:
             self.gatherer.counts.clear()
 
 
-def _check_tp_degree(module: nn.Module, tp: int) -> None:
-    """The model's TP layers must be split over the ``tp_group`` the engine got: with another group the
-    gradient norm, the TP-replicated parameters and the checkpoint's slices would all silently go wrong."""
+def _check_tp_degree(module: nn.Module, tp_comm: Optional[Comm]) -> None:
+    """The model's TP layers must be split over the ``tp_group`` the engine got -- the same ranks, not only as
+    many: with another group the gradient norm, the TP-replicated parameters and the checkpoint's slices would
+    all silently go wrong (a model built over ``mesh.tp_comm`` with ``tp_group=mesh.dp_group`` trained on)."""
+    tp = tp_comm.size if tp_comm is not None else 1
+    fix = ("build the model with tp_comm=mesh.tp_comm (ctx.mesh.tp_comm under hybrid launch) and pass "
+           "tp_group=mesh.tp_group, both of one mesh")
     for name, sub in module.named_modules():
-        if isinstance(sub, TensorParallelModule) and sub.tp != tp:
-            given = "no tp_group" if tp == 1 else f"a tp_group of size {tp}"
+        if not isinstance(sub, TensorParallelModule):
+            continue
+        if sub.tp != tp:
+            given = "no tp_group (or one of size 1)" if tp == 1 else f"a tp_group of size {tp}"
             raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
-                              f"{sub.tp}, but hybrid.initialize got {given}: build the model with tp_comm=mesh."
-                              f"tp_comm (ctx.mesh.tp_comm under hybrid launch) and pass tp_group=mesh.tp_group, "
-                              f"both of one mesh")
+                              f"{sub.tp}, but hybrid.initialize got {given}: {fix}")
+        if tp > 1 and _ranks_of(sub.tp_comm) != _ranks_of(tp_comm):
+            raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over the ranks "
+                              f"{list(_ranks_of(sub.tp_comm))}, but hybrid.initialize got a tp_group of the ranks "
+                              f"{list(_ranks_of(tp_comm))}: {fix}")
     if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
         raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
                           "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
                           "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
+
+
+def _ranks_of(comm: Optional[Comm]) -> tuple:
+    """The global ranks of ``comm``'s group (the default group for None)."""
+    group = comm.group if comm is not None and comm.group is not None else dist.group.WORLD
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def _check_trainable_unchanged(names, params, frozen) -> None:

@@ -141,3 +141,27 @@ def test_zero_stages_times_tp_match_single_process_adamw():
         for name, ref in ref_weights.items():
             err = _rel(weights[name], ref)
             assert err < 1e-5, f"{case}: {name} relative error {err:.3g}"
+
+
+def _wrong_group_rank():
+    from hybrid.errors import ConfigError
+
+    cfg = GPTConfig.from_yaml(CONFIG)
+    mesh = build_mesh(tp=2, dp=2)
+    out = []
+    for given in (mesh.dp_group, None):  # the right size but other ranks; none at all
+        try:
+            hybrid.initialize(GPT(cfg, tp_comm=mesh.tp_comm, device="meta"), _train_config(0),
+                              dp_group=mesh.dp_group, tp_group=given, seed=SEED)
+            out.append("accepted")
+        except ConfigError as err:
+            out.append(str(err))
+    return out
+
+
+def test_a_tp_group_of_other_ranks_than_the_models_is_refused():
+    """A model split over mesh.tp_comm (ranks {0,1}) with tp_group=mesh.dp_group (ranks {0,2}, as many) trained
+    on with the wrong slices: losses and weights off from the first step, without a word."""
+    for rank, (other, none) in enumerate(run_local(_wrong_group_rank, 4)):
+        assert "split over the ranks [" in other and "but hybrid.initialize got a tp_group of the ranks [" in other, other
+        assert "got no tp_group (or one of size 1)" in none, none

@@ -17,7 +17,7 @@ from hybrid.checkpoint import consolidate, describe, integrity, latest, layout, 
 from hybrid.checkpoint.agreement import record_checksums
 from hybrid.checkpoint.flat_planner import FlatSavePlanner
 from hybrid.comm import Comm
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, UsageError
 from launch.cli import main
 
 # A small "model" saved at TP 2. Trainable: w (sliced along dim 1), b (replicated). Frozen: f (bf16,
@@ -182,7 +182,10 @@ def test_another_model_or_tp_is_refused():
                            r"buffer 'count' has shape \[\] there but \[2\] here")]:
         with pytest.raises(CheckpointError, match=pattern):
             manifest.check_same_model(doc, *args)
-    with pytest.raises(ValueError, match="JSON-serializable"):
+    with pytest.raises(ValueError, match="JSON-serializable"):  # a model config JSON cannot hold
+        manifest.build(step=1, optimizer_step_count=1, global_step=1, world={}, params={},
+                       model_config={"x": object()})
+    with pytest.raises(UsageError, match=r"client_state\['x'\] is of type object"):
         manifest.build(step=1, optimizer_step_count=1, global_step=1, world={}, params={}, extra={"x": object()})
 
 

@@ -83,6 +83,7 @@ def test_our_dict_and_adam_l2_mode():
      "scheduler.params.total_num_steps"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 5}}}, "scheduler.params.warmup_steps"),
     ({"optimizer": {"no_decay": 3}}, "optimizer.no_decay"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}, "no_decay": 3}}, "optimizer.no_decay must be 'auto'"),
     ({"optimizer": {"param_groups": [{"lr_scale": 2}]}}, "optimizer.param_groups[0].names"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, "optimizer.params.momentum"),
     ({"optimizer": {"lr": -1.0}}, "optimizer.lr"),

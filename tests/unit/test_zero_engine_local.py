@@ -6,6 +6,8 @@ initialize() rejects bad configs with one error naming the field. The multi-rank
 tests/dist.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -334,3 +336,42 @@ def test_bf16_engine_casts_floating_inputs_to_bf16(stage):
     loss = engine(x, {"s": torch.tensor(2.0, dtype=torch.float64)}, index=torch.tensor([0, 2]))
     engine.backward(loss)
     assert engine.step() and x.grad is not None and x.grad.dtype == torch.float32  # the cast is differentiable
+
+
+def test_a_client_state_that_would_not_come_back_as_it_went_in_and_a_bad_lr_are_one_sentence():
+    """DeepSpeed pickles client_state; a hybrid checkpoint keeps it as JSON. A tensor there was a ValueError
+    naming "extra state and model_config"; a tuple or an int key would have come back changed."""
+    import hybrid
+    from hybrid.checkpoint.manifest import check_extra
+    from hybrid.errors import ConfigError, UsageError
+
+    for bad, said in (({"t": torch.ones(2)}, "client_state['t'] is of type Tensor"),
+                      ({"a": (1, 2)}, "client_state['a'] is of type tuple"),
+                      ({1: "one"}, "client_state has the key 1 (of type int)"),
+                      ({"a": [1, {"b": object()}]}, "client_state['a'][1]['b'] is of type object")):
+        with pytest.raises(UsageError, match=re.escape(said)):
+            check_extra(bad)
+    check_extra({"epoch": 3, "seen": [1, 2.5, None, True, "s", {"k": {}}]})
+    engine = hybrid.initialize(torch.nn.Linear(2, 2), {"zero_optimization": {"stage": 0}})
+    for bad in ("x", -1, float("nan"), True):
+        with pytest.raises(ConfigError, match=r"^engine.lr must be a number at least 0, got"):
+            engine.lr = bad
+    engine.lr = torch.tensor(0.5)
+    assert engine.lr == 0.5
+
+
+def test_a_config_file_path_is_read_as_deepspeed_initialize_reads_it(tmp_path):
+    import json
+
+    import hybrid
+
+    ds = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    (tmp_path / "ds_config.yaml").write_text("zero_optimization: {stage: 2}\n")
+    (tmp_path / "broken.json").write_text("{")
+    assert hybrid.initialize(torch.nn.Linear(2, 2), tmp_path / "ds_config.json").config.zero.stage == 1
+    assert hybrid.initialize(torch.nn.Linear(2, 2), str(tmp_path / "ds_config.yaml")).config.zero.stage == 2
+    with pytest.raises(ConfigError, match=r"broken.json' is not valid JSON"):
+        hybrid.initialize(torch.nn.Linear(2, 2), str(tmp_path / "broken.json"))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        hybrid.initialize(torch.nn.Linear(2, 2), str(tmp_path / "missing.json"))
