@@ -54,6 +54,16 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+def _kill_what_is_left(proc: subprocess.Popen, marked: str | None) -> None:
+    """Whatever a failed run left: the launcher's group, and the cluster's processes by pid (ours only)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in marked_pids(marked) if marked else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 # INT: Ctrl-C in a terminal; HUP: the terminal closed. A group TERM (GNU timeout, kill -- -PGID) takes the same
@@ -80,12 +90,7 @@ def test_a_signal_to_the_launchers_process_group_stops_everything_and_exits_130(
         out, _ = proc.communicate(timeout=GROUP_STOP_WITHIN_S + 60)
         took = time.monotonic() - signalled
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for pid in marked_pids(marked) if marked else []:  # whatever a failed run left: by pid, ours only
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_what_is_left(proc, marked)
     text = "".join(lines) + out
     assert any(l.startswith("step ") for l in lines), text
     assert marked, "no Ray process of the embedded cluster was seen"
@@ -123,12 +128,7 @@ def test_a_sigkill_of_the_launcher_leaves_no_process_or_temp_dir_behind(tmp_path
                 break
             time.sleep(0.5)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for pid in marked_pids(marked) if marked else []:  # whatever a failed run left: by pid, ours only
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_what_is_left(proc, marked)
     assert any(l.startswith("step ") for l in lines), "".join(lines)
     assert marked, "no Ray process of the embedded cluster was seen"
     assert left == [], f"left running {GROUP_STOP_WITHIN_S} s after the launcher's SIGKILL: {left}"

@@ -13,6 +13,7 @@ import hybrid.yamlfile
 from hybrid.errors import ConfigError
 from hybrid.yamlfile import load_yaml
 from launch.cli import main
+from tests.unit.test_checkpoint_integrity import _refused
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "gpt-tiny.yaml"
@@ -24,14 +25,6 @@ def _cluster(tmp_path: Path, config=TINY, steps="3") -> Path:
     path.write_text("cluster: {address: local, nodes: 1, gpus_per_node: 1, gpu_memory_gb: 80}\n"
                     f"job: {{entrypoint: 'hybrid.models.gpt:train', config: '{config}', steps: {steps}}}\n")
     return path
-
-
-def _refused(argv: list, capsys) -> str:
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
-    assert "Traceback" not in captured.err + captured.out
-    return captured.err
 
 
 # ------------------------------------------------------------------------------------------- YAML files
