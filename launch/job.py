@@ -62,7 +62,7 @@ from launch import memory_loop, ray_cluster, replan, signals
 from launch.display import Progress
 from launch.log_forwarding import LogActivity
 from launch.metrics import MetricsWriter, ray_log_dir, summary_lines
-from launch.model_size import model_facts
+from launch.model_size import ModelFacts, model_facts
 from launch.plan import LaunchPlan, build_plan, format_plan
 from launch.probe import probe_nodes
 from launch.runtime_env import client_runtime_env, runtime_env, ship
@@ -122,7 +122,7 @@ class JobResult:
 def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
     """Run the job of ``spec`` end to end on the cluster it names (printing to ``stream``, default stdout)."""
     stream = stream or sys.stdout  # looked up per call: stdout may have been replaced since import
-    model_facts(spec)  # the model config and the model's own hook are checked before any Ray process starts
+    facts = model_facts(spec)  # the model config and the model's own hook are checked before Ray starts
     cluster = spec.cluster
     where = (f"starting an embedded Ray cluster: {count(cluster.nodes, 'node')} x {count(cluster.gpus_per_node, 'rank')} on "
              f"{ray_cluster.LOOPBACK}" if cluster.is_local else
@@ -131,7 +131,7 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
     with ray_cluster.connect(cluster, keep_logs=kept_logs_dir(spec), client_runtime_env=client_runtime_env(spec)) \
             as connected:
         print(connected.line(), file=stream, flush=True)
-        return plan_and_run(spec, stream)
+        return plan_and_run(spec, stream, facts=facts)
 
 
 def kept_logs_dir(spec: LaunchSpec):
@@ -140,10 +140,12 @@ def kept_logs_dir(spec: LaunchSpec):
     return spec.job.run_dir / "ray-logs" if spec.cluster.is_local and spec.job.run_dir is not None else None
 
 
-def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
-    """Probe the connected Ray cluster, plan, print the plan and run the job."""
+def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bool] = None,
+                 facts: Optional[ModelFacts] = None) -> JobResult:
+    """Probe the connected Ray cluster, plan, print the plan and run the job (``facts``: the model's, when
+    already measured)."""
     reports = probe_nodes()
-    plan = build_plan(spec, reports)
+    plan = build_plan(spec, reports, facts)
     print(format_plan(plan), file=stream, flush=True)
     return run_job(plan, stream, tty=tty)
 

@@ -91,11 +91,12 @@ class LaunchPlan:
 # ------------------------------------------------------------------------------------------- planning
 
 
-def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None) -> LaunchPlan:
+def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
+               facts: Optional[ModelFacts] = None) -> LaunchPlan:
     """The plan for ``spec``; ``reports`` are ``launch.probe.NodeReport``s, or None to plan from declared
-    facts alone."""
+    facts alone; ``facts``: ``model_facts(spec)`` when the caller has them already."""
     cluster, parallel = spec.cluster, spec.parallel
-    facts = model_facts(spec)
+    facts = facts if facts is not None else model_facts(spec)
     tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
     layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, tp)
     if facts.shape is not None:

@@ -5,11 +5,13 @@ See ``engine.py`` for the semantics, and the sibling modules for the pieces each
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from hybrid.config import TrainConfig
-from hybrid.errors import first_line
+from hybrid.errors import ConfigError, first_line
+from hybrid.yamlfile import load_yaml, read_regular_file
 from hybrid.zero.engine import ShardView, ZeroEngine
 
 __all__ = ["initialize", "config_file", "ShardView", "ZeroEngine"]
@@ -18,11 +20,6 @@ __all__ = ["initialize", "config_file", "ShardView", "ZeroEngine"]
 def config_file(path) -> dict:
     """The config dict in the JSON (``.json``) or YAML file ``path``; ``ConfigError`` (one sentence) when it
     cannot be read or parsed."""
-    import json
-
-    from hybrid.errors import ConfigError
-    from hybrid.yamlfile import load_yaml, read_regular_file
-
     path = Path(path)
     if path.suffix.lower() != ".json":
         return load_yaml(path, "config file")
