@@ -16,7 +16,8 @@ on construction; a bad value raises ``ConfigError`` naming the field and the fix
   aliases of the plain names. ``fp16`` is refused (use bf16). DeepSpeed settings without a field here are in
   ``DEEPSPEED_KNOBS``: ignored (one log line) where they cannot change the training, else refused with the
   reason. A DeepSpeed-form optimizer (``params``) without ``weight_decay`` decays nothing, as DeepSpeed's
-  optimizers do (``DEEPSPEED_WEIGHT_DECAY``).
+  optimizers do (``DEEPSPEED_WEIGHT_DECAY``), and decays every parameter unless its ``no_decay`` says
+  otherwise (``DEEPSPEED_NO_DECAY``: ``none``; ours defaults to ``auto``).
   ``stage3_unit`` (``auto`` | ``module`` | a callable ``(name, module) -> bool``) cuts stage 3's units
   (``hybrid.zero.units``). ``reduce_dtype`` (``fp32`` | ``bf16``; default the model's precision, the
   seed's bf16 gradients) is the dtype a bf16 model's gradients are summed over DP and accumulated over
@@ -190,6 +191,9 @@ def optimizer_kwargs_allowed(cls) -> tuple:
 # DeepSpeed's optimizers (FusedAdam, DeepSpeedCPUAdam, FusedLamb, ...) decay nothing unless told: a DeepSpeed-style
 # optimizer section ({"type": ..., "params": {...}}) without weight_decay gets this, whatever torch's default.
 DEEPSPEED_WEIGHT_DECAY = 0.0
+# ... and decay every parameter they are given: in that form no parameter is exempted unless no_decay says so
+# (ours exempts biases, norms and embeddings: no_decay "auto").
+DEEPSPEED_NO_DECAY = "none"
 
 
 def default_weight_decay(kind: str, decoupled: bool = True) -> float:
@@ -596,6 +600,7 @@ def _optimizer_from(section, name: str = "optimizer") -> OptimizerConfig:
     ours = {k: section[k] for k in _OPT_OURS if k in section}
     if "params" in section:  # DeepSpeed: {"type": ..., "params": {...}}
         _reject_unknown(section, {"type", "params", *_OPT_OURS}, name)
+        ours.setdefault("no_decay", DEEPSPEED_NO_DECAY)
         where, params = f"{name}.params", dict(_section(section["params"], f"{name}.params"))
     else:
         where, params = name, {k: val for k, val in section.items() if k != "type" and k not in _OPT_OURS}

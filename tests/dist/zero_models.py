@@ -82,17 +82,22 @@ def parity_forward(model, x, y, step: int, micro: int):
     return model(x, y, uses_aux(step, micro))
 
 
-def reference(engine_config=None, lrs=None, make=ParityNet, forward=parity_forward, steps: int = STEPS):
+def reference(engine_config=None, lrs=None, make=ParityNet, forward=parity_forward, steps: int = STEPS,
+              make_optimizer=None):
     """``make()`` (ParityNet) trained single-process on the global batches by the torch class of
     ``engine_config`` (a config dict; default: ``config(0)``, AdamW) over the engine's default parameter
-    groups, its schedule as a ``LambdaLR``; the learning rate of every step is appended to ``lrs``."""
+    groups (or by ``make_optimizer(model)``), its schedule as a ``LambdaLR``; the learning rate of every step
+    is appended to ``lrs``."""
     cfg = TrainConfig.from_dict(engine_config or config(0))
     opt_cfg = cfg.optimizer
     model = make()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a parameter without a gradient is stepped with a zero one, as in the engine
         p.grad = torch.zeros_like(p)
-    opt = opt_cfg.torch_class(torch_param_groups(model, opt_cfg), **opt_cfg.torch_kwargs(), foreach=False)
+    if make_optimizer is not None:
+        opt = make_optimizer(model)
+    else:
+        opt = opt_cfg.torch_class(torch_param_groups(model, opt_cfg), **opt_cfg.torch_kwargs(), foreach=False)
     sched = None
     if cfg.scheduler is not None:
         s = cfg.scheduler

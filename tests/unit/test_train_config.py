@@ -37,7 +37,7 @@ def test_deepspeed_dict():
     assert (z.param_persistence_threshold, z.sub_group_size, z.overlap_comm) == (100_000, 1_000_000_000, False)
     assert isinstance(z.reduce_bucket_size, int)
     assert cfg.precision == "bf16"
-    assert cfg.optimizer == OptimizerConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    assert cfg.optimizer == OptimizerConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, no_decay="none")
     assert (cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (1.0, 2)
     cfg.check_batch(dp=4)
     with pytest.raises(ConfigError, match="train_batch_size"):
@@ -258,3 +258,11 @@ def test_the_engine_steps_with_the_derived_accumulation():
 
     engine = hybrid.initialize(torch.nn.Linear(4, 2), {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4})
     assert engine.config.gradient_accumulation_steps == 3
+
+
+def test_no_decay_defaults_to_none_in_the_deepspeed_form_and_auto_in_ours():
+    deepspeed = TrainConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}})
+    ours = TrainConfig.from_dict({"optimizer": {"type": "AdamW", "lr": 1e-3, "weight_decay": 0.01}})
+    assert deepspeed.optimizer.no_decay == "none" and ours.optimizer.no_decay == "auto"
+    asked = TrainConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}, "no_decay": "auto"}})
+    assert asked.optimizer.no_decay == "auto"
