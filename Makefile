@@ -31,7 +31,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 # The demo's corpus: this repository's own docs and sources, byte-level (configs/gpt-tiny-text.yaml reads it).
-DEMO_TEXT := README.md $(wildcard hybrid/*.py hybrid/*/*.py launch/*.py launch/commands/*.py)
+DEMO_TEXT := README.md $(wildcard hybrid/*.py hybrid/*/*.py hybrid/*/*/*.py launch/*.py launch/*/*.py)
 
 demo: $(STAMP)
 	rm -rf runs/demo  # the demo trains from scratch; `hybrid launch` alone resumes

@@ -10,8 +10,8 @@ CHANGE (off = the behaviour before it):
   handoff       stages 0-1 copy fresh gradients into the emptied buffer (off: zero it, accumulate into it)
   keep-buckets  stages 2-3 on CPU reuse reduced buckets (off: a fresh zeroed bucket every time)
   empty-buckets stages 2-3 take new buckets uninitialised (off: zero-filled first)
-  shm           DP collectives through shared memory (hybrid.shm_collectives; off: the gloo paths above)
-  malloc        glibc returns freed blocks at once (hybrid.memory_budget.follow_live_tensors, what a CPU rank's
+  shm           DP collectives through shared memory (hybrid.comm.shm; off: the gloo paths above)
+  malloc        glibc returns freed blocks at once (hybrid.plan.budget.follow_live_tensors, what a CPU rank's
                 memory meter sets; off: glibc keeps freed heap, blocks under 32 MiB from it)
 
 Prints the median step time (ms, rank 0, first step of each block left out) of both variants.
@@ -57,7 +57,7 @@ class _GlooAllReduce:
 
 
 def _switch(change: str, on: bool, engine, originals: dict) -> None:
-    import hybrid.comm as hc
+    import hybrid.comm.collectives as hc
     import hybrid.zero.buckets as hb
 
     if change == "exchange-rs":
@@ -77,7 +77,7 @@ def _switch(change: str, on: bool, engine, originals: dict) -> None:
     elif change == "malloc":
         import ctypes
 
-        from hybrid.memory_budget import follow_live_tensors
+        from hybrid.plan.budget import follow_live_tensors
 
         if on:
             follow_live_tensors()
@@ -100,7 +100,7 @@ def _after_step(change: str, on: bool, engine) -> None:
 
 def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, steps: int) -> dict:
     import hybrid
-    import hybrid.comm as hc
+    import hybrid.comm.collectives as hc
     from bench.workload import batch, build_model, workloads
 
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, s
 
 
 def main() -> None:
-    from hybrid.local_launch import run_local
+    from hybrid.runtime.local_launch import run_local
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("change", choices=CHANGES)

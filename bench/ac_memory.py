@@ -29,7 +29,7 @@ def _step_growth(cfg, micro_batch: int, precision: str, queue) -> None:
     import torch
 
     import hybrid
-    from hybrid.models.gpt import GPT
+    from hybrid.models.gpt.model import GPT
 
     torch.set_num_threads(1)
     engine = hybrid.initialize(GPT(cfg, device="meta"), {"zero_optimization": {"stage": 0}, "precision": precision})
@@ -44,8 +44,8 @@ def _step_growth(cfg, micro_batch: int, precision: str, queue) -> None:
 
 
 def main(argv=None) -> int:
-    from hybrid.memory import gpt_activation_bytes
-    from hybrid.models.gpt_config import GPTConfig
+    from hybrid.plan.memory import gpt_activation_bytes
+    from hybrid.models.gpt.config import GPTConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=256)

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from hybrid.comm import Comm
-from hybrid.local_launch import run_local
+from hybrid.comm.collectives import Comm
+from hybrid.runtime.local_launch import run_local
 
 
 def _rank(buffers: int, numel: int) -> str:

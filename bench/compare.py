@@ -53,7 +53,7 @@ def run_one(impl: str, stage: int, w: Workload, timeout_s: float, profile_dir: s
             tag: str = "") -> report.Row:
     """One fresh run of ``impl:stage`` on ``w`` (its profile, if any, written as ``...{tag}.txt``)."""
     from bench.measure import run_rank
-    from hybrid.local_launch import LocalRunError, run_local
+    from hybrid.runtime.local_launch import LocalRunError, run_local
 
     t0 = time.perf_counter()
     try:

@@ -22,7 +22,7 @@ CASES = [(name, precision) for name in ("4M", "4M-seq256", "100M") for precision
 def main() -> int:
     from bench.measure import run_rank
     from bench.workload import workloads
-    from hybrid.local_launch import run_local
+    from hybrid.runtime.local_launch import run_local
 
     by_name = {w.name: w for w in workloads(False)}
     for name, precision in CASES:

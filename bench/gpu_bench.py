@@ -58,8 +58,8 @@ def log(message: str) -> None:
 
 def activation_checkpointing_field() -> Optional[str]:
     """Where the GPT's activation checkpointing is switched on ('model' or 'engine'), or None without it."""
-    from hybrid.config import TrainConfig
-    from hybrid.models.gpt import GPTConfig
+    from hybrid.config.training import TrainConfig
+    from hybrid.models.gpt.model import GPTConfig
 
     for where, cls in (("model", GPTConfig), ("engine", TrainConfig)):
         if "activation_checkpointing" in {f.name for f in dataclasses.fields(cls)}:
@@ -68,7 +68,7 @@ def activation_checkpointing_field() -> Optional[str]:
 
 
 def _model_config(path: Path, checkpointing: bool):
-    from hybrid.models.gpt import GPTConfig
+    from hybrid.models.gpt.model import GPTConfig
 
     cfg = GPTConfig.from_yaml(path)
     if checkpointing and activation_checkpointing_field() == "model":
@@ -78,8 +78,8 @@ def _model_config(path: Path, checkpointing: bool):
 
 def _hybrid(model, checkpointing: bool):
     import hybrid
-    from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
-    from hybrid.mesh import build_mesh
+    from hybrid.config.training import OptimizerConfig, TrainConfig, ZeroConfig
+    from hybrid.comm.mesh import build_mesh
 
     mesh = build_mesh(tp=1)
     extra = {"activation_checkpointing": True} if checkpointing and activation_checkpointing_field() == "engine" else {}
@@ -122,7 +122,7 @@ def _fsdp2(model, device: torch.device):
 
 def measure(impl: str, checkpointing: bool, device: torch.device, model_path: Path) -> dict:
     """Build ``impl`` on ``device``, run the warm-up and timed steps, return the figures (or the OOM)."""
-    from hybrid.models.gpt import GPT, count_parameters
+    from hybrid.models.gpt.model import GPT, count_parameters
 
     kind = device.type
     cfg = _model_config(model_path, checkpointing)
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from hybrid.mesh import init_default_group
+    from hybrid.comm.mesh import init_default_group
 
     if not args.cpu and not torch.cuda.is_available():
         print("error: no CUDA GPU is visible (torch.cuda.is_available() is False); run with --cpu for the dry "

@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybrid  # noqa: E402
-from hybrid.local_launch import run_local  # noqa: E402
-from hybrid.models.gpt import GPT, GPTConfig  # noqa: E402
+from hybrid.runtime.local_launch import run_local  # noqa: E402
+from hybrid.models.gpt.model import GPT, GPTConfig  # noqa: E402
 
 
 def _rss() -> int:

@@ -1,6 +1,6 @@
 """One implementation's training run on one rank, timed and measured.
 
-``run_rank(impl, stage, workload)`` runs inside a freshly spawned rank (``hybrid.local_launch.run_local``)
+``run_rank(impl, stage, workload)`` runs inside a freshly spawned rank (``hybrid.runtime.local_launch.run_local``)
 and returns plain data: the loss and wall time of every step, the RSS before the model was built (after the
 implementation's and the model's imports) and the
 peak RSS of the process, the model-state bytes held, and (hybrid only) the traffic per timed step.

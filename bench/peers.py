@@ -287,7 +287,7 @@ class _FloorRunner(_TorchRunner):
 class _HybridRunner:
     def __init__(self, model, stage: int, w: Workload):
         import hybrid
-        from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
+        from hybrid.config.training import OptimizerConfig, TrainConfig, ZeroConfig
 
         zero = ZeroConfig(stage=stage, param_persistence_threshold=PERSISTENCE_THRESHOLD)
         config = TrainConfig(zero=zero, precision=w.precision,

@@ -25,7 +25,7 @@ def _train(precision: str, reduce_dtype, steps: int) -> list:
     import torch.distributed as dist
 
     import hybrid
-    from hybrid.models.gpt import GPT, GPTConfig
+    from hybrid.models.gpt.model import GPT, GPTConfig
 
     torch.set_num_threads(1)
     w = Workload("4M", SMALL, micro_batch=2, warmup=0, steps=steps)
@@ -50,7 +50,7 @@ def _train(precision: str, reduce_dtype, steps: int) -> list:
 
 
 def main(argv=None) -> int:
-    from hybrid.local_launch import run_local
+    from hybrid.runtime.local_launch import run_local
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)

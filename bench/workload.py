@@ -79,13 +79,13 @@ def import_model_code() -> None:
 
 def build_model(w: Workload) -> torch.nn.Module:
     """The benchmark model, fp32 on CPU, identical on every rank (same seed)."""
-    from hybrid.models.gpt import GPT, GPTConfig
+    from hybrid.models.gpt.model import GPT, GPTConfig
 
     return GPT(GPTConfig(**w.model), seed=w.seed)
 
 
 def count_parameters(w: Workload) -> int:
-    from hybrid.models.gpt import GPTConfig, count_parameters as count
+    from hybrid.models.gpt.model import GPTConfig, count_parameters as count
 
     return count(GPTConfig(**w.model))
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hybrid
-from hybrid.local_launch import run_local
+from hybrid.runtime.local_launch import run_local
 
 
 def build() -> nn.Module:

@@ -16,9 +16,9 @@ import sys
 import click
 
 from hybrid.errors import UserError
-from launch import signals
+from launch.job import signals
 
-EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+from launch.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,9 +1,9 @@
 """cluster.yaml: load, validate and resolve into a ``LaunchSpec``.
 
-``load_spec(path)`` reads the file strictly (``hybrid.yamlfile``: UTF-8, no duplicate keys) and returns a
+``load_spec(path)`` reads the file strictly (``hybrid.config.yamlfile``: UTF-8, no duplicate keys) and returns a
 frozen ``LaunchSpec`` (cluster, job, parallel sections), or raises ``ConfigError`` with one sentence
 naming the bad field, its value (quoted short) and what is allowed; the checks are the shared ones of
-``hybrid.validate``. Unknown keys are errors, relative paths are resolved against the YAML file's
+``hybrid.config.validate``. Unknown keys are errors, relative paths are resolved against the YAML file's
 directory, ``job.entrypoint`` must be a ``module:function`` taking one argument, importable from
 ``job.working_dir`` (default: the cluster file's directory, which the launcher ships to every node) or an
 installed package, from any current directory; the checkpoint directory must be creatable and writable.
@@ -13,7 +13,7 @@ An empty value (YAML null, ``offload:`` with nothing after it) is the field left
 for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
 choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
 memory where the probes cannot measure it. Nothing here
-contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.capacity``'s check, made
+contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.ray.capacity``'s check, made
 before one is started.)
 """
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hybrid import validate as v
+from hybrid.config import validate as v
 from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
-from hybrid.planner import check_lever, check_offload_stage
-from hybrid.validate import DEFAULT_PRECISION, PRECISIONS
-from hybrid.yamlfile import load_yaml, not_a_file
+from hybrid.plan.planner import check_lever, check_offload_stage
+from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS
+from hybrid.config.yamlfile import load_yaml, not_a_file
 
 ADDRESS_HELP = "'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'"
 INTRA_NODE = ("nvlink", "pcie", "loopback")
@@ -63,7 +63,7 @@ class ClusterSpec:
     inter_node: str = "unspecified"
     connect_timeout_s: float = 60.0  # auto / ray://: how long to wait for the cluster to answer
     host_memory_gb: Optional[float] = None  # per node; used where the probe cannot measure, and by `hybrid plan`
-    # CUDA context and NCCL buffers per GPU, outside the allocator; None: hybrid.memory's default on GPUs
+    # CUDA context and NCCL buffers per GPU, outside the allocator; None: hybrid.plan.memory's default on GPUs
     runtime_reserve_gb: Optional[float] = None
     # Without GPUs, gpu_memory_gb is a planning figure; true makes it each rank's enforced memory budget too
     # (measured RSS growth above it is an out-of-memory error and a re-plan). On GPUs the budget is the GPU's.
@@ -99,7 +99,7 @@ class JobSpec:
     working_dir: Optional[Path] = None  # shipped to every rank; the entrypoint's module is found here
     env: dict = field(default_factory=dict)  # environment variables for the ranks
     isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
-    max_replans: int = 3  # out-of-memory re-plans (launch.replan); they do not count against max_failures
+    max_replans: int = 3  # out-of-memory re-plans (launch.planning.replan); they do not count against max_failures
     placement_timeout_s: float = 120.0  # how long Ray may take to reserve the nodes before the job fails
 
 
@@ -122,7 +122,7 @@ class LaunchSpec:
     @property
     def tp(self) -> int:
         """``parallel.tp``, or under auto ``gpus_per_node`` (the plan's degree for a model with TP layers;
-        ``launch.plan.choose_tp`` gives 1 to a model without them)."""
+        ``launch.planning.plan.choose_tp`` gives 1 to a model without them)."""
         return self.parallel.tp if self.parallel.tp is not None else self.cluster.gpus_per_node
 
     @property

@@ -6,9 +6,9 @@ importable from nowhere else. Whatever a rank prints reaches the driver's termin
 
 import os
 
-from hybrid.models.gpt_config import GPTConfig
-from hybrid.models.gpt_train import build_engine, data_path, open_token_file, train_options
-from hybrid.train import run_steps, stream_batches
+from hybrid.models.gpt.config import GPTConfig
+from hybrid.models.gpt.training import build_engine, data_path, open_token_file, train_options
+from hybrid.runtime.train import run_steps, stream_batches
 
 
 def train(ctx):

@@ -7,7 +7,7 @@ plans tp = 1 and DP over every rank); ``train(ctx)`` calls it again on each rank
 module's name) straight into the rank's shard.
 
 A step is ``job.micro_batch × gradient_accumulation_steps`` rows per rank (the engine is built with the job's
-accumulation), as ``hybrid.models.gpt_train.train`` does.
+accumulation), as ``hybrid.models.gpt.training.train`` does.
 """
 
 import torch
@@ -16,8 +16,8 @@ from torch import nn
 
 import hybrid
 from hybrid.data import MarkovTokens
-from hybrid.models.gpt_train import training_config
-from hybrid.train import run_steps
+from hybrid.models.gpt.training import training_config
+from hybrid.runtime.train import run_steps
 
 
 class Block(nn.Module):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hybrid.checkpoint import integrity, layout, lock
 from hybrid.checkpoint.integrity import CheckpointDamaged, Inventory, Problem
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError
 
 log = logging.getLogger(__name__)

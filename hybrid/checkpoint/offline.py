@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from hybrid.checkpoint import integrity, layout, manifest
 from hybrid.errors import CheckpointError, first_line
-from hybrid.state_entries import exported
+from hybrid.weights.state_entries import exported
 
 
 def _unreadable_said(read: Callable) -> Callable:

@@ -51,10 +51,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError, CheckpointWriteError, UsageError, first_line
-from hybrid.param_attrs import tensor_parallel_dim
-from hybrid.state_entries import BUFFER, state_dict_entries
+from hybrid.weights.attrs import tensor_parallel_dim
+from hybrid.weights.state_entries import BUFFER, state_dict_entries
 
 log = logging.getLogger(__name__)
 

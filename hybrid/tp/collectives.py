@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.tp.sharding import gather_tp_tensor
 
 

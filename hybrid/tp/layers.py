@@ -10,7 +10,7 @@
   zeros and the partial embeddings are summed.
 
 ``tp_comm=None`` (or a group of size 1) gives the plain single-process layer. Parameters are created on
-``device`` and drawn from their ``hybrid.param_init`` initializers (weights N(0, init_std²), biases zero):
+``device`` and drawn from their ``hybrid.weights.init`` initializers (weights N(0, init_std²), biases zero):
 
 * ``seed=TORCH_RNG`` (the default): from torch's default generator, as ``nn.Linear`` does, so two layers
   differ; each TP rank draws the *full* tensor and keeps its slice, so a model built after
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.comm import Comm
-from hybrid.param_attrs import mark_tensor_parallel
-from hybrid.param_init import Constant, Normal, set_initializer
+from hybrid.comm.collectives import Comm
+from hybrid.weights.attrs import mark_tensor_parallel
+from hybrid.weights.init import Constant, Normal, set_initializer
 from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
 from hybrid.tp.sharding import divide, init_param_, init_param_from_torch_rng_, tp_rank_size

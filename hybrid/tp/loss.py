@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.tp.layers import check_vocab_ids
 from hybrid.tp.sharding import tp_rank_size
 

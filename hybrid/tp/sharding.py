@@ -1,9 +1,9 @@
 """How TP-sliced parameters relate to the full (single-process) ones.
 
-A parameter marked with ``hybrid.param_attrs.mark_tensor_parallel(p, dim)`` holds, on TP rank ``r`` of
+A parameter marked with ``hybrid.weights.attrs.mark_tensor_parallel(p, dim)`` holds, on TP rank ``r`` of
 ``t``, the ``r``-th of ``t`` equal contiguous chunks of the full tensor along ``dim``. Everything here is
 that one rule: slicing a full tensor, the full shape of a slice, gathering slices back (checkpoints,
-tests), and the seeded initialization (``init_param_``, from ``hybrid.param_init``) that makes a TP model
+tests), and the seeded initialization (``init_param_``, from ``hybrid.weights.init``) that makes a TP model
 built with seed S hold exactly the slices of the single-process model built with seed S.
 """
 
@@ -13,9 +13,9 @@ from typing import Mapping, Optional
 
 import torch
 
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
-from hybrid.param_attrs import tensor_parallel_dim
+from hybrid.weights.attrs import full_shape, tensor_parallel_dim
 
 
 def tp_rank_size(comm: Optional[Comm]) -> tuple[int, int]:
@@ -38,15 +38,6 @@ def tp_slice(full: torch.Tensor, dim: Optional[int], rank: int, tp: int) -> torc
     if full.shape[dim] % tp:
         raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {tp} TP slices")
     return full.chunk(tp, dim=dim)[rank]
-
-
-def full_shape(param: torch.Tensor, tp: int) -> torch.Size:
-    """The single-process shape of a (possibly TP-sliced) parameter."""
-    dim = tensor_parallel_dim(param)
-    shape = list(param.shape)
-    if dim is not None:
-        shape[dim] *= tp
-    return torch.Size(shape)
 
 
 def gather_tp_tensor(local: torch.Tensor, dim: int, comm: Optional[Comm]) -> torch.Tensor:
@@ -87,13 +78,13 @@ def slice_tp_state_dict(state: Mapping[str, torch.Tensor], model: torch.nn.Modul
 
 @torch.no_grad()
 def init_param_(param: torch.Tensor, seed: int, name: str, tp_rank: int, tp: int) -> None:
-    """Fill ``param`` (this TP rank's slice) from its ``hybrid.param_init`` initializer, seeded by ``seed`` and
+    """Fill ``param`` (this TP rank's slice) from its ``hybrid.weights.init`` initializer, seeded by ``seed`` and
     the initializer's key (``name`` when it has none): the slice of the same full tensor at every TP degree."""
-    from hybrid.param_init import get_initializer, local_values
+    from hybrid.weights.init import get_initializer, local_values
 
     init = get_initializer(param)
     if init is None:
-        raise ValueError(f"parameter {name!r} has no hybrid.param_init initializer")
+        raise ValueError(f"parameter {name!r} has no hybrid.weights.init initializer")
     values = local_values(init, seed, init.key or name, full_shape(param, tp), tensor_parallel_dim(param),
                           tp_rank, tp, 0, param.numel())
     param.copy_(values.view(param.shape))
@@ -104,7 +95,7 @@ def init_param_from_torch_rng_(param: torch.Tensor, tp_rank: int, tp: int) -> No
     """Fill ``param`` (this TP rank's slice) with its slice of a full tensor drawn from its initializer with
     torch's default generator: every TP degree consumes the generator alike, so ranks seeded alike hold the
     slices of one full tensor."""
-    from hybrid.param_init import get_initializer
+    from hybrid.weights.init import get_initializer
 
     shape = full_shape(param, tp)
     full = get_initializer(param).draw_chunk(shape.numel(), None).view(shape)

@@ -9,10 +9,9 @@ import json
 import os
 from pathlib import Path
 
-from hybrid.config import TrainConfig
+from hybrid.config.training import TrainConfig
 from hybrid.errors import ConfigError, first_line
-from hybrid.yamlfile import load_yaml, read_regular_file
-from hybrid.zero.engine import ShardView, ZeroEngine
+from hybrid.config.yamlfile import load_yaml, read_regular_file
 
 __all__ = ["initialize", "config_file", "ShardView", "ZeroEngine"]
 
@@ -41,9 +40,20 @@ def initialize(model, config, dp_group=None, tp_group=None, *, seed: int = 0, in
     or ``.safetensors`` file; names and shapes are checked first). ``device``: where the states live
     (default: the parameters' device; for a meta model the rank's CUDA device under NCCL, else the CPU).
     """
+    from hybrid.zero.engine import ZeroEngine
+
     if isinstance(config, (str, os.PathLike)):  # as deepspeed.initialize(config="ds_config.json") takes it
         config = config_file(config)
     if not isinstance(config, TrainConfig):
         config = TrainConfig.from_dict(config)
     return ZeroEngine(model, config, dp_group=dp_group, tp_group=tp_group, seed=seed, init_fn=init_fn,
                       weights=weights, device=device)
+
+
+def __getattr__(name: str):
+    # The engine (torch) loads on first use: the planner and the config read the pure modules beside it.
+    if name in ("ShardView", "ZeroEngine"):
+        from hybrid.zero import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'hybrid.zero' has no attribute {name!r}")

@@ -45,8 +45,8 @@ from typing import Callable, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hybrid.buffer_pool import BufferPool
-from hybrid.comm import Comm
+from hybrid.comm.buffer_pool import BufferPool
+from hybrid.comm.collectives import Comm
 from hybrid.errors import UsageError, first_line
 from hybrid.zero.params import SAME_MODULES
 from hybrid.zero.partition import FlatLayout

@@ -1,7 +1,7 @@
 """Global gradient norm over the DP shards and the TP group, and the clip coefficient of ``clip_grad_norm_``.
 
 Each rank sums the squares of the gradient elements it owns, split into two sums: elements of
-tensor-parallel parameters (``hybrid.param_attrs``: each TP rank holds a different slice) and of replicated
+tensor-parallel parameters (``hybrid.weights.attrs``: each TP rank holds a different slice) and of replicated
 ones. Both sums are added over the DP group when the gradients are sharded (stages 1-3; at stage 0 every
 rank already holds every element). The TP sum is then added over the TP group, the replicated sum is not
 (every TP rank holds the same values), so the norm is that of the full single-process model. A non-finite
@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import NonFiniteError
 
 

@@ -1,7 +1,7 @@
 """Sharded construction: the model's values written straight into a rank's ``FlatState``, parameter by parameter.
 
 ``materialize(module, params, shapes, state, sources, device)`` walks the model's modules in order
-(``hybrid.value_sources``): each trainable parameter gets only the range of values this rank stores
+(``hybrid.weights.sources``): each trainable parameter gets only the range of values this rank stores
 (``FlatState.needed_range``: its owned range at stage 3, the whole parameter at stages 0-2), drawn or read
 by its source and written where the rank keeps it; a frozen parameter or buffer that is on the meta
 device (or comes from a weights file) is materialized whole on ``device``. Then every trainable
@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from hybrid.value_sources import ValueSources, new_parameter, references, replace_tensor
+from hybrid.weights.sources import ValueSources, new_parameter, references, replace_tensor
 from hybrid.zero.state import FlatState
 
 

@@ -4,7 +4,7 @@ The pieces: a flat layout of the trainable parameters cut into units (``partitio
 buffers with the parameters re-bound as views (``state``), gradient buckets reduced during backward
 (``buckets``), parameter gathering (``params``), the optimizer on the fp32 shard (``optimizer``: any
 elementwise ``torch.optim`` class, parameter groups from ``param_groups``, the learning rate of each step
-from ``hybrid.schedule``) and the global gradient norm (``clip``). A stage only chooses which buffers are
+from ``hybrid.config.schedule``) and the global gradient norm (``clip``). A stage only chooses which buffers are
 sharded and which collective moves them:
 
 * stage 0: units are buckets of ``reduce_bucket_size``; each is all-reduced in backward (2Ψ per step).
@@ -82,25 +82,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from hybrid import validate as v
-from hybrid.comm import Comm
+from hybrid.config import validate as v
+from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError, LossError, UsageError, listing
-from hybrid.config import TrainConfig
-from hybrid.cpu_bf16 import slow_bf16_note
-from hybrid.value_sources import ValueSources, has_meta
-from hybrid.param_attrs import is_tensor_parallel, tensor_parallel_dim
+from hybrid.config.training import TrainConfig
+from hybrid.plan.cpu_bf16 import slow_bf16_note
+from hybrid.weights.sources import ValueSources, has_meta
+from hybrid.weights.attrs import is_tensor_parallel, tensor_parallel_dim
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
-from hybrid.schedule import lr_at
-from hybrid.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
+from hybrid.config.schedule import lr_at
+from hybrid.weights.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
 from hybrid.tp.layers import TensorParallelModule
 from hybrid.tp.sharding import gather_tp_tensor
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units, wears_released_class
 from hybrid.zero.partition import build_layout, unit_groups
-from hybrid.zero.policy import policy_for
+from hybrid.config.stage_policy import policy_for
 from hybrid.zero.units import plan_units
 from hybrid.zero.state import FlatState
 

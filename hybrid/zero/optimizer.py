@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hybrid.config import OptimizerConfig
+from hybrid.config.training import OptimizerConfig
 from hybrid.errors import ConfigError
 from hybrid.zero.partition import bucket_groups
 
@@ -45,7 +45,7 @@ CONVERT_NUMEL = 1 << 20
 
 
 def batch_numel(sub_group_size: int, grad_is_fp32: bool) -> int:
-    """The most elements one optimizer batch steps at once (``hybrid.memory`` counts its scratch)."""
+    """The most elements one optimizer batch steps at once (``hybrid.plan.memory`` counts its scratch)."""
     return int(sub_group_size) if grad_is_fp32 else min(int(sub_group_size), CONVERT_NUMEL)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Sequence
 
-from hybrid.config import OptimizerConfig
+from hybrid.config.training import OptimizerConfig
 from hybrid.errors import ConfigError
 
 

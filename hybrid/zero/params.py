@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import UsageError, first_line
 from hybrid.zero.partition import FlatLayout
 

@@ -34,7 +34,7 @@ import torch
 
 from hybrid.zero.optimizer import Piece
 from hybrid.zero.partition import FlatLayout
-from hybrid.zero.policy import StagePolicy
+from hybrid.config.stage_policy import StagePolicy
 
 
 class FlatState:

@@ -7,14 +7,14 @@ choice. ``--json`` prints exactly one JSON object:
 ``"activations_gb"`` and ``"activations_estimate"`` when the model shape is given (each ``total_gb`` then
 includes the activations, the checkpointed estimate under ``--activation-checkpointing``; without the flag the
 planner may still choose checkpointing when plain ZeRO-3 does not fit), and ``"prediction"`` (stage ->
-``hybrid.memory.MemoryPrediction.as_dict()``, bytes) when ``--vocab`` is given too: the complete prediction of
+``hybrid.plan.memory.MemoryPrediction.as_dict()``, bytes) when ``--vocab`` is given too: the complete prediction of
 the built-in GPT of that shape, which the human output shows as a second table. GB means 10^9 bytes, as in
-the seed; sizes print through ``hybrid.units.human_bytes``.
+the seed; sizes print through ``hybrid.config.units.human_bytes``.
 
 Which activation estimate (``ESTIMATES``): with ``--vocab`` the built-in GPT's whole shape is known, and the
-table, the recommendation and the prediction all use ``hybrid.memory.gpt_activation_bytes`` -- the figures
+table, the recommendation and the prediction all use ``hybrid.plan.memory.gpt_activation_bytes`` -- the figures
 ``hybrid plan`` gives ``choose_stage`` for that model, so the two pick the same stage at the same totals.
-Without it, the generic transformer formula ``hybrid.memory.activation_bytes`` (Korthikanti et al. 2022).
+Without it, the generic transformer formula ``hybrid.plan.memory.activation_bytes`` (Korthikanti et al. 2022).
 A shape the GPT cannot have is refused in the CLI's terms either way: ``--heads`` must divide ``--hidden``,
 and ``--tp`` what ``GPTConfig.check_tp`` splits (the heads, the MLP width and, with ``--vocab``, the vocabulary).
 ``--gpus-per-node`` is the node size: the ranks that share a node's host memory under offload, and the unit of
@@ -30,13 +30,13 @@ from fractions import Fraction
 
 import click
 
-from hybrid import validate as v
+from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.memory import activation_bytes, gpt_activation_bytes, parse_count
-from hybrid.models.gpt_config import GPTConfig, shape_violation
-from hybrid.planner import MAX_GPUS, Plan, check_headroom, choose_stage, quantity
-from hybrid.units import human_bytes
-from hybrid.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
+from hybrid.plan.memory import activation_bytes, gpt_activation_bytes, parse_count
+from hybrid.models.gpt.config import GPTConfig, shape_violation
+from hybrid.plan.planner import MAX_GPUS, Plan, check_headroom, choose_stage, quantity
+from hybrid.config.units import human_bytes
+from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
 from launch.spec import MAX_GPU_MEMORY_GB, MAX_GPUS_PER_NODE
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
@@ -215,7 +215,7 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
     else:
         click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind, gpus_per_node))
         if prediction is not None:
-            from launch.memory_view import prediction_lines
+            from launch.job.memory_view import prediction_lines
 
             note = _other_model_note(params, gpt_params)
             if note is not None:
@@ -227,7 +227,7 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
 
 def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
     """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
-    is ``gpt_activation_bytes`` with the arguments ``launch.plan.build_plan`` gives it for the built-in GPT
+    is ``gpt_activation_bytes`` with the arguments ``launch.planning.plan.build_plan`` gives it for the built-in GPT
     of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
     s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
     if kind == "gpt":
@@ -237,10 +237,10 @@ def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: 
 
 
 def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> tuple:
-    """``(parameter count, {stage: hybrid.memory.predict_memory})`` for the built-in GPT of this shape with these
+    """``(parameter count, {stage: hybrid.plan.memory.predict_memory})`` for the built-in GPT of this shape with these
     activation bytes (``_activations``' "gpt" figure), on GPUs (the default runtime reserve included)."""
-    from hybrid.memory import DEFAULT_RUNTIME_RESERVE_GB, model_units, predict_memory
-    from hybrid.models.gpt import GPT
+    from hybrid.plan.memory import DEFAULT_RUNTIME_RESERVE_GB, model_units, predict_memory
+    from hybrid.models.gpt.model import GPT
 
     config = GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
                        n_heads=shape["heads"])
@@ -255,7 +255,7 @@ def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, a
 def _other_model_note(params: int, gpt_params: int) -> str | None:
     """When ``--params`` (the seed tables' Ψ) is not the built-in GPT's count to ``PARAMS_TOLERANCE``: a note that
     the two tables describe two models (``--params 7B`` for a 6.7B shape is a label; ``1B`` for it, a mistake)."""
-    from launch.model_size import PARAMS_TOLERANCE
+    from launch.planning.model_size import PARAMS_TOLERANCE
 
     if abs(Fraction(params - gpt_params, gpt_params)) <= PARAMS_TOLERANCE:
         return None

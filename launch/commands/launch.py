@@ -19,8 +19,8 @@ from typing import Optional
 import click
 
 from hybrid.errors import UserError, first_line
-from launch.cli import EXIT_FAILED
-from launch.log_forwarding import no_dedup
+from launch.exit_codes import EXIT_FAILED
+from launch.job.log_forwarding import no_dedup
 from launch.spec import load_spec
 
 
@@ -57,7 +57,7 @@ def launch_command(cluster_file: str, steps: Optional[int], stage: Optional[int]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = load_spec(cluster_file).with_overrides(steps=steps, stage=stage)
     require_ray()
-    from launch.job import JobFailed, launch  # imports Ray: only for this command
+    from launch.job.driver import JobFailed, launch  # imports Ray: only for this command
 
     try:
         launch(spec)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from hybrid.monitor import probe
+from hybrid.plan.monitor import probe
 
 
 def _gb(value: int) -> str:

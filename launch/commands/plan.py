@@ -4,11 +4,11 @@ checkpointing, optimizer offload with its host bytes) and the chosen ZeRO stage 
 
 Plans from the declared facts of the cluster file alone (``cluster.gpu_memory_gb``); it never starts or
 contacts Ray, so it runs anywhere, and the output says so. Below the planner's table it shows the complete
-per-rank prediction of every stage (``launch.memory_view.prediction_lines``: model states, buckets and
+per-rank prediction of every stage (``launch.job.memory_view.prediction_lines``: model states, buckets and
 gathered units in flight, optimizer step copies, activations, runtime reserve). ``--measured RUN_DIR``
 re-plans from what a finished or failed run measured (its ``memory.json``): the measured peak beyond that
-run's prediction is added to every candidate (``launch.replan.from_measured``). ``--json`` prints one JSON
-object (``launch.plan.plan_dict`` with ``prediction`` and, with ``--measured``, ``measured``).
+run's prediction is added to every candidate (``launch.planning.replan.from_measured``). ``--json`` prints one JSON
+object (``launch.planning.plan.plan_dict`` with ``prediction`` and, with ``--measured``, ``measured``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Optional
 
 import click
 
-from launch import replan
-from launch.memory_view import prediction_lines
-from launch.plan import build_plan, format_plan, human_bytes, plan_dict
+from launch.planning import replan
+from launch.job.memory_view import prediction_lines
+from launch.planning.plan import build_plan, format_plan, human_bytes, plan_dict
 from launch.spec import load_spec
 
 
@@ -58,7 +58,7 @@ def plan_command(cluster_file: str, as_json: bool, run_dir: Optional[str]) -> No
 
 
 def _measured(plan, run_dir: str) -> dict:
-    from launch.memory_loop import load
+    from launch.planning.memory_loop import load
 
     from hybrid.errors import PlanError
 

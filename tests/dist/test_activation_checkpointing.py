@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import hybrid
-from hybrid.config import TrainConfig
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
+from hybrid.config.training import TrainConfig
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow

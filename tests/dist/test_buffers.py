@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hybrid
-from hybrid.local_launch import run_local
+from hybrid.runtime.local_launch import run_local
 
 pytestmark = pytest.mark.slow
 

@@ -38,10 +38,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import hybrid
 from hybrid import checkpoint
-from hybrid.config import TrainConfig
+from hybrid.config.training import TrainConfig
 from hybrid.errors import CheckpointError, UsageError
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -580,11 +580,11 @@ def _damage_plan(pristine: Path, root: Path) -> dict:
 
 def _damaged_world(cfg_dict: dict, root: str) -> dict:
     """Stage 1, DP 2: train 4 steps, checkpoint steps 2 and 4. Rank 0 damages copies of the run; then at
-    stage 3 (another seed) every copy is resumed, one with no good checkpoint through hybrid.train.resume,
+    stage 3 (another seed) every copy is resumed, one with no good checkpoint through hybrid.runtime.train.resume,
     a damaged checkpoint is loaded explicitly, and a run is resumed with rank 1's directory listing stale,
     one whose newest checkpoint directory was renamed, and one whose format-2 data does not decode."""
     from hybrid.checkpoint import layout
-    from hybrid.train import Context, JobSettings, resume
+    from hybrid.runtime.train import Context, JobSettings, resume
 
     cfg, root = GPTConfig.from_dict(cfg_dict), Path(root)
     pristine, none_good, stale = root / "pristine", root / "none-good", root / "stale"
@@ -690,7 +690,7 @@ def _locked_and_full_world(cfg_dict: dict, root: str) -> dict:
 
     from hybrid.checkpoint import layout, lock
     from hybrid.errors import CheckpointWriteError
-    from hybrid.train import Context, JobSettings, run_steps
+    from hybrid.runtime.train import Context, JobSettings, run_steps
 
     cfg, root = GPTConfig.from_dict(cfg_dict), Path(root)
     mesh, engine = _engine(cfg, 1, 2, 1)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid.comm import Comm
-from hybrid.local_launch import run_local
+from hybrid.comm.collectives import Comm
+from hybrid.runtime.local_launch import run_local
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_group_of_one_moves_nothing():
 
 
 def _exchange_in_slices():
-    import hybrid.comm as comm_module
+    import hybrid.comm.collectives as comm_module
 
     comm_module.EXCHANGE_NUMEL = 3  # 7 elements per rank: slices of 3, 3 and 1, two in flight
     comm = Comm(name="world")
@@ -89,7 +89,7 @@ def test_pairwise_reduce_scatter_in_slices(world):
 
 
 def _exchange_all_reduce():
-    import hybrid.comm as comm_module
+    import hybrid.comm.collectives as comm_module
 
     comm_module.EXCHANGE_NUMEL, comm_module.EXCHANGE_MIN_NUMEL = 2, 4  # several slices, uneven parts
     comm = Comm(name="world")

@@ -1,5 +1,5 @@
 """A Hugging Face model (keyword arguments in, a ``ModelOutput`` with ``.loss`` out) trained through
-``engine(...)`` and ``hybrid.train.run_steps`` at ZeRO stages 0 and 3 on 2 real gloo ranks.
+``engine(...)`` and ``hybrid.runtime.train.run_steps`` at ZeRO stages 0 and 3 on 2 real gloo ranks.
 
 ``GPT2LMHeadModel`` is built from a small ``GPT2Config`` (no download; ``transformers`` is a test extra):
 its blocks sit in a ``ModuleList`` and its head is tied to the token embedding. ``batches(step)`` returns a
@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import hybrid
-from hybrid.config import TrainConfig
+from hybrid.config.training import TrainConfig
 from hybrid.zero.param_groups import torch_param_groups
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
-from hybrid.train import Context, JobSettings, run_steps
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
+from hybrid.runtime.train import Context, JobSettings, run_steps
 from tests.dist.zero_models import BETAS, CLIP, LR, WEIGHT_DECAY, batch, config, rank_rows
 
 transformers = pytest.importorskip("transformers")

@@ -2,8 +2,8 @@
 
 The built-in GPT at 52.6M parameters (vocab 8192, hidden 512, 14 layers, seq 128, micro-batch 4), DP 2,
 stages 0-3, fp32 and bf16: each rank makes a ``MemoryMeter`` before building the model on meta (as
-``hybrid.train.Context`` does), trains one step, and its measured peak RSS growth is within 15 % of
-``hybrid.memory.predict_memory(...).total`` (the engine's real layout, gloo's reduce-scatter copies, the
+``hybrid.runtime.train.Context`` does), trains one step, and its measured peak RSS growth is within 15 % of
+``hybrid.plan.memory.predict_memory(...).total`` (the engine's real layout, gloo's reduce-scatter copies, the
 GPT's activations, the CPU runtime reserve). Each case runs in fresh processes (RSS is per process).
 With and without activation checkpointing: each stage with both precisions and both, each precision with
 both (8 cases); stage 2 on DP 3 and stage 3 on DP 4.
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import hybrid
-from hybrid.config import TrainConfig, ZeroConfig
-from hybrid.cpu_bf16 import SLOW_FACTOR, bf16_matmul_slowdown
-from hybrid.local_launch import run_local
-from hybrid.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, gpt_activation_bytes, model_units, predict_memory
-from hybrid.memory_budget import MemoryMeter
-from hybrid.models.gpt import GPT, GPTConfig
+from hybrid.config.training import TrainConfig, ZeroConfig
+from hybrid.plan.cpu_bf16 import SLOW_FACTOR, bf16_matmul_slowdown
+from hybrid.runtime.local_launch import run_local
+from hybrid.plan.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, gpt_activation_bytes, model_units, predict_memory
+from hybrid.plan.budget import MemoryMeter
+from hybrid.models.gpt.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 

@@ -23,9 +23,9 @@ from torch import nn
 import hybrid
 from hybrid import checkpoint
 from hybrid.checkpoint.offline import consolidate
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
-from hybrid.models.gpt import GPT, GPTConfig
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
+from hybrid.models.gpt.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +158,7 @@ def test_construction_peak_is_the_states_plus_one_unit(kind, stage, world, tmp_p
 
 def _partly_off_meta(stage: int):
     """A model built on meta except one module built off it (as the README allows for a module without
-    reset_parameters), with every rank's generator seeded apart, as hybrid.train seeds DP ranks."""
+    reset_parameters), with every rank's generator seeded apart, as hybrid.runtime.train seeds DP ranks."""
     torch.manual_seed(dist.get_rank())
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(6, 8), nn.GELU())

@@ -14,10 +14,10 @@ import torch
 
 import hybrid
 from hybrid.errors import NonFiniteError
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
-from hybrid.param_attrs import is_tensor_parallel
+from hybrid.weights.attrs import is_tensor_parallel
 from hybrid.zero.clip import NonFiniteGuard
 from tests.dist.zero_models import ACCUM, ParityNet, batch, config, rank_rows, uses_aux
 
@@ -141,7 +141,7 @@ def test_the_guard_counts_consecutive_non_finite_norms():
 
 
 def test_max_nonfinite_skips_is_a_checked_config_field():
-    from hybrid.config import TrainConfig
+    from hybrid.config.training import TrainConfig
     from hybrid.errors import ConfigError
 
     assert TrainConfig().max_nonfinite_skips == 5

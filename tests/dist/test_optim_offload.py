@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid import checkpoint
-from hybrid.local_launch import run_local
+from hybrid.runtime.local_launch import run_local
 from tests.dist.zero_models import ACCUM, STEPS, ParityNet, batch, config, rank_rows, reference, uses_aux
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Real multi-process runs of hybrid.shm_collectives through hybrid.comm: results against gloo's own
+"""Real multi-process runs of hybrid.comm.shm through hybrid.comm: results against gloo's own
 collectives, slicing, fallback agreement, a peer that exits, and nothing left in /dev/shm."""
 
 import os
@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid.local_launch import LocalRunError, run_local
+from hybrid.runtime.local_launch import LocalRunError, run_local
 
 pytestmark = pytest.mark.slow
 
 
 def _small_slices():
-    import hybrid.comm as comm_module
-    import hybrid.shm_collectives as shm
+    import hybrid.comm.collectives as comm_module
+    import hybrid.comm.shm as shm
 
     shm.SLICE_BYTES = 64  # 16 fp32 / 32 bf16 elements per slice: many slices, a short last one
     comm_module.SHM_MIN_BYTES = 0
@@ -22,7 +22,7 @@ def _small_slices():
 
 def _against_gloo():
     _small_slices()
-    from hybrid.comm import Comm
+    from hybrid.comm.collectives import Comm
 
     comm = Comm(name="world")
     r, n = comm.rank, comm.size
@@ -70,7 +70,7 @@ def _close(got, expected, dtype):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shared_memory_collectives_match_gloo(world):
-    import hybrid.shm_collectives as shm
+    import hybrid.comm.shm as shm
 
     before = _our_files()
     for results, connected, report, kept in run_local(_against_gloo, world):
@@ -89,7 +89,7 @@ def _our_files():
 
 def _one_rank_opts_out(opt_out_rank):
     _small_slices()
-    from hybrid.comm import Comm
+    from hybrid.comm.collectives import Comm
 
     if dist.get_rank() == opt_out_rank:
         os.environ["HYBRID_SHM_COLLECTIVES"] = "0"
@@ -106,8 +106,8 @@ def test_one_rank_without_shared_memory_makes_the_group_fall_back():
 
 def _other_host(other_rank):
     _small_slices()
-    import hybrid.shm_collectives as shm
-    from hybrid.comm import Comm
+    import hybrid.comm.shm as shm
+    from hybrid.comm.collectives import Comm
 
     if dist.get_rank() == other_rank:
         shm._host_key = lambda: "another machine"
@@ -124,7 +124,7 @@ def test_ranks_on_different_hosts_use_gloo():
 
 def _peer_exits():
     _small_slices()
-    from hybrid.comm import Comm
+    from hybrid.comm.collectives import Comm
 
     comm = Comm(name="world")
     x = torch.ones(1000)
@@ -142,7 +142,7 @@ def test_a_peer_that_exits_is_an_error_not_a_hang():
 
 def _mismatched_sizes():
     _small_slices()
-    from hybrid.comm import Comm
+    from hybrid.comm.collectives import Comm
 
     comm = Comm(name="world")
     comm.all_reduce(torch.ones(8))  # connected
@@ -159,7 +159,7 @@ def test_ranks_issuing_different_collectives_are_an_error():
 
 def _fork_and_exit():
     _small_slices()
-    from hybrid.comm import Comm
+    from hybrid.comm.collectives import Comm
 
     comm = Comm(name="world")
     x = torch.ones(1000)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hybrid.errors import ConfigError
-from hybrid.param_attrs import tensor_parallel_dim
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
+from hybrid.weights.attrs import tensor_parallel_dim
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
 from hybrid.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_tp_state_dict,
                        tp_slice, vocab_parallel_cross_entropy)
@@ -242,7 +242,7 @@ def _mesh_warnings(ranks_per_node):
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("hybrid.mesh").addHandler(handler)
+    logging.getLogger("hybrid.comm.mesh").addHandler(handler)
     build_mesh(tp=2)
     return seen
 

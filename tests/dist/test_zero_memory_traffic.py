@@ -3,7 +3,7 @@
 ``WideNet`` (Ψ ≈ 1.7M parameters, no unit needs padding) is stepped twice per case; the second step's
 DP traffic and the memory held afterwards are checked:
 
-* memory_report() params/grads/optimizer equal the seed's formula for the stage (``hybrid.memory``), its
+* memory_report() params/grads/optimizer equal the seed's formula for the stage (``hybrid.plan.memory``), its
   scratch is the bf16 gradients' bounded fp32 staging buffer (none in fp32), and the storages of every live
   tensor in the process (walking ``gc``) agree with memory_report() within 2%;
 * traffic per step: stage 0 all-reduces 2Ψ; stages 1 and 2 move Ψ + Ψ (equal to stage 0 within 1%);
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import hybrid
-from hybrid.local_launch import run_local
-from hybrid.memory import model_state_bytes
-from hybrid.comm import SHM_MIN_BYTES, exchange_numel
-from hybrid.shm_collectives import region_bytes
+from hybrid.runtime.local_launch import run_local
+from hybrid.plan.memory import model_state_bytes
+from hybrid.comm.collectives import SHM_MIN_BYTES, exchange_numel
+from hybrid.comm.shm import region_bytes
 from hybrid.zero.buckets import kept_bucket_numel
 from hybrid.zero.optimizer import CONVERT_NUMEL
 from tests.dist.zero_models import WideNet, batch, rank_rows

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid
-from hybrid.local_launch import run_local
+from hybrid.runtime.local_launch import run_local
 from tests.dist.zero_models import (ACCUM, BETAS, CLIP, EPS, LR, STEPS, WEIGHT_DECAY, ParityNet, batch, config,
                                     rank_rows, reference, train_engine)
 

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid.config import OptimizerConfig
+from hybrid.config.training import OptimizerConfig
 from hybrid.zero.param_groups import torch_param_groups  # the engine's default groups
 
 import hybrid
-from hybrid.config import TrainConfig
-from hybrid.local_launch import run_local
-from hybrid.mesh import build_mesh
+from hybrid.config.training import TrainConfig
+from hybrid.runtime.local_launch import run_local
+from hybrid.comm.mesh import build_mesh
 from hybrid.models import GPT, GPTConfig
-from hybrid.param_attrs import is_tensor_parallel
+from hybrid.weights.attrs import is_tensor_parallel
 
 pytestmark = pytest.mark.slow
 

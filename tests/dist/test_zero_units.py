@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid.errors import UserError
-from hybrid.local_launch import LocalRunError, run_local
+from hybrid.runtime.local_launch import LocalRunError, run_local
 from tests.dist.own_models import AuxLossNet, CheckpointedNet, EncoderNet, FunctionalNet, SequentialNet, plain_forward
 from tests.dist.zero_models import ACCUM, config, reference, train_engine
 

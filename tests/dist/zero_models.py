@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.config import TrainConfig
-from hybrid.schedule import lr_at
+from hybrid.config.training import TrainConfig
+from hybrid.config.schedule import lr_at
 from hybrid.zero.param_groups import torch_param_groups
 
 VOCAB, DIM, HIDDEN = 37, 22, 45

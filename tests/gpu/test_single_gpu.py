@@ -63,7 +63,7 @@ def test_checkpoint_resume_on_the_gpu_continues_the_run_exactly(single):
 
 
 def test_nvml_probe_and_hybrid_monitor_see_the_gpu():
-    from hybrid.monitor import probe
+    from hybrid.plan.monitor import probe
 
     result = probe()
     assert result.available, result.reason

@@ -5,18 +5,18 @@
 
 Each rank takes torchrun's variables, uses ``cuda:LOCAL_RANK`` (cpu where CUDA is absent, so the same code
 path can be exercised on a CPU machine with ``--init-method file://...``), joins the default group through
-``hybrid.mesh.init_default_group`` and runs the cases; rank 0 writes one JSON object to OUT.json with the
+``hybrid.comm.mesh.init_default_group`` and runs the cases; rank 0 writes one JSON object to OUT.json with the
 measured errors and bytes, which the tests compare against ``TOLERANCE`` and the memory model.
 
 * ``parity``: for every mesh ``TPxDP`` given and ZeRO stages 0–3, fp32 and bf16: the built-in GPT (gpt-tiny)
   trained ``STEPS`` steps by the engine against single-process ``torch.optim.AdamW`` on the same device,
   same seed and batches; relative errors of the losses (and, fp32, of the consolidated weights).
 * ``memory``: a ~100M GPT at stage 0, bf16, one rank: ``torch.cuda.max_memory_allocated`` over three steps
-  against ``hybrid.memory``'s model-state bytes and activation estimate, and what the engine reports.
+  against ``hybrid.plan.memory``'s model-state bytes and activation estimate, and what the engine reports.
 * ``levers``: optimizer offload to pinned host memory (stages 2 and 3, fp32 and bf16), activation
   checkpointing at stage 3, and offload ``device: none`` with ``pin_memory``: the same errors as ``parity``.
 * ``checkpoint``: stage 3, fp32: a run of 6 steps saving every 3, against a run of 3 steps resumed for 3
-  more from its checkpoint by a fresh engine (``hybrid.train.run_steps``): same losses and weights.
+  more from its checkpoint by a fresh engine (``hybrid.runtime.train.run_steps``): same losses and weights.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from hybrid.config import OptimizerConfig
+from hybrid.config.training import OptimizerConfig
 from hybrid.zero.param_groups import torch_param_groups  # the engine's default groups
 import torch.distributed as dist
 
 import hybrid
-from hybrid.config import TrainConfig
-from hybrid.mesh import build_mesh, init_default_group
-from hybrid.models.gpt import GPT, GPTConfig, count_parameters
-from hybrid.train import Context, JobSettings, run_steps
+from hybrid.config.training import TrainConfig
+from hybrid.comm.mesh import build_mesh, init_default_group
+from hybrid.models.gpt.model import GPT, GPTConfig, count_parameters
+from hybrid.runtime.train import Context, JobSettings, run_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "gpt-tiny.yaml"
@@ -162,7 +162,7 @@ def levers(device, _meshes, _args) -> dict:
 
 def memory(device, _meshes, _args) -> dict:
     """Peak CUDA bytes of three stage-0 bf16 steps of a ~100M GPT against the memory model."""
-    from hybrid.memory import activation_bytes, model_state_bytes
+    from hybrid.plan.memory import activation_bytes, model_state_bytes
 
     if device.type != "cuda":
         return {"skipped": "no CUDA device"}

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from launch import ray_cluster
+from launch.ray import cluster as ray_cluster
 from tests.launch.netcheck import LoopbackAudit, NetWatch, session_processes
 
 NODES, RANKS_PER_NODE = 2, 2

@@ -9,7 +9,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from hybrid.models.gpt import train
+from hybrid.models.gpt.training import train
 
 
 def where(ctx):
@@ -87,7 +87,7 @@ def sleep_past_timeout_on_rank_1(ctx, numel: int = 1):
 
 def sleep_past_timeout_on_rank_1_shm(ctx):
     """The same with 1 MiB all-reduces, which go through shared memory between the ranks of one host."""
-    from hybrid.comm import SHM_MIN_BYTES
+    from hybrid.comm.collectives import SHM_MIN_BYTES
 
     return sleep_past_timeout_on_rank_1(ctx, SHM_MIN_BYTES // 4)
 

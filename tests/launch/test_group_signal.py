@@ -6,7 +6,7 @@ cluster left, its temp dir gone and its logs kept in the run dir. Before, a grou
 the raylets along with the launcher, whose teardown then waited on the dead GCS until Ray aborted it after
 60 s (exit 1, nothing cleaned up). A kill of every process of the job at once (systemd's control-group kill,
 Slurm's scancel) does reach the cluster: its GCS stops answering, and the teardown goes on without the calls
-that need it (``launch.ray_cluster.within``) instead of waiting for Ray's 60 s abort.
+that need it (``launch.ray.cluster.within``) instead of waiting for Ray's 60 s abort.
 """
 
 import contextlib
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import signals
-from launch.embedded_processes import marked_pids
+from launch.job import signals
+from launch.ray.embedded_processes import marked_pids
 from tests.launch.test_launch_cli import HYBRID, ROOT, _marked_dir, wait_gone
 
 GROUP_STOP_WITHIN_S = 30  # the teardown takes a few seconds; the bug took Ray's 60 s GCS reconnect timeout
@@ -111,7 +111,7 @@ def test_a_signal_to_the_launchers_process_group_stops_everything_and_exits_130(
 @pytest.mark.timeout(300)
 def test_a_sigkill_of_the_launcher_leaves_no_process_or_temp_dir_behind(tmp_path):
     """SIGKILL (the OOM killer, ``kill -9``) gives the launcher no teardown: its GCS and raylets die with it,
-    their agents did not, and the temp dir stayed. The watchdog (``launch.reaper``) does the teardown."""
+    their agents did not, and the temp dir stayed. The watchdog (``launch.ray.reaper``) does the teardown."""
     proc = _start_in_own_session(_cluster_file(tmp_path))
     lines, marked, left = [], None, None
     try:

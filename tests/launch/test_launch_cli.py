@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.embedded_processes import marked_pids
-from launch.ray_cluster import EMBEDDED_PREFIX
+from launch.ray.embedded_processes import marked_pids
+from launch.ray.cluster import EMBEDDED_PREFIX
 from tests.launch.netcheck import STRACE_CALLS, NetWatch, descendants, session_processes, strace_peers
 
 pytestmark = pytest.mark.slow

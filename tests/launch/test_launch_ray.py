@@ -29,12 +29,12 @@ import torch
 
 from hybrid import checkpoint
 from hybrid.data.prepare import prepare
-from hybrid.memory import GB
-from hybrid.planner import choose_stage
-from launch import ray_cluster
-from launch.job import JobFailed, plan_and_run
-from launch.metrics import METRICS_FILE
-from launch.plan import build_plan
+from hybrid.plan.memory import GB
+from hybrid.plan.planner import choose_stage
+from launch.ray import cluster as ray_cluster
+from launch.job.driver import JobFailed, plan_and_run
+from launch.job.metrics import METRICS_FILE
+from launch.planning.plan import build_plan
 from launch.spec import parse_spec
 from tests.launch.netcheck import LoopbackAudit, NetWatch, descendants, is_loopback, peers, socket_inodes
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import TrainConfig
+from hybrid.config.training import TrainConfig
 from hybrid.errors import ConfigError
-from launch.job import plan_and_run
-from launch.plan import build_plan
+from launch.job.driver import plan_and_run
+from launch.planning.plan import build_plan
 from launch.spec import load_spec, parse_spec
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from hybrid.checkpoint import layout
-from launch.job import JobFailed, plan_and_run
-from launch.memory_loop import load
+from launch.job.driver import JobFailed, plan_and_run
+from launch.planning.memory_loop import load
 from launch.spec import parse_spec
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ import torch
 
 import hybrid
 from hybrid.errors import ConfigError
-from launch.display import Progress
-from launch.metrics import METRICS_FILE, MetricsWriter, lines_before, read_metrics, step_entry, summary_lines
-from launch.runtime_env import localize, rank_env, runtime_env, working_dir_excludes
-from hybrid.train import Context, JobSettings, run_steps
+from launch.job.display import Progress
+from launch.job.metrics import METRICS_FILE, MetricsWriter, lines_before, read_metrics, step_entry, summary_lines
+from launch.ray.runtime_env import localize, rank_env, runtime_env, working_dir_excludes
+from hybrid.runtime.train import Context, JobSettings, run_steps
 from launch.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_a_regression_model_is_never_shown_in_tokens():
 
 
 def test_an_entrypoints_own_report_reaches_metrics_as_plain_finite_json(tmp_path):
-    from hybrid.train import TrainError
+    from hybrid.runtime.train import TrainError
 
     got = []
     ctx = Context(None, {}, JobSettings(steps=2, micro_batch=2, stage=1), rank=0, world_size=1, reporter=got.append)
@@ -210,7 +210,7 @@ def test_a_return_value_that_cannot_reach_the_driver_is_dropped_with_a_warning(c
     """Training was done by then: failing the job over it (and retrying it under max_failures) helped nobody."""
     import threading
 
-    from launch.workers import _sendable
+    from launch.ray.workers import _sendable
 
     assert _sendable({"loss": 1.5}, "mine:train", 0) == {"loss": 1.5}
     assert _sendable({"lock": threading.Lock()}, "mine:train", 1) is None

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybrid.validate import QUOTE_LIMIT
+from hybrid.config.validate import QUOTE_LIMIT
 from launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,9 +115,9 @@ FILES = {
     "entrypoint two colons": (dump(edit("job", "entrypoint", "a:b:c")), "job.entrypoint"),
     "entrypoint module missing": (dump(edit("job", "entrypoint", "no_such_pkg.mod:train")), "job.entrypoint"),
     "entrypoint function missing": (dump(edit("job", "entrypoint", "hybrid.models.gpt:nope")), "job.entrypoint"),
-    "entrypoint wrong signature": (dump(edit("job", "entrypoint", "hybrid.validate:join")), "job.entrypoint"),
+    "entrypoint wrong signature": (dump(edit("job", "entrypoint", "hybrid.config.validate:join")), "job.entrypoint"),
     "entrypoint no arguments": (dump(edit("job", "entrypoint", "os:getcwd")), "job.entrypoint"),
-    "entrypoint not callable": (dump(edit("job", "entrypoint", "hybrid.validate:PRECISIONS")), "job.entrypoint"),
+    "entrypoint not callable": (dump(edit("job", "entrypoint", "hybrid.config.validate:PRECISIONS")), "job.entrypoint"),
     "entrypoint a number": (dump(edit("job", "entrypoint", 123)), "job.entrypoint"),
     "config missing": (dump(edit("job", "config", DROP)), "job.config"),
     "config absent file": (dump(edit("job", "config", "nothere.yaml")), "job.config"),

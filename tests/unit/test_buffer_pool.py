@@ -2,7 +2,7 @@
 
 import torch
 
-from hybrid.buffer_pool import BufferPool
+from hybrid.comm.buffer_pool import BufferPool
 
 
 def test_a_given_back_buffer_is_handed_out_again_for_the_same_shape_only():

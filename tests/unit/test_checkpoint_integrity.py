@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid.checkpoint import agreement, integrity, layout
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError
 from launch.cli import main
 from tests.unit import test_checkpoint_offline as offline

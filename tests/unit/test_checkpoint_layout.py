@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybrid.checkpoint import agreement, describe, integrity, layout, lock, offline, sharded
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError, ConfigError
 from launch.cli import main
 from tests.unit.test_checkpoint_integrity import _refused

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from hybrid.checkpoint import consolidate, describe, integrity, latest, layout, manifest
 from hybrid.checkpoint.agreement import record_checksums
 from hybrid.checkpoint.flat_planner import FlatSavePlanner
-from hybrid.comm import Comm
+from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError, UsageError
 from launch.cli import main
 

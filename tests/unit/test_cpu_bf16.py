@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hybrid
-from hybrid import cpu_bf16
+from hybrid.plan import cpu_bf16
 from tests.dist.zero_models import ParityNet, config
 
 

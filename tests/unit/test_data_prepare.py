@@ -12,9 +12,9 @@ from hybrid.data import TokenFile, metadata_path
 from hybrid.data.prepare import ByteTokenizer, JsonTokenizer, prepare
 from hybrid.data.tokens import unigram_entropy
 from hybrid.errors import ConfigError, DataError
-from hybrid.models.gpt_config import GPTConfig
-from hybrid.models.gpt_train import data_path, data_source
-from hybrid.train import Context, JobSettings
+from hybrid.models.gpt.config import GPTConfig
+from hybrid.models.gpt.training import data_path, data_source
+from hybrid.runtime.train import Context, JobSettings
 from launch.cli import main
 
 TEXT = "The quick brown fox jumps over the lazy dog.\n" * 20
@@ -216,7 +216,7 @@ def test_data_outside_the_shipped_working_dir_is_read_where_the_driver_sees_it(t
     """Under Ray a rank reads a copy of job.working_dir; data: resolves against the user's model config, maps
     into the copy when it lies inside the working dir, and is read at the driver's path otherwise (or when a
     .gitignore left it out of the copy); every error names the user's path."""
-    from launch.runtime_env import localize_shipped
+    from launch.ray.runtime_env import localize_shipped
 
     work, copy, text = tmp_path / "work", tmp_path / "copy", tmp_path / "t.txt"
     text.write_text(TEXT)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.planner import ROW_STAGE1
+from hybrid.plan.planner import ROW_STAGE1
 from launch.cli import main
 
 HYBRID = str(Path(sys.executable).with_name("hybrid"))
@@ -137,8 +137,8 @@ def test_a_vocabulary_tp_cannot_split_is_refused_naming_the_options(capsys):
 def _plan_of_13b_on_dgx(memory_gb):
     """``hybrid plan`` of clusters/dgx-h100-8x8.yaml (the built-in 13B GPT, 8 nodes × 8 GPUs, TP 8) with
     cluster.gpu_memory_gb set to ``memory_gb``."""
-    from hybrid.yamlfile import load_yaml
-    from launch.plan import build_plan
+    from hybrid.config.yamlfile import load_yaml
+    from launch.planning.plan import build_plan
     from launch.spec import parse_spec
 
     path = Path(__file__).resolve().parents[2] / "clusters" / "dgx-h100-8x8.yaml"
@@ -204,7 +204,7 @@ def test_the_estimate_reaches_for_activation_checkpointing_before_offload(capsys
 
 @pytest.mark.parametrize("params", ["1e18", "1e15"])
 def test_no_suggested_gpu_count_is_beyond_what_estimate_accepts(capsys, params):
-    from hybrid.planner import MAX_GPUS
+    from hybrid.plan.planner import MAX_GPUS
 
     code, out, err = run(capsys, "estimate", "--params", params, "--gpus", "8", "--gpu-memory", "0.5")
     assert code == 2 and out == "" and err.count("\n") == 1
@@ -231,7 +231,7 @@ def test_activations_too_large_name_their_own_fixes_not_the_gpu_count(capsys):
     ("1,300.5M", 1_300_500_000), ("+1,000", 1000), ("13B", 13 * 10**9), (" 2.5 B ", 2_500_000_000),
 ])
 def test_thousands_groups_are_accepted(text, count):
-    from hybrid.memory import parse_count
+    from hybrid.plan.memory import parse_count
 
     assert parse_count(text) == count
 
@@ -243,10 +243,10 @@ def test_thousands_groups_are_accepted(text, count):
 ])
 def test_other_separators_are_refused_in_one_sentence(text, fix):
     from hybrid.errors import ConfigError
-    from hybrid.memory import parse_count
+    from hybrid.plan.memory import parse_count
 
     with pytest.raises(ConfigError) as err:
-        parse_count(text, field="params in m.yaml")  # a model config's params: (launch.model_size)
+        parse_count(text, field="params in m.yaml")  # a model config's params: (launch.planning.model_size)
     message = str(err.value)
     assert message.startswith(f"params in m.yaml must be a count, got {text!r}: a comma or underscore may only "
                               "separate groups of three digits (1,500,000 or 1_500_000); ") and message.endswith(".")

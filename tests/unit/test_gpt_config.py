@@ -119,7 +119,7 @@ def test_logits_and_loss_agree_with_torch_cross_entropy():
 
 
 def test_zero_offload_in_the_model_config_points_at_the_cluster_files_lever():
-    from hybrid.models.gpt_train import zero_options
+    from hybrid.models.gpt.training import zero_options
 
     with pytest.raises(ConfigError, match=r"^zero.offload_optimizer in the model config is not read: .* the "
                                           r"cluster file's parallel.offload"):
@@ -128,10 +128,10 @@ def test_zero_offload_in_the_model_config_points_at_the_cluster_files_lever():
 
 
 def test_train_options_are_checked_with_the_shared_vocabulary():
-    from hybrid.models.gpt_train import TRAIN_DEFAULTS, train_options
+    from hybrid.models.gpt.training import TRAIN_DEFAULTS, train_options
 
     assert train_options(None) == TRAIN_DEFAULTS
-    from hybrid.models.gpt_train import training_config
+    from hybrid.models.gpt.training import training_config
 
     sgd = training_config(train_options({"lr": 0.1, "optimizer": {"type": "SGD", "params": {"momentum": 0.9}},
                                          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}),

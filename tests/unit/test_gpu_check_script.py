@@ -24,8 +24,8 @@ def test_peak_lookup_by_device_name_and_model_flops_per_token():
 
 
 def test_nothing_the_gpu_machine_runs_imports_ray():
-    code = ("import sys, hybrid, hybrid.models.gpt, hybrid.train, hybrid.mesh, hybrid.local_launch, "
-            "hybrid.monitor, bench.gpu_bench, tests.gpu.worker, tests.gpu.torchrun, launch.cli; "
+    code = ("import sys, hybrid, hybrid.models.gpt, hybrid.runtime.train, hybrid.comm.mesh, hybrid.runtime.local_launch, "
+            "hybrid.plan.monitor, bench.gpu_bench, tests.gpu.worker, tests.gpu.torchrun, launch.cli; "
             "launch.cli._register(); print('ray' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid import mesh as mesh_module
+from hybrid.comm import mesh as mesh_module
 from hybrid.errors import ConfigError
-from hybrid.local_launch import local_rank_env, rank_device
-from hybrid.mesh import placement_from_env, process_group_backend, tp_groups_across_nodes
-from launch.runtime_env import rank_env as _rank_env
+from hybrid.runtime.local_launch import local_rank_env, rank_device
+from hybrid.comm.mesh import placement_from_env, process_group_backend, tp_groups_across_nodes
+from launch.ray.runtime_env import rank_env as _rank_env
 from launch.spec import parse_spec
-from launch.workers import PlacementFailed, RankPlacement, assign_ranks, cuda_devices, rank_env
+from launch.ray.workers import PlacementFailed, RankPlacement, assign_ranks, cuda_devices, rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 

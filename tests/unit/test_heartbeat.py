@@ -1,4 +1,4 @@
-"""Naming the hung rank from the ranks' collective heartbeats: ``hybrid.heartbeat`` counting what a process
+"""Naming the hung rank from the ranks' collective heartbeats: ``hybrid.comm.heartbeat`` counting what a process
 enters, ``hung_rank`` picking the rank its peers waited for (and nobody when the heartbeats cannot tell),
 and the driver's ``attribute`` preferring a rank's own exception over any heartbeat."""
 
@@ -6,8 +6,8 @@ import threading
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from hybrid import heartbeat
-from launch.job import attribute, hung_cause
+from hybrid.comm import heartbeat
+from launch.job.driver import attribute, hung_cause
 
 
 def _beat(entered, last, step=0, inside=None):

@@ -7,8 +7,8 @@ import io
 from ray.exceptions import RayActorError, RayTaskError
 
 from hybrid.errors import ConfigError
-from launch.display import Progress
-from launch.job import (DIED, PEER, RAISED, Failure, cause_of, failure_order, latest_checkpoint_step,
+from launch.job.display import Progress
+from launch.job.driver import (DIED, PEER, RAISED, Failure, cause_of, failure_order, latest_checkpoint_step,
                         out_of_restarts, restart_line, root_cause)
 
 
@@ -170,7 +170,7 @@ def test_an_interrupt_keeps_the_reports_the_ranks_still_buffer(monkeypatch):
     metrics.jsonl) before the job ends, so no later run is missing them."""
     import pytest
 
-    import launch.job as job
+    import launch.job.driver as job
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt("signal 2")
@@ -186,7 +186,7 @@ def test_an_interrupt_keeps_the_reports_the_ranks_still_buffer(monkeypatch):
 
 def test_a_dropped_cluster_session_makes_no_ray_call_at_teardown(monkeypatch):
     """Ray Client lost: a Ray call would start a new driver that joins any cluster on the machine."""
-    import launch.workers as workers
+    import launch.ray.workers as workers
 
     calls = []
     monkeypatch.setattr(workers.ray, "is_initialized", lambda: False)
@@ -204,7 +204,7 @@ class _TwoArgError(Exception):
 
 
 def test_an_exception_the_driver_cannot_unpickle_is_sent_as_its_type_and_message():
-    from launch.workers import _round_trips
+    from launch.ray.workers import _round_trips
 
     assert _round_trips(ValueError("plain")) and _round_trips(ConfigError("a sentence"))
     assert not _round_trips(_TwoArgError("download", 3))
@@ -219,7 +219,7 @@ def test_a_teardown_call_is_waited_for_until_it_returns_times_out_or_the_gcs_is_
 
     import pytest
 
-    from launch import ray_cluster
+    from launch.ray import cluster as ray_cluster
 
     assert ray_cluster.within(lambda: None, timeout_s=5)
     with pytest.raises(ConnectionError):
@@ -243,7 +243,7 @@ def test_a_teardown_call_is_waited_for_until_it_returns_times_out_or_the_gcs_is_
 
 
 def test_with_the_embedded_gcs_gone_the_teardown_makes_no_ray_call(monkeypatch):
-    import launch.workers as workers
+    import launch.ray.workers as workers
 
     calls = []
     monkeypatch.setattr(workers, "gcs_lost", lambda: True)
@@ -265,10 +265,10 @@ def test_every_user_and_job_error_reaches_the_driver_whole_whatever_its_construc
     from pathlib import Path
 
     import hybrid.checkpoint.lock  # noqa: F401 -- defines CheckpointLocked
-    import hybrid.train  # noqa: F401 -- defines TrainError
+    import hybrid.runtime.train  # noqa: F401 -- defines TrainError
     from hybrid.checkpoint.integrity import UNREADABLE, CheckpointDamaged, CheckpointUnreadable, Problem
     from hybrid.errors import JobError, UserError, reworded
-    from launch.workers import _round_trips
+    from launch.ray.workers import _round_trips
 
     def every(cls):
         for sub in cls.__subclasses__():
@@ -294,7 +294,7 @@ def test_every_user_and_job_error_reaches_the_driver_whole_whatever_its_construc
 def test_a_steps_loss_comes_exact_from_any_one_ranks_job_loss():
     """A rank of run_steps reports the DP mean of the loss (``job_loss``): a step flushed at a restart with a
     dead rank's reports lost shows the job's loss, not the mean of the survivors' own losses."""
-    from launch.metrics import step_entry
+    from launch.job.metrics import step_entry
 
     records = {r: {**_step(3, r, loss), "dp_rank": r, "job_loss": 2.5} for r, loss in ((0, 2.0), (1, 3.0), (3, 2.0))}
     assert step_entry(3, records)["loss"] == 2.5 and step_entry(3, records)["ranks_reported"] == 3

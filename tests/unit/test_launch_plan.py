@@ -12,14 +12,14 @@ import torch
 
 from hybrid.data import MarkovTokens
 from hybrid.errors import ConfigError, PlanError
-from hybrid.memory import GB
-from hybrid.monitor import GpuInfo, NodeProbe
-from hybrid.planner import choose_stage
-from launch.display import Progress, model_state_bytes
-from launch.plan import build_plan, mesh_layout, plan_dict
-from launch.probe import NodeReport
+from hybrid.plan.memory import GB
+from hybrid.plan.monitor import GpuInfo, NodeProbe
+from hybrid.plan.planner import choose_stage
+from launch.job.display import Progress, model_state_bytes
+from launch.planning.plan import build_plan, mesh_layout, plan_dict
+from launch.ray.probe import NodeReport
 from launch.spec import load_spec, parse_spec
-from launch.workers import PlacementFailed, RankPlacement, assign_ranks
+from launch.ray.workers import PlacementFailed, RankPlacement, assign_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_mesh_layout_keeps_tp_groups_inside_a_node(nodes, gpus, tp):
     for group in layout.dp_groups:
         assert len(group) == layout.dp
     assert sorted(r for g in layout.dp_groups for r in g) == list(range(nodes * gpus))
-    # the same convention as hybrid.mesh: rank = dp_rank * tp + tp_rank
+    # the same convention as hybrid.comm.mesh: rank = dp_rank * tp + tp_rank
     assert layout.tp_groups == [[k * tp + j for j in range(tp)] for k in range(layout.dp)]
     assert layout.dp_groups == [[k * tp + j for k in range(layout.dp)] for j in range(tp)]
 
@@ -238,7 +238,7 @@ def test_shipped_local_demo_plans_offline():
 
 
 def test_context_tags_reports_and_the_loop_honours_should_stop():
-    from hybrid.train import Context, JobSettings, run_steps
+    from hybrid.runtime.train import Context, JobSettings, run_steps
 
     got = []
     ctx = Context(None, {}, JobSettings(steps=5, micro_batch=2, stage=1), rank=3, world_size=4,
@@ -253,8 +253,8 @@ def test_context_tags_reports_and_the_loop_honours_should_stop():
 def test_an_own_loop_that_leaves_ctx_step_alone_reports_step_after_step_with_its_own_numbers():
     """As the README shows an own loop: ``ctx.report({"loss": ...})`` each step, ``ctx.step`` never set. Every
     report was tagged step 0, which the driver drops as already done: no progress line, no metrics.jsonl."""
-    from hybrid.train import Context, JobSettings
-    from launch.metrics import step_entry
+    from hybrid.runtime.train import Context, JobSettings
+    from launch.job.metrics import step_entry
 
     got = []
     ctx = Context(None, {}, JobSettings(steps=5, micro_batch=2, stage=1), reporter=got.append)
@@ -322,7 +322,7 @@ def test_params_is_an_override_checked_against_the_measured_count(tmp_path):
     # the built-in GPT's count is measured too
     gpt = tmp_path / "gpt.yaml"
     gpt.write_text((ROOT / "configs" / "gpt-tiny.yaml").read_text() + "\nparams: 7B\n")
-    with pytest.raises(ConfigError, match="hybrid.models.gpt_train.build_model builds a model of 134,912"):
+    with pytest.raises(ConfigError, match="hybrid.models.gpt.training.build_model builds a model of 134,912"):
         build_plan(spec_for(config=str(gpt)))
 
 
@@ -333,8 +333,8 @@ def test_a_failing_or_wrong_build_model_hook_is_one_sentence(tmp_path):
 
 
 def test_host_memory_is_probed_per_node_and_shared_by_nodes_on_one_machine(tmp_path):
-    from launch.plan import host_memory
-    from launch.probe import parse_meminfo
+    from launch.planning.plan import host_memory
+    from launch.ray.probe import parse_meminfo
 
     assert parse_meminfo("MemTotal:  16000 kB\nMemFree: 100 kB\nMemAvailable:    8000 kB\n") == 8000 * 1024
     assert parse_meminfo("MemTotal:  16000 kB\n") == 16000 * 1024 and parse_meminfo("junk") is None
@@ -381,7 +381,7 @@ def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
 
 
 def test_settings_carry_the_plans_levers():
-    from launch.job import settings_for
+    from launch.job.driver import settings_for
 
     lp = build_plan(spec_for(memory=0.0019))
     settings = settings_for(lp)
@@ -389,9 +389,9 @@ def test_settings_carry_the_plans_levers():
 
 
 def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():
-    from hybrid.models.gpt_train import TRAIN_DEFAULTS, build_model, training_config, with_levers
-    from hybrid.models.gpt_config import GPTConfig
-    from hybrid.train import Context, JobSettings
+    from hybrid.models.gpt.training import TRAIN_DEFAULTS, build_model, training_config, with_levers
+    from hybrid.models.gpt.config import GPTConfig
+    from hybrid.runtime.train import Context, JobSettings
 
     def ctx(**levers):
         return Context(None, {}, JobSettings(steps=1, micro_batch=1, stage=3, precision="fp32", **levers))
@@ -413,7 +413,7 @@ def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_conf
 
 
 def test_kept_logs_move_the_previous_launchs_aside(tmp_path):
-    from launch.embedded_processes import keep_logs
+    from launch.ray.embedded_processes import keep_logs
 
     def session(name):
         logs = tmp_path / name / "ray" / "session_2026-12-02" / "logs"
@@ -446,7 +446,7 @@ def test_plan_json_is_one_object_even_when_the_model_module_prints(tmp_path, cap
 
 
 def test_launch_refuses_a_bad_model_config_before_any_ray_process_starts(tmp_path, monkeypatch, capsys):
-    from launch import ray_cluster
+    from launch.ray import cluster as ray_cluster
     from launch.cli import main
 
     def no_cluster(*a, **k):

@@ -12,7 +12,7 @@ from torch import nn
 
 import hybrid
 from hybrid.errors import CheckpointError, ConfigError
-from hybrid.models.gpt import GPT, GPTConfig
+from hybrid.models.gpt.model import GPT, GPTConfig
 from safetensors.torch import save_file
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, hidden=32, n_layers=2, n_heads=4)

@@ -1,4 +1,4 @@
-"""hybrid.memory reproduces every number of the seed's tables exactly; its formulas hold for any Ψ, N, t."""
+"""hybrid.plan.memory reproduces every number of the seed's tables exactly; its formulas hold for any Ψ, N, t."""
 
 from fractions import Fraction
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybrid.errors import ConfigError
-from hybrid.memory import activation_bytes, all_stages, model_state_bytes, parse_count
+from hybrid.plan.memory import activation_bytes, all_stages, model_state_bytes, parse_count
 
 GB = 10**9
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import hybrid
-from hybrid.config import TrainConfig, ZeroConfig
-from hybrid.memory import gpt_activation_bytes, model_units, predict_memory, unit_layout
-from hybrid.memory_budget import MemoryMeter, OutOfMemoryError, near_oom, should_measure
-from hybrid.models.gpt import GPT, GPTConfig
-from hybrid.train import train_step
-from launch import replan
-from launch.memory_view import memory_table, near_oom_line, usage_text
-from launch.plan import build_plan
+from hybrid.config.training import TrainConfig, ZeroConfig
+from hybrid.plan.memory import gpt_activation_bytes, model_units, predict_memory, unit_layout
+from hybrid.plan.budget import MemoryMeter, OutOfMemoryError, near_oom, should_measure
+from hybrid.models.gpt.model import GPT, GPTConfig
+from hybrid.runtime.train import train_step
+from launch.planning import replan
+from launch.job.memory_view import memory_table, near_oom_line, usage_text
+from launch.planning.plan import build_plan
 from launch.spec import parse_spec
 from tests.unit.test_monitor import FakeNvml, _two_h100s
 
@@ -131,8 +131,8 @@ def test_nvml_used_and_total_give_the_budget_and_the_near_oom_warning():
 
 
 def test_the_nvml_gpu_follows_cuda_visible_devices_indices_uuids_and_mig(monkeypatch):
-    from hybrid.memory_budget import nvml_gpu, visible_device
-    from hybrid.monitor import GpuInfo
+    from hybrid.plan.budget import nvml_gpu, visible_device
+    from hybrid.plan.monitor import GpuInfo
 
     gpus = [GpuInfo(i, "H100", 80 * GiB, i * GiB, (80 - i) * GiB, None, uuid=f"GPU-{i}a{i}b-{i}")
             for i in range(4)]
@@ -253,7 +253,7 @@ def _record(rank, step, used, budget):
 def test_progress_prints_the_table_after_the_first_measured_step_and_warns_near_oom():
     import io
 
-    from launch.display import Progress
+    from launch.job.display import Progress
 
     out = io.StringIO()
     progress = Progress(3, 2, out, tty=False)
@@ -296,8 +296,8 @@ def test_the_loop_replans_from_the_measurement_and_stops_at_max_replans(tmp_path
     import io
     import json
 
-    from launch.display import Progress
-    from launch.memory_loop import MemoryLoop
+    from launch.job.display import Progress
+    from launch.planning.memory_loop import MemoryLoop
 
     def loop_for(max_replans):
         lp = _plan(tmp_path, 0.5, micro_batch=4, reduce_bucket_size=500_000, prefetch_bucket_size=500_000)
@@ -324,7 +324,7 @@ def test_the_loop_replans_from_the_measurement_and_stops_at_max_replans(tmp_path
 
 
 def test_the_job_starts_on_the_first_rung_the_complete_prediction_fits(tmp_path):
-    # wide enough that sharding saves more than the CPU collectives' staging costs (hybrid.shm_collectives)
+    # wide enough that sharding saves more than the CPU collectives' staging costs (hybrid.comm.shm)
     deeper = dataclasses.replace(WIDE, n_layers=4, hidden=256)
     lp = _plan(tmp_path, 0.15, model=deeper, reduce_bucket_size=100_000, prefetch_bucket_size=1)
     usable = replan.usable_bytes(lp)

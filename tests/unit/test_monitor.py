@@ -1,4 +1,4 @@
-"""hybrid.monitor: NVML numbers through an injected fake module, and the real no-driver fallback."""
+"""hybrid.plan.monitor: NVML numbers through an injected fake module, and the real no-driver fallback."""
 
 import sys
 import time
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybrid import monitor
-from hybrid.monitor import NodeProbe, Sampler, probe
+from hybrid.plan import monitor
+from hybrid.plan.monitor import NodeProbe, Sampler, probe
 
 GiB = 2**30
 

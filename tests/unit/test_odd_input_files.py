@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import hybrid.yamlfile
+import hybrid.config.yamlfile
 from hybrid.errors import ConfigError
-from hybrid.yamlfile import load_yaml
+from hybrid.config.yamlfile import load_yaml
 from launch.cli import main
 from tests.unit.test_checkpoint_integrity import _refused
 
@@ -84,7 +84,7 @@ def test_an_oversized_file_is_refused_after_reading_no_more_than_the_cap(tmp_pat
 
 
 def test_a_file_at_the_cap_is_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(hybrid.yamlfile, "MAX_YAML_BYTES", 16)
+    monkeypatch.setattr(hybrid.config.yamlfile, "MAX_YAML_BYTES", 16)
     path = tmp_path / "x.yaml"
     path.write_text("a: 1\n" + "#" * 11)  # 16 bytes
     assert load_yaml(path) == {"a": 1}
@@ -144,7 +144,7 @@ def test_a_sound_memory_json_is_re_planned_from(tmp_path, capsys):
 def test_yaml_11_number_forms_that_surprise_are_not_numbers(tmp_path):
     """``1:30`` was 90 (base 60), ``010`` was 8 (octal), ``1_0`` was 10: a config number is decimal, ``_`` only
     between groups of three digits; the rest stays text, which the field's own check then names."""
-    from hybrid.yamlfile import load_yaml
+    from hybrid.config.yamlfile import load_yaml
 
     path = tmp_path / "numbers.yaml"
     path.write_text("sexagesimal: 1:30\nleading_zero: 010\nodd_group: 1_0\ngrouped: 1_000_000\nhex: 0x10\n"

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hybrid.param_init import (CHUNK, Constant, Normal, Uniform, full_values, local_values, read_local_range)
+from hybrid.weights.init import (CHUNK, Constant, Normal, Uniform, full_values, local_values, read_local_range)
 from hybrid.tp.sharding import tp_slice
 
 

@@ -1,11 +1,11 @@
-"""hybrid.planner follows every row of the seed's stage-selection guide, including offload and the error row."""
+"""hybrid.plan.planner follows every row of the seed's stage-selection guide, including offload and the error row."""
 
 import re
 
 import pytest
 
 from hybrid.errors import ConfigError, PlanError
-from hybrid.planner import (
+from hybrid.plan.planner import (
     ROW_AC,
     ROW_OFFLOAD,
     ROW_OFFLOAD_AC,
@@ -225,7 +225,7 @@ def test_offload_with_stage_0_is_refused_with_the_reason():
 
 
 def test_offload_bytes_are_the_issues_formula():
-    from hybrid.memory import offload_bytes
+    from hybrid.plan.memory import offload_bytes
 
     split = offload_bytes(B13, 8, 3, precision="bf16")  # 2Ψ/N + 2Ψ/N on the GPU, 12Ψ/N + 2Ψ/N on the host
     assert (split.device, split.host) == (6.5 * GB, 22.75 * GB)
@@ -292,7 +292,7 @@ def test_the_offload_count_also_fits_the_host_memory_when_it_is_known():
 
 
 def test_counts_read_as_numbers():
-    from hybrid.planner import MAX_GPUS, quantity
+    from hybrid.plan.planner import MAX_GPUS, quantity
 
     assert [quantity(n, "GPU") for n in (1, 2, 24, MAX_GPUS)] == ["1 GPU", "2 GPUs", "24 GPUs", "10,000,000 GPUs"]
     assert quantity(1, "parameter") == "1 parameter"

@@ -1,13 +1,13 @@
-"""The embedded cluster's watchdog (``launch.reaper``): a real watchdog process and a real marked process."""
+"""The embedded cluster's watchdog (``launch.ray.reaper``): a real watchdog process and a real marked process."""
 
 import os
 import subprocess
 import sys
 import time
 
-from launch.embedded_processes import alive, marked_pids
-from launch.ray_cluster import EMBEDDED_PREFIX
-from launch.reaper import Reaper
+from launch.ray.embedded_processes import alive, marked_pids
+from launch.ray.cluster import EMBEDDED_PREFIX
+from launch.ray.reaper import Reaper
 
 
 def _cluster_like(tmp_path):

@@ -1,8 +1,8 @@
-"""hybrid.shm_collectives' pure parts: region sizes, the memory model's resident bytes, the switch."""
+"""hybrid.comm.shm' pure parts: region sizes, the memory model's resident bytes, the switch."""
 
 import pytest
 
-import hybrid.shm_collectives as shm
+import hybrid.comm.shm as shm
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8])

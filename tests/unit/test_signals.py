@@ -1,9 +1,9 @@
-"""launch.signals: handlers a library resets beneath Python are installed again."""
+"""launch.job.signals: handlers a library resets beneath Python are installed again."""
 
 import ctypes
 import signal
 
-from launch import signals
+from launch.job import signals
 
 
 def _ignored_by_the_kernel(sig: int) -> bool:

@@ -5,11 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.errors import ConfigError
-from hybrid.mesh import mesh_degrees
-from hybrid.param_attrs import mark_tensor_parallel
+from hybrid.comm.mesh import mesh_degrees
+from hybrid.weights.attrs import mark_tensor_parallel
 from hybrid.tp import vocab_parallel_cross_entropy
-from hybrid.param_init import Normal, set_initializer
-from hybrid.tp.sharding import full_shape, init_param_, tp_slice
+from hybrid.weights.init import Normal, set_initializer
+from hybrid.tp.sharding import init_param_, tp_slice
+from hybrid.weights.attrs import full_shape
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -79,8 +80,8 @@ def test_vocab_parallel_cross_entropy_at_tp1_is_cross_entropy():
 
 def test_a_negative_partition_dim_is_stored_as_the_dimension_it_names():
     import torch
-    from hybrid.param_attrs import mark_tensor_parallel, tensor_parallel_dim
-    from hybrid.param_init import Normal, local_values
+    from hybrid.weights.attrs import mark_tensor_parallel, tensor_parallel_dim
+    from hybrid.weights.init import Normal, local_values
 
     p = mark_tensor_parallel(torch.nn.Parameter(torch.empty(6, 4)), -1)
     assert tensor_parallel_dim(p) == 1

@@ -12,7 +12,7 @@ import torch
 
 import hybrid
 from hybrid.errors import UserError
-from hybrid.train import AccumulationMismatch, Context, JobSettings, run_steps, train_step
+from hybrid.runtime.train import AccumulationMismatch, Context, JobSettings, run_steps, train_step
 from tests.launch.test_run_records import Regression
 
 ROOT = Path(__file__).resolve().parents[2]

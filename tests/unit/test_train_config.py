@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from hybrid.config import OptimizerConfig, TrainConfig, ZeroConfig
+from hybrid.config.training import OptimizerConfig, TrainConfig, ZeroConfig
 from hybrid.errors import ConfigError
 
 
@@ -161,11 +161,11 @@ HF_ZERO3 = {  # a Hugging Face Trainer ZeRO-3 config with its "auto"s filled in
 
 
 def test_a_hugging_face_zero3_config_is_accepted_with_its_no_op_knobs_named_in_one_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger="hybrid.config"):
+    with caplog.at_level(logging.INFO, logger="hybrid.config.training"):
         cfg = TrainConfig.from_dict(copy.deepcopy(HF_ZERO3))
     assert (cfg.zero.stage, cfg.zero.offload_optimizer.device, cfg.precision) == (3, "cpu", "bf16")
     assert (cfg.zero.prefetch_bucket_size, cfg.gradient_accumulation_steps) == (58982, 2)
-    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid.config"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid.config.training"]
     assert len(lines) == 1, lines
     for path in ("steps_per_print", "tensorboard", "bf16.immediate_grad_update",
                  "zero_optimization.stage3_gather_16bit_weights_on_model_save",

@@ -1,4 +1,4 @@
-"""The shared validation vocabulary (hybrid.validate), the strict YAML loader, the embedded-cluster
+"""The shared validation vocabulary (hybrid.config.validate), the strict YAML loader, the embedded-cluster
 capacity rule and the Ray address helpers: pure, no Ray started."""
 
 import math
@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from hybrid import validate as v
+from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.yamlfile import load_yaml
-from launch.capacity import embedded_limit_error
-from launch.embedded_processes import marked_pids
-from launch.ray_cluster import EMBEDDED_PREFIX, is_embedded, split_host_port
+from hybrid.config.yamlfile import load_yaml
+from launch.ray.capacity import embedded_limit_error
+from launch.ray.embedded_processes import marked_pids
+from launch.ray.cluster import EMBEDDED_PREFIX, is_embedded, split_host_port
 
 
 def test_checkers_return_normalised_values():
@@ -66,13 +66,13 @@ def test_quote_is_short_whatever_the_value():
 
 
 def test_the_constants_live_in_one_place():
-    import hybrid.config
-    import hybrid.memory
-    import hybrid.planner
+    import hybrid.config.training
+    import hybrid.plan.memory
+    import hybrid.plan.planner
     import launch.spec
 
-    assert hybrid.config.PRECISIONS is v.PRECISIONS and launch.spec.PRECISIONS is v.PRECISIONS
-    assert hybrid.memory.STAGES is v.STAGES and hybrid.planner.STAGES is v.STAGES
+    assert hybrid.config.training.PRECISIONS is v.PRECISIONS and launch.spec.PRECISIONS is v.PRECISIONS
+    assert hybrid.plan.memory.STAGES is v.STAGES and hybrid.plan.planner.STAGES is v.STAGES
 
 
 def test_strict_yaml(tmp_path):

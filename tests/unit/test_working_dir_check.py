@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from hybrid.errors import ConfigError
-from launch.working_dir_check import check_working_dir
-from launch.runtime_env import (ALWAYS_EXCLUDED, client_runtime_env, runtime_env, ship,
+from launch.ray.working_dir_check import check_working_dir
+from launch.ray.runtime_env import (ALWAYS_EXCLUDED, client_runtime_env, runtime_env, ship,
                                 working_dir_excludes)
 from launch.spec import parse_spec
 

@@ -1,5 +1,5 @@
 """hybrid.zero.optimizer: any elementwise torch.optim class over flat pieces equals that class on the tensors;
-hybrid.zero.param_groups: the default groups; hybrid.schedule: DeepSpeed's schedules equal torch schedulers."""
+hybrid.zero.param_groups: the default groups; hybrid.config.schedule: DeepSpeed's schedules equal torch schedulers."""
 
 import math
 
@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from hybrid.config import OptimizerConfig, SchedulerConfig, TrainConfig
+from hybrid.config.training import OptimizerConfig, SchedulerConfig, TrainConfig
 from hybrid.errors import ConfigError
-from hybrid.schedule import lr_at
+from hybrid.config.schedule import lr_at
 from hybrid.zero.optimizer import FlatOptimizer, Piece, probe_state
 from hybrid.zero.param_groups import Group, assign, embedding_names, torch_param_groups
 

@@ -1,5 +1,5 @@
 """Pure stage-3 unit planning (hybrid.zero.units), the stage3_unit config field, and the training loop's
-handling of Hugging Face style outputs and batches (hybrid.train.loss_of / batch_args)."""
+handling of Hugging Face style outputs and batches (hybrid.runtime.train.loss_of / batch_args)."""
 
 from dataclasses import dataclass
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid.config import TrainConfig, ZeroConfig
+from hybrid.config.training import TrainConfig, ZeroConfig
 from hybrid.errors import ConfigError, UserError
-from hybrid.train import batch_args, batch_rows, loss_of
+from hybrid.runtime.train import batch_args, batch_rows, loss_of
 from hybrid.zero.units import plan_units, unit_roots
 
 
@@ -153,7 +153,7 @@ def test_batch_args_and_rows():
 def test_the_context_seeds_torch_per_dp_rank_from_the_job_seed():
     from types import SimpleNamespace
 
-    from hybrid.train import Context, JobSettings, rank_seed
+    from hybrid.runtime.train import Context, JobSettings, rank_seed
 
     seeds = set()
     for dp_rank in range(3):

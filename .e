@@ -1,1 +1,0 @@
-error: cluster file 'ff.yaml' does not exist; pass the path of a YAML file.

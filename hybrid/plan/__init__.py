@@ -1,0 +1,8 @@
+"""Deciding and checking the layout: the memory model, the stage-selection planner, what a rank measures.
+
+- ``memory``: the seed's memory model (exact model states, activations, buffers).
+- ``planner``: the stage-selection guide as a pure function, with its reason.
+- ``budget``: what one rank measures of its own memory, and the budget check.
+- ``monitor``: NVML facts of this node (GPU count, memory, name).
+- ``cpu_bf16``: whether this CPU computes in bf16 at a useful speed.
+"""

@@ -1,0 +1,448 @@
+"""The seed's memory model: per-GPU model-state bytes for ZeRO stages 0-3, plus an activation estimate.
+
+Model states (zero-stages.txt, sections 1-4). With Ψ parameters, tensor-parallel degree t and data-parallel
+degree N, every GPU holds Ψ/t parameters before ZeRO; ZeRO then divides, per stage:
+
+    stage 0: P·Ψ/t       + G·Ψ/t       + O·Ψ/t
+    stage 1: P·Ψ/t       + G·Ψ/t       + O·Ψ/(t·N)     optimizer states sharded
+    stage 2: P·Ψ/t       + G·Ψ/(t·N)   + O·Ψ/(t·N)     + gradients sharded
+    stage 3: P·Ψ/(t·N)   + G·Ψ/(t·N)   + O·Ψ/(t·N)     + parameters sharded
+
+where (P, G, O) bytes per parameter are (2, 2, 12) for bf16 mixed precision (bf16 params and grads; fp32
+master weights, momentum and variance) and (4, 4, 8) for plain fp32 (the fp32 params are the master copy).
+
+The arithmetic is exact (fractions), so the seed's tables come out to the digit: 7B on 8 GPUs gives
+112 / 38.5 / 26.25 / 14 GB. Each byte count is returned as an ``int`` when it is a whole number and as the
+correctly rounded ``float`` otherwise. GB here means 10^9 bytes, as in the seed.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"),
+bytes per transformer layer for sequence length s, micro-batch b, hidden size h, a attention heads:
+
+    s·b·h·(10 + 24/t + 5·a·s/(h·t))     (t = 1 gives the no-TP form s·b·h·(34 + 5·a·s/h))
+    2·s·b·h                             with full activation checkpointing (only each layer's input kept)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
+from hybrid.config import validate as v
+from hybrid.errors import ConfigError
+from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
+
+# Bytes per parameter: (parameters, gradients, optimizer states).
+BYTES_PER_PARAM = {
+    "bf16": (2, 2, 12),  # bf16 params + bf16 grads; fp32 master, exp_avg, exp_avg_sq
+    "fp32": (4, 4, 8),  # fp32 params (the master) + fp32 grads; fp32 exp_avg, exp_avg_sq
+}
+
+GB = 10**9
+MAX_COUNT = 10**18  # a parameter count beyond this is a typo, and its arithmetic would only get slow
+
+_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Per-GPU bytes of one stage's model states; ``total`` is the exact sum of the three."""
+
+    params: int | float
+    grads: int | float
+    optimizer: int | float
+    total: int | float
+
+
+def _number(value: Fraction) -> int | float:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def _positive_int(value, field: str) -> int:
+    return v.positive_int(field, value)
+
+
+def _check_precision(precision: str) -> tuple[int, int, int]:
+    return BYTES_PER_PARAM[v.one_of("precision", precision, PRECISIONS)]
+
+
+def model_state_bytes(
+    params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION
+) -> ModelStateBytes:
+    """Per-GPU bytes of parameters, gradients and optimizer states at ZeRO ``stage``."""
+    params = _positive_int(params, "params")
+    dp = _positive_int(dp, "dp")
+    tp = _positive_int(tp, "tp")
+    v.stage("stage", stage)
+    p_bytes, g_bytes, o_bytes = _check_precision(precision)
+
+    local = Fraction(params, tp)  # what one GPU holds before ZeRO
+    shard = local / dp
+    p = p_bytes * (shard if stage >= 3 else local)
+    g = g_bytes * (shard if stage >= 2 else local)
+    o = o_bytes * (shard if stage >= 1 else local)
+    return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
+
+
+def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> dict[int, ModelStateBytes]:
+    """``model_state_bytes`` for every stage, keyed 0..3."""
+    return {stage: model_state_bytes(params, dp, stage, tp, precision) for stage in STAGES}
+
+
+def activation_bytes(
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    layers: int,
+    tp: int = 1,
+    checkpointing: bool = False,
+) -> float:
+    """Activation bytes per GPU for one micro-batch through ``layers`` transformer layers (Korthikanti 2022)."""
+    s = _positive_int(seq, "seq")
+    b = _positive_int(micro_batch, "micro_batch")
+    h = _positive_int(hidden, "hidden")
+    a = _positive_int(heads, "heads")
+    n_layers = _positive_int(layers, "layers")
+    t = _positive_int(tp, "tp")
+    if a % t:
+        raise ConfigError(f"heads ({a}) must be divisible by the TP degree ({t}); change heads or tp")
+
+    sbh = s * b * h
+    if checkpointing:
+        per_layer = Fraction(2 * sbh)
+    else:
+        per_layer = sbh * (10 + Fraction(24, t) + Fraction(5 * a * s, h * t))
+    return float(per_layer * n_layers)
+
+
+# A number's integer part in thousands groups, all with one separator: 1,500,000 or 1_500_000.
+_GROUPED = re.compile(r"([+-]?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]{1,3}(?:_[0-9]{3})+)(?![0-9,_])")
+
+
+def _without_separators(raw: str, text, field: str) -> str:
+    """``raw`` with the thousands separators of its integer part removed; a comma or underscore anywhere
+    else (``1,5B``, ``1,2,3``, ``1_5B``, ``1,500_000``) is refused, never silently dropped."""
+    if "," not in raw and "_" not in raw:
+        return raw
+    match = _GROUPED.match(raw)
+    rest = raw[match.end():] if match else raw
+    if match is None or "," in rest or "_" in rest:
+        decimal = re.fullmatch(r"[+-]?[0-9]+[,_][0-9]+\s*[kKmMbBgGtT]", raw)  # 1,5B: a decimal comma
+        fix = f"write {re.sub('[,_]', '.', raw)}" if decimal else "write the digits alone or with a suffix (1.5M)"
+        raise ConfigError(f"{field} must be a count, got {v.quote(text)}: a comma or underscore may only separate "
+                          f"groups of three digits (1,500,000 or 1_500_000); {fix}.")
+    return match.group(1) + match.group(2).replace(",", "").replace("_", "") + rest
+
+
+def parse_count(text, field: str = "params") -> int:
+    """A positive count from ``7B``, ``1.3B``, ``350M``, ``13e9``, ``7000000000`` or an int.
+
+    Suffixes K, M, B (or G) and T are powers of 1000 and are case-insensitive; ``,`` or ``_`` may separate
+    the integer part into groups of three digits (``1,500,000``, ``7_000_000``, ``1,300.5M``), nowhere else.
+    The value must come out to a whole number from 1 to ``MAX_COUNT``.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = Decimal(text)
+    else:
+        raw = _without_separators(str(text).strip(), text, field)
+        match = re.fullmatch(r"([0-9.eE+-]+)\s*([kKmMbBgGtT]?)", raw)
+        try:
+            if not match:
+                raise InvalidOperation
+            value = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()]
+        except ArithmeticError:  # InvalidOperation, or Overflow for 1e1000000
+            raise ConfigError(
+                f"{field} must be a count such as 7B, 350M, 13e9 or 7000000000, got {v.quote(text)}."
+            ) from None
+    try:
+        whole = value.is_finite() and 1 <= value <= MAX_COUNT and value == value.to_integral_value()
+    except ArithmeticError:  # an exponent too large for the decimal context
+        whole = False
+    if not whole:
+        raise ConfigError(f"{field} must be a whole number from 1 to 10^18, got {v.quote(text)}.")
+    return int(value)
+
+
+# --------------------------------------------------------------------------- optimizer-state offload
+# With the optimizer offloaded (DeepSpeed's offload_optimizer: {device: cpu}), each rank's fp32 master shard
+# and both Adam moments live in host memory, 4 + 4 + 4 bytes per parameter of its shard in either precision
+# (with fp32 the device keeps the fp32 parameters it computes with, the host the master copy it steps), and
+# so does the copy of the reduced gradient shard the host steps from (``FlatState.host_grad``: the model's
+# gradient bytes, 2 in bf16, 4 in fp32), as in ZeRO-Offload.
+# The device keeps the parameters and gradients of its stage: 2Ψ/(t·N) + 2Ψ/(t·N) at stage 3 in bf16.
+# Transients of the copies (one unit's gradient shard in flight) are left to the prediction model.
+def host_bytes_per_param(precision: str) -> int:
+    """Host bytes per parameter of a rank's shard with the optimizer offloaded: master, moments, gradient."""
+    return 12 + _check_precision(precision)[1]
+
+
+@dataclass(frozen=True)
+class OffloadBytes:
+    """Per-rank bytes with the optimizer states offloaded: on the device (params + grads) and on the host."""
+
+    device: int | float
+    host: int | float
+
+
+def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> OffloadBytes:
+    """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
+    states = model_state_bytes(params, dp, stage, tp, precision)
+    if stage == 0:
+        raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
+                          "states); choose a stage from 1 to 3")
+    device = Fraction(states.params) + Fraction(states.grads)
+    host = Fraction(host_bytes_per_param(precision) * params, tp * dp)
+    return OffloadBytes(_number(device), _number(host))
+
+
+# ------------------------------------------------------------------------------ the complete prediction
+#
+# What one rank holds at its peak, by category, following the engine's real layout rules
+# (``hybrid.zero.engine.ZeroEngine._units``, ``hybrid.zero.partition``): units are gradient buckets of
+# ``reduce_bucket_size`` elements at stages 0-2 and those of ``zero.stage3_unit`` at stage 3, with every parameter under
+# ``param_persistence_threshold`` elements in one persistent unit that stays gathered; each parameter starts
+# at a multiple of ``align`` elements (16 bytes) and each unit is padded to ``n_shards · align``.
+#
+# * model states: parameters, gradients, optimizer (fp32 master when the model dtype is not fp32, plus the
+#   two Adam moments), exactly as the engine allocates them;
+# * in flight: stage 2-3 gradient buckets (a unit-sized buffer per bucket, up to ``reduce_bucket_size``
+#   elements awaiting their reduce-scatter, plus the one being filled) and stage-3 gathered units (the
+#   largest unit plus ``prefetch_bucket_size`` elements prefetched);
+# * optimizer transients: the reused fp32 scratch a non-fp32 gradient is converted into, one batch of at
+#   most ``min(sub_group_size, optimizer.CONVERT_NUMEL)`` elements (clipping
+#   scales in place; the optimizer's state is the flat buffers from the start, so its first step allocates
+#   none); the step runs after backward, so this competes with activations, not adds to them;
+# * activations: see ``gpt_activation_bytes``;
+# * runtime reserve: CUDA context, cuBLAS workspaces and NCCL buffers, outside every allocator statistic
+#   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
+#   figure measured is the process's RSS growth since the Context was made (with glibc returning freed
+#   blocks, ``hybrid.plan.budget.follow_live_tensors``), what the engine build faults in beyond its tensors.
+# Backward (``MemoryPrediction.backward_peak``): it starts with every activation and gathered unit alive and
+# the first bucket being filled; each later bucket is filled while the activations and gathered units of
+# the modules already back-propagated are freed, so the buckets in flight only dominate at the end, beside
+# the unit still running. The first bucket counts whole on CUDA (allocated at once); on CPU a new bucket's
+# pages are faulted in as gradients are written into it, so only the largest parameter's gradient counts.
+# On CPU the gloo exchange's receive buffers and the kept stage 2-3 buckets come on top (``comm_buffers``).
+
+DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLAS workspaces ~1 GB
+# CPU: RSS growth beyond the tensors a rank's first steps hold at their peak (torch's thread pools and
+# caches, autograd's and the optimizer's small blocks; libraries' code pages are not counted): 18-79 MB
+# measured at 53M parameters on torch 2.13 (tests/dist/test_memory_prediction.py).
+DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.075
+ALIGN_BYTES = 16  # as hybrid.zero.engine.ALIGN_BYTES
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted bytes per rank, by category; ``peak`` is what the allocator reaches, ``total`` adds the
+    runtime reserve (what NVML sees used)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int          # stage 3: units gathered at once (the running one and those prefetched)
+    running_unit: int      # stage 3: the largest unit, gathered while its own gradients come in
+    buckets: int           # stages 2-3: gradient buckets in flight at once
+    first_bucket: int      # stages 2-3: what the first bucket holds while every activation is still alive
+    optimizer_transient: int
+    activations: int       # layers, logits and loss, at their peak (start of backward)
+    runtime_reserve: int
+    comm_buffers: int = 0  # CPU: the gloo exchange's receive buffers and stage 2-3 buckets, kept
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def inflight(self) -> int:
+        return self.gathered + self.buckets
+
+    @property
+    def backward_peak(self) -> int:
+        """Activations, gathered units and buckets at the worst point of backward (see the notes above)."""
+        return max(self.gathered + self.activations + self.first_bucket, self.buckets + self.running_unit)
+
+    @property
+    def peak(self) -> int:
+        # The optimizer step runs after backward has freed its activations, buckets and gathered units.
+        return self.model_states + self.comm_buffers + max(self.backward_peak, self.optimizer_transient)
+
+    @property
+    def total(self) -> int:
+        return self.peak + self.runtime_reserve
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "model_states": self.model_states, "inflight": self.inflight, "gathered": self.gathered,
+                "running_unit": self.running_unit, "buckets": self.buckets, "first_bucket": self.first_bucket,
+                "optimizer_transient": self.optimizer_transient, "activations": self.activations,
+                "runtime_reserve": self.runtime_reserve, "comm_buffers": self.comm_buffers, "peak": self.peak,
+                "total": self.total}
+
+
+@dataclass(frozen=True)
+class ModelUnits:
+    """What the engine's unit rules read of a model: the trainable parameters' element counts in
+    ``named_parameters`` order (each parameter once), and the parameter indices of each stage-3 unit."""
+
+    numels: tuple
+    stage3_units: tuple
+
+    @classmethod
+    def from_lists(cls, units) -> "ModelUnits":
+        """``[[numel, ...], ...]``: the parameters in order, each inner list one stage-3 unit."""
+        numels, groups, start = [], [], 0
+        for own in units:
+            numels += [int(n) for n in own]
+            groups.append(tuple(range(start, start + len(own))))
+            start += len(own)
+        return cls(tuple(numels), tuple(groups))
+
+
+def model_units(module, tp: int = 1, stage3_unit="auto") -> ModelUnits:
+    """``ModelUnits`` of ``module`` (a model on the meta device is enough) under the stage-3 unit policy
+    ``stage3_unit`` (``hybrid.zero.units``), exactly as the engine plans it. With ``tp`` > 1 on a full
+    (single-process) model, the tensor-parallel parameters count ``numel / tp``: one TP rank's share."""
+    from hybrid.weights.attrs import tensor_parallel_dim
+    from hybrid.zero.units import plan_units
+
+    params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields tied ones once
+    index = {id(p): i for i, p in enumerate(params)}
+    numels = tuple(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel() for p in params)
+    plans = plan_units(module, stage3_unit, index)
+    return ModelUnits(numels, tuple(tuple(plan.params) for plan in plans))
+
+
+def _as_units(units) -> ModelUnits:
+    return units if isinstance(units, ModelUnits) else ModelUnits.from_lists(units)
+
+
+def unit_layout(units, stage: int, dp: int, precision: str = DEFAULT_PRECISION,
+                reduce_bucket_size: int = 500_000_000, param_persistence_threshold: int = 100_000):
+    """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage
+    (``hybrid.zero.partition.unit_groups``); ``units`` is a ``ModelUnits`` or a list of per-unit numel lists."""
+    from hybrid.zero.partition import build_layout, unit_groups
+
+    units = _as_units(units)
+    align = max(1, ALIGN_BYTES // DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)])
+    groups, _, persistent = unit_groups(list(units.numels), [list(u) for u in units.stage3_units] if stage >= 3
+                                        else None, reduce_bucket_size, param_persistence_threshold, align)
+    return build_layout(list(units.numels), groups, dp if stage >= 1 else 1, align), persistent
+
+
+def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISION, *,
+                   activations: float = 0, zero=None,
+                   runtime_reserve: float = 0, device: str = "cuda") -> MemoryPrediction:
+    """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks for a model whose trainable
+    parameters are ``units`` (``model_units``, made with the ``stage3_unit`` of ``zero``); ``zero`` is a ``hybrid.config.ZeroConfig``
+    (default sizes when None), ``activations`` the bytes of ``gpt_activation_bytes``; ``device`` "cpu"
+    predicts the peak RSS growth instead of the CUDA allocator's peak."""
+    from hybrid.config.training import ZeroConfig
+
+    zero = zero or ZeroConfig()
+    v.stage("stage", stage)
+    dp = _positive_int(dp, "dp")
+    param_numels = _as_units(units).numels
+    layout, persistent = unit_layout(units, stage, dp, precision, zero.reduce_bucket_size,
+                                     zero.param_persistence_threshold)
+    item = DTYPE_BYTES[precision]
+    grad_item = DTYPE_BYTES[zero.reduce_dtype or precision]  # gradients and their buckets
+    shard, full = layout.shard_numel, layout.full_numel
+    units = [u.numel for u in layout.units]
+    if stage >= 3:
+        kept = sum(units[u] for u in persistent)
+        params = (shard + kept) * item
+    else:
+        params = full * item
+    grads = (shard if stage >= 2 else full) * grad_item
+    master = 0 if precision == "fp32" else shard * FP32
+    optimizer = master + 2 * shard * FP32
+
+    buckets = first_bucket = gathered = running_unit = 0
+    if stage >= 2:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
+        buckets = _waiting_buckets(units, zero.reduce_bucket_size) * grad_item
+        first_bucket = min(max(units), max(param_numels, default=0)) if device == "cpu" else max(units)
+        first_bucket *= grad_item
+    if stage >= 3:
+        others = sorted((n for u, n in enumerate(units) if u not in persistent), reverse=True)
+        if others:
+            prefetched, budget = 0, zero.prefetch_bucket_size
+            for n in others[1:]:
+                if n > budget:
+                    break
+                budget -= n
+                prefetched += n
+            gathered, running_unit = (others[0] + prefetched) * item, others[0] * item
+    from hybrid.zero.optimizer import batch_numel
+
+    piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
+    transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
+    comm_buffers = 0
+    if device == "cpu":
+        from hybrid.zero.buckets import kept_bucket_numel
+
+        comm_buffers = _cpu_comm_bytes(units, dp, stage, item, grad_item) + kept_bucket_numel(units, stage) * grad_item
+    return MemoryPrediction(int(params), int(grads), int(optimizer), int(gathered), int(running_unit), int(buckets),
+                            int(first_bucket),
+                            int(transient), int(activations), int(runtime_reserve), int(comm_buffers))
+
+
+def _cpu_comm_bytes(units: list, dp: int, stage: int, item: int, grad_item: int) -> int:
+    """Bytes ``hybrid.comm`` keeps for the collectives of ``units`` on CPU: gloo's exchange buffers where the
+    DP ranks are on different hosts; where they share one, those of the collectives below ``SHM_MIN_BYTES``
+    plus the shared-memory pages of the larger ones (``hybrid.comm.shm``). The larger of the two."""
+    from hybrid.comm.collectives import SHM_MIN_BYTES, exchange_numel
+    from hybrid.comm.shm import resident_bytes
+
+    if dp <= 1:
+        return 0
+    across_hosts = exchange_numel(units, dp, stage) * grad_item
+    widest = max(item, grad_item)  # a unit's largest collective: its parameters' all-gather or its gradients'
+    small = [n for n in units if n * grad_item < SHM_MIN_BYTES]
+    large = [n * widest for n in units if n * widest >= SHM_MIN_BYTES]
+    one_host = exchange_numel(small, dp, stage) * grad_item + resident_bytes(dp, max(large, default=0))
+    return max(across_hosts, one_host)
+
+
+def _waiting_buckets(units: list, cap: int) -> int:
+    """Elements of gradient buckets alive at once: the largest being filled plus up to ``cap`` waiting."""
+    order = sorted(units, reverse=True)
+    waiting = 0
+    for n in order[1:]:
+        if waiting + n > cap:
+            break
+        waiting += n
+    return order[0] + waiting
+
+
+def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
+                         tp: int = 1, precision: str = DEFAULT_PRECISION, mlp_ratio: int = 4,
+                         checkpointing: bool = False) -> int:
+    """Activation bytes of the built-in GPT at the start of backward (its peak), for one micro-batch.
+
+    Per layer, in the model dtype, with x = s·b·h elements (SDPA keeps no s×s scores, only its output and
+    a fp32 log-sum-exp per head and token): the block input and the LN1 output, the fused QKV output (3x/t),
+    SDPA's contiguous q, k, v (3x/t), the attention output and its contiguous copy (2x/t), the residual sum and the LN2 output, the MLP
+    up-projection and its GELU (2·mlp_ratio·x/t); plus the fp32 LayerNorm statistics. With activation
+    checkpointing only each layer's input is kept, and one layer is recomputed at a time. On top: the
+    final LayerNorm's input and output, and the loss: ``hybrid.tp.loss`` keeps one fp32 copy of the
+    s·b·vocab/t logits (the softmax, turned into the gradient in place), beside the model-dtype logits at the
+    end of the forward (or their gradient's cast at the start of backward).
+    """
+    s, b, h = (_positive_int(x, name) for x, name in ((seq, "seq"), (micro_batch, "micro_batch"), (hidden, "hidden")))
+    a, n, t = _positive_int(heads, "heads"), _positive_int(layers, "layers"), _positive_int(tp, "tp")
+    vocab = _positive_int(vocab, "vocab")
+    item = DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)]
+    x = s * b * h
+    # (8 + 2r)x/t: SDPA's CPU flash kernel and the efficient CUDA kernel keep contiguous q, k, v too.
+    per_layer = item * (4 * x + Fraction((8 + 2 * mlp_ratio) * x, t)) + FP32 * s * b * (4 + Fraction(a, t))
+    per_layer = int(per_layer)
+    layer_stack = (n * item * x + per_layer) if checkpointing else n * per_layer
+    final = 2 * item * x
+    logits = s * b * Fraction(vocab, t)
+    loss = int(logits * (FP32 + item))
+    return int(layer_stack + final + loss)

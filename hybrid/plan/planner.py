@@ -1,0 +1,393 @@
+"""The seed's stage-selection guide as a pure function, with both memory levers: which ZeRO stage to run,
+whether activations are checkpointed and the optimizer states offloaded to the host, and why.
+
+An option fits when its per-GPU bytes (model states on the device plus the activation estimate, the
+checkpointed one with activation checkpointing) are at most ``gpu_memory_bytes · (1 − headroom)`` and, with
+offload, the host bytes of a node's ranks (12 B per parameter of each rank's shard: fp32 master and both
+moments, ``hybrid.plan.memory.offload_bytes``) are at most ``host_memory_bytes · (1 − headroom)`` when the host
+memory is known. The options are tried in the order that costs least (zero-stages.txt, "Stage Selection
+Guide", and its last row "Extremely large model → ZeRO-3 + offloading"):
+
+1. DP degree 1 and stage 0 fits → stage 0: there is nothing to shard across data-parallel ranks.
+2. Stage 0 fits ("fits with standard DP") → stage 1: same traffic as DP, less memory.
+3. Otherwise the lowest stage that fits: 1 ("OOM with standard DP, fits with optimizer sharding"),
+   2 ("still OOM with sharded optimizer, fits with gradient sharding"), 3 ("does not fit even with sharded
+   optimizer and gradients: parameters sharded too").
+4. Stage 3 with activation checkpointing (recompute costs compute, no memory traffic).
+5. Stage 3 with the optimizer states offloaded to CPU, then offload with activation checkpointing.
+6. Else ``PlanError`` naming the smallest GPU count (at the same TP degree) that would fit, or saying that
+   the host memory is what is too small. The count is a whole number of nodes: a multiple of the TP degree
+   (DP = GPUs / tp) and of ``ranks_per_node`` (the ranks on one node, sharing its host memory), said as
+   ``3 nodes (24 GPUs)`` unless ``node_size_known`` is False (``ranks_per_node`` is then only the ranks known
+   to share a node, such as a TP group, and the count is said in GPUs).
+
+``activation_checkpointing`` and ``offload`` are None (auto: the planner's choice, as above), True (always
+on: every option has it) or False (never). Activation checkpointing is an option only when the checkpointed
+estimate (``checkpointed_activation_bytes``) is given and smaller. ``forced_stage`` fixes the stage; the
+levers left on auto are still used at that stage when it does not fit without them, and the reason says so
+when nothing makes it fit. Offload with stage 0 is refused (``check_offload_stage``): stage 0 shards nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+from hybrid.config import validate as v
+from hybrid.errors import ConfigError, PlanError
+from hybrid.plan.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, host_bytes_per_param, offload_bytes
+from hybrid.config.units import human_bytes as _gb
+from hybrid.config.validate import DEFAULT_PRECISION, STAGES
+
+# The largest GPU count the planner suggests or takes (``hybrid estimate --gpus``): beyond any real cluster.
+MAX_GPUS = 10**7
+
+ROW_STANDARD_DP = "fits with standard DP"
+ROW_STAGE1 = "OOM with standard DP, fits with optimizer sharding"
+ROW_STAGE2 = "still OOM with sharded optimizer, fits with gradient sharding"
+ROW_STAGE3 = "does not fit even with sharded optimizer and gradients: parameters sharded too"
+ROW_AC = "does not fit even with ZeRO-3: ZeRO-3 with activation checkpointing (blocks recomputed in backward)"
+ROW_OFFLOAD = "too large even for ZeRO-3: ZeRO-3 with CPU offload of optimizer states"
+ROW_OFFLOAD_AC = ROW_OFFLOAD + " and activation checkpointing"
+_ROW_FOR_STAGE = {1: ROW_STAGE1, 2: ROW_STAGE2, 3: ROW_STAGE3}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run: a stage and its levers, with what it needs per GPU and per node's host."""
+
+    stage: int
+    activation_checkpointing: bool
+    offload: bool
+    device_bytes: float  # model states on the GPU plus activations
+    host_bytes: float  # per rank: the offloaded optimizer states (0 without offload)
+    fits: bool  # on the GPU and, with offload, in the host memory when that is known
+    host_fits: Optional[bool] = None  # None: no offload, or host memory unknown
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}" + (" + offload" if self.offload else "") + \
+            (" + AC" if self.activation_checkpointing else "")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen stage and levers, the per-stage table and the options behind the choice."""
+
+    stage: int
+    offload: bool
+    reason: str
+    stages: dict[int, ModelStateBytes]
+    fits: dict[int, bool]  # per stage without offload, activations as the levers leave them by default
+    dp: int
+    tp: int
+    gpu_memory_bytes: float
+    activation_bytes: float = 0.0  # the estimate without checkpointing
+    headroom: float = 0.1
+    activation_checkpointing: bool = False
+    checkpointed_activation_bytes: Optional[float] = None
+    host_bytes: float = 0.0  # per rank, with offload
+    host_memory_bytes: Optional[float] = None  # per node; None: unknown, not checked
+    ranks_per_node: int = 1
+    options: tuple = ()  # the Options tried, in order
+
+    @property
+    def usable_bytes(self) -> float:
+        return float(_usable(self.gpu_memory_bytes, self.headroom))
+
+    @property
+    def chosen_activation_bytes(self) -> float:
+        """Activations per GPU of the chosen plan (the checkpointed estimate with activation checkpointing)."""
+        if self.activation_checkpointing and self.checkpointed_activation_bytes is not None:
+            return self.checkpointed_activation_bytes
+        return self.activation_bytes
+
+    @property
+    def per_gpu_bytes(self) -> float:
+        """Bytes per GPU of the chosen plan: model states on the GPU plus activations."""
+        states = self.stages[self.stage]
+        on_gpu = Fraction(states.params) + Fraction(states.grads) if self.offload else Fraction(states.total)
+        return float(on_gpu + Fraction(self.chosen_activation_bytes))
+
+    @property
+    def host_bytes_per_node(self) -> float:
+        return float(Fraction(self.host_bytes) * self.ranks_per_node)
+
+
+def _usable(memory_bytes, headroom) -> Fraction:
+    # str() keeps a decimal headroom such as 0.1 exact instead of its binary approximation.
+    return Fraction(memory_bytes) * (1 - Fraction(str(headroom)))
+
+
+def check_headroom(path: str, headroom) -> float:
+    """The fraction of GPU memory kept free: in [0, 1)."""
+    need = "a fraction in [0, 1), e.g. 0.1 keeps 10% free"
+    value = v.number(path, headroom, 0, 1, need=need)
+    if value == 1:
+        raise v.invalid(path, need, headroom)
+    return value
+
+
+def check_lever(path: str, value) -> Optional[bool]:
+    """``auto`` (or None) → None, else a boolean."""
+    if value is None or value == "auto":
+        return None
+    if not isinstance(value, bool):
+        raise v.invalid(path, "auto, true or false", value)
+    return value
+
+
+def check_offload_stage(offload: Optional[bool], stage: Optional[int], offload_path: str = "offload",
+                        stage_path: str = "zero stage") -> None:
+    """Offload forced on with stage 0 forced is refused: stage 0 keeps every optimizer state on every rank."""
+    if offload and stage == 0:
+        raise ConfigError(f"{offload_path} is true but {stage_path} is 0: offloading moves each rank's shard of "
+                          f"the optimizer states to the host, and stage 0 shards nothing; use stage 1, 2 or 3, or set "
+                          f"{offload_path} to auto or false.")
+
+
+def _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed, offload, ac,
+              host_memory_bytes, ranks_per_node, node_size_known) -> None:
+    v.positive_int("dp", dp)
+    v.positive_int("tp", tp)
+    v.positive_number("gpu_memory_bytes", gpu_memory_bytes, unit="bytes")
+    check_headroom("headroom", headroom)
+    v.number("activation_bytes", activation_bytes, lo=0, unit="bytes")
+    if checkpointed is not None:
+        v.number("checkpointed_activation_bytes", checkpointed, lo=0, unit="bytes")
+    if forced_stage is not None:
+        v.stage("zero stage", forced_stage)
+    check_lever("offload", offload)
+    check_lever("activation_checkpointing", ac)
+    if host_memory_bytes is not None:
+        v.positive_number("host_memory_bytes", host_memory_bytes, unit="bytes")
+    v.positive_int("ranks_per_node", ranks_per_node)
+    v.boolean("node_size_known", node_size_known)
+    check_offload_stage(offload, forced_stage)
+
+
+def quantity(count: int, noun: str) -> str:
+    """``count`` with its thousands separated and ``noun`` in the number it takes: ``1 GPU``, ``24 GPUs``,
+    ``10,000,000 GPUs``, ``1 parameter``. Every count the planner and ``hybrid estimate`` print goes through it."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def _gpus_needed(gpus: int, tp: int, ranks_per_node: int, node_size_known: bool) -> str:
+    """The smallest count of at least ``gpus`` GPUs that makes a mesh, as text: a multiple of the TP degree
+    (DP = GPUs / tp) and, since a cluster grows by whole nodes, of ``ranks_per_node``, said in nodes when the
+    node size is known: ``3 nodes (24 GPUs)``, ``23 GPUs``, or ``more than 10,000,000 GPUs`` past any cluster
+    the planner reasons about."""
+    step = math.lcm(tp, ranks_per_node)
+    gpus = -(-gpus // step) * step
+    if gpus > MAX_GPUS:
+        return f"more than {quantity(MAX_GPUS, 'GPU')}"
+    if node_size_known and ranks_per_node > 1:
+        return f"{quantity(gpus // ranks_per_node, 'node')} ({quantity(gpus, 'GPU')})"
+    return quantity(gpus, "GPU")
+
+
+def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:
+    """Smallest DP degree at which ``bytes_per_param · Ψ / (tp · dp)`` fits in ``room``."""
+    return max(1, math.ceil(Fraction(bytes_per_param * params, tp) / room))
+
+
+def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Fraction, offload_allowed: bool,
+                  with_ac: bool, ranks_per_node: int, node_size_known: bool,
+                  host_usable: Optional[Fraction]) -> PlanError:
+    room = usable - activations
+    ac = " with activation checkpointing" if with_ac else ""
+    if room <= 0:
+        fix = ("lower the sequence length (model.seq_len, --seq) or the micro-batch (job.micro_batch, "
+               "--micro-batch), " + ("" if with_ac else "enable activation checkpointing "
+                                     "(parallel.activation_checkpointing), ") +
+               "raise the TP degree (parallel.tp, --tp) or use GPUs with more memory (cluster.gpu_memory_gb)")
+        return PlanError(f"activations{ac} alone need {_gb(activations)} per GPU but only {_gb(usable)} is "
+                         f"usable: {fix}.")
+    p_bytes, g_bytes, o_bytes = BYTES_PER_PARAM[precision]
+
+    def needed(dp_needed: int) -> str:
+        return _gpus_needed(dp_needed * tp, tp, ranks_per_node, node_size_known)
+
+    zero3 = needed(_min_dp(p_bytes + g_bytes + o_bytes, params, tp, room))
+    what = (f"{quantity(params, 'parameter')} {'does' if params == 1 else 'do'} not fit on "
+            f"{quantity(dp * tp, 'GPU')} (tp={tp}, {_gb(usable)} usable each) even with ZeRO-3{ac}")
+    if not offload_allowed:
+        return PlanError(f"{what}, and offload is off (parallel.offload: false): use at least {zero3}, GPUs with "
+                         "more memory, or allow offload (auto).")
+    offload_dp = _min_dp(p_bytes + g_bytes, params, tp, room)  # the optimizer states on the host
+    if host_usable is not None:  # and a node's ranks' host shares within its host memory
+        offload_dp = max(offload_dp, _min_dp(host_bytes_per_param(precision) * ranks_per_node, params, tp,
+                                             host_usable))
+    offloaded = needed(offload_dp)
+    if offloaded.startswith("more than"):
+        use = f"use {offloaded}"
+    else:
+        without = zero3 if zero3.startswith("more than") else f"at least {zero3}"
+        use = f"use at least {offloaded} with the optimizer offloaded or {without} without"
+    return PlanError(f"{what} and CPU offload: {use}, or GPUs with more memory.")
+
+
+def _host_error(params, dp, tp, option: Option, ranks_per_node: int, node_size_known: bool,
+                host_usable: Fraction, plain_dp: Optional[int]) -> PlanError:
+    """The offloaded states do not fit the host: name the smallest count of GPUs that would do, with offload
+    (more DP ranks, smaller host shares) or, when offload is on auto (``plain_dp``), plain ZeRO-3 on more GPUs."""
+    need = Fraction(option.host_bytes) * ranks_per_node
+    host_dp = max(dp, math.ceil(Fraction(option.host_bytes) * dp * ranks_per_node / host_usable))  # host ∝ 1/dp
+    step = math.lcm(tp, ranks_per_node)
+    if plain_dp is not None and -(-plain_dp * tp // step) <= -(-host_dp * tp // step):
+        use, why = plain_dp, ", where ZeRO-3 fits without offload"
+    else:
+        use, why = host_dp, ", as more DP ranks shard the states further"
+    gpus = _gpus_needed(use * tp, tp, ranks_per_node, node_size_known)
+    ranks = (f"a node's {quantity(ranks_per_node, 'rank')} need {_gb(option.host_bytes)} each = {_gb(need)}"
+             if ranks_per_node > 1 else f"a node's one rank needs {_gb(need)}")
+    return PlanError(
+        f"{quantity(params, 'parameter')} fit on the GPUs only with the optimizer states offloaded to CPU (ZeRO-"
+        f"{option.label}), but {ranks} of host memory and a node has {_gb(host_usable)} usable: use "
+        f"{'' if gpus.startswith('more than') else 'at least '}{gpus}{why}, or nodes with more host memory "
+        "(cluster.host_memory_gb)."
+    )
+
+
+def choose_stage(
+    params: int,
+    dp: int,
+    tp: int,
+    gpu_memory_bytes: float,
+    precision: str = DEFAULT_PRECISION,
+    activation_bytes: float = 0.0,
+    headroom: float = 0.1,
+    forced_stage: int | None = None,
+    *,
+    checkpointed_activation_bytes: float | None = None,
+    offload: bool | None = None,
+    activation_checkpointing: bool | None = None,
+    host_memory_bytes: float | None = None,
+    ranks_per_node: int = 1,
+    node_size_known: bool = True,
+) -> Plan:
+    """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring."""
+    _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed_activation_bytes,
+              offload, activation_checkpointing, host_memory_bytes, ranks_per_node, node_size_known)
+    offload, ac = check_lever("offload", offload), check_lever("activation_checkpointing", activation_checkpointing)
+    stages = all_stages(params, dp, tp, precision)
+    usable = _usable(gpu_memory_bytes, headroom)
+    host_usable = None if host_memory_bytes is None else _usable(host_memory_bytes, headroom)
+    acts = {False: Fraction(activation_bytes), True: Fraction(activation_bytes)}
+    if checkpointed_activation_bytes is not None:
+        acts[True] = min(acts[False], Fraction(checkpointed_activation_bytes))
+    ac_lever = ac is None and acts[True] < acts[False]  # the planner may turn it on
+    base_ac = bool(ac)
+
+    def option(stage: int, with_ac: bool, off: bool) -> Option:
+        if off:
+            split = offload_bytes(params, dp, stage, tp, precision)
+            device, host = Fraction(split.device) + acts[with_ac], Fraction(split.host)
+            host_fits = None if host_usable is None else host * ranks_per_node <= host_usable
+        else:
+            device, host, host_fits = Fraction(stages[stage].total) + acts[with_ac], Fraction(0), None
+        return Option(stage, with_ac, off, float(device), float(host), device <= usable and host_fits is not False,
+                      host_fits)
+
+    tried: list[Option] = []
+
+    def plan(o: Option, reason: str) -> Plan:
+        return Plan(o.stage, o.offload, reason, stages, fits, dp, tp, gpu_memory_bytes, activation_bytes, headroom,
+                    o.activation_checkpointing, checkpointed_activation_bytes, o.host_bytes, host_memory_bytes,
+                    ranks_per_node, tuple(tried))
+
+    def attempt(stage: int, with_ac: bool, off: bool) -> Option:
+        o = option(stage, with_ac, off)
+        tried.append(o)
+        return o
+
+    fits = {s: option(s, base_ac, False).fits for s in STAGES}
+    budget = f"{_gb(usable)} usable per GPU"
+    ac_text = " with activation checkpointing" if base_ac else ""
+
+    if forced_stage is not None:
+        return _forced(forced_stage, offload, ac_lever, base_ac, attempt, plan, budget, host_usable, ranks_per_node)
+
+    if offload is not True:
+        first = [attempt(s, base_ac, False) for s in STAGES]
+        if first[0].fits and dp == 1:
+            return plan(first[0], f"{ROW_STANDARD_DP}{ac_text} and DP degree is 1, nothing to shard: needs "
+                                  f"{_gb(first[0].device_bytes)} of {budget}")
+        if first[0].fits:
+            return plan(first[1], f"{ROW_STANDARD_DP}{ac_text}: stage 1 has the same traffic as DP and less memory "
+                                  f"({_gb(first[1].device_bytes)} instead of {_gb(first[0].device_bytes)} of "
+                                  f"{budget})")
+        for stage in (1, 2, 3):
+            if first[stage].fits:
+                return plan(first[stage], f"{_ROW_FOR_STAGE[stage]}{ac_text}: stage {stage - 1} needs "
+                                          f"{_gb(first[stage - 1].device_bytes)}, stage {stage} "
+                                          f"{_gb(first[stage].device_bytes)} of {budget}")
+        if ac_lever:
+            with_ac = attempt(3, True, False)
+            if with_ac.fits:
+                return plan(with_ac, f"{ROW_AC}: stage 3 needs {_gb(first[3].device_bytes)}, "
+                                     f"{_gb(with_ac.device_bytes)} with activation checkpointing, of {budget}")
+    if offload is not False:
+        offloaded = [attempt(s, base_ac, True) for s in ((1, 2, 3) if offload else (3,))]
+        if ac_lever:
+            offloaded.append(attempt(3, True, True))
+        for o in offloaded:
+            if o.fits:
+                return plan(o, _offload_reason(o, option(o.stage, base_ac, False), bool(offload), base_ac, budget,
+                                               ranks_per_node, host_usable))
+    smallest = acts[True] if (ac_lever or base_ac) else acts[False]  # activations of the last resort
+    if offload is not False:
+        on_gpu = [o for o in offloaded if Fraction(o.device_bytes) <= usable]
+        if on_gpu:  # the GPUs would do; the host memory is what is too small
+            plain_dp = (_min_dp(sum(BYTES_PER_PARAM[precision]), params, tp, usable - smallest)
+                        if offload is None and usable > smallest else None)
+            raise _host_error(params, dp, tp, on_gpu[0], ranks_per_node, node_size_known, host_usable, plain_dp)
+    raise _no_fit_error(params, dp, tp, precision, usable, smallest, offload is not False, ac_lever or base_ac,
+                        ranks_per_node, node_size_known, host_usable)
+
+
+def _offload_reason(o: Option, plain: Option, forced: bool, base_ac: bool, budget: str, ranks_per_node: int,
+                    host_usable: Optional[Fraction]) -> str:
+    if forced:
+        row = f"stage {o.stage} with CPU offload of optimizer states as requested (parallel.offload: true)"
+    else:
+        row = ROW_OFFLOAD_AC if o.activation_checkpointing and not base_ac else ROW_OFFLOAD
+    how = " and activation checkpointing" if o.activation_checkpointing and not base_ac else ""
+    return (f"{row}: stage {o.stage} needs {_gb(plain.device_bytes)}, {_gb(o.device_bytes)} with the optimizer on "
+            f"CPU{how}, of {budget}; {_host_text(o, ranks_per_node, host_usable)}")
+
+
+def _host_text(o: Option, ranks_per_node: int, host_usable: Optional[Fraction]) -> str:
+    need = Fraction(o.host_bytes) * ranks_per_node
+    if host_usable is None:
+        return (f"host memory not checked (unknown): the optimizer states and gradients need {_gb(o.host_bytes)} per rank x "
+                f"{ranks_per_node} = {_gb(need)} per node")
+    return (f"host: {_gb(o.host_bytes)} per rank x {ranks_per_node} = {_gb(need)} of {_gb(host_usable)} usable "
+            f"per node")
+
+
+def _forced(stage, offload, ac_lever, base_ac, attempt, plan, budget, host_usable, ranks_per_node) -> Plan:
+    """The plan at the requested stage: plain if it fits, else with the levers left on auto, in cost order."""
+    candidates = []
+    if offload is not True:
+        candidates.append((stage, base_ac, False))
+        if ac_lever:
+            candidates.append((stage, True, False))
+    if offload is not False and stage >= 1:
+        candidates.append((stage, base_ac, True))
+        if ac_lever:
+            candidates.append((stage, True, True))
+    tried = [attempt(*c) for c in candidates]
+    chosen = next((o for o in tried if o.fits), None)
+    verdict = ""
+    if chosen is None:
+        chosen, verdict = tried[0], ", but it does not fit"
+    extras = [text for on, text in ((chosen.activation_checkpointing, "activation checkpointing"),
+                                    (chosen.offload, "the optimizer offloaded to CPU")) if on]
+    with_ = f" with {' and '.join(extras)}" if extras else ""
+    reason = f"stage {stage} as requested{with_}{verdict}: needs {_gb(chosen.device_bytes)} of {budget}"
+    if chosen.offload:
+        reason += f"; {_host_text(chosen, ranks_per_node, host_usable)}"
+    return plan(chosen, reason)

@@ -1,0 +1,126 @@
+"""What the launcher knows of the job's model before any rank starts: Ψ, whether it has TP layers, its shape.
+
+``model_facts(spec)`` measures rather than trusts. The entrypoint's module may define the hook
+
+    def build_model(model_config: dict, tp_comm=None) -> torch.nn.Module
+
+(``model_config`` is the parsed model config YAML, as ``ctx.model_config`` on the ranks; ``tp_comm`` the
+rank's TP communicator, None for the single-process model). The launcher calls it on the driver under
+``torch.device("meta")`` -- nothing is allocated -- and counts the parameters (Ψ, tied ones once) and looks
+for parameters marked tensor-parallel (``hybrid.weights.attrs``): a model without them gets tp = 1. The hook
+is looked up in the module ``job.entrypoint`` names, then in the module that defines the entrypoint
+function (so ``from hybrid.models.gpt import train`` brings the built-in GPT's hook along). Without a hook,
+a ``model:`` mapping is the built-in GPT's shape (``hybrid.models.gpt.training.build_model``), and a model
+config with only ``params: 7B`` is taken at its word (TP layers unknown). With a hook, ``params:`` is an
+override that must agree with the count to 1 % (one ``ConfigError`` sentence otherwise). A GPT (the built
+one is a ``hybrid.models.gpt.GPT``) also gives its shape, for the activation estimate.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Optional
+
+from hybrid.config import validate as v
+from hybrid.errors import ConfigError
+from hybrid.plan.memory import parse_count
+from hybrid.config.yamlfile import load_yaml
+
+BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
+HOOK = "build_model"
+PARAMS_TOLERANCE = Fraction(1, 100)  # a params: override this far from the measured count is a typo
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    params: int
+    tensor_parallel: Optional[bool]  # has parameters marked tensor-parallel; None: not known (not built)
+    source: str  # how Ψ was found, for the plan's text
+    shape: Optional[dict] = None  # the GPT shape (GPTConfig.to_dict()) when the model is the built-in GPT
+    module: Any = field(default=None, compare=False, repr=False)  # the model on the meta device, when built
+
+
+def model_facts(spec) -> ModelFacts:
+    """Ψ, TP layers and shape of the model of ``spec`` (a ``launch.spec.LaunchSpec``); see the module docstring."""
+    path = spec.job.config
+    doc = load_yaml(path, "model config")
+    stated = None
+    if isinstance(doc, dict) and "params" in doc:
+        stated = parse_count(doc["params"], field=f"params in {path}")
+    hook, where = find_hook(spec.job.entrypoint, spec.job.working_dir)
+    if hook is None and isinstance(doc, dict) and "model" not in doc and stated is not None:
+        return ModelFacts(stated, None, f"params: in {path.name} (not built: {spec.job.entrypoint.split(':')[0]} "
+                                        f"defines no {HOOK})")
+    if hook is None:
+        from hybrid.models.gpt.training import build_model as hook
+
+        where = "the built-in GPT (hybrid.models.gpt.training.build_model), from the model: mapping"
+    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its keys, train: options and data, before any rank starts
+        from hybrid.models.gpt.training import check_model_config
+
+        check_model_config(doc, path)
+    model = build_on_meta(hook, doc, where)
+    counted = sum(p.numel() for p in model.parameters())
+    if counted == 0:
+        raise ConfigError(f"{where} built a model without parameters from {v.quote(str(path))}; return the "
+                          "model to train from build_model.")
+    from hybrid.weights.attrs import is_tensor_parallel
+
+    tensor_parallel = any(is_tensor_parallel(p) for p in model.parameters())
+    source = f"counted on the meta device by {where}"
+    params = counted
+    if stated is not None:
+        check_override(stated, counted, path, where)
+        params, source = stated, f"params: {stated:,} in {path.name}, within 1% of the {counted:,} {source}"
+    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model)
+
+
+def find_hook(entrypoint: str, working_dir=None) -> tuple[Optional[Callable], Optional[str]]:
+    """The entrypoint's ``build_model`` and where it was found (``module.build_model``), or (None, None)."""
+    from launch.spec import resolve_entrypoint
+
+    fn = resolve_entrypoint(entrypoint, working_dir=working_dir)
+    module_name = entrypoint.split(":")[0]
+    for name in dict.fromkeys((module_name, getattr(fn, "__module__", None) or module_name)):
+        hook = getattr(sys.modules.get(name), HOOK, None)
+        if callable(hook):
+            return hook, f"{name}.{HOOK}"
+    return None, None
+
+
+def build_on_meta(hook: Callable, model_config: Any, where: str):
+    """``hook(model_config)`` under ``torch.device("meta")``; its failure is one ``ConfigError`` sentence."""
+    import torch
+    from torch import nn
+
+    try:
+        with torch.device("meta"):
+            model = hook(model_config)
+    except ConfigError:
+        raise
+    except Exception as err:  # the user's code: any failure is theirs to see, in one line
+        # All its lines, joined: validators (Hugging Face's) give the reason on the second.
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or "no message"
+        raise ConfigError(f"{where} failed on the driver (called under torch.device('meta') to count the "
+                          f"parameters): {type(err).__name__}: {text[:400]}; fix build_model or the model "
+                          "config.") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{where} returned {type(model).__name__}, not a torch.nn.Module; return the model "
+                          "to train.")
+    return model
+
+
+def check_override(stated: int, counted: int, path, where: str) -> None:
+    """``params:`` must agree with the measured count to ``PARAMS_TOLERANCE``."""
+    if abs(Fraction(stated - counted, counted)) > PARAMS_TOLERANCE:
+        raise ConfigError(f"params in {v.quote(str(path))} is {stated:,}, but {where} builds a model of "
+                          f"{counted:,} parameters (off by more than 1%); remove params: (the count is measured) "
+                          "or correct it.")
+
+
+def _gpt_shape(model) -> Optional[dict]:
+    from hybrid.models.gpt.model import GPT
+
+    return model.config.to_dict() if isinstance(model, GPT) else None

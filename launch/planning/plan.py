@@ -1,0 +1,322 @@
+"""Turn a validated spec (and, when Ray is up, the node probes) into a ``LaunchPlan``.
+
+``build_plan(spec, reports=None)``: Ψ measured from the model (``launch.planning.model_size``: the entrypoint's
+``build_model`` hook on the meta device, nothing allocated; ``params:`` as a checked override), the TP
+degree (``choose_tp``: ``parallel.tp``, or under ``auto`` for a model with tensor-parallel layers the
+largest divisor of gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory from the NVML probes
+when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host memory per node from
+the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
+and why), activation estimates for one micro-batch with and without checkpointing, and
+``hybrid.plan.planner.choose_stage`` for the ZeRO stage, activation checkpointing and offload
+(``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice). Without
+``reports`` nothing touches Ray: that is ``hybrid plan``.
+
+``mesh_layout`` is the pure rank layout (rank r on node r // gpus_per_node; TP groups of consecutive
+ranks; DP groups of ranks with equal r % tp); ``plan_dict`` and ``format_plan`` render a plan.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from hybrid.errors import ConfigError, PlanError
+from hybrid.plan.memory import GB, gpt_activation_bytes
+from hybrid.plan.planner import Plan, choose_stage, quantity
+from hybrid.config.units import count, human_bytes
+from launch.planning.model_size import ModelFacts, model_facts
+from launch.spec import LaunchSpec
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    nodes: int
+    ranks_per_node: int
+    tp: int
+    dp: int
+
+    @property
+    def node_ranks(self) -> list[list[int]]:
+        g = self.ranks_per_node
+        return [list(range(n * g, (n + 1) * g)) for n in range(self.nodes)]
+
+    @property
+    def tp_groups(self) -> list[list[int]]:
+        return [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.dp)]
+
+    @property
+    def dp_groups(self) -> list[list[int]]:
+        return [list(range(j, self.tp * self.dp, self.tp)) for j in range(self.tp)]
+
+
+def mesh_layout(nodes: int, ranks_per_node: int, tp: int) -> MeshLayout:
+    if ranks_per_node % tp:
+        raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {ranks_per_node}; "
+                          "use a divisor of gpus_per_node.")
+    return MeshLayout(nodes, ranks_per_node, tp, nodes * ranks_per_node // tp)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    spec: LaunchSpec
+    params: int
+    layout: MeshLayout
+    plan: Plan
+    memory_source: str  # "declared" or "measured"
+    memory_note: str  # one sentence: where the per-GPU memory figure came from
+    use_gpus: Optional[bool]  # None: not known without probing the cluster
+    model: Optional[dict] = None  # the GPT shape when the model is the built-in GPT
+    tp_reason: str = ""  # why this TP degree
+    params_source: str = ""  # how Ψ was found
+    host_note: str = ""  # where the host memory figure came from
+    tensor_parallel_layers: Optional[bool] = None  # None: not known (the model was not built)
+    module: Any = field(default=None, compare=False, repr=False)  # the model on meta (units for the prediction)
+    # Names this job to its ranks across attempts and re-plans (HYBRID_JOB_ID): an attempt waits longer for a
+    # checkpoint lock an earlier attempt of its own job still holds (hybrid.checkpoint.lock).
+    job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12], compare=False)
+
+    @property
+    def stage(self) -> int:
+        return self.plan.stage
+
+    @property
+    def backend(self) -> str:
+        if self.use_gpus is None:
+            return "nccl with GPUs, gloo without (decided at launch)"
+        return "nccl" if self.use_gpus else "gloo"
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+
+def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
+               facts: Optional[ModelFacts] = None) -> LaunchPlan:
+    """The plan for ``spec``; ``reports`` are ``launch.ray.probe.NodeReport``s, or None to plan from declared
+    facts alone; ``facts``: ``model_facts(spec)`` when the caller has them already."""
+    cluster, parallel = spec.cluster, spec.parallel
+    facts = facts if facts is not None else model_facts(spec)
+    tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
+    layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, tp)
+    if facts.shape is not None:
+        _check_tp(facts.shape, layout.tp)
+    if reports is None:
+        use_gpus, memory, source = None, cluster.gpu_memory_gb * GB, "declared"
+        note = (f"planned from declared facts (no Ray cluster contacted): cluster.gpu_memory_gb = "
+                f"{cluster.gpu_memory_gb:g} GB per GPU")
+    else:
+        use_gpus, memory, source, note = _memory_from_probes(spec, reports)
+    host, host_note = host_memory(spec, reports)
+    activations, checkpointed = 0.0, None
+    if facts.shape is not None:
+        m = facts.shape
+        # The built-in GPT's own estimate (SDPA, dtype, logits and loss), the one its memory prediction uses.
+        shape = dict(seq=m["seq_len"], micro_batch=spec.job.micro_batch, hidden=m["hidden"], heads=m["n_heads"],
+                     layers=m["n_layers"], vocab=m["vocab_size"], tp=layout.tp, precision=parallel.precision,
+                     mlp_ratio=m["mlp_ratio"])
+        activations = gpt_activation_bytes(**shape)
+        checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
+    plan = choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
+                        activation_bytes=activations, forced_stage=parallel.zero_stage,
+                        checkpointed_activation_bytes=checkpointed, offload=parallel.offload,
+                        activation_checkpointing=parallel.activation_checkpointing, host_memory_bytes=host,
+                        ranks_per_node=cluster.gpus_per_node)
+    return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
+                      facts.source, host_note, facts.tensor_parallel, facts.module)
+
+
+def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, facts: ModelFacts) -> tuple[int, str]:
+    """The TP degree and why: ``parallel.tp`` as given, else for a model with TP layers the largest divisor of
+    gpus_per_node that splits it (every divisor is tried on the built-in GPT's shape; another model's
+    constraints are unknown here, so gpus_per_node)."""
+    if requested is not None:
+        if requested > 1 and facts.tensor_parallel is False:
+            raise ConfigError(f"parallel.tp is {requested}, but the model has no tensor-parallel layers (no "
+                              "parameter is marked tensor-parallel, hybrid.weights.attrs), so its TP ranks would "
+                              "all compute the same thing; set parallel.tp to 1 or auto.")
+        return requested, f"tp {requested} as requested (parallel.tp)"
+    if facts.tensor_parallel:
+        if facts.shape is None:
+            return gpus_per_node, (f"tp auto: {gpus_per_node} = gpus_per_node, since the model has "
+                                   "tensor-parallel layers")
+        refusals = {}
+        for tp in (d for d in range(gpus_per_node, 0, -1) if gpus_per_node % d == 0):
+            refusals[tp] = _tp_refusal(facts.shape, tp)
+            if refusals[tp] is None:
+                break
+        if tp == gpus_per_node:
+            return tp, (f"tp auto: {tp} = gpus_per_node, since the model has tensor-parallel layers"
+                        if tp > 1 else "tp auto: 1 = gpus_per_node")
+        return tp, (f"tp auto: {tp}, the largest divisor of gpus_per_node={gpus_per_node} that splits the model "
+                    f"(tp {gpus_per_node}: {refusals[gpus_per_node]})")
+    why = ("the model has no tensor-parallel layers (no parameter is marked tensor-parallel)"
+           if facts.tensor_parallel is False else
+           "the model was not built on the driver (a params: count without a build_model hook), so whether it "
+           "has tensor-parallel layers is unknown; set parallel.tp to use TP")
+    return 1, f"tp auto: 1, since {why}; DP spans all {world_size} ranks"
+
+
+def host_memory(spec: LaunchSpec, reports: Optional[Sequence]) -> tuple[Optional[float], str]:
+    """Host memory per node for offloaded optimizer states, and where the figure came from: the smallest
+    probed node (Ray nodes on one machine, same IP, share its memory), else the declared
+    ``cluster.host_memory_gb``, else None (not checked)."""
+    declared = spec.cluster.host_memory_gb
+    if reports and all(r.host_memory_bytes for r in reports):
+        sharing = Counter(r.ip for r in reports)
+        share = {r.node_id: r.host_memory_bytes / sharing[r.ip] for r in reports}
+        smallest = min(reports, key=lambda r: share[r.node_id])
+        shared = (f", shared by the {sharing[smallest.ip]} Ray nodes at {smallest.ip}"
+                  if sharing[smallest.ip] > 1 else "")
+        return share[smallest.node_id], (f"host memory probed: {human_bytes(share[smallest.node_id])} available "
+                                         f"per node (smallest node{shared})")
+    if declared is not None:
+        return declared * GB, f"host memory declared: cluster.host_memory_gb = {declared:g} GB per node"
+    return None, "host memory unknown (declare cluster.host_memory_gb to check it when planning offline)"
+
+
+def _tp_refusal(model: dict, tp: int) -> Optional[str]:
+    """Why the built-in GPT of shape ``model`` cannot be split ``tp`` ways, or None when it can."""
+    from hybrid.models.gpt.model import GPTConfig
+
+    try:
+        GPTConfig.from_dict(model).check_tp(tp)
+    except ConfigError as err:
+        return str(err).rstrip(".")
+    return None
+
+
+def _check_tp(model: dict, tp: int) -> None:
+    refusal = _tp_refusal(model, tp)
+    if refusal is not None:
+        raise ConfigError(f"parallel.tp={tp} cannot split this model: {refusal}; set parallel.tp to a divisor "
+                          f"of gpus_per_node that works, or auto.")
+
+
+def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, float, str, str]:
+    cluster = spec.cluster
+    declared = cluster.gpu_memory_gb * GB
+    gpu_nodes = [r for r in reports if r.gpus >= cluster.gpus_per_node]
+    if len(gpu_nodes) >= cluster.nodes:
+        nodes = gpu_nodes
+        unmeasured = [r for r in nodes if not r.measured]
+        if not unmeasured:
+            smallest = min((g for r in nodes for g in r.probe.gpus), key=lambda g: g.total_bytes)
+            return True, float(smallest.total_bytes), "measured", (
+                f"measured by NVML on {len(nodes)} nodes: smallest GPU is {smallest.name} with "
+                f"{human_bytes(smallest.total_bytes)}")
+        return True, declared, "declared", (
+            f"NVML unavailable on {len(unmeasured)} of {len(nodes)} GPU nodes ({unmeasured[0].probe.reason}); "
+            f"using the declared cluster.gpu_memory_gb = {cluster.gpu_memory_gb:g} GB")
+    cpu_nodes = [r for r in reports if r.cpus >= cluster.gpus_per_node]
+    if len(cpu_nodes) < cluster.nodes:
+        raise PlanError(f"cluster.nodes is {cluster.nodes}, but the Ray cluster has only {len(cpu_nodes)} nodes with "
+                        f"{cluster.gpus_per_node} CPUs (and {len(gpu_nodes)} with {cluster.gpus_per_node} GPUs); "
+                        "lower cluster.nodes or gpus_per_node, or add nodes.")
+    reason = reports[0].probe.reason if reports else "no nodes"
+    return False, declared, "declared", (
+        f"no GPUs in the Ray cluster (NVML on the first node: {reason}); ranks run on CPU with gloo and the plan "
+        f"uses the declared cluster.gpu_memory_gb = {cluster.gpu_memory_gb:g} GB")
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+
+def plan_dict(lp: LaunchPlan) -> dict:
+    """A JSON-ready description of the plan (what ``hybrid plan --json`` prints)."""
+    c, p, par = lp.spec.cluster, lp.plan, lp.spec.parallel
+    return {
+        "cluster": {"address": c.address, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
+                    "interconnect": {"intra_node": c.intra_node, "inter_node": c.inter_node}},
+        "model": {"config": str(lp.spec.job.config), "params": lp.params, "shape": lp.model,
+                  "params_source": lp.params_source, "tensor_parallel_layers": lp.tensor_parallel_layers},
+        "mesh": {"world_size": c.world_size, "tp": lp.layout.tp, "dp": lp.layout.dp, "tp_reason": lp.tp_reason,
+                 "nodes": [{"node": n, "ranks": r} for n, r in enumerate(lp.layout.node_ranks)],
+                 "tp_groups": lp.layout.tp_groups, "dp_groups": lp.layout.dp_groups},
+        "memory": {"source": lp.memory_source, "note": lp.memory_note, "gpu_memory_bytes": p.gpu_memory_bytes,
+                   "usable_bytes": p.usable_bytes, "headroom": p.headroom, "activation_bytes": p.activation_bytes,
+                   "checkpointed_activation_bytes": p.checkpointed_activation_bytes,
+                   "precision": par.precision, "per_gpu_bytes": p.per_gpu_bytes,
+                   "host": {"note": lp.host_note, "host_memory_bytes": p.host_memory_bytes,
+                            "per_rank_bytes": p.host_bytes, "per_node_bytes": p.host_bytes_per_node},
+                   "stages": {str(s): {"params": b.params, "grads": b.grads, "optimizer": b.optimizer,
+                                       "total": b.total, "with_activations": b.total + p.activation_bytes,
+                                       "fits": p.fits[s]} for s, b in sorted(p.stages.items())},
+                   "options": [{"stage": o.stage, "activation_checkpointing": o.activation_checkpointing,
+                                "offload": o.offload, "device_bytes": o.device_bytes, "host_bytes": o.host_bytes,
+                                "fits": o.fits} for o in p.options]},
+        "stage": p.stage, "offload": p.offload, "activation_checkpointing": p.activation_checkpointing,
+        "reason": p.reason,
+        "requested_stage": "auto" if par.zero_stage is None else par.zero_stage,
+        "requested_offload": _lever(par.offload), "requested_activation_checkpointing":
+            _lever(par.activation_checkpointing),
+        "backend": lp.backend,
+    }
+
+
+def format_plan(lp: LaunchPlan) -> str:
+    """The plan as text: model, mesh (and why this TP degree), per-stage memory table, the levers tried,
+    the chosen stage and levers, and the reason."""
+    c, p, layout, par = lp.spec.cluster, lp.plan, lp.layout, lp.spec.parallel
+    lines = [f"model   {lp.spec.job.config.name}: {quantity(lp.params, 'parameter')} ({lp.params_source}), precision "
+             f"{par.precision}",
+             f"mesh    {count(c.nodes, 'node')} x {count(c.gpus_per_node, 'rank')} = {count(c.world_size, 'rank')}; tp={layout.tp} (inside a node), "
+             f"dp={layout.dp}; backend {lp.backend}",
+             f"  {lp.tp_reason}"]
+    lines += [f"  node {n}: ranks {_ranks(r)}" for n, r in enumerate(layout.node_ranks)]
+    lines.append("  TP groups: " + " ".join(_group(g) for g in layout.tp_groups))
+    lines.append("  DP groups: " + " ".join(_group(g) for g in layout.dp_groups))
+    checkpointed = ("" if p.checkpointed_activation_bytes is None else
+                    f" ({human_bytes(p.checkpointed_activation_bytes)} with checkpointing)")
+    activations = (f"activations ~{human_bytes(p.activation_bytes)}{checkpointed}" if lp.model is not None else
+                   "activations not estimated (the shape is known only for the built-in GPT)")
+    lines.append(f"memory  {lp.memory_note}; {human_bytes(p.usable_bytes)} usable per GPU "
+                 f"({p.headroom:.0%} headroom), {activations}")
+    lines.append(f"  {lp.host_note}")
+    header = f"  {'stage':<6}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}{'+activ.':>11}  fits"
+    lines.append(header)
+    plain = not (p.offload or p.activation_checkpointing)
+    for s, b in sorted(p.stages.items()):
+        mark = "  <- chosen" if s == p.stage and plain else ""
+        lines.append(f"  {s:<6}{human_bytes(b.params):>11}{human_bytes(b.grads):>11}{human_bytes(b.optimizer):>11}"
+                     f"{human_bytes(b.total):>11}{human_bytes(b.total + p.activation_bytes):>11}  "
+                     f"{'yes' if p.fits[s] else 'no':<4}{mark}")
+    levers = [o for o in p.options if o.offload or o.activation_checkpointing]
+    if levers:
+        lines.append(f"  {'with levers':<17}{'GPU':>11}{'host/node':>11}  fits")
+        for o in levers:
+            chosen = (o.stage, o.offload, o.activation_checkpointing) == (p.stage, p.offload, p.activation_checkpointing)
+            host = human_bytes(o.host_bytes * p.ranks_per_node) if o.offload else "-"
+            lines.append(f"  {o.label:<17}{human_bytes(o.device_bytes):>11}{host:>11}  {'yes' if o.fits else 'no':<4}"
+                         f"{'  <- chosen' if chosen else ''}")
+    lines.append(f"levers  activation checkpointing {_on(p.activation_checkpointing)} "
+                 f"(parallel.activation_checkpointing: {_yaml(par.activation_checkpointing)}), optimizer offload "
+                 f"{_on(p.offload)} (parallel.offload: {_yaml(par.offload)})")
+    lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
+    return "\n".join(lines)
+
+
+def _with_levers(p: Plan) -> str:
+    parts = [text for on, text in ((p.offload, "optimizer states offloaded to CPU"),
+                                   (p.activation_checkpointing, "activation checkpointing")) if on]
+    return f" with {' and '.join(parts)}" if parts else ""
+
+
+def _lever(value: Optional[bool]):
+    return "auto" if value is None else value
+
+
+def _yaml(value: Optional[bool]) -> str:
+    return "auto" if value is None else str(value).lower()
+
+
+def _on(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 else ",".join(map(str, ranks))
+
+
+def _group(g: list[int]) -> str:
+    return "[" + ",".join(map(str, g)) + "]"

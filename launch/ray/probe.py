@@ -1,0 +1,84 @@
+"""Ask every Ray node what GPUs and host memory it has: one task pinned to each node runs
+``hybrid.plan.monitor.probe()`` and reads the host memory (``host_memory_bytes``: ``MemAvailable`` of
+``/proc/meminfo``, what the node can give a job now; else the physical memory from ``sysconf``).
+
+``probe_nodes()`` returns one ``NodeReport`` per alive Ray node (node id, IP, logical CPU/GPU counts,
+the ``NodeProbe`` NVML gave, or its reason for giving nothing, and the host memory, None where unknown).
+The tasks take no CPU, so they run even where ranks already hold every CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from hybrid.plan.monitor import NodeProbe
+
+PROBE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    node_id: str
+    ip: str
+    cpus: float  # logical CPUs Ray schedules on this node
+    gpus: float  # GPUs Ray schedules on this node
+    probe: NodeProbe  # what NVML measured there
+    host_memory_bytes: Optional[int] = None  # what the node's host memory can give the job; None: unknown
+
+    @property
+    def measured(self) -> bool:
+        return self.probe.available and bool(self.probe.gpus)
+
+
+def parse_meminfo(text: str) -> Optional[int]:
+    """Bytes of ``MemAvailable`` (else ``MemTotal``) in the text of ``/proc/meminfo``; None if neither."""
+    fields = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return fields.get("MemAvailable", fields.get("MemTotal"))
+
+
+def host_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> Optional[int]:
+    """This machine's host memory available to a job, in bytes; None where it cannot be read."""
+    try:
+        found = parse_meminfo(meminfo.read_text())
+    except OSError:
+        found = None
+    if found is None:
+        try:
+            found = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):
+            return None
+    return found
+
+
+@ray.remote(num_cpus=0)
+def _probe_here() -> tuple[NodeProbe, Optional[int]]:
+    from hybrid.plan.monitor import probe
+
+    return probe(), host_memory_bytes()
+
+
+def live_nodes() -> list[dict]:
+    """``ray.nodes()`` of the connected cluster that are alive."""
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def probe_nodes(timeout_s: float = PROBE_TIMEOUT_S) -> list[NodeReport]:
+    """Probe every alive node of the connected Ray cluster, in a stable order (by IP, then node id)."""
+    nodes = sorted(live_nodes(), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+    refs = [_probe_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote() for n in nodes]
+    probes = ray.get(refs, timeout=timeout_s)
+    return [NodeReport(node_id=n["NodeID"], ip=n["NodeManagerAddress"], cpus=n["Resources"].get("CPU", 0.0),
+                       gpus=n["Resources"].get("GPU", 0.0), probe=p, host_memory_bytes=host)
+            for n, (p, host) in zip(nodes, probes)]
