@@ -4,8 +4,13 @@ Library code raises a subclass of ``UserError`` for anything the user can fix (a
 cluster that cannot hold the model, a file that is not a checkpoint). The CLI prints ``str(err)`` alone
 and exits with status 2; it never shows a traceback for these. ``listing(names)`` is the one way a message
 names several things, ``first_line(err)`` the one way it quotes another library's exception.
+
+Why a rank failed travels as data, not as text to search: ``FailureKind`` names it, the rank decides it
+where it caught the exception (``hybrid.runtime.failure.failure_kind``), and ``RankFailed`` carries the kind
+and the exception to the launcher, which weighs the kinds of all failed ranks to name the cause.
 """
 
+import enum
 import re
 from typing import Optional
 
@@ -48,6 +53,45 @@ class _Portable(Exception):
 def reworded(err: Exception, message: str) -> Exception:
     """A copy of ``err`` (same class and attributes) whose message is ``message``."""
     return _rebuilt(type(err), (message,), dict(getattr(err, "__dict__", {})))
+
+
+class FailureKind(str, enum.Enum):
+    """Why a rank stopped. The rank decides the kinds of what it raised; the launcher adds ``DIED`` (the rank's
+    process is gone) and ``HUNG`` (it raised nothing, and its heartbeat shows its peers timed out waiting for it)."""
+
+    RAISED = "raised"                # the rank's own exception, none of the kinds below
+    DIED = "died"                    # its process died (killed, crashed, os._exit)
+    HUNG = "hung"                    # its peers timed out waiting for it in a collective
+    EXITED = "exited"                # the entrypoint called sys.exit with a failing code
+    INTERRUPTED = "interrupted"      # the entrypoint raised KeyboardInterrupt
+    PEER = "peer"                    # a collective failed because a peer stopped or never came: a consequence
+    USER_ERROR = "user_error"        # a UserError: one sentence, exit 2, never retried
+    JOB_ERROR = "job_error"          # a JobError: a restart would only repeat it, exit 1
+    OUT_OF_MEMORY = "out_of_memory"  # torch.OutOfMemoryError (a GPU's, or over the rank's memory budget)
+
+
+def of_kind(err: BaseException, kind: FailureKind) -> BaseException:
+    """``err`` marked as a failure of ``kind``, for code that raises an exception whose type must stay what it is
+    (the ``RuntimeError`` of a collective) but knows why it fails; returns ``err``, to raise. The mark is an
+    attribute, so it survives pickling."""
+    err.failure_kind = kind
+    return err
+
+
+def marked_kind(err: BaseException) -> Optional[FailureKind]:
+    """The kind ``of_kind`` marked ``err`` with, or None."""
+    kind = getattr(err, "failure_kind", None)
+    return kind if isinstance(kind, FailureKind) else None
+
+
+class RankFailed(_Portable):
+    """What a rank's entrypoint raised, as the rank reports it to the launcher: ``kind`` (a ``FailureKind``,
+    decided on the rank) and ``error``, the exception itself (or a ``RuntimeError`` with its type and message
+    where it cannot travel). Its message is the error's type and message."""
+
+    def __init__(self, kind: FailureKind, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.kind, self.error = FailureKind(kind), error
 
 
 class UserError(_Portable):

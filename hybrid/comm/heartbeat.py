@@ -10,6 +10,13 @@ blocked in, or None), ``since`` (wall-clock time it entered that one, or None) a
 time of its last entry or exit; the start of the process when none). An async collective counts as
 entered when it is issued and is not tracked while its handle is waited on: on NCCL the CPU never blocks
 inside a collective anyway, so ``entered`` is the signal that holds for both backends.
+
+``lost_peer(err)`` tells a collective that failed because of its peer (a peer that exited, crashed or never
+came within the group's timeout) from any other error: the rank reports those as ``FailureKind.PEER``, a
+consequence, so the launcher looks for the rank that caused them. It is the one place where an error's text
+is read to decide a failure's kind, because gloo and NCCL raise a plain ``RuntimeError`` whose message is
+the only signal (``PEER_SYMPTOMS``); the project's own collectives (``hybrid.comm.shm``) mark theirs with
+the kind instead (``hybrid.errors.of_kind``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Optional
+
+from hybrid.errors import FailureKind, marked_kind
 
 _lock = threading.Lock()
 _state = {"entered": 0, "inside": None, "since": None, "last": time.time()}
@@ -34,6 +43,23 @@ def collective(label: str) -> Iterator[None]:
     finally:
         with _lock:
             _state.update(inside=None, since=None, last=time.time())
+
+
+# What gloo and NCCL say (in a RuntimeError, or torch's DistBackendError, a subclass) when the other end of a
+# collective went away or never came: gloo's TCP pair seeing the peer's socket close or reset, gloo's timeout
+# on a receive or on the pair, NCCL's watchdog timing out a collective and the communicator it then aborts.
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                 "Application timeout caused pair closure", "Watchdog caught collective operation timeout",
+                 "NCCL communicator was aborted")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's failure caused by a peer: marked ``FailureKind.PEER`` where it was
+    raised (``hybrid.comm.shm``), or a ``RuntimeError`` saying one of ``PEER_SYMPTOMS`` (gloo's, NCCL's).
+    Only ``err`` itself is looked at, not the exceptions it was raised from."""
+    if marked_kind(err) is not None:
+        return marked_kind(err) is FailureKind.PEER
+    return isinstance(err, RuntimeError) and any(symptom in str(err) for symptom in PEER_SYMPTOMS)
 
 
 def snapshot() -> dict:

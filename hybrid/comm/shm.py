@@ -26,7 +26,7 @@ element count), so ranks that do not are an error, not mixed data. Data goes in 
 (``SLICE_BYTES / (N-1)``) per peer through two alternating buffers, so one ring per slice suffices: a rank
 writes buffer ``b`` again only two rings later, after every peer has rung the ring between, which it does only
 after reading ``b``. A peer that exits (or a doorbell that stays quiet past the group's timeout) raises
-``RuntimeError`` instead of a hang.
+``RuntimeError`` instead of a hang, marked ``FailureKind.PEER`` (the launcher blames the peer).
 
 Each rank's region is two buffers of ``SLICE_BYTES`` (2 MiB at every N); a rank's resident memory also counts
 the pages it reads of its peers' regions (`resident_bytes`).
@@ -48,9 +48,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.errors import FailureKind, of_kind
+
 SLICE_BYTES = 1 << 20  # bytes of one buffer (its N-1 peer slots together)
 ENV_SWITCH = "HYBRID_SHM_COLLECTIVES"  # 0 / false / off / no turns the shared-memory path off (gloo instead)
-# How a rank reports that a peer, not itself, broke a collective (the launcher blames the peer for these)
+# How a rank says that a peer, not itself, broke a collective (``_peer_error``: the launcher blames the peer)
 PEER_EXITED = "of the group exited during a collective"
 PEER_LATE = "did not reach the collective within the group's timeout"
 _MSG = struct.Struct("<III")  # sender, ring number, signature of the collective
@@ -105,6 +107,12 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _peer_error(message: str) -> RuntimeError:
+    """A collective's error that a peer caused, not this rank: marked ``FailureKind.PEER`` (the launcher then
+    looks for the peer that caused it)."""
+    return of_kind(RuntimeError(message), FailureKind.PEER)
+
+
 def _group_timeout(group) -> timedelta:
     try:
         return group._get_backend(torch.device("cpu")).options._timeout
@@ -138,7 +146,7 @@ class _Doorbell:
             try:
                 os.write(fd, msg)
             except BrokenPipeError:  # its read end closed: the peer is gone
-                raise RuntimeError(f"{self._label}: {self._who(q)} {PEER_EXITED}") from None
+                raise _peer_error(f"{self._label}: {self._who(q)} {PEER_EXITED}") from None
         deadline = None
         while any(not sigs for sigs in self._arrived.values()):
             if self._poll.poll(_POLL_MS):
@@ -147,10 +155,10 @@ class _Doorbell:
             late = [q for q, sigs in self._arrived.items() if not sigs]
             gone = [q for q in late if not _alive(self._pids[q])]
             if gone:
-                raise RuntimeError(f"{self._label}: {self._who(gone[0])} {PEER_EXITED}")
+                raise _peer_error(f"{self._label}: {self._who(gone[0])} {PEER_EXITED}")
             deadline = deadline or time.monotonic() + self._timeout_s
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self._label}: {self._who(late[0])} {PEER_LATE} ({self._timeout_s:.0f} s)")
+                raise _peer_error(f"{self._label}: {self._who(late[0])} {PEER_LATE} ({self._timeout_s:.0f} s)")
         for q, sigs in self._arrived.items():
             if sigs.pop(0) != signature:
                 raise RuntimeError(f"{self._label}: {self._who(q)} issued a different collective than this "

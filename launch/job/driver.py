@@ -7,13 +7,16 @@ start of all ranks: placement, rendezvous, the entrypoint on every rank, reports
 progress display. A rank whose actor dies or raises stops the attempt at once: the whole worker group is
 killed (no rank is left to hang in a collective), a new one is started, and every rank resumes from the
 latest complete checkpoint (``hybrid.runtime.train.run_steps`` does the resuming); the display says which rank on
-which node failed, why, and from which step the ranks restart. The failure blamed is the root cause: a
-dead process before a rank's own exception before a collective that failed because of its peer. When no
-rank raised an error of its own, the ranks' collective heartbeats (``hybrid.comm.heartbeat``, drained with the
-reports) decide: a rank that stopped entering collectives well before its peers timed out, and is behind
-all of them, is the hung rank they were waiting for and is named instead of its victims (``attribute``).
-A ``UserError`` raised on a rank (a bad model config, say) is not retried (exit 2), nor is a ``JobError``
-(training diverged: ``NonFiniteError``), which fails the job (exit 1).
+which node failed, why, and from which step the ranks restart. Each failed rank's ``FailureKind`` is data:
+decided by the rank itself (``hybrid.runtime.failure``, carried by ``hybrid.errors.RankFailed``), or ``DIED``
+when Ray reports its process gone (``kind_of``); no error text is searched here. The failure blamed is the
+root cause: a dead process before a rank's own exception before a collective that failed because of its
+peer (``PEER``). When no rank raised an error of its own, the ranks' collective heartbeats
+(``hybrid.comm.heartbeat``, drained with the reports) decide: a rank that stopped entering collectives well
+before its peers timed out, and is behind all of them, is the hung rank they were waiting for and is named
+instead of its victims (``attribute``; ``HUNG``). A ``USER_ERROR`` (a ``UserError`` raised on a rank: a bad
+model config, say) is not retried (exit 2), nor is a ``JOB_ERROR`` (training diverged: ``NonFiniteError``),
+which fails the job (exit 1).
 
 On GPUs every rank runs with NCCL's flight recorder on (``TORCH_FR_BUFFER_SIZE``, the current name of
 ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and dumps it when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
@@ -30,9 +33,9 @@ goes to ``launch.job.metrics.MetricsWriter`` (run_dir/metrics.jsonl), and the su
 the entrypoint's reference and where the metrics and the ranks' full logs are.
 
 Memory (``launch.planning.memory_loop``): the display shows the plan's predicted memory against what the ranks
-measure; a rank that runs out of memory (``torch.OutOfMemoryError``, on CPU raised by the ranks' budget
-check) makes the driver re-plan from the measured figures (``launch.planning.replan``) and restart every rank from
-the latest checkpoint with the new plan, at most ``job.max_replans`` times, without using up
+measure; a rank that runs out of memory (``OUT_OF_MEMORY``: ``torch.OutOfMemoryError``, on CPU raised by the
+ranks' budget check) makes the driver re-plan from the measured figures (``launch.planning.replan``) and restart
+every rank from the latest checkpoint with the new plan, at most ``job.max_replans`` times, without using up
 ``job.max_failures``; the figures go to ``run_dir/memory.json``.
 
 Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
@@ -52,10 +55,9 @@ from typing import Any, Optional, TextIO
 
 import ray
 
-from hybrid.comm import heartbeat, shm as shm_collectives
+from hybrid.comm import heartbeat
 from hybrid.checkpoint import layout
-from hybrid.errors import JobError, UserError, first_line, reworded
-from hybrid.plan.budget import OutOfMemoryError
+from hybrid.errors import FailureKind, RankFailed, first_line, reworded
 from hybrid.runtime.train import JobSettings
 from hybrid.config.units import count
 from launch.planning import memory_loop, replan
@@ -336,26 +338,26 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     failed_at = time.time()
     group.request_stop()
     deadline = time.monotonic() + GRACE_S
-    while pending and min(failure_order(e) for _, e in failures) == PEER and time.monotonic() < deadline:
+    while pending and all(kind_of(e) is FailureKind.PEER for _, e in failures) and time.monotonic() < deadline:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
         failures += _take(ready, pending, results)
     _drain(group, progress, beats)
-    rank, err = attribute(failures, beats, failed_at, timeout_s)
+    rank, kind, err = attribute(failures, beats, failed_at, timeout_s)
     where = {p.rank: p for p in group.placement}.get(rank)
-    if err is None:
+    node = where.node_index if where else None
+    if kind is FailureKind.HUNG:
         cause = hung_cause(rank, failures, beats, failed_at, timeout_s)
         log.error("rank %d %s", rank, cause)
-        return AttemptOutcome(False, failure=Failure(rank, where.node_index if where else None, cause))
-    failure = Failure(rank, where.node_index if where else None, cause_of(err, where.pid if where else None))
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, UserError):  # one sentence is the whole story: no traceback (it stays in the rank's log)
+        return AttemptOutcome(False, failure=Failure(rank, node, cause))
+    failure = Failure(rank, node, cause_of(err, where.pid if where else None))
+    error = rank_error(err)
+    if kind is FailureKind.USER_ERROR:  # one sentence is the whole story: no traceback (it stays in the rank's log)
         log.debug("rank %d failed:\n%s", rank, err)
-        return AttemptOutcome(False, failure=failure, user_error=reworded(cause, f"rank {rank}: {cause}"))
+        return AttemptOutcome(False, failure=failure, user_error=reworded(error, f"rank {rank}: {error}"))
     log.error("rank %d failed:\n%s", rank, err)
-    if isinstance(cause, JobError):  # e.g. diverged: a restart from the checkpoint would diverge again
-        return AttemptOutcome(False, failure=Failure(failure.rank, failure.node, str(cause)), retryable=False)
-    oom = isinstance(cause, OutOfMemoryError) or type(cause).__name__ == "OutOfMemoryError"
-    return AttemptOutcome(False, failure=failure, oom=oom)
+    if kind is FailureKind.JOB_ERROR:  # e.g. diverged: a restart from the checkpoint would diverge again
+        return AttemptOutcome(False, failure=Failure(rank, node, str(error)), retryable=False)
+    return AttemptOutcome(False, failure=failure, oom=kind is FailureKind.OUT_OF_MEMORY)
 
 
 def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exception]]:
@@ -387,45 +389,57 @@ def _drain(group: WorkerGroup, progress: Progress, beats: Optional[dict] = None)
             beats[drained["rank"]] = drained["heartbeat"]
 
 
-# How telling a rank's failure is about the root cause: its process died, it raised, or one of its
-# collectives failed (a dead or stuck peer's doing, most likely).
-DIED, RAISED, PEER = 0, 1, 2
-# Messages of gloo and NCCL when the other end of a collective vanished or never came.
-PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-                 "Application timeout caused pair closure", "Watchdog caught collective operation timeout",
-                 "NCCL communicator was aborted", shm_collectives.PEER_EXITED, shm_collectives.PEER_LATE)
-
-
-def failure_order(err: Exception) -> int:
+def kind_of(err: Exception) -> FailureKind:
+    """The kind of a rank's failure as Ray reported it: ``DIED`` when its process is gone, else the kind the
+    rank decided and sent (``hybrid.errors.RankFailed``); ``RAISED`` for an error that came without one."""
     if isinstance(err, ray.exceptions.RayActorError):
-        return DIED
-    cause = getattr(err, "cause", None)
-    if cause is not None and any(marker in str(cause) for marker in PEER_SYMPTOMS):
-        return PEER
-    return RAISED
+        return FailureKind.DIED
+    report = getattr(err, "cause", None)
+    return report.kind if isinstance(report, RankFailed) else FailureKind.RAISED
+
+
+def rank_error(err: Exception) -> Optional[BaseException]:
+    """The exception a rank's entrypoint raised, as the rank sent it (None for a process that died)."""
+    report = getattr(err, "cause", None)
+    return report.error if isinstance(report, RankFailed) else None
+
+
+def blame_order(kind: FailureKind) -> int:
+    """How telling a failure of ``kind`` is about the root cause, most first: its process died (0), it raised
+    an error of its own, whatever its kind (1), one of its collectives failed because of a peer (2: a dead or
+    stuck peer's doing)."""
+    return {FailureKind.DIED: 0, FailureKind.PEER: 2}.get(kind, 1)
+
+
+def own_error(kind: FailureKind) -> bool:
+    """Whether a failure of ``kind`` is the rank's own doing (not its death, not a peer's)."""
+    return blame_order(kind) == 1
 
 
 def root_cause(failures: list[tuple[int, Exception]]) -> tuple[int, Exception]:
     """The failure that most likely started it all: a dead process, else a rank's own exception, else the
     first failed collective; ties go to the earliest."""
-    return min(failures, key=lambda f: failure_order(f[1]))
+    return min(failures, key=lambda f: blame_order(kind_of(f[1])))
 
 
 def attribute(failures: list[tuple[int, Exception]], beats: dict[int, dict], now: float,
-              timeout_s: float) -> tuple[int, Optional[Exception]]:
-    """The rank to blame and its error (None: it raised nothing, it hung).
+              timeout_s: float) -> tuple[int, FailureKind, Optional[Exception]]:
+    """The rank to blame, the kind of its failure and its error (None when it is ``HUNG``: it raised nothing).
 
     A rank's own exception is always the cause. Otherwise (peers' collectives failed, processes died,
     as NCCL's watchdog kills a rank whose collective timed out) the heartbeats may name the rank the
-    others were waiting for (``hybrid.comm.heartbeat.hung_rank``); a dead rank is then blamed with its death.
+    others were waiting for (``hybrid.comm.heartbeat.hung_rank``); a rank so named that failed itself (its
+    process died, say) is blamed with its own failure.
     """
     rank, err = root_cause(failures)
-    if failure_order(err) == RAISED:
-        return rank, err
+    kind = kind_of(err)
+    if own_error(kind):
+        return rank, kind, err
     hung = heartbeat.hung_rank(beats, now, timeout_s)
     if hung is None or hung == rank:
-        return rank, err
-    return hung, dict(failures).get(hung)
+        return rank, kind, err
+    err = dict(failures).get(hung)
+    return hung, FailureKind.HUNG if err is None else kind_of(err), err
 
 
 def hung_cause(rank: int, failures: list[tuple[int, Exception]], beats: dict[int, dict], now: float,
@@ -446,7 +460,7 @@ def cause_of(err: Exception, pid: Optional[int] = None) -> str:
         return f"its process{f' (pid {pid})' if pid else ''} died: {_death_detail(str(err))}"
     if isinstance(err, ray.exceptions.GetTimeoutError):
         return "timed out waiting for the ranks; check the Ray logs above"
-    cause = getattr(err, "cause", None)
+    cause = rank_error(err) or getattr(err, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {_first_line(cause)}"
     return _first_line(err)

@@ -18,7 +18,8 @@ CUDA_VISIBLE_DEVICES listing all the node's GPUs given to the job and rank LOCAL
 ``"cpu:gloo,cuda:nccl"`` on GPUs (``hybrid.comm.mesh.init_default_group``), gloo without.
 
 ``run()`` calls the entrypoint on every rank with a ``hybrid.runtime.train.Context`` whose reports the actor
-buffers until the driver drains them; ``drain()`` also returns the rank's collective heartbeat
+buffers until the driver drains them; what the entrypoint raises reaches the driver as ``hybrid.errors.RankFailed``,
+with the kind of failure the rank decided (``rank_failed``); ``drain()`` also returns the rank's collective heartbeat
 (``hybrid.comm.heartbeat``) and step, from which the driver names the rank its peers timed out waiting for.
 ``shutdown()`` kills every actor and frees the placement group.
 Each actor starts with the job's ``runtime_env`` (``launch.ray.runtime_env``) and, once it knows its rank,
@@ -44,6 +45,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybrid.comm import heartbeat
+from hybrid.errors import RankFailed
+from hybrid.runtime.failure import failure_kind
 from hybrid.runtime.train import JobSettings
 from launch.ray.probe import live_nodes
 from launch.ray.cluster import gcs_lost, within
@@ -224,29 +227,21 @@ class RankWorker:
         here = os.getcwd()  # the copy of the job's working_dir on this node, when one was shipped
         local_path = (lambda path: localize_shipped(path, working_dir, here)) if working_dir else None
         local_config = local_path(model_config_path) if local_path else model_config_path
-        fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None, check_shadowing=False)
-        with open(local_config) as f:
-            model_config = yaml.safe_load(f)
-        self._ctx = Context(self._mesh, model_config, settings, model_config_path=local_config,
-                            rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
-                            reporter=self._report, stop_requested=self._stop.is_set,
-                            model_config_origin=model_config_path, local_path=local_path)
         try:
+            fn = resolve_entrypoint(entrypoint, working_dir=here if working_dir else None, check_shadowing=False)
+            with open(local_config) as f:
+                model_config = yaml.safe_load(f)
+            self._ctx = Context(self._mesh, model_config, settings, model_config_path=local_config,
+                                rank=self._rank, world_size=int(os.environ["WORLD_SIZE"]), device=self._device,
+                                reporter=self._report, stop_requested=self._stop.is_set,
+                                model_config_origin=model_config_path, local_path=local_path)
             return _sendable(fn(self._ctx), entrypoint, self._rank)
-        except SystemExit as exit_:  # Ray would report it as the worker dying, without the code
+        except SystemExit as exit_:
             if exit_.code in (None, 0):  # success, as torchrun takes it
                 return None
-            raise RuntimeError(f"the entrypoint called sys.exit({exit_.code!r})") from exit_
-        except KeyboardInterrupt as interrupt:  # Ray would report a cancelled task
-            raise RuntimeError(f"the entrypoint raised KeyboardInterrupt({', '.join(map(repr, interrupt.args))})"
-                               ) from interrupt
-        except Exception as err:
-            if _round_trips(err):
-                raise
-            # The driver could not rebuild it (an __init__ with other arguments than its args): Ray would
-            # report "Failed to deserialize exception" instead of the cause. The traceback stays in this log.
-            traceback.print_exc()
-            raise RuntimeError(f"{type(err).__name__}: {err}") from None
+            raise rank_failed(exit_) from exit_
+        except BaseException as err:  # noqa: BLE001 -- every failure goes to the driver with its kind
+            raise rank_failed(err) from err
 
     def drain(self) -> dict:
         """Reports buffered since the last drain, the NVML samples of this node (local rank 0 only), and
@@ -275,6 +270,26 @@ class RankWorker:
     def _report(self, record: dict) -> None:
         with self._lock:
             self._reports.append(record)
+
+
+def rank_failed(err: BaseException) -> RankFailed:
+    """What the driver gets when the entrypoint raised ``err``: its kind, decided here
+    (``hybrid.runtime.failure.failure_kind``), and an error that reaches the driver whole. ``SystemExit`` and
+    ``KeyboardInterrupt`` become a ``RuntimeError`` saying so (Ray would report the worker dying without
+    the code, or a cancelled task); an exception the driver could not rebuild (an ``__init__`` with other
+    arguments than its args: Ray would report "Failed to deserialize exception" instead of the cause) becomes
+    a ``RuntimeError`` with its type and message, its traceback printed to this rank's log."""
+    kind = failure_kind(err)
+    if isinstance(err, SystemExit):
+        error = RuntimeError(f"the entrypoint called sys.exit({err.code!r})")
+    elif isinstance(err, KeyboardInterrupt):
+        error = RuntimeError(f"the entrypoint raised KeyboardInterrupt({', '.join(map(repr, err.args))})")
+    elif _round_trips(err):
+        error = err
+    else:
+        traceback.print_exception(err)
+        error = RuntimeError(f"{type(err).__name__}: {err}")
+    return RankFailed(kind, error)
 
 
 def _round_trips(err: BaseException) -> bool:

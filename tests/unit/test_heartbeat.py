@@ -7,7 +7,9 @@ import threading
 from ray.exceptions import RayActorError, RayTaskError
 
 from hybrid.comm import heartbeat
+from hybrid.errors import FailureKind
 from launch.job.driver import attribute, hung_cause
+from launch.ray.workers import rank_failed
 
 
 def _beat(entered, last, step=0, inside=None):
@@ -47,26 +49,28 @@ def test_the_rank_behind_everyone_and_idle_past_half_the_timeout_is_the_hung_one
 
 
 def _task_error(exc):
-    return RayTaskError("run", "Traceback ...", exc).as_instanceof_cause()
+    """What the driver gets for a rank whose entrypoint raised ``exc`` (its kind decided on the rank)."""
+    return RayTaskError("run", "Traceback ...", rank_failed(exc)).as_instanceof_cause()
 
 
 def test_attribution_names_the_hung_rank_not_its_victims_but_never_over_a_ranks_own_error():
     now, timeout = 100.0, 2.0
     beats = {0: _beat(5, 99.9), 1: _beat(4, 97.0), 2: _beat(6, 99.9), 3: _beat(6, 99.9)}
     timeouts = [(r, _task_error(RuntimeError("[pair.cc:1] Timed out waiting 2000ms for recv"))) for r in (0, 2, 3)]
-    assert attribute(timeouts, beats, now, timeout) == (1, None)
+    K = FailureKind
+    assert attribute(timeouts, beats, now, timeout) == (1, K.HUNG, None)
     assert hung_cause(1, timeouts, beats, now, timeout) == (
         "hung: it entered no collective for 3.0 s, longer than job.collective_timeout_s = 2 s, in step 1 after "
         "4 collectives (its peers reached 6), while rank(s) 0, 2, 3 timed out waiting for it")
     # NCCL's watchdog kills the victims: dead processes, yet the hung rank is still named
     died = [(0, RayActorError()), (2, RayActorError())]
-    assert attribute(died, beats, now, timeout) == (1, None)
+    assert attribute(died, beats, now, timeout) == (1, K.HUNG, None)
     # the hung rank itself died: blamed with its death
     dead_hung = RayActorError()
-    assert attribute(timeouts + [(1, dead_hung)], beats, now, timeout) == (1, dead_hung)
+    assert attribute(timeouts + [(1, dead_hung)], beats, now, timeout) == (1, K.DIED, dead_hung)
     # a rank that raised on its own is the cause whatever the heartbeats say
     own = _task_error(ValueError("bad batch"))
-    assert attribute(timeouts + [(3, own)], beats, now, timeout) == (3, own)
+    assert attribute(timeouts + [(3, own)], beats, now, timeout) == (3, K.RAISED, own)
     # heartbeats that cannot tell leave the usual root cause
     even = {r: _beat(6, 99.9) for r in range(4)}
-    assert attribute(timeouts, even, now, timeout) == timeouts[0]
+    assert attribute(timeouts, even, now, timeout) == (0, K.PEER, timeouts[0][1])

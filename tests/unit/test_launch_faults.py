@@ -6,14 +6,16 @@ import io
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from hybrid.errors import ConfigError
+from hybrid.errors import ConfigError, FailureKind
 from launch.job.display import Progress
-from launch.job.driver import (DIED, PEER, RAISED, Failure, cause_of, failure_order, latest_checkpoint_step,
-                        out_of_restarts, restart_line, root_cause)
+from launch.job.driver import (Failure, cause_of, kind_of, latest_checkpoint_step, out_of_restarts, restart_line,
+                               root_cause)
+from launch.ray.workers import rank_failed
 
 
 def _task_error(exc: Exception) -> RayTaskError:
-    return RayTaskError("run", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
+    """What the driver gets for a rank whose entrypoint raised ``exc``: the kind the rank decided, with it."""
+    return RayTaskError("run", "Traceback (most recent call last): ...", rank_failed(exc)).as_instanceof_cause()
 
 
 def test_the_dead_process_is_blamed_before_its_own_exception_before_its_peers_symptoms():
@@ -21,7 +23,8 @@ def test_the_dead_process_is_blamed_before_its_own_exception_before_its_peers_sy
     timeout = _task_error(RuntimeError("[/gloo/unbound_buffer.cc:78] Timed out waiting 2000ms for recv"))
     own = _task_error(ValueError("bad batch"))
     died = RayActorError()
-    assert [failure_order(e) for e in (peer, timeout, own, died)] == [PEER, PEER, RAISED, DIED]
+    K = FailureKind
+    assert [kind_of(e) for e in (peer, timeout, own, died)] == [K.PEER, K.PEER, K.RAISED, K.DIED]
     assert root_cause([(0, peer), (3, own), (2, died)]) == (2, died)
     assert root_cause([(0, peer), (3, own), (1, own)]) == (3, own)  # ties: the earliest
     assert root_cause([(1, timeout), (0, peer)]) == (1, timeout)
@@ -208,6 +211,8 @@ def test_an_exception_the_driver_cannot_unpickle_is_sent_as_its_type_and_message
 
     assert _round_trips(ValueError("plain")) and _round_trips(ConfigError("a sentence"))
     assert not _round_trips(_TwoArgError("download", 3))
+    odd = _task_error(_TwoArgError("download", 3))
+    assert kind_of(odd) is FailureKind.RAISED and cause_of(odd) == "RuntimeError: _TwoArgError: download failed with 3"
 
 
 def test_a_teardown_call_is_waited_for_until_it_returns_times_out_or_the_gcs_is_gone(monkeypatch):
