@@ -168,8 +168,10 @@ class _Doorbell:
         self._pending = data[whole:]
 
     def close(self) -> None:
+        """Close every pipe end (idempotent: an fd number is never closed twice, it may be another file's by then)."""
         _open_doorbells.discard(self)
         _close_all((self._read_fd, self._own_write_fd, *self._write_fds.values()))
+        self._read_fd = self._own_write_fd = None
         self._write_fds = {}
 
     __del__ = close
@@ -224,6 +226,12 @@ class ShmGroup:
 
     def own_region(self) -> torch.Tensor:
         return self._regions[self.rank]
+
+    def close(self) -> None:
+        """Close the doorbell (a peer still in a collective sees this rank gone) and drop the mapped regions
+        (unmapped once no tensor views them); the group is not used again."""
+        self._bell.close()
+        self._regions = []
 
     # -- slots ------------------------------------------------------------------------------------
     def _slot(self, owner: int, buf: int, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:

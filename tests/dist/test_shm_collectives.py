@@ -59,7 +59,7 @@ def _against_gloo():
             ref = [torch.empty(numel, dtype=dtype) for _ in range(n)]
             dist.all_gather(ref, chunk)
             results.append(("all_gather", str(dtype), numel, torch.equal(out, torch.cat(ref)), True))
-    return results, comm._shm is not None, comm.report(), [b.numel() for b in comm.buffer_tensors()]
+    return results, comm.transports.cpu.shm is not None, comm.report(), [b.numel() for b in comm.buffer_tensors()]
 
 
 def _close(got, expected, dtype):
@@ -96,7 +96,7 @@ def _one_rank_opts_out(opt_out_rank):
     comm = Comm(name="world")
     x = torch.full((1000,), float(comm.rank + 1))
     comm.all_reduce(x)
-    return comm._shm is None, x[0].item()
+    return comm.transports.cpu.shm is None, x[0].item()
 
 
 def test_one_rank_without_shared_memory_makes_the_group_fall_back():
@@ -114,7 +114,7 @@ def _other_host(other_rank):
     comm = Comm(name="world")
     x = torch.full((1000,), float(comm.rank + 1))
     comm.reduce_scatter(x.tensor_split(comm.size)[comm.rank], x)
-    return comm._shm is None, x.tensor_split(comm.size)[comm.rank].tolist()
+    return comm.transports.cpu.shm is None, x.tensor_split(comm.size)[comm.rank].tolist()
 
 
 def test_ranks_on_different_hosts_use_gloo():
