@@ -18,8 +18,8 @@ nothing is counted. Async ops return a handle with ``.wait()`` in every case, so
 the group size. Callers that want a mean pass ``average=True`` (NCCL averages in the collective; on gloo the
 sum is divided by the group size).
 
-The bytes move by transports (``hybrid.comm.transport``), chosen once per process group, when the first
-``Comm`` over it is made, and shared by every ``Comm`` over it (`GroupTransports`):
+The bytes move by transports (``hybrid.comm.transport``), chosen once, when the ``Comm`` is made, for its
+group (`GroupTransports`):
 
 * tensors not on the CPU: torch.distributed on the group (``ProcessGroupTransport``, NCCL or gloo);
 * CPU tensors, on a group whose backend has gloo: the faster gloo algorithms of ``ExchangeTransport``
@@ -27,11 +27,11 @@ The bytes move by transports (``hybrid.comm.transport``), chosen once per proces
   ``EXCHANGE_MIN_NUMEL`` elements or more), handing the rest to the group's own collectives;
 * and on a gloo group, above that, ``SharedMemoryTransport`` for CPU tensors of ``SHM_MIN_BYTES`` or more
   where every rank is on this host (which it learns collectively at its first call, and falls back to the
-  exchange for good where they are not).
+  exchange for good where they are not). The connection is one per group, shared by every ``Comm`` over it.
 
-The thresholds (``EXCHANGE_*``, ``SHM_MIN_BYTES``) are read when the transports are chosen. The transports
-are released when the last ``Comm`` over the group is closed (``Comm.close``), or when a ``Comm`` is made
-after ``destroy_process_group`` has removed their group.
+The thresholds (``EXCHANGE_*``, ``SHM_MIN_BYTES``) are read when the transports are chosen. ``Comm.close``
+releases what they keep; a group's shared-memory connection is closed when no open ``Comm`` holds it, or
+once ``destroy_process_group`` has removed the group (``hybrid.comm.shm_transport``).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def exchange_numel(unit_numels, size: int, stage: int) -> int:
 
 @dataclass(frozen=True)
 class GroupTransports:
-    """The transports chosen for one process group: ``cpu`` carries CPU tensors, ``own`` (torch.distributed
-    on the group) every other tensor, and what the CPU transports hand down."""
+    """The transports a Comm chose for its group: ``cpu`` carries CPU tensors, ``own`` (torch.distributed on
+    the group) every other tensor, and what the CPU transports hand down."""
 
     cpu: Transport
     own: Transport
@@ -127,36 +127,6 @@ def _choose_transports(group, name: str) -> GroupTransports:
     return GroupTransports(cpu=cpu, own=own)
 
 
-# process group -> [its GroupTransports, how many open Comms use them]: one choice per group, shared by every
-# Comm over it (one shared-memory region and doorbell, one exchange buffer pool, one sequence of p2p tags)
-_groups: dict = {}
-
-
-def _acquire(key, group, name: str) -> GroupTransports:
-    _release_destroyed_groups()
-    if key not in _groups:
-        _groups[key] = [_choose_transports(group, name), 0]
-    _groups[key][1] += 1
-    return _groups[key][0]
-
-
-def _release(key) -> None:
-    entry = _groups.get(key)
-    if entry is not None:  # else its group was destroyed, and the transports already closed
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _groups[key]
-            entry[0].close()
-
-
-def _release_destroyed_groups() -> None:
-    """Close the transports of groups ``destroy_process_group`` has removed (their doorbells close)."""
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
-    if live is not None:
-        for key in [k for k in _groups if k not in live]:
-            _groups.pop(key)[0].close()
-
-
 class Comm:
     """Collectives over one process group, with byte counters per op kind."""
 
@@ -170,22 +140,16 @@ class Comm:
             self.size, self.rank = 1, 0
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
-        # Chosen once, for the group; a collective only takes ``cpu`` or ``own`` by where its tensor is.
-        self._key = None  # what the group's transports are registered under, while this Comm holds them
-        if self.size > 1:
-            self._key = group if group is not None else dist.group.WORLD
-            self.transports = _acquire(self._key, group, name)
-        else:
-            self.transports = GroupTransports(cpu=Solo(), own=Solo())
+        # Chosen once, here; a collective only takes ``cpu`` or ``own`` by where its tensor is.
+        solo = Solo()
+        self.transports = _choose_transports(group, name) if self.size > 1 else GroupTransports(cpu=solo, own=solo)
 
     def close(self) -> None:
-        """Give up this Comm's hold on its group's transports; once no open ``Comm`` over the group is left,
-        they are released (the shared-memory doorbell closed and the regions unmapped, the exchange's kept
-        buffers dropped). Collectives on a closed Comm are an error. A later ``Comm`` over the group chooses
-        and connects again (collectively), so every rank closes the same Comms at the same point."""
-        if self._key is not None:
-            _release(self._key)
-            self._key = None
+        """Release what this Comm's transports keep between calls: the exchange's buffers, and its hold on the
+        group's shared-memory connection (closed once no Comm holds it; the next to need one connects again,
+        collectively, so every rank closes the same Comms at the same point). Collectives on a closed Comm
+        are an error."""
+        self.transports.close()
         closed = Closed(self.name)
         self.transports = GroupTransports(cpu=closed, own=closed)
 

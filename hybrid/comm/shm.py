@@ -233,6 +233,10 @@ class ShmGroup:
         self._bell.close()
         self._regions = []
 
+    @property
+    def closed(self) -> bool:
+        return not self._regions
+
     # -- slots ------------------------------------------------------------------------------------
     def _slot(self, owner: int, buf: int, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         start = (buf * (self.size - 1) + slot) * self._slot_bytes

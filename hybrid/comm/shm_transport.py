@@ -8,10 +8,14 @@ or more (below that gloo's latency is small in absolute terms and the staging pa
 than the data moved) and of a dtype that adds (not bool, not complex): a sum or mean all-reduce (no other
 ``op``), a reduce-scatter whose output is this rank's part of its input (the engine's form), an all-gather.
 
-It connects (``ShmGroup.connect``, collective over the group) at the first call it carries -- every rank
-issues the same calls, so every rank connects at the same point -- and, where the ranks cannot share memory
-(on different hosts, a rank with ``HYBRID_SHM_COLLECTIVES=0``, no memfd), hands every call down from then
-on. It owns the connection: ``close()`` closes the doorbell and drops the mapped regions.
+The connection is one per process group, shared by every transport over it (every ``Comm`` over the group):
+the first of them to carry a call connects (``ShmGroup.connect``, collective over the group -- every rank
+issues the same calls, so every rank connects at the same point), and the others find it at their own first
+call. Where the ranks cannot share memory (on different hosts, a rank with ``HYBRID_SHM_COLLECTIVES=0``, no
+memfd) the connection is ``None`` and every call is handed down from then on. ``close()`` gives up this
+transport's hold; the connection is closed (its doorbell closed, the regions unmapped) when no transport
+holds it any more, or, once ``destroy_process_group`` has removed its group, when the next transport is made
+or connects.
 """
 
 from __future__ import annotations
@@ -28,16 +32,17 @@ from hybrid.comm.transport import DONE, Relay, Transport, averaged, is_own_slice
 class SharedMemoryTransport(Relay):
     def __init__(self, fallback: Transport, group, rank: int, size: int, *, min_bytes: int, label: str):
         super().__init__(fallback)
+        _close_destroyed_groups()
         self._group = group if group is not None else dist.group.WORLD
         self.rank, self.size = rank, size
         self._min_bytes, self._label = min_bytes, label
-        self._tried = False
+        self._holds = False  # this transport holds the group's connection (it has carried a call)
         self._shm: Optional[ShmGroup] = None
 
     @property
     def shm(self) -> Optional[ShmGroup]:
-        """The connection: ``None`` before the first call this transport carries, and for good where the
-        ranks cannot share memory or once closed."""
+        """The group's connection as this transport uses it: ``None`` before the first call it carries, for
+        good where the ranks cannot share memory, and once closed."""
         return self._shm
 
     def _connection(self, tensor: torch.Tensor) -> Optional[ShmGroup]:
@@ -45,9 +50,9 @@ class SharedMemoryTransport(Relay):
         if (not tensor.is_contiguous() or tensor.numel() * tensor.element_size() < self._min_bytes
                 or tensor.dtype == torch.bool or tensor.is_complex()):
             return None
-        if not self._tried:
-            self._tried = True
-            self._shm = ShmGroup.connect(self._group, label=self._label)
+        if not self._holds:
+            self._holds = True
+            self._shm = _hold(self._group, self._label)
         return self._shm
 
     def all_reduce(self, tensor, *, op=None, average=False, async_op=False):
@@ -73,10 +78,44 @@ class SharedMemoryTransport(Relay):
 
     def buffer_tensors(self) -> list:
         """The transports' below, then this rank's own region (the peers' regions are their memory)."""
-        return self.fallback.buffer_tensors() + ([self._shm.own_region()] if self._shm else [])
+        mapped = self._shm is not None and not self._shm.closed  # closed: with its destroyed group
+        return self.fallback.buffer_tensors() + ([self._shm.own_region()] if mapped else [])
 
     def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-        self._shm, self._tried = None, True
+        if self._holds and self._shm is not None:
+            _let_go(self._group)
+        self._shm, self._holds = None, True  # never connects again
         self.fallback.close()
+
+
+# process group -> [its ShmGroup (None where the ranks cannot share memory), how many transports hold it]
+_connections: dict = {}
+
+
+def _hold(group, label: str) -> Optional[ShmGroup]:
+    _close_destroyed_groups()
+    if group not in _connections:
+        _connections[group] = [ShmGroup.connect(group, label=label), 0]
+    entry = _connections[group]
+    if entry[0] is not None:
+        entry[1] += 1
+    return entry[0]
+
+
+def _let_go(group) -> None:
+    entry = _connections.get(group)
+    if entry is not None and entry[0] is not None:  # else closed with its destroyed group already
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _connections[group]
+            entry[0].close()
+
+
+def _close_destroyed_groups() -> None:
+    """Close the connections of groups ``destroy_process_group`` has removed."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if live is not None:
+        for group in [g for g in _connections if g not in live]:
+            shm = _connections.pop(group)[0]
+            if shm is not None:
+                shm.close()
