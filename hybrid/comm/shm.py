@@ -19,6 +19,8 @@ Contract:
   entry ``rank``) receives the sum (or mean) over the ranks; the other parts keep this rank's values.
 * ``all_gather(output, input)``: ``output.view(-1).tensor_split(N)`` receives every rank's ``input``.
 * ``all_reduce(tensor)``: the sum, in place (a reduce-scatter, then an all-gather of the reduced parts).
+* ``close()``: closes this rank's doorbell (a peer inside a collective then sees it gone) and drops the
+  mapped regions; the group is not used again (``hybrid.comm.shm_transport`` decides when).
 
 Each call has finished when it returns. Every rank must issue the same calls, of the same sizes, in the same
 order, as for any collective; each doorbell message carries a signature of its collective (kind, dtype,

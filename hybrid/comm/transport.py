@@ -1,11 +1,11 @@
 """What a transport is: the interface every way of moving tensors between the ranks of a group implements.
 
-``Comm`` (``hybrid.comm.collectives``) chooses a group's transports once, when the first ``Comm`` over the
-group is made, and counts the bytes and records the heartbeat of every call itself; a transport only moves
-data. The transports are ``ProcessGroupTransport`` (torch.distributed on the group: NCCL or gloo),
-``ExchangeTransport`` (faster gloo algorithms for CPU tensors) and ``SharedMemoryTransport`` (CPU tensors
-between the ranks of one host); the last two are `Relay`s: each carries the calls it is made for and hands
-every other one, unchanged, to the transport below it. `Solo` is a group of one.
+A ``Comm`` (``hybrid.comm.collectives``) chooses its group's transports once, when it is made, and counts
+the bytes and records the heartbeat of every call itself; a transport only moves data. The transports are
+``ProcessGroupTransport`` (torch.distributed on the group: NCCL or gloo), ``ExchangeTransport`` (faster gloo
+algorithms for CPU tensors) and ``SharedMemoryTransport`` (CPU tensors between the ranks of one host); the
+last two are `Relay`s: each carries the calls it is made for and hands every other one, unchanged, to the
+transport below it. `Solo` is a group of one.
 
 Contract of every transport:
 
