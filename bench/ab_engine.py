@@ -20,6 +20,7 @@ Prints the median step time (ms, rank 0, first step of each block left out) of b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -36,9 +37,9 @@ CHANGES = ("exchange-rs", "exchange-ar", "handoff", "keep-buckets", "empty-bucke
 class _AllReduceScatter:
     """The old gloo reduce-scatter: an in-place all-reduce of the whole unit."""
 
-    def __init__(self, comm, input, average):
-        self._work = dist.all_reduce(input, group=comm.group, async_op=True)
-        self._own, self._average, self._size = input.view(-1).tensor_split(comm.size)[comm.rank], average, comm.size
+    def __init__(self, t, input, average):  # t: the ExchangeTransport
+        self._work = dist.all_reduce(input, group=t.group, async_op=True)
+        self._own, self._average, self._size = input.view(-1).tensor_split(t.size)[t.rank], average, t.size
 
     def wait(self):
         self._work.wait()
@@ -48,8 +49,8 @@ class _AllReduceScatter:
 
 
 class _GlooAllReduce:
-    def __init__(self, comm, tensor):
-        self._work = dist.all_reduce(tensor, group=comm.group, async_op=True)
+    def __init__(self, t, tensor):
+        self._work = dist.all_reduce(tensor, group=t.group, async_op=True)
 
     def wait(self):
         self._work.wait()
@@ -57,23 +58,22 @@ class _GlooAllReduce:
 
 
 def _switch(change: str, on: bool, engine, originals: dict) -> None:
-    import hybrid.comm.collectives as hc
+    import hybrid.comm.exchange as hx
     import hybrid.zero.buckets as hb
 
     if change == "exchange-rs":
-        hc._PairwiseReduceScatter = originals["rs"] if on else _AllReduceScatter
+        hx._PairwiseReduceScatter = originals["rs"] if on else _AllReduceScatter
     elif change == "exchange-ar":
-        hc._ExchangeAllReduce = originals["ar"] if on else _GlooAllReduce
+        hx._ExchangeAllReduce = originals["ar"] if on else _GlooAllReduce
     elif change == "empty-buckets":
         r = engine.reducer
         r._new_bucket = (type(r)._new_bucket.__get__(r) if on else
                          lambda u: r.bucket_pool.take(r.layout.units[u].numel, r.grad_shard.dtype,
                                                       r.grad_shard.device, zeroed=True))
     elif change == "shm":
-        comm = engine.dp_comm
-        if comm._shm_tried:  # connected by the first block (on) and kept aside while off
-            originals.setdefault("shm", comm._shm)
-            comm._shm = originals["shm"] if on else None
+        comm = engine.dp_comm  # off: the transport below the shared-memory one carries the CPU tensors
+        chosen = originals.setdefault("shm", comm.transports)
+        comm.transports = chosen if on else dataclasses.replace(chosen, cpu=chosen.cpu.fallback)
     elif change == "malloc":
         import ctypes
 
@@ -100,7 +100,7 @@ def _after_step(change: str, on: bool, engine) -> None:
 
 def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, steps: int) -> dict:
     import hybrid
-    import hybrid.comm.collectives as hc
+    import hybrid.comm.exchange as hx
     from bench.workload import batch, build_model, workloads
 
     torch.set_num_threads(1)
@@ -109,7 +109,7 @@ def _rank(change: str, workload: str, precision: str, stage: int, blocks: int, s
               "optimizer": {"type": "AdamW", "params": {"lr": w.lr, "weight_decay": w.weight_decay}},
               "gradient_clipping": 1.0}
     engine = hybrid.initialize(build_model(w), config)
-    originals = {"rs": hc._PairwiseReduceScatter, "ar": hc._ExchangeAllReduce}
+    originals = {"rs": hx._PairwiseReduceScatter, "ar": hx._ExchangeAllReduce}
     rank, times, step = dist.get_rank(), {"on": [], "off": []}, 0
     for b in range(blocks):
         for on in ((True, False) if b % 2 == 0 else (False, True)):

@@ -8,84 +8,52 @@ each collective moves, using the accounting of the ZeRO paper (``shared/seed/zer
 * all-gather counts the full output ``|X|``,
 * broadcast counts ``|X|``.
 
-It also counts the collectives themselves, per op kind (``report()["all_gather_calls"]``, ...).
+It also counts the collectives themselves, per op kind (``report()["all_gather_calls"]``, ...), and records
+every collective issued in ``hybrid.comm.heartbeat`` (entered, and inside it until it returns), so the
+launcher can tell which rank its peers were waiting for when they time out. Both happen here, in
+``Comm._carrying``, the same whichever transport carries the bytes.
 
 A group of size 1 moves nothing: the call is a no-op (all-gather / reduce-scatter become copies) and
 nothing is counted. Async ops return a handle with ``.wait()`` in every case, so callers never branch on
-the group size.
+the group size. Callers that want a mean pass ``average=True`` (NCCL averages in the collective; on gloo the
+sum is divided by the group size).
 
-Callers that want a mean pass ``average=True``: on NCCL that is ``ReduceOp.AVG`` inside the collective;
-gloo has no AVG, so there the sum is divided by the group size here.
+The bytes move by transports (``hybrid.comm.transport``), chosen once, when the ``Comm`` is made, for its
+group (`GroupTransports`):
 
-gloo's own reduce-scatter copies its whole input and all-reduces it, and its all-gather is several times
-slower than one broadcast per rank (bench/RESULTS.md). On CPU tensors (gloo) faster equivalents are used,
-with the same logical byte counts:
+* tensors not on the CPU: torch.distributed on the group (``ProcessGroupTransport``, NCCL or gloo);
+* CPU tensors, on a group whose backend has gloo: the faster gloo algorithms of ``ExchangeTransport``
+  (pairwise-exchange reduce-scatter, one broadcast per rank for an all-gather, and both for all-reduces of
+  ``EXCHANGE_MIN_NUMEL`` elements or more), handing the rest to the group's own collectives;
+* and on a gloo group, above that, ``SharedMemoryTransport`` for CPU tensors of ``SHM_MIN_BYTES`` or more
+  where every rank is on this host (which it learns collectively at its first call, and falls back to the
+  exchange for good where they are not). The connection is one per group, shared by every ``Comm`` over it.
 
-* a reduce-scatter whose output is this rank's slice of the input (how the engine always calls it) is a
-  pairwise exchange: every rank sends each peer that peer's slice and adds the slices it receives into its
-  own, so each rank moves (N-1)/N of the input, half of what an all-reduce moves (the other slices of the
-  input keep this rank's values; callers never read them);
-* an all-gather is one async broadcast per rank into the output's chunks;
-* an all-reduce (sum) of ``EXCHANGE_MIN_NUMEL`` elements or more is the exchange followed by that
-  all-gather (a 98M-parameter stage-0 step 1540 -> 1314 ms on 2 ranks); smaller ones stay gloo's, which
-  was as fast at 4M elements and keeps no receive buffers.
-
-The exchange goes in slices of at most ``EXCHANGE_NUMEL`` elements per peer, ``EXCHANGE_SLICES`` in
-flight; its receive buffers are kept for later calls in a ``BufferPool`` (``Comm.buffer_tensors()``), and
-in use and kept together stay within ``exchange_cap_numel(N)`` elements while handles are waited in launch
-order.
-
-When every rank of a gloo group is on this host, CPU tensors of ``SHM_MIN_BYTES`` or more go through
-shared memory instead (``hybrid.comm.shm``: an all-reduce, reduce-scatter or all-gather of 16 MB between
-two ranks in ~5 ms where gloo took ~14 ms, the exchange ~6-13 ms); the group connects at its first such call
-(collectively: every rank makes the same calls) and falls back to the paths above for good when the ranks
-cannot share memory.
-
-Every collective issued is recorded in ``hybrid.comm.heartbeat`` (entered, and inside it until it returns), so
-the launcher can tell which rank its peers were waiting for when they time out.
+The thresholds (``EXCHANGE_*``, ``SHM_MIN_BYTES``) are read when the transports are chosen. ``Comm.close``
+releases what they keep; a group's shared-memory connection is closed when no open ``Comm`` holds it, or
+once ``destroy_process_group`` has removed the group (``hybrid.comm.shm_transport``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from hybrid.comm import heartbeat
-from hybrid.comm.buffer_pool import BufferPool
-from hybrid.comm.shm import ShmGroup
+from hybrid.comm.exchange import ExchangeTransport
+from hybrid.comm.process_group import ProcessGroupTransport
+from hybrid.comm.shm_transport import SharedMemoryTransport
+from hybrid.comm.transport import Closed, Solo, Transport
 
 
 # broadcast_many packs tensors below this many elements into one buffer per dtype (a copy in and out);
 # larger ones are worth their own collective and no copy.
 COALESCE_MAX_NUMEL = 1 << 20
-
-
-class _Done:
-    """Handle for an op that completed synchronously (or needed no communication)."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _AverageOnWait:
-    """Wraps an async handle so the tensor is divided by the group size once the op has finished."""
-
-    def __init__(self, work, tensor: torch.Tensor, size: int):
-        self._work, self._tensor, self._size = work, tensor, size
-        self._done = False
-
-    def wait(self) -> bool:
-        if not self._done:
-            self._work.wait()
-            self._tensor.div_(self._size)
-            self._done = True
-        return True
 
 
 EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
@@ -94,8 +62,6 @@ EXCHANGE_MIN_NUMEL = 1 << 24  # gloo all-reduces from this many elements (64 MB 
 # CPU tensors from this size go through shared memory (where the group can); below it gloo's latency is small
 # in absolute terms and the staging pages would cost more memory than the data moved
 SHM_MIN_BYTES = 1 << 20
-_shm_groups: dict = {}  # process group -> its ShmGroup, or None where the ranks cannot share memory
-_TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
 
 
 def _exchange_shape(numel: int, size: int) -> tuple:
@@ -105,100 +71,6 @@ def _exchange_shape(numel: int, size: int) -> tuple:
     longest = -(-numel // size)
     slices = -(-longest // EXCHANGE_NUMEL)
     return min(longest, EXCHANGE_NUMEL), slices, min(EXCHANGE_SLICES, slices)
-
-
-class _PairwiseReduceScatter:
-    """Reduce-scatter by pairwise exchange (gloo). ``input`` is cut into N parts (``tensor_split``: sizes
-    differ by at most one); peer q gets part q from this rank and this rank receives its own part from every
-    peer, in slices of ``EXCHANGE_NUMEL`` with ``EXCHANGE_SLICES`` in flight, and adds them into its part
-    in rank order. The first slices are posted at construction (unless the receive buffers in use are at
-    the cap), the rest by ``wait``."""
-
-    def __init__(self, comm: "Comm", input: torch.Tensor, average: bool):
-        self._comm, self._average = comm, average
-        self._parts = input.view(-1).tensor_split(comm.size)
-        self._own = self._parts[comm.rank]
-        self._peers = [q for q in range(comm.size) if q != comm.rank]
-        self._width, self._n_slices, self._slots = _exchange_shape(input.numel(), comm.size)
-        self._recv: list = []
-        self._posted: list = []  # (slice index, works)
-        self._next = 0
-        self._done = self._n_slices == 0
-        if not self._done and comm.exchange_pool.may_take(self._slots * (comm.size - 1) * self._width):
-            self._start()
-
-    @property
-    def output(self) -> torch.Tensor:
-        return self._own
-
-    def _start(self) -> None:
-        numel, pool = (self._comm.size - 1) * self._width, self._comm.exchange_pool
-        self._recv = [pool.take(numel, self._own.dtype, self._own.device) for _ in range(self._slots)]
-        for _ in self._recv:
-            self._post()
-
-    @staticmethod
-    def _cut(part: torch.Tensor, k: int) -> torch.Tensor:
-        return part[k * EXCHANGE_NUMEL:(k + 1) * EXCHANGE_NUMEL]
-
-    def _post(self) -> None:
-        k = self._next
-        self._next += 1
-        comm, works = self._comm, []
-        tag = comm._next_tag()
-        mine = self._cut(self._own, k).numel()
-        for q, buf in self._peer_parts(k):
-            peer = comm.global_rank(q)
-            send = self._cut(self._parts[q], k)
-            if send.numel():
-                works.append(dist.isend(send, peer, group=comm.group, tag=tag))
-            if mine:
-                works.append(dist.irecv(buf[:mine], peer, group=comm.group, tag=tag))
-        self._posted.append((k, works))
-
-    def wait(self) -> bool:
-        if self._done:
-            return True
-        if not self._recv:  # deferred at launch: the buffers in use were at the cap
-            self._start()
-        while self._posted:
-            k, works = self._posted.pop(0)
-            for w in works:
-                w.wait()
-            out = self._cut(self._own, k)
-            for _, buf in self._peer_parts(k):
-                out.add_(buf[:out.numel()])
-            if self._average:
-                out.div_(self._comm.size)
-            if self._next < self._n_slices:
-                self._post()
-        for buf in self._recv:
-            self._comm.exchange_pool.give(buf)
-        self._recv = []
-        self._done = True
-        return True
-
-    def _peer_parts(self, k: int) -> list:
-        """``(peer, its receive part)`` of the buffer slice ``k`` uses."""
-        buf = self._recv[k % len(self._recv)]
-        return [(q, buf[j * self._width:(j + 1) * self._width]) for j, q in enumerate(self._peers)]
-
-
-class _ExchangeAllReduce:
-    """All-reduce (sum) on gloo as the pairwise reduce-scatter, then one broadcast per rank of its reduced
-    part (the all-gather of ``Comm._broadcast_gather``), started by ``wait``."""
-
-    def __init__(self, comm: "Comm", tensor: torch.Tensor):
-        self._comm, self._tensor = comm, tensor
-        self._scatter = _PairwiseReduceScatter(comm, tensor, average=False)
-        self._done = False
-
-    def wait(self) -> bool:
-        if not self._done:
-            self._scatter.wait()
-            self._comm._broadcast_gather(self._tensor, self._scatter.output).wait()
-            self._done = True
-        return True
 
 
 def exchange_cap_numel(size: int) -> int:
@@ -221,23 +93,38 @@ def exchange_numel(unit_numels, size: int, stage: int) -> int:
     return min(need, exchange_cap_numel(size))
 
 
-class _AllDone:
-    """Handle for several async ops: ``wait`` waits for each."""
+@dataclass(frozen=True)
+class GroupTransports:
+    """The transports a Comm chose for its group: ``cpu`` carries CPU tensors, ``own`` (torch.distributed on
+    the group) every other tensor, and what the CPU transports hand down."""
 
-    def __init__(self, works: list):
-        self._works = works
+    cpu: Transport
+    own: Transport
 
-    def wait(self) -> bool:
-        for w in self._works:
-            w.wait()
-        return True
+    def for_tensor(self, tensor: torch.Tensor) -> Transport:
+        return self.cpu if tensor.device.type == "cpu" else self.own
+
+    def buffer_tensors(self) -> list:
+        return self.cpu.buffer_tensors()
+
+    def close(self) -> None:
+        self.cpu.close()
+        self.own.close()
 
 
-def _is_own_slice(output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
-    """``output`` is ``input.view(-1)[rank·n:(rank+1)·n]`` (same storage, both contiguous)."""
-    return (output.is_contiguous() and input.is_contiguous()
-            and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-            and output.storage_offset() == input.storage_offset() + rank * output.numel())
+def _choose_transports(group, name: str) -> GroupTransports:
+    """The transports of ``group`` (``None``: the default group), from its backend and size and the
+    thresholds as they are now."""
+    backend, rank, size = str(dist.get_backend(group)).lower(), dist.get_rank(group), dist.get_world_size(group)
+    own = ProcessGroupTransport(group, backend, size)
+    cpu: Transport = own
+    if "gloo" in backend:
+        cpu = ExchangeTransport(cpu, group, rank, size, cap_numel=exchange_cap_numel(size), shape=_exchange_shape,
+                                all_reduce_min_numel=EXCHANGE_MIN_NUMEL)
+    if backend == "gloo":  # only a group that is gloo alone (ShmGroup.connect checks it too)
+        cpu = SharedMemoryTransport(cpu, group, rank, size, min_bytes=SHM_MIN_BYTES,
+                                    label=f"{name} shared-memory collective")
+    return GroupTransports(cpu=cpu, own=own)
 
 
 class Comm:
@@ -246,58 +133,45 @@ class Comm:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "dp"):
         self.name = name
         self.group = group
-        self.native_avg = False  # the backend averages in the collective (NCCL's ReduceOp.AVG)
         if dist.is_available() and dist.is_initialized():
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
-            # "nccl", or "cpu:gloo,cuda:nccl" (hybrid.comm.mesh's groups): AVG for CUDA tensors, which NCCL moves
-            self.native_avg = "nccl" in str(dist.get_backend(group)).lower()
         else:
             self.size, self.rank = 1, 0
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
-        self._ranks = None  # global ranks of the group, for the broadcast all-gather and the exchange
-        self._tag = 0
-        # The exchange's receive buffers, reused by later calls (a layout's units come in a few sizes); a
-        # call that would pass the cap starts in its handle's wait() instead (unless none is in use).
-        self.exchange_pool = BufferPool(exchange_cap_numel(self.size))
-        self._shm: Optional[ShmGroup] = None
-        self._shm_tried = False
+        # Chosen once, here; a collective only takes ``cpu`` or ``own`` by where its tensor is.
+        solo = Solo()
+        self.transports = _choose_transports(group, name) if self.size > 1 else GroupTransports(cpu=solo, own=solo)
 
-    def _shared_memory(self, tensor: torch.Tensor) -> Optional[ShmGroup]:
-        """The group's shared-memory transport for ``tensor`` (CPU, contiguous, ``SHM_MIN_BYTES`` or more, a
-        dtype that adds), connecting at the first such call; ``None`` where it does not apply."""
-        if (tensor.device.type != "cpu" or not tensor.is_contiguous() or _nbytes(tensor) < SHM_MIN_BYTES
-                or tensor.dtype == torch.bool or tensor.is_complex()):
-            return None
-        if not self._shm_tried:
-            self._shm_tried = True
-            group = self.group if self.group is not None else dist.group.WORLD
-            _forget_destroyed_groups()
-            if group not in _shm_groups:  # one transport per group, shared by every Comm over it
-                _shm_groups[group] = ShmGroup.connect(group, label=f"{self.name} shared-memory collective")
-            self._shm = _shm_groups[group]
-        return self._shm
-
-    def global_rank(self, rank_in_group: int) -> int:
-        if self._ranks is None:
-            self._ranks = (dist.get_process_group_ranks(self.group) if self.group is not None
-                           else list(range(self.size)))
-        return self._ranks[rank_in_group]
-
-    def _next_tag(self) -> int:
-        self._tag = (self._tag + 1) % _TAGS
-        return self._tag
+    def close(self) -> None:
+        """Release what this Comm's transports keep between calls: the exchange's buffers, and its hold on the
+        group's shared-memory connection (closed once no Comm holds it; the next to need one connects again,
+        collectively, so every rank closes the same Comms at the same point). Collectives on a closed Comm
+        are an error."""
+        self.transports.close()
+        closed = Closed(self.name)
+        self.transports = GroupTransports(cpu=closed, own=closed)
 
     def buffer_tensors(self) -> list:
-        """The buffers this comm keeps between calls (for memory reports): the exchange's receive buffers and
-        this rank's shared-memory region."""
-        return self.exchange_pool.kept() + ([self._shm.own_region()] if self._shm else [])
+        """The buffers this comm's transports keep between calls (for memory reports): the exchange's receive
+        buffers and this rank's shared-memory region."""
+        return self.transports.buffer_tensors()
 
     # -- accounting -------------------------------------------------------------------------------
-    def _count(self, op: str, nbytes: int) -> None:
-        self.bytes[op] += int(nbytes)
-        self.calls[op] += 1
+    @contextmanager
+    def _carrying(self, op: str, nbytes: Optional[int]) -> Iterator[None]:
+        """Around every collective, whichever transport carries it: ``op`` and its logical ``nbytes`` counted
+        (``None``: a barrier, not counted) and the heartbeat inside it until the transport returns. A group of
+        one moves nothing and records nothing."""
+        if self.size == 1:
+            yield
+            return
+        if nbytes is not None:
+            self.bytes[op] += int(nbytes)
+            self.calls[op] += 1
+        with heartbeat.collective(f"{self.name}.{op}"):
+            yield
 
     def report(self) -> dict:
         """Logical bytes per op kind since the last reset, plus ``total``; and how many collectives of each
@@ -317,29 +191,9 @@ class Comm:
 
     # -- collectives ------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, *, average: bool = False, op=None, async_op: bool = False):
-        if self.size == 1:
-            return _Done()
-        self._count("all_reduce", 2 * _nbytes(tensor))
-        if average and op is None and self.native_avg and tensor.is_cuda:
-            op, average = dist.ReduceOp.AVG, False
-        with heartbeat.collective(f"{self.name}.all_reduce"):
-            shm = self._shared_memory(tensor) if op is None else None
-            if shm:
-                shm.all_reduce(tensor)
-                work = _Done()
-            elif (op is None and tensor.device.type == "cpu" and tensor.is_contiguous()
-                    and tensor.numel() >= EXCHANGE_MIN_NUMEL):
-                work = _ExchangeAllReduce(self, tensor)
-                if not async_op:
-                    work.wait()
-            else:
-                work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        if not average:
-            return work if async_op else _Done()
-        if async_op:
-            return _AverageOnWait(work, tensor, self.size)
-        tensor.div_(self.size)
-        return _Done()
+        with self._carrying("all_reduce", 2 * _nbytes(tensor)):
+            return self.transports.for_tensor(tensor).all_reduce(tensor, op=op, average=average,
+                                                                 async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, average: bool = False,
                        async_op: bool = False):
@@ -347,70 +201,21 @@ class Comm:
         if input.numel() != output.numel() * self.size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"{output.numel()} x {self.size}")
-        if self.size == 1:
-            output.copy_(input)
-            return _Done()
-        self._count("reduce_scatter", _nbytes(input))
-        op = dist.ReduceOp.SUM
-        if average and self.native_avg and input.is_cuda:
-            op, average = dist.ReduceOp.AVG, False
-        with heartbeat.collective(f"{self.name}.reduce_scatter"):
-            if input.device.type == "cpu" and _is_own_slice(output, input, self.rank):
-                shm = self._shared_memory(input)
-                if shm:
-                    shm.reduce_scatter(input, average)
-                    return _Done()
-                work = _PairwiseReduceScatter(self, input, average)
-                if not async_op:
-                    work.wait()
-                return work if async_op else _Done()
-            work = dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
-        if not average:
-            return work if async_op else _Done()
-        if async_op:
-            return _AverageOnWait(work, output, self.size)
-        output.div_(self.size)
-        return _Done()
+        with self._carrying("reduce_scatter", _nbytes(input)):
+            return self.transports.for_tensor(input).reduce_scatter(output, input, average=average,
+                                                                    async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False):
         """``output`` (numel = input.numel() * size) receives every rank's ``input``, in rank order."""
         if output.numel() != input.numel() * self.size:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"{input.numel()} x {self.size}")
-        if self.size == 1:
-            output.copy_(input)
-            return _Done()
-        self._count("all_gather", _nbytes(output))
-        with heartbeat.collective(f"{self.name}.all_gather"):
-            shm = self._shared_memory(output)
-            if shm:
-                shm.all_gather(output, input)
-                work = _Done()
-            elif output.device.type == "cpu" and output.is_contiguous():
-                work = self._broadcast_gather(output, input)
-                if not async_op:
-                    work.wait()
-            else:
-                work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
-
-    def _broadcast_gather(self, output: torch.Tensor, input: torch.Tensor) -> _AllDone:
-        """All-gather as one async broadcast per rank into the chunks of ``output`` (gloo: faster)."""
-        chunks = output.view(-1).tensor_split(self.size)
-        own = chunks[self.rank]
-        if own.data_ptr() != input.data_ptr():
-            own.copy_(input.reshape(-1))
-        return _AllDone([dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True)
-                         for r, chunk in enumerate(chunks)])
+        with self._carrying("all_gather", _nbytes(output)):
+            return self.transports.for_tensor(output).all_gather(output, input, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0, *, async_op: bool = False):
-        if self.size == 1:
-            return _Done()
-        self._count("broadcast", _nbytes(tensor))
-        src = dist.get_global_rank(self.group, src_rank_in_group) if self.group is not None else src_rank_in_group
-        with heartbeat.collective(f"{self.name}.broadcast"):
-            work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        with self._carrying("broadcast", _nbytes(tensor)):
+            return self.transports.for_tensor(tensor).broadcast(tensor, src_rank_in_group, async_op=async_op)
 
     def broadcast_many(self, tensors, src_rank_in_group: int = 0) -> None:
         """Every tensor of ``tensors`` from ``src_rank_in_group``, in place: tensors under
@@ -445,9 +250,8 @@ class Comm:
                     offset += t.numel()
 
     def barrier(self) -> None:
-        if self.size > 1:
-            with heartbeat.collective(f"{self.name}.barrier"):
-                dist.barrier(group=self.group)
+        with self._carrying("barrier", None):
+            self.transports.own.barrier()
 
     def extremes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(elementwise max, elementwise min) of ``values`` (a 1-D float tensor, the same length on every rank)
@@ -458,14 +262,6 @@ class Comm:
         both = torch.cat([values, -values])
         self.all_reduce(both, op=dist.ReduceOp.MAX)
         return both[:len(values)], -both[len(values):]
-
-
-def _forget_destroyed_groups() -> None:
-    """Drop the transports of groups ``destroy_process_group`` has removed (their doorbells close)."""
-    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
-    if live is not None:
-        for group in [g for g in _shm_groups if g not in live]:
-            del _shm_groups[group]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -19,6 +19,8 @@ Contract:
   entry ``rank``) receives the sum (or mean) over the ranks; the other parts keep this rank's values.
 * ``all_gather(output, input)``: ``output.view(-1).tensor_split(N)`` receives every rank's ``input``.
 * ``all_reduce(tensor)``: the sum, in place (a reduce-scatter, then an all-gather of the reduced parts).
+* ``close()``: closes this rank's doorbell (a peer inside a collective then sees it gone) and drops the
+  mapped regions; the group is not used again (``hybrid.comm.shm_transport`` decides when).
 
 Each call has finished when it returns. Every rank must issue the same calls, of the same sizes, in the same
 order, as for any collective; each doorbell message carries a signature of its collective (kind, dtype,
@@ -176,8 +178,10 @@ class _Doorbell:
         self._pending = data[whole:]
 
     def close(self) -> None:
+        """Close every pipe end (idempotent: an fd number is never closed twice, it may be another file's by then)."""
         _open_doorbells.discard(self)
         _close_all((self._read_fd, self._own_write_fd, *self._write_fds.values()))
+        self._read_fd = self._own_write_fd = None
         self._write_fds = {}
 
     __del__ = close
@@ -232,6 +236,16 @@ class ShmGroup:
 
     def own_region(self) -> torch.Tensor:
         return self._regions[self.rank]
+
+    def close(self) -> None:
+        """Close the doorbell (a peer still in a collective sees this rank gone) and drop the mapped regions
+        (unmapped once no tensor views them); the group is not used again."""
+        self._bell.close()
+        self._regions = []
+
+    @property
+    def closed(self) -> bool:
+        return not self._regions
 
     # -- slots ------------------------------------------------------------------------------------
     def _slot(self, owner: int, buf: int, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -115,11 +115,11 @@ def test_all_reduce_as_exchange_and_broadcasts(world):
 
 
 def _broadcast_many():
-    import hybrid.comm.collectives
+    import hybrid.comm.collectives as comm_module
 
     comm = Comm(name="world")
     r = comm.rank
-    hybrid.comm.collectives.COALESCE_MAX_NUMEL = 64  # so one tensor goes by itself
+    comm_module.COALESCE_MAX_NUMEL = 64  # so one tensor goes by itself
     small = [torch.full((3,), float(r)), torch.full((2, 2), r, dtype=torch.int64), torch.empty(0),
              torch.full((5, 4), float(r)).t()]  # a non-contiguous one
     big = torch.full((100,), float(r) + 0.5)

@@ -56,7 +56,7 @@ def _live_tensor_bytes(engine) -> int:
     """Bytes of every live tensor's storage, but the peers' shared-memory regions this rank maps (the peer's
     memory; the report counts this rank's own region)."""
     gc.collect()
-    shm = engine.dp_comm._shm
+    shm = engine.dp_comm.transports.cpu.shm
     peers = {r.data_ptr() for q, r in enumerate(shm._regions) if q != shm.rank} if shm else set()
     storages = {}
     for obj in gc.get_objects():
