@@ -237,7 +237,8 @@ class LaunchSpec:
         if steps is not None:
             job = dataclasses.replace(job, steps=steps, where=Where("job", {"steps": "--steps"}))
         if stage is not None:
-            parallel = dataclasses.replace(parallel, zero_stage=stage, where=Where("parallel", {"zero_stage": "--stage"}))
+            parallel = dataclasses.replace(parallel, zero_stage=stage,
+                                           where=Where("parallel", {"zero_stage": "--stage"}))
         return dataclasses.replace(self, job=job, parallel=parallel)
 
 

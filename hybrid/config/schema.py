@@ -93,7 +93,8 @@ def setting_of(cls_or_obj, name: str) -> Setting:
 
 def default_of(cls, name: str) -> Any:
     """The default of field ``name`` of ``cls``."""
-    return defaults(cls)[name]
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def _setting(f: dataclasses.Field) -> Setting:

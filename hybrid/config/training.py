@@ -171,6 +171,13 @@ def _betas(path: str, betas: Any) -> tuple:
     return b1, b2
 
 
+def _pairs(path: str, value: Any) -> dict:
+    """Keyword arguments held as ``(name, value)`` pairs (as constructed) or a mapping (as written)."""
+    if isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        return dict(value)
+    return v.mapping(path, value)
+
+
 def _list(path: str, value: Any) -> list:
     if isinstance(value, (list, tuple)):
         return list(value)
@@ -237,7 +244,7 @@ class OptimizerConfig(Section):
         if self.weight_decay is None:  # the class named (Adam: 0, even where it runs as AdamW), not the one run
             self._set("weight_decay", default_weight_decay(self.type, self.decoupled_weight_decay))
         self._set("type", cls.__name__)
-        extra = dict(self.extra)
+        extra = _pairs(where.section, self.extra)
         allowed = optimizer_kwargs_allowed(cls)
         unknown = [key for key in extra if key not in allowed]
         if unknown:  # named with every key the section may hold (our flat form also holds type and params)
@@ -282,7 +289,9 @@ def read_optimizer(section: Any, name: str = "optimizer") -> OptimizerConfig:
     where = Where(inner, {key: v.join(name, key) for key in _BESIDE_PARAMS})
     given = [key for key in _SWITCH if key in params]
     switch = [params.pop(key) for key in given]
-    if len(switch) == 2 and (type(switch[0]), switch[0]) != (type(switch[1]), switch[1]):
+    for key, value in zip(given, switch) if len(switch) == 2 else ():  # compared, so read as switches first
+        v.boolean(v.join(inner, key), value)
+    if len(switch) == 2 and switch[0] != switch[1]:
         raise ConfigError(f"{inner}.{_SWITCH[0]} and {inner}.{_SWITCH[1]} disagree (torch's and DeepSpeed's name "
                           f"for the same switch); keep one of them.")
     if switch:
@@ -324,7 +333,7 @@ class SchedulerConfig(Section):
         from hybrid.config.schedule import REQUIRED, SCHEDULES, WARMUP_TYPES
 
         kind, at = self.type, where("params")
-        params = dict(self.params) if isinstance(self.params, (tuple, list)) else v.mapping(at, self.params)
+        params = _pairs(at, self.params)
         v.known_keys(at, params, sorted(SCHEDULES[kind]))
         values = {**SCHEDULES[kind], **params}
         for key, value in values.items():

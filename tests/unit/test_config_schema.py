@@ -124,6 +124,15 @@ def test_reading_a_config_checks_each_section_once():
                       "SchedulerConfig": 1}
 
 
+def test_loading_a_cluster_file_checks_each_section_once(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CLUSTER.replace("CONFIG", str(TINY)).replace("steps: 5}", "steps: 5, checkpoint: {dir: run}}"))
+    counts, patch = _count_constructions()
+    with patch:
+        load_spec(path)
+    assert counts == {"ClusterSpec": 1, "JobSpec": 1, "CheckpointSpec": 1, "ParallelSpec": 1}
+
+
 @pytest.mark.parametrize("build, start", [
     (lambda: ZeroConfig(stage=7), "zero.stage must be"),
     (lambda: TrainConfig.from_dict({"zero": {"stage": 7}}), "zero.stage must be"),
@@ -140,6 +149,12 @@ def test_reading_a_config_checks_each_section_once():
      "optimizer.params.adam_w_mode must be true or false"),
     (lambda: TrainConfig.from_dict({"micro_batch_size": 1, "train_micro_batch_size_per_gpu": 1}),
      "micro_batch_size and train_micro_batch_size_per_gpu are both set"),
+    (lambda: TrainConfig.from_dict({"optimizer": {"adam_w_mode": True, "decoupled_weight_decay": "x"}}),
+     "optimizer.decoupled_weight_decay must be true or false"),
+    (lambda: TrainConfig.from_dict({"scheduler": {"type": "WarmupLR", "params": [1]}}),
+     "scheduler.params must be a mapping"),
+    (lambda: TrainConfig.from_dict({"zero_optimization": {"reduce_dtype": "bf16"}}),
+     "zero_optimization.reduce_dtype is bf16 but precision is fp32"),
 ])
 def test_errors_name_the_path_the_user_wrote(build, start):
     with pytest.raises(ConfigError) as err:
