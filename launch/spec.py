@@ -1,20 +1,23 @@
 """cluster.yaml: load, validate and resolve into a ``LaunchSpec``.
 
-``load_spec(path)`` reads the file strictly (``hybrid.config.yamlfile``: UTF-8, no duplicate keys) and returns a
-frozen ``LaunchSpec`` (cluster, job, parallel sections), or raises ``ConfigError`` with one sentence
-naming the bad field, its value (quoted short) and what is allowed; the checks are the shared ones of
-``hybrid.config.validate``. Unknown keys are errors, relative paths are resolved against the YAML file's
-directory, ``job.entrypoint`` must be a ``module:function`` taking one argument, importable from
-``job.working_dir`` (default: the cluster file's directory, which the launcher ships to every node) or an
-installed package, from any current directory; the checkpoint directory must be creatable and writable.
-``job.run_dir`` (default ``job.checkpoint.dir``, else ``runs/<cluster file name>`` under the current
-directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks.
+Each section is one schema (``hybrid.config.schema``): ``ClusterSpec``, ``JobSpec`` (with ``CheckpointSpec``) and
+``ParallelSpec`` declare every field's default, check and help once, and check their values on construction;
+the readers here fold the YAML into them. ``load_spec(path)`` reads the file strictly
+(``hybrid.config.yamlfile``: UTF-8, no duplicate keys) and returns a frozen ``LaunchSpec``, or raises
+``ConfigError`` with one sentence naming the bad field, its value (quoted short) and what is allowed; the
+checks are the shared ones of ``hybrid.config.validate``. Unknown keys are errors, relative paths are resolved
+against the YAML file's directory. What this machine must allow is checked at load, on the built spec:
+``job.entrypoint`` must be a ``module:function`` taking one argument, importable from ``job.working_dir``
+(default: the cluster file's directory, which the launcher ships to every node) or an installed package, from
+any current directory; the checkpoint directory must be creatable and writable. ``job.run_dir`` (default
+``job.checkpoint.dir``, else ``runs/<cluster file name>`` under the current directory) receives metrics.jsonl;
+``job.env`` holds environment variables for the ranks. ``job.checkpoint: {dir: ...}`` saves every 10 steps
+unless ``every`` says otherwise (``CheckpointSpec.every``).
 An empty value (YAML null, ``offload:`` with nothing after it) is the field left unset: its default applies,
 for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
-choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
-memory where the probes cannot measure it. Nothing here
-contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.ray.capacity``'s check, made
-before one is started.)
+choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a
+node's host memory where the probes cannot measure it. Nothing here contacts Ray. (Whether an embedded
+cluster fits on this machine is ``launch.ray.capacity``'s check, made before one is started.)
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import inspect
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hybrid.config import validate as v
+from hybrid.config.schema import (Check, Section, Where, default_of, optional, path_value, read, section_check,
+                                  setting, setting_of, spelled)
 from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
 from hybrid.plan.planner import check_lever, check_offload_stage
@@ -37,6 +43,7 @@ from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS
 from hybrid.config.yamlfile import load_yaml, not_a_file
 
 ADDRESS_HELP = "'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'"
+ENTRYPOINT_HELP = "module:function, e.g. hybrid.models.gpt:train"
 INTRA_NODE = ("nvlink", "pcie", "loopback")
 INTER_NODE = ("infiniband", "roce", "ethernet", "loopback")
 # Sane bounds: a value outside them is a typo (a timeout in ms, a world in the wrong unit), not a plan.
@@ -53,21 +60,56 @@ PLACEMENT_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
 CONNECT_TIMEOUT_S = (1.0, 3600.0)
 
 
+def _address(path: str, address: Any) -> str:
+    """``local``, ``auto`` or ``ray://host:port`` with a port in 1..65535."""
+    if isinstance(address, str) and address in ("local", "auto"):
+        return address
+    if isinstance(address, str) and address.startswith("ray://"):
+        host, _, port = address[len("ray://"):].rpartition(":")
+        if host and port.isdigit() and 1 <= int(port) <= 65535 and "/" not in host:
+            return address
+    raise v.invalid(path, ADDRESS_HELP + " with a port from 1 to 65535", address)
+
+
+def _seconds(bounds: tuple) -> Check:
+    return partial(v.number, lo=bounds[0], hi=bounds[1], unit="seconds")
+
+
 @dataclass(frozen=True)
-class ClusterSpec:
-    address: str
-    nodes: int
-    gpus_per_node: int  # ranks per node
-    gpu_memory_gb: float  # used where NVML cannot measure, and by `hybrid plan`
-    intra_node: str = "unspecified"
-    inter_node: str = "unspecified"
-    connect_timeout_s: float = 60.0  # auto / ray://: how long to wait for the cluster to answer
-    host_memory_gb: Optional[float] = None  # per node; used where the probe cannot measure, and by `hybrid plan`
-    # CUDA context and NCCL buffers per GPU, outside the allocator; None: hybrid.plan.memory's default on GPUs
-    runtime_reserve_gb: Optional[float] = None
-    # Without GPUs, gpu_memory_gb is a planning figure; true makes it each rank's enforced memory budget too
-    # (measured RSS growth above it is an out-of-memory error and a re-plan). On GPUs the budget is the GPU's.
-    enforce_memory_budget: bool = False
+class ClusterSpec(Section):
+    SECTION = "cluster"
+
+    address: str = setting(check=_address, help=ADDRESS_HELP)
+    nodes: int = setting(check=partial(v.positive_int, hi=MAX_NODES), help="a whole number of nodes, at least 1")
+    gpus_per_node: int = setting(check=partial(v.positive_int, hi=MAX_GPUS_PER_NODE), help="ranks per node, at least 1")
+    gpu_memory_gb: float = setting(check=partial(v.positive_number, hi=MAX_GPU_MEMORY_GB, unit="GB"),
+                                   help="the memory of one GPU in GB, e.g. 80")  # where NVML cannot measure; plan
+    intra_node: str = setting("unspecified", partial(v.one_of, choices=INTRA_NODE + ("unspecified",)),
+                              key="interconnect.intra_node", help=" | ".join(INTRA_NODE))
+    inter_node: str = setting("unspecified", partial(v.one_of, choices=INTER_NODE + ("unspecified",)),
+                              key="interconnect.inter_node", help=" | ".join(INTER_NODE))
+    connect_timeout_s: float = setting(60.0, _seconds(CONNECT_TIMEOUT_S),
+                                       help="auto / ray://: how long to wait for the cluster to answer")
+    host_memory_gb: Optional[float] = setting(
+        None, partial(v.positive_number, hi=MAX_HOST_MEMORY_GB, unit="GB"),
+        help="per node; used where the probe cannot measure, and by `hybrid plan`")
+    runtime_reserve_gb: Optional[float] = setting(  # checked below, against gpu_memory_gb
+        None, help="CUDA context and NCCL buffers per GPU, outside the allocator; unset: hybrid.plan.memory's "
+                   "default on GPUs")
+    enforce_memory_budget: bool = setting(
+        False, v.boolean, help="without GPUs, make gpu_memory_gb each rank's enforced memory budget (measured RSS "
+                               "growth above it is an out-of-memory error and a re-plan); on GPUs it is the GPU's")
+
+    def _check_together(self, where: Where) -> None:
+        nodes, gpus = self.nodes, self.gpus_per_node
+        if nodes * gpus > MAX_WORLD_SIZE:
+            raise ConfigError(f"{where('nodes')} x {where('gpus_per_node')} is {nodes} x {gpus} = {nodes * gpus} "
+                              f"ranks, above the {MAX_WORLD_SIZE} hybrid plans for; lower {where('nodes')} or "
+                              f"{where('gpus_per_node')}.")
+        if self.runtime_reserve_gb is not None:
+            need = f"a number from 0 to below {where('gpu_memory_gb')} ({self.gpu_memory_gb:g} GB)"
+            self._set("runtime_reserve_gb", v.number(where("runtime_reserve_gb"), self.runtime_reserve_gb, 0,
+                                                     self.gpu_memory_gb, hi_open=True, need=need))
 
     @property
     def is_local(self) -> bool:
@@ -79,45 +121,104 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
-class CheckpointSpec:
-    dir: Optional[Path] = None  # None: no checkpoints
-    every: int = 0
-    keep_last: int = 2
+class CheckpointSpec(Section):
+    SECTION = "job.checkpoint"
+
+    dir: Optional[Path] = setting(None, path_value, help="the directory for checkpoints")  # unset: no checkpoints
+    every: int = setting(10, partial(v.positive_int, hi=MAX_STEPS),
+                         help="save every this many steps (and at the last step)")
+    keep_last: int = setting(2, partial(v.positive_int, hi=MAX_STEPS), help="the newest checkpoints kept")
+
+
+def _entrypoint(path: str, entrypoint: Any) -> str:
+    if not isinstance(entrypoint, str) or entrypoint.count(":") != 1 or not all(entrypoint.split(":")):
+        raise v.invalid(path, ENTRYPOINT_HELP, entrypoint)
+    return entrypoint
+
+
+def _env(path: str, d: Any) -> dict:
+    d = v.mapping(path, d, example="{MY_FLAG: '1'}")
+    env = {}
+    for key, value in d.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise v.invalid(path, "environment variable names: non-empty strings without '='", key)
+        if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and "\0" in value):
+            raise v.invalid(v.join(path, key), "a string (without a NUL character) or a number", value)
+        if isinstance(value, float):  # YAML already turned 1.10 into 1.1: what was written is lost
+            raise v.invalid(v.join(path, key), f"a string (quote it, as in {key}: '{value}', so it reaches "
+                            "the ranks exactly as written) or a whole number", value)
+        env[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    entrypoint: str  # "module:function"
-    config: Path  # the model config YAML
-    steps: int
-    micro_batch: int = 8
-    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
-    max_failures: int = 0
-    collective_timeout_s: float = 300.0
-    seed: int = 0
-    run_dir: Optional[Path] = None  # metrics.jsonl, TensorBoard events (resolved default: see _run_dir)
-    working_dir: Optional[Path] = None  # shipped to every rank; the entrypoint's module is found here
-    env: dict = field(default_factory=dict)  # environment variables for the ranks
-    isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
-    max_replans: int = 3  # out-of-memory re-plans (launch.planning.replan); they do not count against max_failures
-    placement_timeout_s: float = 120.0  # how long Ray may take to reserve the nodes before the job fails
+class JobSpec(Section):
+    SECTION = "job"
+
+    entrypoint: str = setting(check=_entrypoint, help=ENTRYPOINT_HELP)
+    config: Path = setting(check=path_value, help="the path of the model config YAML")
+    steps: int = setting(check=partial(v.positive_int, hi=MAX_STEPS), help="the number of training steps")
+    micro_batch: int = setting(8, partial(v.positive_int, hi=MAX_MICRO_BATCH), help="rows per rank per micro-step")
+    checkpoint: CheckpointSpec = setting(factory=CheckpointSpec, check=section_check(CheckpointSpec),
+                                         help="{dir, every, keep_last}; unset: no checkpoints")
+    max_failures: int = setting(0, partial(v.integer, lo=0, hi=MAX_FAILURES),
+                                help="restarts of the whole worker group before the job gives up")
+    collective_timeout_s: float = setting(300.0, _seconds(COLLECTIVE_TIMEOUT_S),
+                                          help="a collective that waits longer raises instead of hanging")
+    seed: int = setting(0, partial(v.integer, lo=0, hi=v.MAX_SEED), help="the data and dropout seed")
+    run_dir: Optional[Path] = setting(
+        None, path_value, help="metrics.jsonl and TensorBoard events; from a cluster file: job.checkpoint.dir, "
+                               "else runs/<cluster file name> under the current directory")
+    working_dir: Optional[Path] = setting(
+        ".", optional(path_value), help="shipped to every rank; the entrypoint's module is found here (relative "
+                                        "to the cluster file)")
+    env: dict = setting(factory=dict, check=_env, help="environment variables for the ranks")
+    isolate_gpus: bool = setting(False, v.boolean, help="each rank sees only its own GPU (cuda:0); else the "
+                                                        "node's, cuda:LOCAL_RANK")
+    max_replans: int = setting(3, partial(v.integer, lo=0, hi=MAX_FAILURES),
+                               help="out-of-memory re-plans (launch.planning.replan), not counted as failures")
+    placement_timeout_s: float = setting(120.0, _seconds(PLACEMENT_TIMEOUT_S),
+                                         help="how long Ray may take to reserve the nodes before the job fails")
+
+
+def _tp(path: str, value: Any) -> Optional[int]:
+    if isinstance(value, str) and value == "auto":
+        return None
+    return v.integer(path, value, 1, need="'auto' or a whole number that divides cluster.gpus_per_node")
 
 
 @dataclass(frozen=True)
-class ParallelSpec:
-    tp: Optional[int] = None  # None: auto = gpus_per_node for a model with TP layers, else 1
-    zero_stage: Optional[int] = None  # None: auto = the planner's choice
-    precision: str = DEFAULT_PRECISION
-    offload: Optional[bool] = None  # optimizer states in host memory; None: auto = the planner's choice
-    activation_checkpointing: Optional[bool] = None  # None: auto = the planner's choice
+class ParallelSpec(Section):
+    SECTION = "parallel"
+
+    tp: Optional[int] = setting(None, _tp, auto=True,
+                                help="auto: gpus_per_node for a model with TP layers, else 1")
+    zero_stage: Optional[int] = setting(None, partial(v.stage, auto=True), auto=True,
+                                        help="auto (the planner's choice) or 0-3")
+    precision: str = setting(DEFAULT_PRECISION, partial(v.one_of, choices=PRECISIONS), help="bf16 | fp32")
+    offload: Optional[bool] = setting(None, check_lever, auto=True,
+                                      help="optimizer states in host memory: auto (the planner's choice), true, false")
+    activation_checkpointing: Optional[bool] = setting(None, check_lever, auto=True,
+                                                       help="auto (the planner's choice), true or false")
+
+    def _check_together(self, where: Where) -> None:
+        check_offload_stage(self.offload, self.zero_stage, where("offload"), where("zero_stage"))
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
+    """The cluster file: its three sections (each checked on construction) and where it was read from."""
+
     cluster: ClusterSpec
     job: JobSpec
     parallel: ParallelSpec
     path: Optional[Path] = None
+
+    def __post_init__(self) -> None:
+        gpus, tp = self.cluster.gpus_per_node, self.parallel.tp
+        if tp is not None and gpus % tp:
+            raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {gpus}; TP "
+                              f"groups must lie inside one node, so use a divisor of {gpus} or 'auto'.")
 
     @property
     def tp(self) -> int:
@@ -130,13 +231,14 @@ class LaunchSpec:
         return self.cluster.world_size // self.tp
 
     def with_overrides(self, steps: Optional[int] = None, stage: Optional[int] = None) -> "LaunchSpec":
-        """The spec with ``--steps`` / ``--stage`` from the command line applied (validated like the file)."""
+        """The spec with ``--steps`` / ``--stage`` from the command line applied (checked like the file, named
+        by the flag)."""
         job, parallel = self.job, self.parallel
         if steps is not None:
-            job = dataclasses.replace(job, steps=v.positive_int("--steps", steps, MAX_STEPS))
+            job = dataclasses.replace(job, steps=steps, where=Where("job", {"steps": "--steps"}))
         if stage is not None:
-            parallel = dataclasses.replace(parallel, zero_stage=v.stage("--stage", stage))
-            check_offload_stage(parallel.offload, parallel.zero_stage, "parallel.offload", "--stage")
+            parallel = dataclasses.replace(parallel, zero_stage=stage,
+                                           where=Where("parallel", {"zero_stage": "--stage"}))
         return dataclasses.replace(self, job=job, parallel=parallel)
 
 
@@ -157,93 +259,35 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
         raise ConfigError(f"{shown} must be a mapping with sections cluster, job (and optionally parallel), "
                           f"got {'nothing' if data is None else type(data).__name__}.")
     v.known_keys("", data, ("cluster", "job", "parallel"))
-    cluster = _cluster(_section(data, "cluster", required=True))
+    cluster = read(ClusterSpec, _section(data, "cluster", required=True),
+                   examples={"interconnect": "{intra_node: nvlink, inter_node: infiniband}"}, nulls_unset=True)
     job = _job(_section(data, "job", required=True), base_dir, cluster.is_local, path.stem if path else "job")
-    parallel = _parallel(_section(data, "parallel", required=False), cluster)
+    parallel = read(ParallelSpec, _section(data, "parallel", required=False))
     return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path)
 
 
-def _cluster(d: dict) -> ClusterSpec:
-    v.known_keys("cluster", d, ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
-                                "connect_timeout_s", "host_memory_gb", "runtime_reserve_gb",
-                                "enforce_memory_budget"))
-    address = check_address(v.required(d, "cluster", "address", ADDRESS_HELP))
-    nodes = v.positive_int("cluster.nodes", v.required(d, "cluster", "nodes", "a whole number of nodes, at least 1"),
-                           MAX_NODES)
-    gpus = v.positive_int("cluster.gpus_per_node",
-                          v.required(d, "cluster", "gpus_per_node", "ranks per node, at least 1"), MAX_GPUS_PER_NODE)
-    if nodes * gpus > MAX_WORLD_SIZE:
-        raise ConfigError(f"cluster.nodes x cluster.gpus_per_node is {nodes} x {gpus} = {nodes * gpus} ranks, "
-                          f"above the {MAX_WORLD_SIZE} hybrid plans for; lower cluster.nodes or cluster.gpus_per_node.")
-    memory = v.positive_number("cluster.gpu_memory_gb",
-                               v.required(d, "cluster", "gpu_memory_gb", "the memory of one GPU in GB, e.g. 80"),
-                               MAX_GPU_MEMORY_GB, unit="GB")
-    links = d.get("interconnect")
-    links = {} if links is None else links
-    links = v.without_nulls(v.mapping("cluster.interconnect", links, ("intra_node", "inter_node"),
-                                      example="{intra_node: nvlink, inter_node: infiniband}"))
-    intra = v.one_of("cluster.interconnect.intra_node", links.get("intra_node", "unspecified"),
-                     INTRA_NODE + ("unspecified",))
-    inter = v.one_of("cluster.interconnect.inter_node", links.get("inter_node", "unspecified"),
-                     INTER_NODE + ("unspecified",))
-    connect = v.number("cluster.connect_timeout_s", d.get("connect_timeout_s", 60), *CONNECT_TIMEOUT_S, unit="seconds")
-    host = d.get("host_memory_gb")
-    if host is not None:
-        host = v.positive_number("cluster.host_memory_gb", host, MAX_HOST_MEMORY_GB, unit="GB")
-    reserve = d.get("runtime_reserve_gb")
-    if reserve is not None:
-        need = f"a number from 0 to below cluster.gpu_memory_gb ({memory:g} GB)"
-        reserve = v.number("cluster.runtime_reserve_gb", reserve, 0, memory, hi_open=True, need=need)
-    enforce = v.boolean("cluster.enforce_memory_budget", d.get("enforce_memory_budget", False))
-    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve, enforce)
-
-
-def check_address(address: Any) -> str:
-    """``local``, ``auto`` or ``ray://host:port`` with a port in 1..65535."""
-    if address in ("local", "auto"):
-        return address
-    if isinstance(address, str) and address.startswith("ray://"):
-        host, _, port = address[len("ray://"):].rpartition(":")
-        if host and port.isdigit() and 1 <= int(port) <= 65535 and "/" not in host:
-            return address
-    raise v.invalid("cluster.address", ADDRESS_HELP + " with a port from 1 to 65535", address)
-
-
 def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
-    v.known_keys("job", d, ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
-                            "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus",
-                            "max_replans", "placement_timeout_s"))
-    working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
-    entrypoint = v.required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
-    check_entrypoint(entrypoint, working_dir)
-    config = v.text("job.config", v.required(d, "job", "config", "the path of the model config YAML"),
-                    "the path of the model config YAML")
-    config_path = _resolve(config, base_dir, "job.config")
-    state = not_a_file(config_path)
+    """``job`` of a cluster file: paths resolved against ``base_dir``, then what this machine must allow (the
+    entrypoint imports, the model config is a file, the run directory is writable) checked on the built spec."""
+    values, where = spelled(JobSpec, d, "job")
+    values["working_dir"] = _directory(values.get("working_dir", default_of(JobSpec, "working_dir")),
+                                       "job.working_dir", base_dir)
+    config = v.text("job.config", values["config"], "the path of the model config YAML")
+    values["config"] = _resolve(config, base_dir, "job.config")
+    state = not_a_file(values["config"])
     if state:
-        raise ConfigError(f"job.config is {v.quote(config)}, but {v.quote(str(config_path))} {state}; "
+        raise ConfigError(f"job.config is {v.quote(config)}, but {v.quote(str(values['config']))} {state}; "
                           "give the path of the model config YAML (relative to the cluster file).")
-    steps = v.positive_int("job.steps", v.required(d, "job", "steps", "the number of training steps"), MAX_STEPS)
-    micro_batch = v.positive_int("job.micro_batch", d.get("micro_batch", 8), MAX_MICRO_BATCH)
-    max_failures = v.integer("job.max_failures", d.get("max_failures", 0), 0, MAX_FAILURES)
-    max_replans = v.integer("job.max_replans", d.get("max_replans", 3), 0, MAX_FAILURES)
-    seed = v.integer("job.seed", d.get("seed", 0), 0, v.MAX_SEED)
-    timeout = v.number("job.collective_timeout_s", d.get("collective_timeout_s", 300), *COLLECTIVE_TIMEOUT_S,
-                       unit="seconds")
-    placement_timeout = v.number("job.placement_timeout_s",
-                                 d.get("placement_timeout_s", JobSpec.placement_timeout_s), *PLACEMENT_TIMEOUT_S,
-                                 unit="seconds")
-    checkpoint = _checkpoint(d.get("checkpoint"), base_dir, local)
-    run_dir = d.get("run_dir")
+    values["checkpoint"] = _checkpoint(values.get("checkpoint"), base_dir, local)
+    run_dir = values.get("run_dir")
     if run_dir is not None:
         run_dir = _resolve(v.text("job.run_dir", run_dir, "a directory path for metrics and logs"), base_dir,
                            "job.run_dir")
-    run_dir = run_dir or checkpoint.dir or Path.cwd() / "runs" / name
-    check_writable_dir(run_dir, "job.run_dir", only_if_here=not local)  # the driver writes metrics there
-    isolate_gpus = v.boolean("job.isolate_gpus", d.get("isolate_gpus", False))
-    return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, timeout, seed,
-                   run_dir, working_dir, _env(d.get("env")), isolate_gpus, max_replans=max_replans,
-                   placement_timeout_s=placement_timeout)
+    values["run_dir"] = run_dir or values["checkpoint"].dir or Path.cwd() / "runs" / name
+    job = JobSpec(**values, where=where)
+    check_entrypoint(job.entrypoint, job.working_dir)
+    check_writable_dir(job.run_dir, "job.run_dir", only_if_here=not local)  # the driver writes metrics there
+    return job
 
 
 def _directory(value: Any, name: str, base_dir: Path) -> Path:
@@ -254,40 +298,24 @@ def _directory(value: Any, name: str, base_dir: Path) -> Path:
     return path
 
 
-def _env(d: Any) -> dict:
-    if d is None:
-        return {}
-    d = v.mapping("job.env", d, example="{MY_FLAG: '1'}")
-    env = {}
-    for key, value in d.items():
-        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
-            raise v.invalid("job.env", "environment variable names: non-empty strings without '='", key)
-        if isinstance(value, (dict, list)) or value is None or (isinstance(value, str) and "\0" in value):
-            raise v.invalid(v.join("job.env", key), "a string (without a NUL character) or a number", value)
-        if isinstance(value, float):  # YAML already turned 1.10 into 1.1: what was written is lost
-            raise v.invalid(v.join("job.env", key), f"a string (quote it, as in {key}: '{value}', so it reaches "
-                            "the ranks exactly as written) or a whole number", value)
-        env[key] = str(value).lower() if isinstance(value, bool) else str(value)
-    return env
-
-
 def _checkpoint(d: Any, base_dir: Path, local: bool) -> CheckpointSpec:
+    """``job.checkpoint`` of a cluster file (none: no checkpoints): ``dir`` required, resolved against
+    ``base_dir``, writable and laid out as a run directory."""
     if d is None:
         return CheckpointSpec()
-    d = v.without_nulls(v.mapping("job.checkpoint", d, ("dir", "every", "keep_last"),
-                                  example="{dir: ./runs/demo, every: 10}"))
-    directory = v.text("job.checkpoint.dir", v.required(d, "job.checkpoint", "dir", "the directory for checkpoints"),
-                       "a directory path")
-    every = v.positive_int("job.checkpoint.every", d.get("every", 10), MAX_STEPS)
-    keep_last = v.positive_int("job.checkpoint.keep_last", d.get("keep_last", 2), MAX_STEPS)
+    values, where = spelled(CheckpointSpec, d, "job.checkpoint", example="{dir: ./runs/demo, every: 10}",
+                            nulls_unset=True)
+    need = setting_of(CheckpointSpec, "dir").help
+    directory = v.text("job.checkpoint.dir", v.required(values, "job.checkpoint", "dir", need), "a directory path")
     path = _resolve(directory, base_dir, "job.checkpoint.dir")
+    spec = CheckpointSpec(**{**values, "dir": path}, where=where)
     check_writable_dir(path, "job.checkpoint.dir", only_if_here=not local)
     problem = layout.layout_problem(path)
     if problem is not None:
         raise ConfigError(f"job.checkpoint.dir {v.quote(str(path))}: {problem}.")
     if (path / "checkpoints").is_dir():  # where the saves go (hybrid.checkpoint.layout): it may be another mount
         check_writable_dir(path / "checkpoints", "job.checkpoint.dir", only_if_here=not local)
-    return CheckpointSpec(path, every, keep_last)
+    return spec
 
 
 def check_writable_dir(path: Path, field_name: str, only_if_here: bool = False) -> None:
@@ -310,25 +338,6 @@ def check_writable_dir(path: Path, field_name: str, only_if_here: bool = False) 
     except OSError as err:
         raise ConfigError(f"{field_name} {shown} is not writable: creating a file in {v.quote(str(existing))} "
                           f"failed ({err.strerror or err}); give a directory you can write to.") from None
-
-
-def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
-    v.known_keys("parallel", d, ("tp", "zero_stage", "precision", "offload", "activation_checkpointing"))
-    tp = d.get("tp", "auto")
-    if tp == "auto":
-        tp = None
-    else:
-        tp = v.integer("parallel.tp", tp, 1, need="'auto' or a whole number that divides cluster.gpus_per_node")
-        if cluster.gpus_per_node % tp:
-            raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = "
-                              f"{cluster.gpus_per_node}; TP groups must lie inside one node, so use a divisor "
-                              f"of {cluster.gpus_per_node} or 'auto'.")
-    stage = v.stage("parallel.zero_stage", d.get("zero_stage", "auto"), auto=True)
-    precision = v.one_of("parallel.precision", d.get("precision", DEFAULT_PRECISION), PRECISIONS)
-    offload = check_lever("parallel.offload", d.get("offload", "auto"))
-    checkpointing = check_lever("parallel.activation_checkpointing", d.get("activation_checkpointing", "auto"))
-    check_offload_stage(offload, stage, "parallel.offload", "parallel.zero_stage")
-    return ParallelSpec(tp, stage, precision, offload, checkpointing)
 
 
 # ------------------------------------------------------------------------------------------- entrypoint
@@ -356,9 +365,7 @@ def resolve_entrypoint(entrypoint: Any, field_name: str = "job.entrypoint",
     (as Ray puts a job's working_dir first on its workers). The driver also refuses a working-dir module that
     an installed one of that name shadows (``check_shadowing``; a rank, which imports from its shipped copy,
     leaves that to the driver)."""
-    if not isinstance(entrypoint, str) or entrypoint.count(":") != 1 or not all(entrypoint.split(":")):
-        raise v.invalid(field_name, "module:function, e.g. hybrid.models.gpt:train", entrypoint)
-    module_name, fn_name = entrypoint.split(":")
+    module_name, fn_name = _entrypoint(field_name, entrypoint).split(":")
     if working_dir is not None and str(working_dir) not in sys.path:
         sys.path.insert(0, str(working_dir))
     try:

@@ -22,6 +22,7 @@ keep working beside NCCL on GPU tensors.
 ``tp`` that does not divide the ranks per node): it still trains, but the TP
 all-reduces of every layer then cross the inter-node network. ``hybrid launch`` refuses such a plan.
 
+``MeshLayout`` (the one definition of which ranks form each group, also what ``hybrid plan`` prints),
 ``mesh_degrees``, ``placement_from_env`` and ``tp_groups_across_nodes`` are pure, usable before any process
 exists.
 """
@@ -42,6 +43,31 @@ from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Which global ranks form each group, before any process exists: rank r runs on node r // ranks_per_node;
+    TP groups are tp consecutive ranks (inside a node when tp divides ranks_per_node), DP groups the ranks with
+    equal r % tp. ``build_mesh`` creates these groups; ``hybrid plan`` prints them."""
+
+    nodes: int
+    ranks_per_node: int
+    tp: int
+    dp: int
+
+    @property
+    def node_ranks(self) -> list[list[int]]:
+        g = self.ranks_per_node
+        return [list(range(n * g, (n + 1) * g)) for n in range(self.nodes)]
+
+    @property
+    def tp_groups(self) -> list[list[int]]:
+        return [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.dp)]
+
+    @property
+    def dp_groups(self) -> list[list[int]]:
+        return [list(range(j, self.tp * self.dp, self.tp)) for j in range(self.tp)]
 
 
 @dataclass(frozen=True)
@@ -175,7 +201,8 @@ def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = N
     device_type = device_type or default_device_type()
     node_index, local_rank = placement_from_env(os.environ, rank)
     _warn_if_tp_crosses_nodes(os.environ, world, tp)
-    grid = torch.arange(world, dtype=torch.int).view(dp, tp)
+    # the groups depend on tp and dp alone (where each rank runs is node_index, from the environment)
+    grid = torch.tensor(MeshLayout(1, world, tp, dp).tp_groups, dtype=torch.int)  # dp x tp: rows TP, columns DP
     dp_group, tp_group = _mesh_groups(grid, timeout)
     device_mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
     return HybridMesh(

@@ -3,8 +3,12 @@
 ``TrainConfig(zero=ZeroConfig(...), precision="bf16"|"fp32", optimizer=OptimizerConfig(...),
 scheduler=None|SchedulerConfig(...), gradient_clipping=None|float, gradient_accumulation_steps=None|int,
 max_nonfinite_skips=5)``; accumulation left out is 1, or with both batch sizes given derived by
-``check_batch(dp)`` as DeepSpeed does (train_batch_size / (micro batch x dp)). Every field is checked
-on construction; a bad value raises ``ConfigError`` naming the field and the fix.
+``check_batch(dp)`` as DeepSpeed does (train_batch_size / (micro batch x dp)). Each section is one schema
+(``hybrid.config.schema``): its fields carry their default, their check, their DeepSpeed spelling and aliases,
+so the readers, the defaults and the checks are written once. Every field is checked on construction, once,
+under the path the user wrote (``zero_optimization.stage`` for the DeepSpeed spelling, ``zero.stage`` in ours,
+``train.optimizer.lr`` under a model config's ``train:``); a bad value raises ``ConfigError`` naming the field
+and the fix.
 
 ``TrainConfig.from_dict(d)`` accepts both spellings, mixed freely:
 
@@ -42,175 +46,172 @@ for AdamW, in our form).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Optional
 
 from hybrid.config import validate as v
-from hybrid.errors import ConfigError
+from hybrid.config.deepspeed import DEEPSPEED_KNOBS, drop_deepspeed_knobs
+from hybrid.config.optimizers import (NOT_ELEMENTWISE, default_weight_decay, optimizer_kwargs_allowed,
+                                      torch_optimizer_class)
+from hybrid.config.schema import (Section, Where, deepspeed_defaults, default_of, section_check, setting, setting_of,
+                                  spelled)
 from hybrid.config.validate import PRECISIONS
+from hybrid.errors import ConfigError
+
+__all__ = ["DEEPSPEED_KNOBS", "DEEPSPEED_NO_DECAY", "DEEPSPEED_WEIGHT_DECAY", "NOT_ELEMENTWISE", "OffloadConfig",
+           "OptimizerConfig", "SchedulerConfig", "TrainConfig", "ZeroConfig", "default_weight_decay",
+           "optimizer_kwargs_allowed", "read_optimizer", "torch_optimizer_class"]
 
 log = logging.getLogger(__name__)
 
-# -- value checks: the shared vocabulary, with sizes allowed as whole floats (5e8) as in DeepSpeed ------
-def _int(value: Any, name: str, minimum: int) -> int:
-    return v.integer(name, value, minimum, whole_floats=True)
+
+def _size(minimum: int):
+    """Sizes and counts: whole numbers, also written as whole floats (``5e8``) as in DeepSpeed."""
+    return partial(v.integer, lo=minimum, whole_floats=True)
 
 
-def _float(value: Any, name: str, minimum: float = 0.0, strict: bool = False) -> float:
-    return v.number(name, value, lo=minimum, lo_open=strict)
+_NON_NEGATIVE = partial(v.number, lo=0.0)
 
 
-def _bool(value: Any, name: str) -> bool:
-    return v.boolean(name, value)
-
-
-def _section(value: Any, name: str) -> dict:
-    return v.mapping(name, value)
-
-
-def _reject_unknown(section: dict, allowed, where: str) -> None:
-    v.known_keys(where, section, sorted(allowed))
-
-
-STAGE3_UNITS = ("auto", "module")  # hybrid.zero.units: which modules are stage-3 unit roots
-
-
-# -- the typed configs --------------------------------------------------------------------------------------
+# -- zero.offload_optimizer --------------------------------------------------------------------------------
 OFFLOAD_DEVICES = ("none", "cpu")
 
 
+def _offload_device(path: str, value: Any) -> str:
+    if isinstance(value, str) and value == "nvme":
+        raise ConfigError(f"{path} nvme is not supported (only host memory is); use device: cpu, or device: none "
+                          f"to keep the optimizer state on the GPU.")
+    return v.one_of(path, "none" if value is None else value, OFFLOAD_DEVICES)
+
+
 @dataclass(frozen=True)
-class OffloadConfig:
+class OffloadConfig(Section):
     """Where the fp32 master weights and optimizer state live: ``none`` (the device) or ``cpu`` (host memory,
     pinned when ``pin_memory`` and the device is CUDA)."""
 
-    device: str = "none"
-    pin_memory: bool = False
+    SECTION = "zero.offload_optimizer"
+    SORTED_KEYS = True
+
+    device: str = setting("none", _offload_device, help="none (the device) or cpu (host memory)")
+    pin_memory: bool = setting(False, v.boolean, help="pinned host buffers (with CUDA)")
 
     @property
     def enabled(self) -> bool:
         return self.device != "none"
 
 
-def _offload_from(value: Any, where: str) -> OffloadConfig:
-    if isinstance(value, OffloadConfig):
-        return value
-    if value is None:
-        return OffloadConfig()
-    section = _section(value, where)
-    _reject_unknown(section, ("device", "pin_memory"), where)
-    device = section.get("device", "none")
-    if device == "nvme":
-        raise ConfigError(f"{where}.device nvme is not supported (only host memory is); use device: cpu, or "
-                          f"device: none to keep the optimizer state on the GPU.")
-    device = v.one_of(f"{where}.device", "none" if device is None else device, OFFLOAD_DEVICES)
-    return OffloadConfig(device, _bool(section.get("pin_memory", False), f"{where}.pin_memory"))
+# -- zero / zero_optimization ------------------------------------------------------------------------------
+STAGE3_UNITS = ("auto", "module")  # hybrid.zero.units: which modules are stage-3 unit roots
+
+
+def _stage3_unit(path: str, unit: Any) -> Any:
+    if not callable(unit) and not (isinstance(unit, str) and unit in STAGE3_UNITS):
+        raise ConfigError(f"{path} must be auto, module or a function (module_name, module) -> bool marking the "
+                          f"unit roots, got {unit!r}; use auto (one unit per block) unless you need another cut.")
+    return unit
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
+class ZeroConfig(Section):
     """ZeRO policy on the data-parallel group. Sizes count elements, not bytes."""
 
-    stage: int = 0
-    reduce_bucket_size: int = 500_000_000      # stages 0-2: gradient bucket (one collective each)
-    allgather_bucket_size: int = 500_000_000   # stages 1-2: elements in flight in the post-step all-gather
-    prefetch_bucket_size: int = 50_000_000     # stage 3: elements gathered ahead of the running module
-    param_persistence_threshold: int = 100_000  # stage 3: params with fewer elements stay gathered
-    sub_group_size: int = 1_000_000_000        # optimizer steps the shard in pieces of this many elements
-    overlap_comm: bool = True                  # keep gradient collectives in flight during backward
-    reduce_scatter: bool = True                # stages 1-3: reduce-scatter (else all-reduce) gradients
-    contiguous_gradients: bool = True          # accepted for DeepSpeed configs; gradients are always flat
-    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)  # stages 1-3: states in host memory
-    stage3_unit: Any = "auto"                  # stage 3: auto | module | callable(name, module) -> bool
-    reduce_dtype: Optional[str] = None         # gradients summed/accumulated in: fp32 | bf16; None = the model's
+    SECTION = "zero"
+    SORTED_KEYS = True
 
-    def __post_init__(self) -> None:
-        _check_zero(self, "zero")
+    stage: int = setting(0, partial(v.stage, whole_floats=True), help="0, 1, 2 or 3")
+    reduce_bucket_size: int = setting(500_000_000, _size(1),
+                                      help="stages 0-2: elements per gradient bucket (one collective each)")
+    allgather_bucket_size: int = setting(500_000_000, _size(1),
+                                         help="stages 1-2: elements in flight in the post-step all-gather")
+    prefetch_bucket_size: int = setting(50_000_000, _size(1), aliases=("stage3_prefetch_bucket_size",),
+                                        help="stage 3: elements gathered ahead of the running module")
+    param_persistence_threshold: int = setting(100_000, _size(0), aliases=("stage3_param_persistence_threshold",),
+                                               help="stage 3: parameters with fewer elements stay gathered")
+    sub_group_size: int = setting(1_000_000_000, _size(1),
+                                  help="the optimizer steps the shard in pieces of this many elements")
+    overlap_comm: bool = setting(True, v.boolean, help="keep gradient collectives in flight during backward")
+    reduce_scatter: bool = setting(True, v.boolean, help="stages 1-3: reduce-scatter (else all-reduce) gradients")
+    contiguous_gradients: bool = setting(True, v.boolean,
+                                         help="accepted for DeepSpeed configs; gradients are always flat")
+    offload_optimizer: OffloadConfig = setting(factory=OffloadConfig, check=section_check(OffloadConfig),
+                                               help="stages 1-3: {device: cpu} keeps the optimizer in host memory")
+    stage3_unit: Any = setting("auto", _stage3_unit, help="stage 3: auto | module | callable(name, module) -> bool")
+    reduce_dtype: Optional[str] = setting(None, partial(v.one_of, choices=PRECISIONS),
+                                          help="gradients summed and accumulated in: fp32 | bf16; unset: the model's")
 
+    def _check_together(self, where: Where) -> None:
+        from hybrid.config.stage_policy import policy_for  # pure table; imported here to keep config import-light
 
-def _check_zero(cfg: ZeroConfig, where: str) -> None:
-    set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731  (frozen dataclass)
-    set_("stage", v.stage(f"{where}.stage", cfg.stage, whole_floats=True))
-    for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "sub_group_size"):
-        set_(name, _int(getattr(cfg, name), f"{where}.{name}", 1))
-    set_("param_persistence_threshold",
-         _int(cfg.param_persistence_threshold, f"{where}.param_persistence_threshold", 0))
-    for name in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
-        set_(name, _bool(getattr(cfg, name), f"{where}.{name}"))
-    unit = cfg.stage3_unit
-    if not callable(unit) and unit not in STAGE3_UNITS:
-        raise ConfigError(f"{where}.stage3_unit must be auto, module or a function (module_name, module) -> bool "
-                          f"marking the unit roots, got {unit!r}; use auto (one unit per block) unless you "
-                          f"need another cut.")
-    if cfg.reduce_dtype is not None:
-        set_("reduce_dtype", v.one_of(f"{where}.reduce_dtype", cfg.reduce_dtype, PRECISIONS))
-    offload = _offload_from(cfg.offload_optimizer, f"{where}.offload_optimizer")
-    set_("offload_optimizer", offload)
-    from hybrid.config.stage_policy import policy_for  # pure table; imported here to keep config import-light
-
-    if offload.enabled and not policy_for(cfg.stage).shard_optimizer:
-        raise ConfigError(f"{where}.offload_optimizer needs ZeRO stage 1, 2 or 3, but {where}.stage is {cfg.stage}: "
-                          f"stage 0 keeps a full optimizer copy on every rank, so offloading it would move "
-                          f"N times the bytes; set {where}.stage to 1 or more, or offload_optimizer.device: none.")
+        if self.offload_optimizer.enabled and not policy_for(self.stage).shard_optimizer:
+            offload, stage = where("offload_optimizer"), where("stage")
+            raise ConfigError(f"{offload} needs ZeRO stage 1, 2 or 3, but {stage} is {self.stage}: stage 0 keeps a "
+                              f"full optimizer copy on every rank, so offloading it would move N times the bytes; "
+                              f"set {stage} to 1 or more, or offload_optimizer.device: none.")
 
 
+# -- optimizer ---------------------------------------------------------------------------------------------
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
-# torch.optim classes whose state is not one tensor per element (or that need a closure): refused by name
-NOT_ELEMENTWISE = ("lbfgs", "sparseadam", "adafactor", "muon")
-_TORCH_MANAGED = {"params", "foreach", "fused", "capturable", "differentiable"}
-
-
-def torch_optimizer_class(kind: str, decoupled: bool = True, where: str = "optimizer.type"):
-    """The ``torch.optim`` class named ``kind`` (any case); ``Adam``/``AdamW`` follow ``decoupled``."""
-    import torch  # lazily: the config module is read on the driver too
-
-    if not isinstance(kind, str) or not kind:
-        raise v.invalid(where, "the name of a torch.optim optimizer (AdamW, Adam, SGD, ...)", kind)
-    if kind.lower() in ("adam", "adamw"):
-        return torch.optim.AdamW if decoupled else torch.optim.Adam
-    if kind.lower() in NOT_ELEMENTWISE:
-        raise ConfigError(f"{where} is {kind}, whose state is not one value per parameter element, so it cannot "
-                          f"be stepped on ZeRO's flat shards; use an elementwise optimizer such as AdamW or SGD.")
-    names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
-    if kind.lower() not in names:
-        known = sorted(n for n in names.values() if n.lower() not in NOT_ELEMENTWISE)
-        raise v.invalid(where, "one of " + ", ".join(known), kind)
-    return getattr(torch.optim, names[kind.lower()])
-
-
-def optimizer_kwargs_allowed(cls) -> tuple:
-    """The keyword arguments of ``cls`` a config may set (torch's own implementation switches excluded)."""
-    import inspect
-
-    names = list(inspect.signature(cls.__init__).parameters)[1:]
-    return tuple(n for n in names if n not in _TORCH_MANAGED)
-
-
 # DeepSpeed's optimizers (FusedAdam, DeepSpeedCPUAdam, FusedLamb, ...) decay nothing unless told: a DeepSpeed-style
 # optimizer section ({"type": ..., "params": {...}}) without weight_decay gets this, whatever torch's default.
 DEEPSPEED_WEIGHT_DECAY = 0.0
 # ... and decay every parameter they are given: in that form no parameter is exempted unless no_decay says so
 # (ours exempts biases, norms and embeddings: no_decay "auto").
 DEEPSPEED_NO_DECAY = "none"
+_PLAIN = ("lr", "betas", "eps", "weight_decay")  # torch keyword arguments with a field of their own
+_BESIDE_PARAMS = ("type", "no_decay", "param_groups", "implementation")  # beside DeepSpeed's params, not in it
 
 
-def default_weight_decay(kind: str, decoupled: bool = True) -> float:
-    """The weight decay of ``torch.optim.<kind>`` when none is given: its constructor's default (AdamW 0.01;
-    Adam 0 even where it runs as AdamW, as DeepSpeed's Adam; SGD, RMSprop, Adagrad 0)."""
-    import inspect
+def _betas(path: str, betas: Any) -> tuple:
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise v.invalid(path, "a pair [beta1, beta2]", betas)
+    b1, b2 = (v.number(path, b, lo=0.0) for b in betas)
+    if not (b1 < 1.0 and b2 < 1.0):
+        raise v.invalid(path, "two numbers in [0, 1)", list(betas))
+    return b1, b2
 
-    import torch
 
-    cls = torch.optim.Adam if kind.lower() == "adam" else torch_optimizer_class(kind, decoupled)
-    param = inspect.signature(cls.__init__).parameters.get("weight_decay")
-    default = param.default if param is not None else inspect.Parameter.empty
-    return 0.0 if default is inspect.Parameter.empty else float(default)
+def _pairs(path: str, value: Any) -> dict:
+    """Keyword arguments held as ``(name, value)`` pairs (as constructed) or a mapping (as written)."""
+    if isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        return dict(value)
+    return v.mapping(path, value)
+
+
+def _list(path: str, value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise v.invalid(path, "a list", value)
+
+
+def _patterns(path: str, value: Any) -> tuple:
+    items = [value] if isinstance(value, str) else _list(path, value)
+    return tuple(v.text(path, item, "a list of parameter name patterns (strings)") for item in items)
+
+
+def _no_decay(path: str, value: Any):
+    if isinstance(value, str) and value in ("auto", "none"):
+        return value
+    if not isinstance(value, (str, list, tuple)):
+        raise v.invalid(path, "'auto', 'none' or a list of parameter name patterns", value)
+    return _patterns(path, value)
+
+
+def _param_group(path: str, value: Any) -> dict:
+    group = v.mapping(path, value, ("names", "weight_decay", "lr_scale"), example="{names: ['*.bias'], lr_scale: 2}")
+    out = {"names": _patterns(f"{path}.names", v.required(group, path, "names", "a list of parameter name patterns"))}
+    for key in ("weight_decay", "lr_scale"):
+        if key in group:
+            out[key] = _NON_NEGATIVE(f"{path}.{key}", group[key])
+    return out
+
+
+def _param_groups(path: str, value: Any) -> tuple:
+    return tuple(_param_group(f"{path}[{n}]", group) for n, group in enumerate(_list(path, value)))
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(Section):
     """AdamW (decoupled weight decay) by default; ``decoupled_weight_decay=False`` is Adam with L2.
 
     ``type`` names any elementwise ``torch.optim`` class; ``extra`` holds its other keyword arguments
@@ -219,19 +220,39 @@ class OptimizerConfig:
     ``{"names": (patterns...), "weight_decay": x, "lr_scale": y}`` (either key optional), first match wins.
     """
 
-    lr: float = 1e-3
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: Optional[float] = None  # None: the torch class's own default (AdamW 0.01, Adam and SGD 0)
-    decoupled_weight_decay: bool = True
-    type: str = "AdamW"
-    extra: tuple = ()
-    no_decay: Any = "auto"
-    param_groups: tuple = ()
-    implementation: str = "auto"
+    SECTION = "optimizer"
+    SORTED_KEYS = True
 
-    def __post_init__(self) -> None:
-        _check_optimizer(self, "optimizer")
+    lr: float = setting(1e-3, _NON_NEGATIVE, help="learning rate")
+    betas: tuple = setting((0.9, 0.999), _betas, help="[beta1, beta2], each in [0, 1)")
+    eps: float = setting(1e-8, partial(v.number, lo=0.0, lo_open=True), help="added to the denominator")
+    weight_decay: Optional[float] = setting(None, _NON_NEGATIVE, deepspeed_default=DEEPSPEED_WEIGHT_DECAY,
+                                            help="unset: the named torch class's default (AdamW 0.01, Adam and SGD 0)")
+    decoupled_weight_decay: bool = setting(True, v.boolean, deepspeed="adam_w_mode",
+                                           help="Adam family: AdamW (true) or Adam with L2 (false)")
+    type: str = setting("AdamW", help="a torch.optim class by name (checked with decoupled_weight_decay)")
+    extra: tuple = setting((), help="the class's other keyword arguments, as (name, value) pairs")
+    no_decay: Any = setting("auto", _no_decay, deepspeed_default=DEEPSPEED_NO_DECAY,
+                            help="auto (1-D parameters and embeddings), none, or a list of name patterns")
+    param_groups: tuple = setting((), _param_groups,
+                                  help="[{names: [patterns], weight_decay: x, lr_scale: y}], first match wins")
+    implementation: str = setting("auto", partial(v.one_of, choices=IMPLEMENTATIONS),
+                                  help="auto | fused | foreach | for-loop")
+
+    def _check_together(self, where: Where) -> None:
+        cls = torch_optimizer_class(self.type, self.decoupled_weight_decay, where("type"))
+        if self.weight_decay is None:  # the class named (Adam: 0, even where it runs as AdamW), not the one run
+            self._set("weight_decay", default_weight_decay(self.type, self.decoupled_weight_decay))
+        self._set("type", cls.__name__)
+        extra = _pairs(where.section, self.extra)
+        allowed = optimizer_kwargs_allowed(cls)
+        unknown = [key for key in extra if key not in allowed]
+        if unknown:  # named with every key the section may hold (our flat form also holds type and params)
+            listed = {*allowed, *_SWITCH}
+            if not where.section.endswith(".params"):
+                listed |= {"type", "params"}
+            v.known_keys(where.section, extra, sorted(listed - set(unknown)))
+        self._set("extra", tuple(sorted(extra.items())))
 
     @property
     def torch_class(self):
@@ -249,74 +270,87 @@ class OptimizerConfig:
         return {k: val for k, val in out.items() if k in allowed}
 
 
-def _check_optimizer(cfg: OptimizerConfig, where: str) -> None:
-    set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731
-    set_("lr", _float(cfg.lr, f"{where}.lr"))
-    betas = cfg.betas
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise v.invalid(f"{where}.betas", "a pair [beta1, beta2]", betas)
-    b1, b2 = (_float(b, f"{where}.betas") for b in betas)
-    if not (b1 < 1.0 and b2 < 1.0):
-        raise v.invalid(f"{where}.betas", "two numbers in [0, 1)", list(betas))
-    set_("betas", (b1, b2))
-    set_("eps", _float(cfg.eps, f"{where}.eps", strict=True))
-    set_("decoupled_weight_decay", _bool(cfg.decoupled_weight_decay, f"{where}.decoupled_weight_decay"))
-    cls = torch_optimizer_class(cfg.type, cfg.decoupled_weight_decay, f"{where}.type")
-    decay = default_weight_decay(cfg.type, cfg.decoupled_weight_decay) if cfg.weight_decay is None else cfg.weight_decay
-    set_("weight_decay", _float(decay, f"{where}.weight_decay"))
-    extra = dict(cfg.extra)
-    allowed = optimizer_kwargs_allowed(cls)
-    for key in extra:
-        if key not in allowed:
-            raise ConfigError(f"{where}.{key} is not a setting of torch.optim.{cls.__name__}; use one of: "
-                              f"{', '.join(allowed)}.")
-    set_("extra", tuple(sorted(extra.items())))
-    ours = where.removesuffix(".params")  # our keys sit beside type and params, in either spelling
-    set_("no_decay", _no_decay(cfg.no_decay, f"{ours}.no_decay"))
-    set_("param_groups", tuple(_param_group(g, f"{ours}.param_groups[{n}]") for n, g in
-                               enumerate(_list(cfg.param_groups, f"{ours}.param_groups"))))
-    set_("implementation", v.one_of(f"{ours}.implementation", cfg.implementation, IMPLEMENTATIONS))
+_SWITCH = ("decoupled_weight_decay", setting_of(OptimizerConfig, "decoupled_weight_decay").deepspeed)  # torch's, DS's
 
 
-def _list(value: Any, where: str) -> list:
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    raise v.invalid(where, "a list", value)
+def read_optimizer(section: Any, name: str = "optimizer") -> OptimizerConfig:
+    """The ``OptimizerConfig`` of an ``optimizer`` section at ``name``: ours (``{type, lr, ...}``) or DeepSpeed's
+    (``{type, params: {...}}``, whose defaults are the fields' ``deepspeed_default``s)."""
+    section = v.mapping(name, section)
+    values = {key: section[key] for key in _BESIDE_PARAMS if key in section}
+    if "params" in section:  # DeepSpeed: {"type": ..., "params": {...}}
+        v.known_keys(name, section, sorted({"params", *_BESIDE_PARAMS}))
+        inner, params = f"{name}.params", dict(v.mapping(f"{name}.params", section["params"]))
+        for key, default in deepspeed_defaults(OptimizerConfig).items():
+            if key not in params and key not in values:
+                values[key] = default
+    else:
+        inner, params = name, {key: value for key, value in section.items() if key not in _BESIDE_PARAMS}
+    where = Where(inner, {key: v.join(name, key) for key in _BESIDE_PARAMS})
+    given = [key for key in _SWITCH if key in params]
+    switch = [params.pop(key) for key in given]
+    for key, value in zip(given, switch) if len(switch) == 2 else ():  # compared, so read as switches first
+        v.boolean(v.join(inner, key), value)
+    if len(switch) == 2 and switch[0] != switch[1]:
+        raise ConfigError(f"{inner}.{_SWITCH[0]} and {inner}.{_SWITCH[1]} disagree (torch's and DeepSpeed's name "
+                          f"for the same switch); keep one of them.")
+    if switch:
+        values["decoupled_weight_decay"] = switch[0]
+        where = where.also(decoupled_weight_decay=v.join(inner, given[0]))
+        written = values.get("type")  # the file contradicting itself; a type left out is the Adam family's
+        if switch[0] is False and isinstance(written, str) and written.lower() == "adamw":
+            raise ConfigError(f"{inner}.{given[0]} is false but {name}.type is AdamW; use type Adam for L2 decay")
+    # which keys the class takes decides whether lr, betas, ... are its fields or unknown keys (named as such)
+    kind = values.get("type", default_of(OptimizerConfig, "type"))
+    cls = torch_optimizer_class(kind, values.get("decoupled_weight_decay", True) is not False, where("type"))
+    taken = optimizer_kwargs_allowed(cls)
+    for key in _PLAIN:
+        if key in params and key in taken:
+            values[key] = params.pop(key)
+    values["extra"] = tuple(params.items())
+    return OptimizerConfig(**values, where=where)
 
 
-def _patterns(value: Any, where: str) -> tuple:
-    items = [value] if isinstance(value, str) else _list(value, where)
-    return tuple(v.text(where, item, "a list of parameter name patterns (strings)") for item in items)
+# -- scheduler ---------------------------------------------------------------------------------------------
+def _schedule_type(path: str, value: Any) -> str:
+    from hybrid.config.schedule import SCHEDULES
 
-
-def _no_decay(value: Any, where: str):
-    if value in ("auto", "none"):
-        return value
-    if not isinstance(value, (str, list, tuple)):
-        raise v.invalid(where, "'auto', 'none' or a list of parameter name patterns", value)
-    return _patterns(value, where)
-
-
-def _param_group(value: Any, where: str) -> dict:
-    group = v.mapping(where, value, ("names", "weight_decay", "lr_scale"), example="{names: ['*.bias'], lr_scale: 2}")
-    out = {"names": _patterns(v.required(group, where, "names", "a list of parameter name patterns"),
-                              f"{where}.names")}
-    for key in ("weight_decay", "lr_scale"):
-        if key in group:
-            out[key] = _float(group[key], f"{where}.{key}")
-    return out
+    return v.one_of(path, value, tuple(SCHEDULES))
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(Section):
     """A DeepSpeed learning-rate schedule (``hybrid.config.schedule.SCHEDULES``): ``type`` and its ``params``
     (a tuple of ``(name, value)`` pairs over the type's defaults)."""
 
-    type: str
-    params: tuple = ()
+    SECTION = "scheduler"
+    SORTED_KEYS = True
 
-    def __post_init__(self) -> None:
-        _check_scheduler(self, "scheduler")
+    type: str = setting(check=_schedule_type, help="one of WarmupLR, WarmupDecayLR, WarmupCosineLR")
+    params: tuple = setting((), help="the type's parameters over its defaults (DeepSpeed's names)")
+
+    def _check_together(self, where: Where) -> None:
+        from hybrid.config.schedule import REQUIRED, SCHEDULES, WARMUP_TYPES
+
+        kind, at = self.type, where("params")
+        params = _pairs(at, self.params)
+        v.known_keys(at, params, sorted(SCHEDULES[kind]))
+        values = {**SCHEDULES[kind], **params}
+        for key, value in values.items():
+            path = f"{at}.{key}"
+            if key == "warmup_type":
+                values[key] = v.one_of(path, value, WARMUP_TYPES)
+            elif key.endswith("_steps"):
+                if value is None and key in REQUIRED:
+                    raise ConfigError(f"{path} is required for {kind}; set it to the number of optimizer steps of "
+                                      f"the run.")
+                values[key] = v.integer(path, value, 1 if key in REQUIRED else 0, whole_floats=True)
+            elif value is not None:
+                values[key] = _NON_NEGATIVE(path, value)
+        if "total_num_steps" in values and values["total_num_steps"] < values["warmup_num_steps"]:
+            raise ConfigError(f"{at}.total_num_steps ({values['total_num_steps']}) is below warmup_num_steps "
+                              f"({values['warmup_num_steps']}); make the run at least as long as its warmup.")
+        self._set("params", tuple(sorted((k, values[k]) for k in params)))
 
     @property
     def values(self) -> dict:
@@ -325,69 +359,41 @@ class SchedulerConfig:
         return {**SCHEDULES[self.type], **dict(self.params)}
 
 
-def _check_scheduler(cfg: SchedulerConfig, where: str) -> None:
-    from hybrid.config.schedule import REQUIRED, SCHEDULES, WARMUP_TYPES
-
-    kind = v.one_of(f"{where}.type", cfg.type, tuple(SCHEDULES))
-    params = dict(cfg.params)
-    _reject_unknown(params, SCHEDULES[kind], f"{where}.params")
-    values = {**SCHEDULES[kind], **params}
-    for key, value in values.items():
-        path = f"{where}.params.{key}"
-        if key == "warmup_type":
-            values[key] = v.one_of(path, value, WARMUP_TYPES)
-        elif key.endswith("_steps"):
-            if value is None and key in REQUIRED:
-                raise ConfigError(f"{path} is required for {kind}; set it to the number of optimizer steps of "
-                                  f"the run.")
-            values[key] = _int(value, path, 1 if key in REQUIRED else 0)
-        elif value is not None:
-            values[key] = _float(value, path)
-    if "total_num_steps" in values and values["total_num_steps"] < values["warmup_num_steps"]:
-        raise ConfigError(f"{where}.params.total_num_steps ({values['total_num_steps']}) is below "
-                          f"warmup_num_steps ({values['warmup_num_steps']}); make the run at least as long as its "
-                          f"warmup.")
-    object.__setattr__(cfg, "type", kind)
-    object.__setattr__(cfg, "params", tuple(sorted((k, values[k]) for k in params)))
+# -- the whole config --------------------------------------------------------------------------------------
+def _clipping(path: str, value: Any) -> Optional[float]:
+    return _NON_NEGATIVE(path, value) or None  # DeepSpeed writes 0.0 for "off"
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    precision: str = "fp32"
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: Optional[SchedulerConfig] = None  # None: the optimizer's learning rate throughout
-    gradient_clipping: Optional[float] = None   # max global gradient norm; None (or 0) = no clipping
-    gradient_accumulation_steps: Optional[int] = None  # None: derived by check_batch(dp) when both batch sizes
-    micro_batch_size: Optional[int] = None      # are given, else 1. Per rank; informational, checked against
-    train_batch_size: Optional[int] = None      # train_batch_size = micro_batch_size * accumulation * dp
-    max_nonfinite_skips: int = 5                # a NaN/inf gradient norm skips the step; this many in a row fail
+class TrainConfig(Section):
+    SORTED_KEYS = True
 
-    def __post_init__(self) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        if not isinstance(self.zero, ZeroConfig):
-            raise ConfigError(f"zero must be a ZeroConfig, got {type(self.zero).__name__}")
-        if not isinstance(self.optimizer, OptimizerConfig):
-            raise ConfigError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
-        if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
-            raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
-        v.one_of("precision", self.precision, PRECISIONS)
+    zero: ZeroConfig = setting(factory=ZeroConfig, check=section_check(ZeroConfig), deepspeed="zero_optimization",
+                               help="the ZeRO policy (ZeroConfig)")
+    precision: str = setting("fp32", partial(v.one_of, choices=PRECISIONS),
+                             help="bf16 or fp32 (DeepSpeed: bf16: {enabled: true}; fp16 is refused)")
+    optimizer: OptimizerConfig = setting(factory=OptimizerConfig, check=section_check(OptimizerConfig, read_optimizer),
+                                         help="the optimizer (OptimizerConfig), ours or DeepSpeed's form")
+    scheduler: Optional[SchedulerConfig] = setting(None, section_check(SchedulerConfig),
+                                                   help="unset: the optimizer's learning rate throughout")
+    gradient_clipping: Optional[float] = setting(None, _clipping,
+                                                 help="max global gradient norm; unset (or 0) = no clipping")
+    gradient_accumulation_steps: Optional[int] = setting(
+        None, _size(1), help="unset: derived by check_batch(dp) when both batch sizes are given, else 1")
+    micro_batch_size: Optional[int] = setting(None, _size(1), deepspeed="train_micro_batch_size_per_gpu",
+                                              help="rows per rank per micro-step (informational, checked)")
+    train_batch_size: Optional[int] = setting(None, _size(1),
+                                              help="micro_batch_size x gradient_accumulation_steps x dp")
+    max_nonfinite_skips: int = setting(5, _size(1),
+                                       help="a NaN/inf gradient norm skips the step; this many in a row fail")
+
+    def _check_together(self, where: Where) -> None:
         if self.precision == "fp32" and self.zero.reduce_dtype == "bf16":
-            raise ConfigError("zero.reduce_dtype is bf16 but precision is fp32: an fp32 model's gradients are "
-                              "reduced in fp32; remove zero.reduce_dtype or set precision to bf16.")
-        clip = self.gradient_clipping
-        if clip is not None:
-            clip = _float(clip, "gradient_clipping") or None  # DeepSpeed writes 0.0 for "off"
-        set_("gradient_clipping", clip)
-        set_("max_nonfinite_skips", _int(self.max_nonfinite_skips, "max_nonfinite_skips", 1))
-        for name in ("micro_batch_size", "train_batch_size"):
-            if getattr(self, name) is not None:
-                set_(name, _int(getattr(self, name), name, 1))
-        accumulation = self.gradient_accumulation_steps
-        if accumulation is not None:
-            set_("gradient_accumulation_steps", _int(accumulation, "gradient_accumulation_steps", 1))
-        elif not self._derives_accumulation:
-            set_("gradient_accumulation_steps", 1)
+            zero = where("zero")
+            raise ConfigError(f"{zero}.reduce_dtype is bf16 but precision is fp32: an fp32 model's gradients are "
+                              f"reduced in fp32; remove {zero}.reduce_dtype or set precision to bf16.")
+        if self.gradient_accumulation_steps is None and not self._derives_accumulation:
+            self._set("gradient_accumulation_steps", 1)
 
     @property
     def _derives_accumulation(self) -> bool:
@@ -429,215 +435,31 @@ class TrainConfig:
         ``prefix`` is where the optimizer and scheduler sections sit in the user's file (``"train."`` for a model
         config's), so that their errors name the path the user wrote."""
         ignored: list = []
-        cfg = _from_dict(_drop_deepspeed_knobs(_section(d, "config"), "", ignored), prefix)
+        d = drop_deepspeed_knobs(v.mapping("config", d), "", ignored)
+        values, where = spelled(cls, d, "", also=("bf16", "fp16"))
+        precision = _precision_from(d, values.get("precision"))
+        if precision is not None:
+            values["precision"] = precision
+        cfg = cls(**values, where=where.also(optimizer=f"{prefix}optimizer", scheduler=f"{prefix}scheduler"))
         if ignored:
             log.warning("ignoring DeepSpeed settings that do not change the training here: %s", ", ".join(ignored))
         return cfg
 
 
-# -- DeepSpeed settings hybrid has no field for: ignored where they cannot change the training, else refused ----
-@dataclass(frozen=True)
-class _Knob:
-    """A DeepSpeed setting without a field here: values for which ``harmless`` holds change nothing (performance,
-    logging, checkpoint format) and are ignored; any other value is refused with ``why`` (reason and fix)."""
-
-    harmless: Callable[[Any], bool] = lambda value: True
-    why: str = ""
-
-
-def _only(expected: Any) -> Callable[[Any], bool]:
-    """Harmless only as ``expected`` (``True`` never passes for ``1``)."""
-    return lambda value: isinstance(value, bool) == isinstance(expected, bool) and value == expected
-
-
-def _no_param_offload(value: Any) -> bool:
-    return value is None or isinstance(value, Mapping) and value.get("device", "none") in ("none", None)
-
-
-_IGNORED = _Knob()
-# The one list, by DeepSpeed path (a "zero" section is read as "zero_optimization").
-DEEPSPEED_KNOBS = {
-    **{key: _IGNORED for key in (
-        "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-        "memory_breakdown", "dump_state", "tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler",
-        "bf16.immediate_grad_update",
-        "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
-        "zero_optimization.round_robin_gradients", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-        "zero_optimization.stage3_gather_fp16_weights_on_model_save", "zero_optimization.load_from_fp32_weights",
-        "zero_optimization.ignore_unused_parameters", "zero_optimization.memory_efficient_linear",
-        "zero_optimization.elastic_checkpoint",
-        "zero_optimization.allgather_partitions",  # false: broadcasts instead of an all-gather, the same values
-        "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
-        "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
-        "zero_optimization.offload_optimizer.nvme_path")},
-    "zero_optimization.offload_optimizer.ratio": _Knob(_only(1.0), "other than 1.0 (offloading part of the "
-                                                       "optimizer) is not supported; remove it: all of it is offloaded"),
-    "zero_optimization.offload_param": _Knob(_no_param_offload, "(ZeRO-Infinity parameter offload) is not "
-                                             "supported; remove it (offload_optimizer: {device: cpu} is supported)"),
-    "zero_optimization.zero_quantized_weights": _Knob(_only(False), "(ZeRO++ quantized weight gathers) would "
-                                                      "change the weights each step computes with; remove it"),
-    "zero_optimization.zero_quantized_nontrainable_weights": _Knob(_only(False), "(ZeRO++ quantized frozen "
-                                                                   "weights) would change them; remove it"),
-    "zero_optimization.zero_quantized_gradients": _Knob(_only(False), "(ZeRO++ quantized gradient reduction) "
-                                                        "would change the gradients; remove it"),
-    "zero_optimization.zero_hpz_partition_size": _Knob(_only(1), "(ZeRO++ hierarchical partitioning) is not "
-                                                       "supported; remove it"),
-    # either value averages the gradients over DP, as here: the loss pre-divided by the DP size, or AVG in
-    # the collective where the backend has it (NCCL); the two orders differ only in rounding
-    "prescale_gradients": _Knob(lambda value: isinstance(value, bool), "must be true or false"),
-    "communication_data_type": _Knob(lambda value: value is None, "is not a setting here; use "
-                                     "zero_optimization.reduce_dtype (fp32 or bf16) for the dtype gradients are "
-                                     "reduced in"),
-    "data_types": _Knob(lambda value: not value, "is not a setting here; use zero_optimization.reduce_dtype "
-                        "(fp32 or bf16) for the dtype gradients are reduced and accumulated in"),
-    "gradient_predivide_factor": _Knob(_only(1.0), "other than 1.0 is not supported: gradients are averaged in "
-                                       "one fixed order here; remove it"),
-    "activation_checkpointing": _Knob(lambda value: not value, "(DeepSpeed's checkpointing API settings) has no "
-                                      "effect here; remove it, and checkpoint activations in the model "
-                                      "(torch.utils.checkpoint, or parallel.activation_checkpointing for the "
-                                      "built-in GPT)"),
-}
-
-
-def _deepspeed_path(path: str) -> str:
-    """``path`` as the DeepSpeed spelling names it in ``DEEPSPEED_KNOBS``."""
-    return "zero_optimization" + path[4:] if path == "zero" or path.startswith("zero.") else path
-
-
-def _drop_deepspeed_knobs(section: dict, where: str, ignored: list) -> dict:
-    """``section`` without the ``DEEPSPEED_KNOBS`` set to a harmless value (their paths appended to ``ignored``);
-    one set to another value raises its reason."""
-    out = {}
-    for key, value in section.items():
-        path = v.join(where, key)
-        knob = DEEPSPEED_KNOBS.get(_deepspeed_path(path)) if isinstance(key, str) else None
-        if knob is None:
-            below = _deepspeed_path(path) + "."
-            nested = isinstance(value, Mapping) and any(name.startswith(below) for name in DEEPSPEED_KNOBS)
-            out[key] = _drop_deepspeed_knobs(value, path, ignored) if nested else value
-        elif knob.harmless(value):
-            ignored.append(path)
-        else:
-            raise ConfigError(f"{path} {knob.why}.")
-    return out
-
-
-# -- dict parsing ------------------------------------------------------------------------------------------
-_ZERO_ALIASES = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
-                 "stage3_param_persistence_threshold": "param_persistence_threshold"}
-_ZERO_KEYS = {f.name for f in fields(ZeroConfig)} | set(_ZERO_ALIASES)
-_OPT_OURS = ("no_decay", "param_groups", "implementation")  # beside type/params, in either spelling
-_TOP_KEYS = {"zero", "zero_optimization", "precision", "bf16", "fp16", "optimizer", "scheduler", "gradient_clipping",
-             "gradient_accumulation_steps", "micro_batch_size", "train_micro_batch_size_per_gpu",
-             "train_batch_size", "max_nonfinite_skips"}
-
-
-def _from_dict(d: dict, prefix: str = "") -> TrainConfig:
-    _reject_unknown(d, _TOP_KEYS, "")
-    kwargs: dict = {}
-    kwargs["zero"] = _zero_from(d)
-    kwargs["precision"] = _precision_from(d)
-    kwargs["optimizer"] = _optimizer_from(d.get("optimizer"), f"{prefix}optimizer")
-    if d.get("scheduler") is not None:
-        kwargs["scheduler"] = _scheduler_from(d["scheduler"], f"{prefix}scheduler")
-    for key in ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "max_nonfinite_skips"):
-        if key in d:
-            kwargs[key] = d[key]
-    micro = [k for k in ("micro_batch_size", "train_micro_batch_size_per_gpu") if k in d]
-    if len(micro) > 1:
-        raise ConfigError("micro_batch_size and train_micro_batch_size_per_gpu are both set; keep one")
-    if micro:
-        kwargs["micro_batch_size"] = _int(d[micro[0]], micro[0], 1)
-    return TrainConfig(**kwargs)
-
-
-def _zero_from(d: dict) -> ZeroConfig:
-    present = [k for k in ("zero", "zero_optimization") if k in d]
-    if len(present) > 1:
-        raise ConfigError("zero and zero_optimization are both set; keep one")
-    if not present:
-        return ZeroConfig()
-    where = present[0]
-    section = _section(d[where], where)
-    _reject_unknown(section, _ZERO_KEYS, where)
-    values: dict = {}
-    for key, value in section.items():
-        name = _ZERO_ALIASES.get(key, key)
-        if name in values:
-            raise ConfigError(f"{where}.{name} is set twice (also as {key}); keep one")
-        values[name] = value
-    cfg = ZeroConfig.__new__(ZeroConfig)  # validate under the user's section name, then construct
-    for f in fields(ZeroConfig):
-        object.__setattr__(cfg, f.name, values.get(f.name, None if f.default is MISSING else f.default))
-    _check_zero(cfg, where)
-    return ZeroConfig(**{f.name: getattr(cfg, f.name) for f in fields(ZeroConfig)})
-
-
-def _precision_from(d: dict) -> str:
-    fp16 = _section(d["fp16"], "fp16").get("enabled", False) if d.get("fp16") is not None else False
+def _precision_from(d: dict, written: Any) -> Any:
+    """``precision`` from DeepSpeed's ``bf16: {enabled}`` (and a refused ``fp16``) beside the one ``written``;
+    None: neither given (the field's default)."""
+    fp16 = v.mapping("fp16", d["fp16"]).get("enabled", False) if d.get("fp16") is not None else False
     if isinstance(fp16, str) and fp16 == "auto":
         raise ConfigError(f"fp16.enabled is \"auto\" ({v.AUTO_PLACEHOLDER}); fp16 is not supported, so set it to "
                           f"false and use bf16 (bf16.enabled: true).")
     if fp16:
         raise ConfigError("fp16.enabled: fp16 is not supported; use bf16 (bf16.enabled: true) instead")
-    bf16 = None
-    if "bf16" in d:
-        section = _section(d["bf16"], "bf16")
-        _reject_unknown(section, {"enabled"}, "bf16")
-        bf16 = _bool(section.get("enabled", False), "bf16.enabled")
-    if "precision" in d:
-        precision = v.one_of("precision", d["precision"], PRECISIONS)
-        if bf16 is not None and bf16 != (precision == "bf16"):
-            raise ConfigError(f"precision is {precision!r} but bf16.enabled is {bf16}; keep one of them")
-        return precision
-    return "bf16" if bf16 else "fp32"
-
-
-def _optimizer_from(section, name: str = "optimizer") -> OptimizerConfig:
-    if section is None:
-        return OptimizerConfig()
-    section = _section(section, name)
-    ours = {k: section[k] for k in _OPT_OURS if k in section}
-    if "params" in section:  # DeepSpeed: {"type": ..., "params": {...}}
-        _reject_unknown(section, {"type", "params", *_OPT_OURS}, name)
-        ours.setdefault("no_decay", DEEPSPEED_NO_DECAY)
-        where, params = f"{name}.params", dict(_section(section["params"], f"{name}.params"))
-    else:
-        where, params = name, {k: val for k, val in section.items() if k != "type" and k not in _OPT_OURS}
-    kind = section.get("type", "AdamW")
-    given = [k for k in ("decoupled_weight_decay", "adam_w_mode") if k in params]
-    values = {k: _bool(params.pop(k), f"{where}.{k}") for k in given}
-    if len(set(values.values())) > 1:
-        raise ConfigError(f"{where}.decoupled_weight_decay and {where}.adam_w_mode disagree (torch's and "
-                          f"DeepSpeed's name for the same switch); keep one of them.")
-    decoupled = values[given[0]] if given else True
-    if isinstance(kind, str) and kind.lower() == "adamw" and not decoupled:
-        raise ConfigError(f"{where}.{given[0]} is false but {name}.type is AdamW; use type Adam for L2 decay")
-    cls = torch_optimizer_class(kind, decoupled, f"{name}.type")
-    flat = {"type", "params"} if "params" not in section else set()  # named in the list of what may go here
-    _reject_unknown(params, set(optimizer_kwargs_allowed(cls)) | {"adam_w_mode", "decoupled_weight_decay"} | flat,
-                    where)
-    params.setdefault("weight_decay", DEEPSPEED_WEIGHT_DECAY if "params" in section else
-                      default_weight_decay(kind, decoupled))  # plain: the class named, not the one run
-    plain = ("lr", "betas", "eps", "weight_decay")
-    cfg = OptimizerConfig.__new__(OptimizerConfig)
-    for f in fields(OptimizerConfig):
-        object.__setattr__(cfg, f.name, params.get(f.name, f.default) if f.name in plain else f.default)
-    for key, value in ours.items():
-        object.__setattr__(cfg, key, value)
-    object.__setattr__(cfg, "decoupled_weight_decay", decoupled)
-    object.__setattr__(cfg, "type", cls.__name__)
-    object.__setattr__(cfg, "extra", tuple((k, val) for k, val in params.items() if k not in plain))
-    _check_optimizer(cfg, where)
-    return OptimizerConfig(**{f.name: getattr(cfg, f.name) for f in fields(OptimizerConfig)})
-
-
-def _scheduler_from(section, name: str = "scheduler") -> SchedulerConfig:
-    section = _section(section, name)
-    _reject_unknown(section, {"type", "params"}, name)
-    params = _section(section.get("params", {}), f"{name}.params")
-    cfg = SchedulerConfig.__new__(SchedulerConfig)
-    object.__setattr__(cfg, "type", section.get("type"))
-    object.__setattr__(cfg, "params", tuple(params.items()))
-    _check_scheduler(cfg, name)
-    return SchedulerConfig(cfg.type, cfg.params)
+    if "bf16" not in d:
+        return written
+    bf16 = v.boolean("bf16.enabled", v.mapping("bf16", d["bf16"], ("enabled",)).get("enabled", False))
+    if written is None:
+        return "bf16" if bf16 else None
+    if isinstance(written, str) and written in PRECISIONS and bf16 != (written == "bf16"):
+        raise ConfigError(f"precision is {written!r} but bf16.enabled is {bf16}; keep one of them")
+    return written

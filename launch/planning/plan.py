@@ -11,8 +11,9 @@ and why), activation estimates for one micro-batch with and without checkpointin
 (``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice). Without
 ``reports`` nothing touches Ray: that is ``hybrid plan``.
 
-``mesh_layout`` is the pure rank layout (rank r on node r // gpus_per_node; TP groups of consecutive
-ranks; DP groups of ranks with equal r % tp); ``plan_dict`` and ``format_plan`` render a plan.
+``mesh_layout`` is the plan's rank layout, a ``hybrid.comm.mesh.MeshLayout`` (rank r on node r // gpus_per_node;
+TP groups of consecutive ranks; DP groups of ranks with equal r % tp), the groups the ranks' ``build_mesh``
+creates; ``plan_dict`` and ``format_plan`` render a plan.
 """
 
 from __future__ import annotations
@@ -22,33 +23,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from hybrid.comm.mesh import MeshLayout
 from hybrid.errors import ConfigError, PlanError
 from hybrid.plan.memory import GB, gpt_activation_bytes
 from hybrid.plan.planner import Plan, choose_stage, quantity
 from hybrid.config.units import count, human_bytes
 from launch.planning.model_size import ModelFacts, model_facts
 from launch.spec import LaunchSpec
-
-
-@dataclass(frozen=True)
-class MeshLayout:
-    nodes: int
-    ranks_per_node: int
-    tp: int
-    dp: int
-
-    @property
-    def node_ranks(self) -> list[list[int]]:
-        g = self.ranks_per_node
-        return [list(range(n * g, (n + 1) * g)) for n in range(self.nodes)]
-
-    @property
-    def tp_groups(self) -> list[list[int]]:
-        return [list(range(k * self.tp, (k + 1) * self.tp)) for k in range(self.dp)]
-
-    @property
-    def dp_groups(self) -> list[list[int]]:
-        return [list(range(j, self.tp * self.dp, self.tp)) for j in range(self.tp)]
 
 
 def mesh_layout(nodes: int, ranks_per_node: int, tp: int) -> MeshLayout:

@@ -8,23 +8,25 @@ it::
 ``activation_checkpointing: true`` keeps only each transformer block's input in forward and recomputes
 the block in backward (``torch.utils.checkpoint``, non-reentrant): same results, less activation memory.
 
-Every invalid field raises ``ConfigError`` with one sentence naming ``model.<field>`` and the fix.
-``check_tp(tp)`` says whether a tensor-parallel degree can split this model (heads, vocabulary and MLP
-width must divide evenly; dropout needs tp=1); it is pure, so the planner and launcher can call it before any rank starts.
+``GPTConfig`` and ``TrainOptions`` (the ``train:`` mapping beside it) are schemas (``hybrid.config.schema``):
+each field's default, check and help is declared once. Every invalid field raises ``ConfigError`` with one
+sentence naming ``model.<field>`` and the fix. ``check_tp(tp)`` says whether a tensor-parallel degree can
+split this model (heads, vocabulary and MLP width must divide evenly; dropout needs tp=1); it is pure, so the
+planner and launcher can call it before any rank starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Mapping, Optional
 
 from hybrid.config import validate as v
+from hybrid.config.schema import Section, Where, optional, read, setting
 from hybrid.errors import ConfigError
 from hybrid.config.yamlfile import load_yaml
 
-
-_FLOAT_FIELDS = ("dropout", "layer_norm_eps", "init_std")
 # 30x the deepest published transformers (~128 blocks): a bound that only catches typos, which would
 # otherwise keep the planner building the model on the meta device for minutes.
 MAX_LAYERS = 4096
@@ -43,33 +45,32 @@ def shape_violation(hidden: int, n_heads: int, tp: int = 1, vocab_size=None, ffn
     return None
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int
-    seq_len: int
-    n_layers: int
-    hidden: int
-    n_heads: int
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    bias: bool = True
-    layer_norm_eps: float = 1e-5
-    init_std: float = 0.02
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
+_COUNT = v.positive_int
+_REAL = v.positive_number
 
-    def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads", "mlp_ratio"):
-            v.positive_int(f"model.{name}", getattr(self, name), hi=MAX_LAYERS if name == "n_layers" else None)
+
+@dataclass(frozen=True)
+class GPTConfig(Section):
+    SECTION = "model"
+
+    vocab_size: int = setting(check=_COUNT, help="tokens in the vocabulary (at least the data file's)")
+    seq_len: int = setting(check=_COUNT, help="tokens per training sequence (and positions)")
+    n_layers: int = setting(check=partial(v.positive_int, hi=MAX_LAYERS), help="transformer blocks")
+    hidden: int = setting(check=_COUNT, help="the model width")
+    n_heads: int = setting(check=_COUNT, help="attention heads; must divide hidden")
+    mlp_ratio: int = setting(4, _COUNT, help="the MLP width as a multiple of hidden")
+    dropout: float = setting(0.0, partial(v.number, lo=0, hi=1, hi_open=True, need="a number in [0, 1)"),
+                             yaml_number=True, help="dropout probability (needs tp=1)")
+    bias: bool = setting(True, v.boolean, help="biases in the linear layers and norms")
+    layer_norm_eps: float = setting(1e-5, _REAL, yaml_number=True, help="LayerNorm epsilon")
+    init_std: float = setting(0.02, _REAL, yaml_number=True, help="standard deviation of the initial weights")
+    activation_checkpointing: bool = setting(False, v.boolean,
+                                             help="recompute each block's activations in backward")
+
+    def _check_together(self, where: Where) -> None:
         if shape_violation(self.hidden, self.n_heads):
-            raise ConfigError(f"model.n_heads={self.n_heads} does not divide model.hidden={self.hidden}; "
+            raise ConfigError(f"{where('n_heads')}={self.n_heads} does not divide {where('hidden')}={self.hidden}; "
                               f"choose n_heads so that hidden is a multiple of it.")
-        dropout = v.number("model.dropout", self.dropout, 0, 1, need="a number in [0, 1)")
-        if dropout == 1:
-            raise v.invalid("model.dropout", "a number in [0, 1)", self.dropout)
-        v.boolean("model.bias", self.bias)
-        v.boolean("model.activation_checkpointing", self.activation_checkpointing)
-        for name in ("layer_norm_eps", "init_std"):
-            v.positive_number(f"model.{name}", getattr(self, name))
 
     @property
     def head_dim(self) -> int:
@@ -94,11 +95,8 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GPTConfig":
-        d = v.mapping("model", d, [f.name for f in dataclasses.fields(cls)])
-        for f in dataclasses.fields(cls):
-            if f.default is dataclasses.MISSING:
-                v.required(d, "model", f.name, "under the model: mapping")
-        return cls(**{k: v.yaml_number(x) if k in _FLOAT_FIELDS else x for k, x in d.items()})
+        """The ``model:`` mapping of a model config (numbers YAML read as strings, ``1e-6``, taken as numbers)."""
+        return read(cls, d, "model", need="under the model: mapping")
 
     @classmethod
     def from_yaml(cls, path) -> "GPTConfig":
@@ -111,3 +109,22 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainOptions(Section):
+    """The model config's optional ``train:`` mapping for the built-in entrypoint (``hybrid.models.gpt.training``):
+    ``lr`` and ``weight_decay`` are the optimizer's defaults, ``optimizer`` and ``scheduler`` the sections of
+    ``hybrid.config.TrainConfig.from_dict``, ``branching`` the synthetic chain's successors per token."""
+
+    SECTION = "train"
+
+    lr: float = setting(5e-3, v.positive_number, yaml_number=True,
+                        help="the learning rate (the optimizer's, unless train.optimizer sets one)")
+    weight_decay: float = setting(0.0, partial(v.number, lo=0), yaml_number=True,
+                                  help="the weight decay (the optimizer's, unless train.optimizer sets one)")
+    gradient_clipping: Optional[float] = setting(1.0, optional(partial(v.number, lo=0)), yaml_number=True,
+                                                 help="max global gradient norm; null or 0: no clipping")
+    branching: int = setting(4, v.positive_int, help="successors per token in the synthetic chain")
+    optimizer: Optional[dict] = setting(None, v.mapping, help="{type: SGD, params: {momentum: 0.9}}, no_decay, ...")
+    scheduler: Optional[dict] = setting(None, v.mapping, help="{type: WarmupCosineLR, params: {...}}")

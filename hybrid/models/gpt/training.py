@@ -39,15 +39,15 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from hybrid.config import schema
 from hybrid.config import validate as v
 from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError, DataError
 from hybrid.models.gpt.model import GPT
-from hybrid.models.gpt.config import GPTConfig
+from hybrid.models.gpt.config import GPTConfig, TrainOptions
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
-TRAIN_DEFAULTS = {"lr": 5e-3, "weight_decay": 0.0, "gradient_clipping": 1.0, "branching": 4, "optimizer": None,
-                  "scheduler": None}
+TRAIN_DEFAULTS = schema.defaults(TrainOptions)  # the train: section's defaults (declared in TrainOptions)
 # The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
 CONFIG_KEYS = ("model", "data", "train", "zero", "params")
 
@@ -135,21 +135,13 @@ def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
 
 
 def train_options(section: Any) -> dict:
-    """The ``train:`` mapping of the model config over ``TRAIN_DEFAULTS``, each value checked; unknown keys
-    are errors."""
+    """The ``train:`` mapping of the model config (``TrainOptions``: its defaults under what is written, each
+    value checked, unknown keys refused) as a dict; the optimizer and scheduler sections checked too."""
     if section is None:
         return dict(TRAIN_DEFAULTS)
-    options = {**TRAIN_DEFAULTS, **v.mapping("train", section, TRAIN_DEFAULTS, example="{lr: 0.005}")}
-    options["lr"] = v.positive_number("train.lr", v.yaml_number(options["lr"]))
-    options["weight_decay"] = v.number("train.weight_decay", v.yaml_number(options["weight_decay"]), lo=0)
-    clip = options["gradient_clipping"]
-    options["gradient_clipping"] = None if clip is None else v.number("train.gradient_clipping",
-                                                                       v.yaml_number(clip), lo=0)
-    options["branching"] = v.positive_int("train.branching", options["branching"])
-    for key in ("optimizer", "scheduler"):
-        if options[key] is not None:
-            options[key] = v.mapping(f"train.{key}", options[key])
-    _one_place_each(section, options["optimizer"])
+    options = schema.read(TrainOptions, section, "train", example="{lr: 0.005}")
+    _one_place_each(section, options.optimizer)
+    options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     training_config(options, stage=1, precision="fp32")  # every optimizer/scheduler field checked up front
     return options
 
