@@ -11,7 +11,9 @@ installed package, from any current directory; the checkpoint directory must be 
 directory) receives metrics.jsonl; ``job.env`` holds environment variables for the ranks.
 An empty value (YAML null, ``offload:`` with nothing after it) is the field left unset: its default applies,
 for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
-choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
+choice), true or false; offload with ``zero_stage: 0`` is refused. ``parallel.tp_plan`` (optional) is a TP plan
+for a model without TP layers (``hybrid.config.tp_plan``: module-name patterns -> styles), checked here as
+text; ``launch.planning.model_size`` checks it against the model. ``cluster.host_memory_gb`` (optional) is a node's host
 memory where the probes cannot measure it. Nothing here
 contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.ray.capacity``'s check, made
 before one is started.)
@@ -33,6 +35,7 @@ from hybrid.config import validate as v
 from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
 from hybrid.plan.planner import check_lever, check_offload_stage
+from hybrid.config.tp_plan import normalize_plan
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS
 from hybrid.config.yamlfile import load_yaml, not_a_file
 
@@ -110,6 +113,7 @@ class ParallelSpec:
     precision: str = DEFAULT_PRECISION
     offload: Optional[bool] = None  # optimizer states in host memory; None: auto = the planner's choice
     activation_checkpointing: Optional[bool] = None  # None: auto = the planner's choice
+    tp_plan: Optional[dict] = None  # module-name pattern -> TP style (hybrid.config.tp_plan); None: the model's own
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,7 @@ def check_writable_dir(path: Path, field_name: str, only_if_here: bool = False) 
 
 
 def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
-    v.known_keys("parallel", d, ("tp", "zero_stage", "precision", "offload", "activation_checkpointing"))
+    v.known_keys("parallel", d, ("tp", "zero_stage", "precision", "offload", "activation_checkpointing", "tp_plan"))
     tp = d.get("tp", "auto")
     if tp == "auto":
         tp = None
@@ -328,7 +332,8 @@ def _parallel(d: dict, cluster: ClusterSpec) -> ParallelSpec:
     offload = check_lever("parallel.offload", d.get("offload", "auto"))
     checkpointing = check_lever("parallel.activation_checkpointing", d.get("activation_checkpointing", "auto"))
     check_offload_stage(offload, stage, "parallel.offload", "parallel.zero_stage")
-    return ParallelSpec(tp, stage, precision, offload, checkpointing)
+    tp_plan = normalize_plan(d["tp_plan"], "parallel.tp_plan") if d.get("tp_plan") is not None else None
+    return ParallelSpec(tp, stage, precision, offload, checkpointing, tp_plan)
 
 
 # ------------------------------------------------------------------------------------------- entrypoint

@@ -12,7 +12,8 @@ from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, red
 from hybrid.tp.layers import TORCH_RNG, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hybrid.tp.loss import vocab_parallel_cross_entropy
 from hybrid.tp.sharding import gather_tp_state_dict, slice_tp_state_dict, tp_slice
-from hybrid.tp.plan import STYLES, apply_plan, check_plan
+from hybrid.config.tp_plan import STYLES
+from hybrid.tp.plan import apply_plan, check_plan
 from hybrid.tp.hf import hf_plan, largest_tp, parallelize
 
 __all__ = [

@@ -23,7 +23,8 @@ from torch import nn
 
 from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
-from hybrid.tp.plan import apply_plan, normalize_plan
+from hybrid.config.tp_plan import normalize_plan
+from hybrid.tp.plan import apply_plan
 
 
 def text_config(config: Any) -> Any:

@@ -8,9 +8,8 @@ Names stay: the model's ``state_dict()`` keys, a weights file's and a checkpoint
 single-process model. The model's own forward is untouched: a ``colwise`` projection hands its slice of
 the heads to the model's ``view(..., -1, head_dim)``, a ``rowwise`` one sums over TP and adds its bias once.
 
-A pattern is a module name whose dot-separated parts may hold shell wildcards: ``*`` is any one part
-(``model.layers.*.self_attn.q_proj``, Hugging Face's spelling), ``*_proj`` any part ending in ``_proj``.
-Styles are ``colwise``, ``colwise_rep`` (colwise, output gathered: a head whose logits a loss reads whole),
+A pattern is a module name whose dot-separated parts may hold shell wildcards (``hybrid.config.tp_plan``:
+``model.layers.*.self_attn.q_proj``). Styles are ``colwise``, ``colwise_rep`` (colwise, output gathered: a head whose logits a loss reads whole),
 ``rowwise``, ``rowwise_rep`` (rowwise taking a whole input), ``local_rowwise`` (rowwise without the sum, for a
 module above it marked ``all_reduce``), ``vocab`` (an embedding split by rows), ``all_reduce`` and ``replicate``
 (left whole); Hugging Face's spellings mean the same (``HF_SPELLINGS``: ``colwise_gather_output`` is
@@ -35,14 +34,13 @@ to its partial sum before the sum, counting it tp times), an embedding with ``ma
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
 from hybrid.comm.collectives import Comm
-from hybrid.config import validate as v
+from hybrid.config.tp_plan import normalize_plan, pattern_matches
 from hybrid.errors import ConfigError
 from hybrid.tp.layers import TensorParallelModule
 from hybrid.tp.sharding import tp_rank_size
@@ -50,36 +48,8 @@ from hybrid.tp.styles import STYLE_CLASSES, SplitModule, split_class
 from hybrid.weights.attrs import mark_tensor_parallel
 from hybrid.weights.sources import new_parameter, references, replace_tensor
 
-STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "local_rowwise", "vocab", "all_reduce", "replicate")
-# Hugging Face's names (transformers 4.x and 5.x) for the same styles
-HF_SPELLINGS = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
-                "embedding_rowwise": "vocab", "local_colwise": "colwise", "gather": "all_reduce"}
 _SPLIT_SIZE = {"colwise": "out_features", "colwise_rep": "out_features", "rowwise": "in_features",
                "rowwise_rep": "in_features", "local_rowwise": "in_features", "vocab": "num_embeddings"}
-
-
-def normalize_plan(plan: Any, where: str = "the TP plan") -> dict[str, str]:
-    """``plan`` (pattern -> style, Hugging Face spellings allowed) checked, in hybrid's own style names."""
-    plan = v.mapping(where, plan, example="{'layers.*.mlp.up_proj': colwise}")
-    out = {}
-    for pattern, style in plan.items():
-        if not isinstance(pattern, str) or not pattern.strip() or pattern != pattern.strip():
-            raise ConfigError(f"{where} has the pattern {v.quote(pattern)}; a pattern is a module name such as "
-                              "'layers.*.mlp.up_proj'.")
-        name = HF_SPELLINGS.get(style, style) if isinstance(style, str) else style
-        if name not in STYLES:
-            spellings = ", ".join(f"{hf} = {ours}" for hf, ours in HF_SPELLINGS.items())
-            raise ConfigError(f"{where}[{pattern!r}] is {v.quote(style)}, which is not a TP style hybrid "
-                              f"implements; use one of {', '.join(STYLES)} (Hugging Face's {spellings}).")
-        out[pattern] = name
-    return out
-
-
-def pattern_matches(pattern: str, name: str) -> bool:
-    """Whether module ``name`` matches ``pattern``: as many dot-separated parts, each matching as a shell
-    wildcard (``*`` is any one part)."""
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(fnmatchcase(n, p) for n, p in zip(names, parts))
 
 
 def resolve_plan(model: nn.Module, plan: Any, where: str = "the TP plan") -> list[tuple[str, nn.Module, str]]:
