@@ -15,10 +15,12 @@ from typing import Any
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
 
-STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "local_rowwise", "vocab", "all_reduce", "replicate")
+STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "local_rowwise", "vocab", "all_reduce",
+          "replicate_grad", "replicate")
 # Hugging Face's names (transformers 4.x and 5.x) for the same styles
 HF_SPELLINGS = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
-                "embedding_rowwise": "vocab", "local_colwise": "colwise", "gather": "all_reduce"}
+                "embedding_rowwise": "vocab", "local_colwise": "colwise", "gather": "all_reduce",
+                "replicated_with_grad_allreduce": "replicate_grad"}
 EXAMPLE = "{'layers.*.mlp.up_proj': colwise, 'layers.*.mlp.down_proj': rowwise}"
 
 

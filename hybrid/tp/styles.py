@@ -24,6 +24,8 @@ style               split               forward
 ``vocab``           Embedding rows (0)  ids outside this rank's rows look up zeros; the partial
                                         embeddings are summed over TP
 ``all_reduce``      nothing             any module: its output (or its first element) summed over TP
+``replicate_grad``  nothing             any module: its parameters enter the TP region, so their
+                                        gradients are summed over TP (a norm of this rank's heads)
 ==================  ==================  ===========================================================
 
 Every collective is one of ``hybrid.tp.collectives``' autograd pairs, so traffic is counted on the TP
@@ -128,9 +130,27 @@ class AllReduceOutput(SplitModule):
                         "module's output tensor (or the first element of its output tuple)")
 
 
+class GradSummedReplica(SplitModule):
+    """A module whose parameters are whole on every rank but see only this rank's part of the activations (a
+    norm applied to each of this rank's heads, Qwen3's ``q_norm``): in its forward each parameter enters the TP
+    region (identity; its gradient summed over TP), so every rank steps it with the whole gradient. Mixed in
+    before the module's own class, as ``AllReduceOutput``."""
+
+    tp_style = "replicate_grad"
+
+    def forward(self, *args, **kwargs):
+        own = {key: p for key, p in self._parameters.items() if p is not None}
+        for key, param in own.items():  # for this call only: the module keeps its parameters
+            self._parameters[key] = copy_to_tp_region(param, self.tp_comm)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._parameters.update(own)
+
+
 STYLE_CLASSES = {cls.tp_style: cls for cls in (ColwiseLinear, ColwiseGatheredLinear, RowwiseLinear,
                                                 RowwiseSplitInputLinear, LocalRowwiseLinear, VocabEmbedding,
-                                                AllReduceOutput)}
+                                                AllReduceOutput, GradSummedReplica)}
 
 _CLASSES: dict = {}
 

@@ -1,8 +1,9 @@
 """Hugging Face models split by their own TP plan against single-process torch AdamW.
 
 Tiny random-init ``transformers`` models -- Llama with grouped-query attention (4 heads, 2 KV heads) with tied
-and with untied embeddings, Qwen2 (biases on q, k and v) -- are split by ``hybrid.tp.hf_plan`` /
-``hybrid.tp.apply_plan`` over the TP group of ``build_mesh(tp=2)`` and trained through the ZeRO engine at
+and with untied embeddings, Qwen2 (biases on q, k and v), Qwen3 (a norm over each of q's and k's heads, whole
+on every rank, its gradient summed over TP: ``replicated_with_grad_allreduce``) -- are split by
+``hybrid.tp.hf_plan`` / ``hybrid.tp.apply_plan`` over the TP group of ``build_mesh(tp=2)`` and trained through the ZeRO engine at
 TP 2 × DP 1 (world 2) and TP 2 × DP 2 (world 4), stages 0–3. Every run's losses (the DP mean), pre-clip
 gradient norms and ``full_state_dict()`` weights match the unsplit model trained in this process with
 ``torch.optim.AdamW`` over the engine's default parameter groups and ``clip_grad_norm_`` (fp32, relative
@@ -17,19 +18,28 @@ How each model gets its values, all against one reference each:
   the full tensors; the reference is the same build;
 - ``weights``: ``weights=`` a consolidated ``.safetensors`` of the reference model (another seed).
 
+A plain PyTorch model (embedding, blocks of LayerNorm and two biased Linear layers, output layer) is split the
+same way by a plan given as the job's ``parallel.tp_plan`` through ``Context.parallelize``: its row-parallel
+biases are added once, after the sum.
+
 Activation checkpointing runs through the model's own ``gradient_checkpointing_enable()`` (transformers 5:
 ``activation_checkpointing_enable()``). The cases of one world size share one spawned world; the references
 are computed here.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 import hybrid
 from hybrid.comm.mesh import build_mesh
 from hybrid.config.training import TrainConfig
 from hybrid.runtime.local_launch import run_local
+from hybrid.runtime.train import Context, JobSettings
 from hybrid.tp import apply_plan, hf_plan
 from hybrid.zero.param_groups import torch_param_groups
 
@@ -41,16 +51,51 @@ SEED, FILE_SEED = 3, 11
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-4, 0.1, 0.3  # eps: see tests/dist/test_zero_tp.py
 
 
+OWN_PLAN = {"embed": "vocab", "blocks.*.up": "colwise", "blocks.*.down": "rowwise", "out": "colwise_rep"}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class OwnLM(nn.Module):
+    """A model of one's own, forward as a Hugging Face causal LM's (``input_ids``, ``labels`` -> ``.loss``)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.Sequential(Block(dim), Block(dim))
+        self.out = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels):
+        logits = self.out(self.blocks(self.embed(input_ids)))
+        return SimpleNamespace(loss=F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
+
+
 def _config(name: str):
+    if name == "own":
+        return None
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=2 * SEQ, use_cache=False)
     if name == "qwen2":
         return transformers.Qwen2Config(**shape, tie_word_embeddings=False)
+    if name == "qwen3":
+        return transformers.Qwen3Config(**shape, head_dim=8, tie_word_embeddings=True)
     return transformers.LlamaConfig(**shape, tie_word_embeddings=name == "llama-tied")
 
 
 def _model_class(name: str):
-    return transformers.Qwen2ForCausalLM if name == "qwen2" else transformers.LlamaForCausalLM
+    if name == "own":
+        return lambda _: OwnLM()
+    return {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}.get(
+        name, transformers.LlamaForCausalLM)
 
 
 def _build(name: str, how: str):
@@ -117,11 +162,17 @@ def _rank_runs(cases, files):
     out = {}
     for name, how, stage, checkpointing in cases:
         model = _build(name, how)
-        apply_plan(model, hf_plan(model), mesh.tp_comm)
-        split = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith("k_proj.weight")}
+        if name == "own":  # the job's parallel.tp_plan, as an entrypoint applies it
+            settings = JobSettings(steps=STEPS, micro_batch=GLOBAL_BATCH // mesh.dp, stage=stage, tp_plan=OWN_PLAN)
+            model = Context(mesh, {}, settings, rank=dist.get_rank(), world_size=dist.get_world_size()
+                            ).parallelize(model)
+        else:
+            apply_plan(model, hf_plan(model), mesh.tp_comm)
+        split = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith(("k_proj.weight", "up.weight"))}
         if checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-        extra = dict(weights=files[name]) if how == "weights" else dict(seed=SEED, init_fn=model._init_weights)
+        init_fn = getattr(model, "_init_weights", None)
+        extra = dict(weights=files[name]) if how == "weights" else dict(seed=SEED, init_fn=init_fn)
         engine = hybrid.initialize(model, _train_config(stage), dp_group=mesh.dp_group, tp_group=mesh.tp_group,
                                    **extra)
         losses, norms = [], []
@@ -159,8 +210,8 @@ def _check(world: int, cases, tmp_path):
         assert _rel(losses, ref_losses) < 1e-5, f"{case}: losses {losses} vs {ref_losses}"
         for rank, res in enumerate(per_rank):
             assert _rel(res["norms"], ref_norms) < 1e-5, f"{case} rank {rank}: norms {res['norms']} vs {ref_norms}"
-            # 2 KV heads of 8 features: one head per TP rank
-            assert set(res["local_shapes"].values()) == {(8, 32)}, (case, res["local_shapes"])
+            # 2 KV heads of 8 features: one head per TP rank; the own model's 64 up features: 32 each
+            assert set(res["local_shapes"].values()) == {(32, 16) if case[0] == "own" else (8, 32)}, (case, res)
         weights = per_rank[0]["weights"]
         assert weights.keys() == ref_weights.keys(), case
         for key, ref in ref_weights.items():
@@ -171,11 +222,12 @@ def _check(world: int, cases, tmp_path):
 def test_hf_models_split_by_their_own_plan_at_tp2_dp2_match_single_process_adamw(tmp_path):
     cases = [(name, "meta", stage, False) for name in ("llama-tied", "llama", "qwen2") for stage in (0, 1, 2, 3)]
     cases += [("llama-tied", "seeded", 1, False), ("qwen2", "weights", 3, False), ("llama", "meta", 3, True),
-              ("qwen2", "meta", 2, True)]
+              ("qwen2", "meta", 2, True), ("own", "seeded", 2, False), ("qwen3", "meta", 3, False)]
     _check(4, cases, tmp_path)
 
 
 def test_hf_models_split_by_their_own_plan_at_tp2_dp1_match_single_process_adamw(tmp_path):
     cases = [(name, "meta", stage, False) for name in ("llama-tied", "qwen2") for stage in (0, 3)]
-    cases += [("llama", "seeded", 2, False), ("llama-tied", "weights", 1, False), ("llama-tied", "meta", 3, True)]
+    cases += [("llama", "seeded", 2, False), ("llama-tied", "weights", 1, False), ("llama-tied", "meta", 3, True),
+              ("own", "seeded", 0, False), ("own", "seeded", 3, False)]
     _check(2, cases, tmp_path)

@@ -65,9 +65,10 @@ def test_patterns_match_whole_parts_with_shell_wildcards():
 
 def test_hugging_face_spellings_mean_the_same_styles():
     plan = normalize_plan({"a": "colwise_gather_output", "b": "embedding_rowwise", "c": "rowwise_split_input",
-                           "d": "local_colwise", "e": "gather", "f": "colwise_rep", "g": "replicate"})
+                           "d": "local_colwise", "e": "gather", "f": "colwise_rep", "g": "replicate",
+                           "h": "replicated_with_grad_allreduce"})
     assert plan == {"a": "colwise_rep", "b": "vocab", "c": "rowwise_rep", "d": "colwise", "e": "all_reduce",
-                    "f": "colwise_rep", "g": "replicate"}
+                    "f": "colwise_rep", "g": "replicate", "h": "replicate_grad"}
 
 
 def test_a_plan_at_tp_1_marks_the_split_but_changes_no_value_name_or_kind():
