@@ -2,9 +2,11 @@
 
 An entrypoint is a function ``train(ctx)``. ``ctx`` carries the rank's 2D mesh, the model config (the
 parsed YAML and its path), the job settings (steps, micro-batch, precision, ZeRO stage, checkpoint
-directory and cadence), the step counter, ``report(metrics)`` and ``should_stop()``. Reports go to an
-injected ``reporter`` callable (the launcher's; without one they are logged), so this module stays free
-of Ray and runs under torchrun or ``run_local`` just as well.
+directory and cadence, the cluster file's ``parallel.tp_plan``), the step counter, ``parallelize(model)``
+(the model split over the rank's TP group by that plan or a Hugging Face model's own: ``hybrid.tp.plan``),
+``report(metrics)`` and ``should_stop()``. Reports go to an injected ``reporter`` callable (the launcher's;
+without one they are logged), so this module stays free of Ray and runs under torchrun or ``run_local``
+just as well.
 
 The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step;
 the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging Face style model),
