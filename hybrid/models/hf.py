@@ -110,8 +110,9 @@ def new_model(config: Any):
     try:
         return transformers.AutoModelForCausalLM.from_config(config)
     except ValueError as err:  # no causal LM for this model_type
-        raise ConfigError(f"transformers has no causal LM for the model_type {getattr(config, 'model_type', '?')!r} "
-                          f"of hf.config ({' '.join(str(err).split())[:200]}); give the config of a causal LM.") from None
+        kind = getattr(config, "model_type", "?")
+        raise ConfigError(f"transformers has no causal LM for the model_type {kind!r} of hf.config "
+                          f"({' '.join(str(err).split())[:200]}); give the config of a causal LM.") from None
 
 
 def build_model(model_config: Mapping, tp_comm=None):

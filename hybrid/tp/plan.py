@@ -9,9 +9,10 @@ single-process model. The model's own forward is untouched: a ``colwise`` projec
 the heads to the model's ``view(..., -1, head_dim)``, a ``rowwise`` one sums over TP and adds its bias once.
 
 A pattern is a module name whose dot-separated parts may hold shell wildcards (``hybrid.config.tp_plan``:
-``model.layers.*.self_attn.q_proj``). Styles are ``colwise``, ``colwise_rep`` (colwise, output gathered: a head whose logits a loss reads whole),
-``rowwise``, ``rowwise_rep`` (rowwise taking a whole input), ``local_rowwise`` (rowwise without the sum, for a
-module above it marked ``all_reduce``), ``vocab`` (an embedding split by rows), ``all_reduce``,
+``model.layers.*.self_attn.q_proj``). Styles are ``colwise``, ``colwise_rep`` (colwise, output gathered: a
+head whose logits a loss reads whole), ``rowwise``, ``rowwise_rep`` (rowwise taking a whole input),
+``local_rowwise`` (rowwise without the sum, for a module above it marked ``all_reduce``), ``vocab`` (an
+embedding split by rows), ``all_reduce``,
 ``replicate_grad`` (whole, its gradient summed over TP: a norm of this rank's heads) and ``replicate`` (left
 whole); Hugging Face's spellings mean the same (``HF_SPELLINGS``: ``colwise_gather_output`` is
 ``colwise_rep``, ``embedding_rowwise`` is ``vocab``, ...).

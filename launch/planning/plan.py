@@ -2,10 +2,11 @@
 
 ``build_plan(spec, reports=None)``: Ψ measured from the model (``launch.planning.model_size``: the entrypoint's
 ``build_model`` hook on the meta device, nothing allocated; ``params:`` as a checked override), the TP
-degree (``choose_tp``: ``parallel.tp``, or under ``auto`` for a model with tensor-parallel layers -- its own, or
-split by a TP plan: ``parallel.tp_plan`` or a Hugging Face model's own -- the largest divisor of
-gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory from the NVML probes
-when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host memory per node from
+degree (``choose_tp``: ``parallel.tp``, or under ``auto`` for a model with tensor-parallel layers -- its own,
+or split by a TP plan: ``parallel.tp_plan`` or a Hugging Face model's own -- the largest divisor of
+gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory
+from the NVML probes when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host
+memory per node from
 the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
 and why), activation estimates for one micro-batch with and without checkpointing, and
 ``hybrid.plan.planner.choose_stage`` for the ZeRO stage, activation checkpointing and offload

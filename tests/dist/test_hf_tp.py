@@ -3,8 +3,8 @@
 Tiny random-init ``transformers`` models -- Llama with grouped-query attention (4 heads, 2 KV heads) with tied
 and with untied embeddings, Qwen2 (biases on q, k and v), Qwen3 (a norm over each of q's and k's heads, whole
 on every rank, its gradient summed over TP: ``replicated_with_grad_allreduce``) -- are split by
-``hybrid.tp.hf_plan`` / ``hybrid.tp.apply_plan`` over the TP group of ``build_mesh(tp=2)`` and trained through the ZeRO engine at
-TP 2 × DP 1 (world 2) and TP 2 × DP 2 (world 4), stages 0–3. Every run's losses (the DP mean), pre-clip
+``hybrid.tp.hf_plan`` / ``hybrid.tp.apply_plan`` over the TP group of ``build_mesh(tp=2)`` and trained through
+the ZeRO engine at TP 2 × DP 1 (world 2) and TP 2 × DP 2 (world 4), stages 0–3. Every run's losses (the DP mean), pre-clip
 gradient norms and ``full_state_dict()`` weights match the unsplit model trained in this process with
 ``torch.optim.AdamW`` over the engine's default parameter groups and ``clip_grad_norm_`` (fp32, relative
 error < 1e-5; the clip is active in every step, so a norm counting the TP-replicated norms twice would show).

@@ -207,8 +207,8 @@ def test_the_largest_degree_dividing_heads_mlp_and_vocabulary():
     assert largest_tp(_llama(heads=8, kv=8, vocab=64, intermediate=64).config, 8) == 8
     assert largest_tp(_llama(heads=8, kv=2).config, 8) == 2
     assert largest_tp(_llama(heads=8, kv=8, vocab=50, intermediate=64).config, 8) == 2
-    assert config_refusal(_llama(kv=4, vocab=50).config, 4) == ("LlamaConfig.vocab_size is 50, which tp=4 does not divide; "
-                                                          "use a TP degree that divides 50")
+    assert config_refusal(_llama(kv=4, vocab=50).config, 4) == ("LlamaConfig.vocab_size is 50, which tp=4 does not "
+                                                                "divide; use a TP degree that divides 50")
     assert largest_tp(_llama(heads=6, kv=6, intermediate=96).config, 8) == 2
 
 
@@ -249,5 +249,5 @@ def test_a_meta_buffer_no_init_computes_names_empty_init():
         hybrid.materialize(model, seed=1)
     assert str(err.value) == ("buffer 'inv_freq' is on the meta device and its module (_Rotary) has no "
                               "reset_parameters() to initialize it; pass init_fn=, attach a hybrid.weights.init "
-                              "initializer, or build the model under hybrid.empty_init() instead of torch.device('meta') (parameters on meta, "
-                              "buffers computed as usual).")
+                              "initializer, or build the model under hybrid.empty_init() instead of "
+                              "torch.device('meta') (parameters on meta, buffers computed as usual).")

@@ -1,5 +1,10 @@
-"""A Hugging Face model without code on a real embedded Ray cluster (2 nodes × 2 ranks, the package's).
+"""TP plans on a real embedded Ray cluster (2 nodes × 2 ranks, the package's).
 
+The README's examples/own_model with ``parallel.tp_plan`` (cluster-tp.yaml) runs at TP 2 × DP 2: its entrypoint's
+``ctx.parallelize`` splits the plain PyTorch model by the cluster file's plan, so the two ranks of a TP group
+report one loss and the two DP ranks two.
+
+A Hugging Face model without code:
 The model config names a transformers Llama by its ``config.json`` (``hf:``, ``hybrid.models.hf``) and a token
 file; ``tp: auto`` picks TP 2 from the model's own TP plan (4 heads, 2 KV heads: every divisor of the node's 2
 ranks works), so the two ranks of a node hold one head each of every layer and DP spans the nodes. The job
@@ -19,7 +24,7 @@ from hybrid import checkpoint
 from hybrid.data.prepare import prepare
 from launch.job.driver import plan_and_run
 from launch.job.metrics import METRICS_FILE
-from launch.spec import parse_spec
+from launch.spec import load_spec, parse_spec
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -50,6 +55,20 @@ def _spec(job_dir: Path):
 
 def _losses(run_dir: Path) -> dict:
     return {row["step"]: row["loss"] for row in map(json.loads, (run_dir / METRICS_FILE).read_text().splitlines())}
+
+
+def test_the_own_model_example_with_a_tp_plan_trains_at_tp_2(cluster):
+    spec = load_spec(ROOT / "examples" / "own_model" / "cluster-tp.yaml")
+    out = io.StringIO()
+    result = plan_and_run(spec, out, tty=False)
+    text = out.getvalue()
+    assert (result.plan.layout.tp, result.plan.layout.dp) == (2, 2), text
+    assert "tp auto: 2 = gpus_per_node, since parallel.tp_plan splits the model" in text
+    assert all((r["tp"], r["dp"]) == (2, 2) for r in result.results.values())
+    last = [result.last_reports[r]["loss"] for r in range(4)]
+    assert last[0] == last[1] and last[2] == last[3] and last[0] != last[2], last  # TP pairs, DP ranks
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == spec.job.steps and losses[-1] < losses[0] - 1.0, losses
 
 
 def test_a_hugging_face_config_trains_with_tp_from_its_own_plan_and_resumes_bit_exactly(cluster, tmp_path):
