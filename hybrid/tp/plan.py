@@ -36,7 +36,7 @@ to its partial sum before the sum, counting it tp times), an embedding with ``ma
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -230,9 +230,3 @@ def largest_degree(model: nn.Module, limit: int) -> tuple[int, dict]:
             return tp, refusals
         refusals[tp] = refusal
     return 1, refusals
-
-
-def plan_of(model: nn.Module) -> Optional[Mapping[str, str]]:
-    """Module name -> style of the modules a plan split, or None when none was."""
-    modules = split_modules(model)
-    return {name: m.tp_style for name, m in modules} if modules else None
