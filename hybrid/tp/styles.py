@@ -1,13 +1,14 @@
-"""What a module split by a TP plan computes: each style as a subclass of torch's own layer.
+"""What a module split by a TP plan computes: each style as a subclass of the module's own class.
 
 ``hybrid.tp.plan.apply_plan`` turns a matched module into an instance of ``split_class(style, type(module))``
 in place (``module.__class__``, as FSDP2's ``fully_shard`` does): the module keeps its name, its attributes,
-its hooks and its parameter names, stays an ``nn.Linear`` / ``nn.Embedding`` for every ``isinstance`` check
-(Hugging Face's ``_init_weights``, ``reset_parameters``), and only its forward changes. Its parameters hold this
-TP rank's slice, marked with the dimension they are split along (``hybrid.weights.attrs``); attributes such as
-``out_features`` keep the full (single-process) sizes. Every style class is also a
-``hybrid.tp.layers.TensorParallelModule`` (last in the method order, so torch's ``__init__``,
-``reset_parameters`` and repr win), so ``hybrid.initialize`` checks its TP group as for the hybrid layers.
+its hooks and its parameter names, stays an ``nn.Linear`` / ``nn.Embedding`` (or whatever it was) for every
+``isinstance`` check (Hugging Face's ``_init_weights``, ``reset_parameters``), and only its forward changes.
+The parameters of a split layer hold this TP rank's slice, marked with the dimension they are split along
+(``hybrid.weights.attrs``); attributes such as ``out_features`` keep the full (single-process) sizes. The
+split layers' classes are also ``hybrid.tp.layers.TensorParallelModule`` (last in the method order, so torch's
+``__init__``, ``reset_parameters`` and repr win), so ``hybrid.initialize`` checks their TP group as for the
+hybrid layers; ``all_reduce`` and ``replicate_grad`` wrap any module's own forward and split nothing.
 
 ==================  ==================  ===========================================================
 style               split               forward
