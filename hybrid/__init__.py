@@ -96,6 +96,15 @@ def materialize(model, seed=0, **kwargs):
     return _materialize(model, seed, **kwargs)
 
 
+def empty_init():
+    """``hybrid.weights.empty.empty_init``: a context manager under which a model is built with its parameters on
+    the meta device (nothing allocated) and its buffers computed as usual (a rotary table); then
+    ``initialize`` / ``materialize`` give the parameters their values."""
+    from hybrid.weights.empty import empty_init as _empty_init
+
+    return _empty_init()
+
+
 def __getattr__(name):
     if name in ("TrainConfig", "ZeroConfig", "OptimizerConfig"):
         import hybrid.config

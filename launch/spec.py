@@ -15,7 +15,9 @@ any current directory; the checkpoint directory must be creatable and writable. 
 unless ``every`` says otherwise (``CheckpointSpec.every``).
 An empty value (YAML null, ``offload:`` with nothing after it) is the field left unset: its default applies,
 for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
-choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a
+choice), true or false; offload with ``zero_stage: 0`` is refused. ``parallel.tp_plan`` (optional) is a TP
+plan for a model without TP layers (``hybrid.config.tp_plan``: module-name patterns -> styles), checked here
+as text; ``launch.planning.model_size`` checks it against the model. ``cluster.host_memory_gb`` (optional) is a
 node's host memory where the probes cannot measure it. Nothing here contacts Ray. (Whether an embedded
 cluster fits on this machine is ``launch.ray.capacity``'s check, made before one is started.)
 """
@@ -39,6 +41,7 @@ from hybrid.config.schema import (Check, Section, Where, default_of, optional, p
 from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
 from hybrid.plan.planner import check_lever, check_offload_stage
+from hybrid.config.tp_plan import normalize_plan
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS
 from hybrid.config.yamlfile import load_yaml, not_a_file
 
@@ -200,6 +203,9 @@ class ParallelSpec(Section):
                                       help="optimizer states in host memory: auto (the planner's choice), true, false")
     activation_checkpointing: Optional[bool] = setting(None, check_lever, auto=True,
                                                        help="auto (the planner's choice), true or false")
+    tp_plan: Optional[dict] = setting(None, lambda path, value: normalize_plan(value, path),
+                                      help="module-name pattern -> TP style (hybrid.config.tp_plan); unset: the "
+                                           "model's own plan")
 
     def _check_together(self, where: Where) -> None:
         check_offload_stage(self.offload, self.zero_stage, where("offload"), where("zero_stage"))

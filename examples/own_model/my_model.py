@@ -8,6 +8,10 @@ module's name) straight into the rank's shard.
 
 A step is ``job.micro_batch × gradient_accumulation_steps`` rows per rank (the engine is built with the job's
 accumulation), as ``hybrid.models.gpt.training.train`` does.
+
+``ctx.parallelize(model)`` splits the model over the rank's TP group by the cluster file's
+``parallel.tp_plan`` when it gives one (``cluster-tp.yaml``: the launcher then plans TP 2); without one it
+returns the model as it is.
 """
 
 import torch
@@ -57,6 +61,7 @@ def train(ctx):
     m, opt = ctx.model_config["model"], ctx.model_config["train"]
     with torch.device("meta"):
         model = build_model(ctx.model_config, ctx.mesh.tp_comm)
+    model = ctx.parallelize(model)  # parallel.tp_plan over the TP group, when the cluster file gives one
     # training_config: the engine's TrainConfig at the planned stage, precision, optimizer offload and the
     # job's gradient accumulation (a re-plan may raise it: the engine must step once per accumulated step)
     config = training_config({"lr": opt["lr"], "weight_decay": 0.0, "gradient_clipping": 1.0}, ctx.stage,

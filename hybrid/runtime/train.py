@@ -2,9 +2,11 @@
 
 An entrypoint is a function ``train(ctx)``. ``ctx`` carries the rank's 2D mesh, the model config (the
 parsed YAML and its path), the job settings (steps, micro-batch, precision, ZeRO stage, checkpoint
-directory and cadence), the step counter, ``report(metrics)`` and ``should_stop()``. Reports go to an
-injected ``reporter`` callable (the launcher's; without one they are logged), so this module stays free
-of Ray and runs under torchrun or ``run_local`` just as well.
+directory and cadence, the cluster file's ``parallel.tp_plan``), the step counter, ``parallelize(model)``
+(the model split over the rank's TP group by that plan or a Hugging Face model's own: ``hybrid.tp.plan``),
+``report(metrics)`` and ``should_stop()``. Reports go to an injected ``reporter`` callable (the launcher's;
+without one they are logged), so this module stays free of Ray and runs under torchrun or ``run_local``
+just as well.
 
 The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step;
 the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging Face style model),
@@ -41,7 +43,7 @@ import torch
 from hybrid import checkpoint
 
 from hybrid.comm import heartbeat
-from hybrid.errors import UserError
+from hybrid.errors import ConfigError, UserError
 from hybrid.plan.budget import MemoryMeter, should_measure
 from hybrid.config.validate import DEFAULT_PRECISION
 
@@ -74,6 +76,7 @@ class JobSettings:
     gradient_accumulation_steps: int = 1  # micro-steps per step; each takes micro_batch / this rows
     memory_budget_bytes: Optional[float] = None  # the rank's budget (None: the GPU's total; CPU: none)
     measure_every: int = 10  # memory measured after each of the first steps, then every this many
+    tp_plan: Optional[dict] = None  # parallel.tp_plan: module-name pattern -> TP style (Context.parallelize)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +116,26 @@ class Context:
         # torch's global generator (dropout, user code) from job.seed, one stream per DP rank (TP ranks of a
         # group compute replicated activations, so they share it); a resume then restores the saved state.
         torch.manual_seed(rank_seed(settings.seed, getattr(mesh, "dp_rank", rank)))
+
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` split over this rank's TP group (``ctx.mesh.tp_comm``) by the job's ``parallel.tp_plan``, else,
+        under TP > 1, by a Hugging Face model's own plan (``hybrid.tp.parallelize``): what the launcher planned
+        the TP degree for. Call it on the built model (on meta or not) before ``hybrid.initialize``. A model
+        split already (``hybrid.tp`` layers, or a plan its ``build_model`` applied) is returned as it is, and so
+        is one without a plan (TP 1); a plan that cannot be applied is one ``ConfigError`` sentence."""
+        from hybrid.tp.hf import hf_plan, parallelize
+        from hybrid.weights.attrs import is_tensor_parallel
+
+        plan = self.settings.tp_plan
+        if any(is_tensor_parallel(p) for p in model.parameters()):
+            if plan is not None:
+                raise ConfigError(f"parallel.tp_plan is set, but the {type(model).__name__} to split has "
+                                  "tensor-parallel parameters already (hybrid.tp layers, or a plan applied in "
+                                  "build_model); remove parallel.tp_plan or build the model without them.")
+            return model
+        if plan is None and (getattr(self.mesh, "tp", 1) == 1 or hf_plan(model) is None):
+            return model
+        return parallelize(model, self.mesh.tp_comm, plan, "parallel.tp_plan")
 
     def local_path(self, path) -> Path:
         """Where this rank sees a file the driver calls ``path``: inside the copy of ``job.working_dir``

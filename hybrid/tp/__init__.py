@@ -1,7 +1,10 @@
-"""Tensor parallelism inside a node: Megatron-style layers, their autograd collectives, the loss.
+"""Tensor parallelism inside a node: Megatron-style layers, their autograd collectives, the loss, and TP plans
+for models written without them.
 
 See ``collectives`` (the four forward/backward pairs), ``layers`` (column/row parallel linear,
-vocab-parallel embedding), ``loss`` (vocab-parallel cross-entropy) and ``sharding`` (full ↔ slice).
+vocab-parallel embedding), ``loss`` (vocab-parallel cross-entropy), ``sharding`` (full ↔ slice), ``plan``
+(``apply_plan``: module-name patterns -> styles, applied to a built model), ``styles`` (what a split
+``nn.Linear`` / ``nn.Embedding`` computes) and ``hf`` (a Hugging Face model's own plan).
 """
 
 from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
@@ -9,9 +12,13 @@ from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, red
 from hybrid.tp.layers import TORCH_RNG, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hybrid.tp.loss import vocab_parallel_cross_entropy
 from hybrid.tp.sharding import gather_tp_state_dict, slice_tp_state_dict, tp_slice
+from hybrid.config.tp_plan import STYLES
+from hybrid.tp.plan import apply_plan, check_plan
+from hybrid.tp.hf import hf_plan, largest_tp, parallelize
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "TORCH_RNG", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "gather_tp_state_dict", "slice_tp_state_dict", "tp_slice",
+    "STYLES", "apply_plan", "check_plan", "hf_plan", "largest_tp", "parallelize",
 ]

@@ -20,7 +20,10 @@ the values are
    ``model.apply(init_fn)`` after an ordinary build gives (Hugging Face's ``post_init``): the module's
    ``reset_parameters``, then ``init_fn`` on it and on each of its ancestors, nearest first (the rest of the
    model on ``meta``), so a parent's init of its children's tensors wins. A meta tensor that no init writes
-   in full (what its ``__init__`` computed is gone on meta) is a ``ConfigError`` naming it, never zeros.
+   in full (what its ``__init__`` computed is gone on meta) is a ``ConfigError`` naming it, never zeros; for
+   a buffer (a rotary table) the sentence names ``hybrid.empty_init()``, which builds a model with its
+   parameters on meta and its buffers computed as usual (``hybrid.weights.empty``). A module a TP plan split
+   (``hybrid.tp.plan``) runs its own init on the *full* tensors and each TP rank keeps its slice.
 
 So the values depend on ``seed`` and the names only, never on the DP size, ZeRO stage or TP degree: every
 layout builds the same model. ``materialize(model, seed=...)`` applies the same rules to a whole model
@@ -39,9 +42,8 @@ import torch
 from torch import nn
 
 from hybrid.errors import ConfigError
-from hybrid.weights.attrs import tensor_parallel_dim
+from hybrid.weights.attrs import full_shape, tensor_parallel_dim
 from hybrid.weights.init import get_initializer, local_values, read_local_range
-from hybrid.weights.attrs import full_shape
 from hybrid.weights.files import WeightsFile, open_weights
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ class ModuleValues:
         init = get_initializer(t) if entry.is_param else None
         if init is not None:
             return local_values(init, src.seed, init.key or entry.name, shape, dim, src.tp_rank, src.tp, lo, hi)
-        if dim is not None and src.tp > 1:
+        if dim is not None and src.tp > 1 and not _inits_full_tensors(self.module):
             raise ConfigError(f"tensor-parallel parameter {entry.name!r} is on the meta device without a "
                               "hybrid.weights.init initializer, so its TP slices cannot match the full tensor; "
                               "attach one with set_initializer or build the model off meta.")
@@ -184,7 +186,7 @@ class ModuleValues:
                f"{cls} has no reset_parameters() and init_fn did not write")
         return ConfigError(f"{kind} {entry.name!r} is on the meta device and {who} all of its values, so what "
                            f"{cls}.__init__ put there is lost; set it in {cls}.reset_parameters() or in init_fn, or "
-                           "build the module off meta.")
+                           f"{_off_meta(entry)}.")
 
     @property
     def init_bytes(self) -> int:
@@ -206,10 +208,12 @@ class ModuleValues:
             kind = "parameter" if entry.is_param else "buffer"
             raise ConfigError(f"{kind} {entry.name!r} is on the meta device and its module "
                               f"({type(module).__name__}) has no reset_parameters() to initialize it; pass "
-                              "init_fn=, attach a hybrid.weights.init initializer, or build it off meta.")
+                              f"init_fn=, attach a hybrid.weights.init initializer, or {_off_meta(entry, 'it')}.")
         copies = {}  # id(the entry's tensor) -> its CPU copy, wherever the model holds it (tied aliases too)
+        split = self._split_dims()
         for e in self.entries:
-            cpu = torch.full(e.tensor.shape, _unwritten_fill(e.tensor.dtype), dtype=e.tensor.dtype, device="cpu")
+            shape = full_shape(e.tensor, self.sources.tp) if e.name in split else e.tensor.shape
+            cpu = torch.full(shape, _unwritten_fill(e.tensor.dtype), dtype=e.tensor.dtype, device="cpu")
             copies[id(e.tensor)] = nn.Parameter(cpu, requires_grad=e.tensor.requires_grad) if e.is_param else cpu
         # Without init_fn only the module's own reset runs; with it, its ancestors' init too (the whole model).
         scope = module if init_fn is None else self.sources.model
@@ -224,7 +228,17 @@ class ModuleValues:
         out = {e.name: (held[e.key] if held[e.key] is not None and not held[e.key].is_meta
                         else copies[id(e.tensor)]).detach() for e in self.entries}
         self._unwritten = {e.name for e in self.entries if e.tensor.is_meta and _still_unwritten(out[e.name])}
-        return out
+        src = self.sources
+        return {name: t.chunk(src.tp, split[name])[src.tp_rank].contiguous() if name in split else t
+                for name, t in out.items()}
+
+    def _split_dims(self) -> dict:
+        """Name -> split dim of the module's TP-split parameters whose own init runs on the full tensor (a
+        module a TP plan split, ``init_full_tensors``), so each rank keeps its slice of the same full values."""
+        if self.sources.tp == 1 or not _inits_full_tensors(self.module):
+            return {}
+        return {e.name: tensor_parallel_dim(e.tensor) for e in self.entries
+                if e.is_param and tensor_parallel_dim(e.tensor) is not None}
 
     def _as_after_construction(self, own_init: Optional[Callable], init_fn: Callable) -> None:
         """The module's tensors as ``model.apply(init_fn)`` leaves them after an ordinary build (Hugging
@@ -252,6 +266,19 @@ class ModuleValues:
                 _warn_once((prefix, type(err)), f"init_fn({prefix or 'the model'}) cannot run with its "
                            f"tensors on meta ({type(err).__name__}: {err}); its init of its descendants' "
                            "tensors is not applied")
+
+
+def _off_meta(entry: TensorEntry, what: str = "the module") -> str:
+    """The last fix a meta-tensor refusal offers: for a buffer, ``hybrid.empty_init()``."""
+    if entry.is_param:
+        return f"build {what} off meta"
+    return ("build the model under hybrid.empty_init() instead of torch.device('meta') (parameters on meta, "
+            "buffers computed as usual)")
+
+
+def _inits_full_tensors(module: nn.Module) -> bool:
+    """Whether the module's own init writes full tensors although it holds TP slices (``hybrid.tp.styles``)."""
+    return bool(getattr(module, "init_full_tensors", False))
 
 
 @contextlib.contextmanager

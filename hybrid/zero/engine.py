@@ -655,7 +655,8 @@ def _check_tp_degree(module: nn.Module, tp_comm: Optional[Comm]) -> None:
     if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
         raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
                           "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
-                          "whole model: pass tp_group=None, or build the model from hybrid.tp layers")
+                          "whole model: pass tp_group=None, build the model from hybrid.tp layers, or split it by a "
+                          "TP plan first (ctx.parallelize(model), hybrid.tp.apply_plan)")
 
 
 def _ranks_of(comm: Optional[Comm]) -> tuple:

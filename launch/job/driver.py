@@ -166,7 +166,7 @@ def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> Jo
                            checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,
                            checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
                            offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing,
-                           memory_budget_bytes=budget)
+                           memory_budget_bytes=budget, tp_plan=plan.spec.parallel.tp_plan)
     return (choice or replan.initial_choice(plan)).settings(settings)
 
 

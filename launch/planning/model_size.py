@@ -10,10 +10,18 @@ rank's TP communicator, None for the single-process model). The launcher calls i
 for parameters marked tensor-parallel (``hybrid.weights.attrs``): a model without them gets tp = 1. The hook
 is looked up in the module ``job.entrypoint`` names, then in the module that defines the entrypoint
 function (so ``from hybrid.models.gpt import train`` brings the built-in GPT's hook along). Without a hook,
-a ``model:`` mapping is the built-in GPT's shape (``hybrid.models.gpt.training.build_model``), and a model
+a ``model:`` mapping is the built-in GPT's shape (``hybrid.models.gpt.training.build_model``; an ``hf:``
+section a transformers model, ``hybrid.models.hf``, its paths resolved against the model config), and a model
 config with only ``params: 7B`` is taken at its word (TP layers unknown). With a hook, ``params:`` is an
 override that must agree with the count to 1 % (one ``ConfigError`` sentence otherwise). A GPT (the built
 one is a ``hybrid.models.gpt.GPT``) also gives its shape, for the activation estimate.
+
+TP plans (``hybrid.tp.plan``): a model the hook returns unsplit is split on the driver, at TP 1 (its modules
+converted and its parameters marked, nothing sliced), by ``parallel.tp_plan`` when the cluster file gives one,
+else by a Hugging Face model's own plan (``hybrid.tp.hf``); the ranks apply the same plan over their TP group
+(``Context.parallelize``). A plan that does not fit the model is one ``ConfigError`` sentence (for
+``parallel.tp_plan``; a model's own plan that does not fit leaves it at TP 1, said why). ``ModelFacts.tp_refusal``
+then says why a degree cannot split the model (a split size or the attention heads it does not divide).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from hybrid.plan.memory import parse_count
 from hybrid.config.yamlfile import load_yaml
 
 BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
+BUILT_IN_ENTRYPOINTS = (BUILT_IN_ENTRYPOINT, "hybrid.models.hf:train")
+BUILT_IN_HOOKS = ("hybrid.models.gpt.training", "hybrid.models.hf")
 HOOK = "build_model"
 PARAMS_TOLERANCE = Fraction(1, 100)  # a params: override this far from the measured count is a typo
 
@@ -40,6 +50,20 @@ class ModelFacts:
     source: str  # how Ψ was found, for the plan's text
     shape: Optional[dict] = None  # the GPT shape (GPTConfig.to_dict()) when the model is the built-in GPT
     module: Any = field(default=None, compare=False, repr=False)  # the model on the meta device, when built
+    tp_plan: str = ""  # which TP plan split the model on the driver ("" when none did)
+    tp_note: str = ""  # why a model with a plan of its own was left unsplit ("" otherwise)
+
+    def tp_refusal(self, tp: int) -> Optional[str]:
+        """Why the model cannot be split ``tp`` ways, or None when it can (or is not known)."""
+        if self.shape is not None:
+            from launch.planning.plan import gpt_tp_refusal
+
+            return gpt_tp_refusal(self.shape, tp)
+        if self.module is not None:  # the modules a plan split, and a Hugging Face config's heads
+            from hybrid.tp.plan import tp_refusal
+
+            return tp_refusal(self.module, tp)
+        return None
 
 
 def model_facts(spec) -> ModelFacts:
@@ -57,10 +81,17 @@ def model_facts(spec) -> ModelFacts:
         from hybrid.models.gpt.training import build_model as hook
 
         where = "the built-in GPT (hybrid.models.gpt.training.build_model), from the model: mapping"
-    if spec.job.entrypoint == BUILT_IN_ENTRYPOINT:  # its keys, train: options and data, before any rank starts
+    if spec.job.entrypoint in BUILT_IN_ENTRYPOINTS:  # its keys, train: options and data, before any rank starts
         from hybrid.models.gpt.training import check_model_config
 
         check_model_config(doc, path)
+    if getattr(hook, "__module__", "") in BUILT_IN_HOOKS:
+        from hybrid.models.gpt.training import is_hf_config
+
+        if is_hf_config(doc):  # hf: paths are relative to the model config, wherever the hook runs
+            from hybrid.models.hf import absolute_paths
+
+            doc = absolute_paths(doc, path)
     model = build_on_meta(hook, doc, where)
     counted = sum(p.numel() for p in model.parameters())
     if counted == 0:
@@ -68,13 +99,42 @@ def model_facts(spec) -> ModelFacts:
                           "model to train from build_model.")
     from hybrid.weights.attrs import is_tensor_parallel
 
+    tp_plan, tp_note = split_by_plan(model, spec.parallel.tp_plan, where)
     tensor_parallel = any(is_tensor_parallel(p) for p in model.parameters())
     source = f"counted on the meta device by {where}"
     params = counted
     if stated is not None:
         check_override(stated, counted, path, where)
         params, source = stated, f"params: {stated:,} in {path.name}, within 1% of the {counted:,} {source}"
-    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model)
+    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model, tp_plan, tp_note)
+
+
+def split_by_plan(model, tp_plan: Optional[dict], where: str) -> tuple[str, str]:
+    """Split the driver's ``model`` at TP 1 by ``tp_plan`` (``parallel.tp_plan``), else by its own Hugging Face
+    plan; returns (which plan split it, "" for none; why its own plan was not used, "" when not tried or used)."""
+    from hybrid.tp.hf import hf_plan, own_plan_name
+    from hybrid.tp.plan import apply_plan
+    from hybrid.weights.attrs import is_tensor_parallel
+
+    split_already = any(is_tensor_parallel(p) for p in model.parameters())
+    if tp_plan is not None:
+        if split_already:
+            raise ConfigError(f"parallel.tp_plan is set, but {where} returns a {type(model).__name__} with "
+                              "tensor-parallel parameters already (hybrid.tp layers, or a plan it applied); remove "
+                              "parallel.tp_plan or build the model without them.")
+        apply_plan(model, tp_plan, None, "parallel.tp_plan")
+        return "parallel.tp_plan", ""
+    if split_already:
+        return "", ""
+    name = own_plan_name(model)
+    try:
+        own = hf_plan(model)
+        if own is None:
+            return "", ""
+        apply_plan(model, own, None, name)
+    except ConfigError as err:
+        return "", str(err).rstrip(".")
+    return name, ""
 
 
 def find_hook(entrypoint: str, working_dir=None) -> tuple[Optional[Callable], Optional[str]]:

@@ -2,9 +2,11 @@
 
 ``build_plan(spec, reports=None)``: Ψ measured from the model (``launch.planning.model_size``: the entrypoint's
 ``build_model`` hook on the meta device, nothing allocated; ``params:`` as a checked override), the TP
-degree (``choose_tp``: ``parallel.tp``, or under ``auto`` for a model with tensor-parallel layers the
-largest divisor of gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory from the NVML probes
-when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host memory per node from
+degree (``choose_tp``: ``parallel.tp``, or under ``auto`` for a model with tensor-parallel layers -- its own,
+or split by a TP plan: ``parallel.tp_plan`` or a Hugging Face model's own -- the largest divisor of
+gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus_per_node/tp, per-GPU memory
+from the NVML probes when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host
+memory per node from
 the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
 and why), activation estimates for one micro-batch with and without checkpointing, and
 ``hybrid.plan.planner.choose_stage`` for the ZeRO stage, activation checkpointing and offload
@@ -80,8 +82,7 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     facts = facts if facts is not None else model_facts(spec)
     tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
     layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, tp)
-    if facts.shape is not None:
-        _check_tp(facts.shape, layout.tp)
+    _check_tp(facts, layout.tp)
     if reports is None:
         use_gpus, memory, source = None, cluster.gpu_memory_gb * GB, "declared"
         note = (f"planned from declared facts (no Ray cluster contacted): cluster.gpu_memory_gb = "
@@ -108,33 +109,39 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
 
 
 def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, facts: ModelFacts) -> tuple[int, str]:
-    """The TP degree and why: ``parallel.tp`` as given, else for a model with TP layers the largest divisor of
-    gpus_per_node that splits it (every divisor is tried on the built-in GPT's shape; another model's
-    constraints are unknown here, so gpus_per_node)."""
+    """The TP degree and why: ``parallel.tp`` as given, else for a model with TP layers (its own, or split by a
+    TP plan: ``facts.tp_plan``) the largest divisor of gpus_per_node that splits it (``facts.tp_refusal``: the
+    built-in GPT's shape, the split sizes and attention heads of a planned model; a model built without
+    either is taken to split any way)."""
     if requested is not None:
         if requested > 1 and facts.tensor_parallel is False:
+            own = f" (its own TP plan cannot be used: {facts.tp_note})" if facts.tp_note else ""
             raise ConfigError(f"parallel.tp is {requested}, but the model has no tensor-parallel layers (no "
-                              "parameter is marked tensor-parallel, hybrid.weights.attrs), so its TP ranks would "
-                              "all compute the same thing; set parallel.tp to 1 or auto.")
+                              f"parameter is marked tensor-parallel, hybrid.weights.attrs){own}, so its TP ranks "
+                              "would all compute the same thing; set parallel.tp to 1 or auto.")
         return requested, f"tp {requested} as requested (parallel.tp)"
     if facts.tensor_parallel:
-        if facts.shape is None:
-            return gpus_per_node, (f"tp auto: {gpus_per_node} = gpus_per_node, since the model has "
-                                   "tensor-parallel layers")
         refusals = {}
         for tp in (d for d in range(gpus_per_node, 0, -1) if gpus_per_node % d == 0):
-            refusals[tp] = _tp_refusal(facts.shape, tp)
+            refusals[tp] = facts.tp_refusal(tp)
             if refusals[tp] is None:
                 break
         if tp == gpus_per_node:
-            return tp, (f"tp auto: {tp} = gpus_per_node, since the model has tensor-parallel layers"
-                        if tp > 1 else "tp auto: 1 = gpus_per_node")
-        return tp, (f"tp auto: {tp}, the largest divisor of gpus_per_node={gpus_per_node} that splits the model "
+            if tp == 1:
+                return tp, "tp auto: 1 = gpus_per_node"
+            if facts.tp_plan:
+                return tp, f"tp auto: {tp} = gpus_per_node, since {facts.tp_plan} splits the model"
+            return tp, f"tp auto: {tp} = gpus_per_node, since the model has tensor-parallel layers"
+        by = f" by {facts.tp_plan}" if facts.tp_plan else ""
+        return tp, (f"tp auto: {tp}, the largest divisor of gpus_per_node={gpus_per_node} that splits the model{by} "
                     f"(tp {gpus_per_node}: {refusals[gpus_per_node]})")
-    why = ("the model has no tensor-parallel layers (no parameter is marked tensor-parallel)"
-           if facts.tensor_parallel is False else
-           "the model was not built on the driver (a params: count without a build_model hook), so whether it "
-           "has tensor-parallel layers is unknown; set parallel.tp to use TP")
+    if facts.tp_note:
+        why = f"the model has no tensor-parallel layers and its own TP plan cannot be used ({facts.tp_note})"
+    elif facts.tensor_parallel is False:
+        why = "the model has no tensor-parallel layers (no parameter is marked tensor-parallel)"
+    else:
+        why = ("the model was not built on the driver (a params: count without a build_model hook), so whether it "
+               "has tensor-parallel layers is unknown; set parallel.tp to use TP")
     return 1, f"tp auto: 1, since {why}; DP spans all {world_size} ranks"
 
 
@@ -156,7 +163,7 @@ def host_memory(spec: LaunchSpec, reports: Optional[Sequence]) -> tuple[Optional
     return None, "host memory unknown (declare cluster.host_memory_gb to check it when planning offline)"
 
 
-def _tp_refusal(model: dict, tp: int) -> Optional[str]:
+def gpt_tp_refusal(model: dict, tp: int) -> Optional[str]:
     """Why the built-in GPT of shape ``model`` cannot be split ``tp`` ways, or None when it can."""
     from hybrid.models.gpt.model import GPTConfig
 
@@ -167,8 +174,8 @@ def _tp_refusal(model: dict, tp: int) -> Optional[str]:
     return None
 
 
-def _check_tp(model: dict, tp: int) -> None:
-    refusal = _tp_refusal(model, tp)
+def _check_tp(facts: ModelFacts, tp: int) -> None:
+    refusal = facts.tp_refusal(tp) if tp > 1 else None
     if refusal is not None:
         raise ConfigError(f"parallel.tp={tp} cannot split this model: {refusal}; set parallel.tp to a divisor "
                           f"of gpus_per_node that works, or auto.")

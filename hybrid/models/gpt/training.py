@@ -28,6 +28,9 @@ model config, which the driver builds under ``torch.device("meta")`` to count Ψ
 GPT config's field of that name, ``offload`` through the DeepSpeed-style
 ``zero_optimization.offload_optimizer: {device: cpu}``.
 
+A model config with an ``hf:`` section instead of ``model:`` names a transformers causal LM
+(``hybrid.models.hf``): ``train``, ``build_model`` and ``check_model_config`` hand it to that module.
+
 The model config may also carry an optional ``zero:`` mapping of ``hybrid.config.ZeroConfig`` sizes
 (``reduce_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``, ...; not ``stage``, which
 is the plan's); the launcher's memory prediction reads the same mapping (``zero_options``).
@@ -49,13 +52,18 @@ from hybrid.runtime.train import Context, run_steps, stream_batches
 
 TRAIN_DEFAULTS = schema.defaults(TrainOptions)  # the train: section's defaults (declared in TrainOptions)
 # The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
-CONFIG_KEYS = ("model", "data", "train", "zero", "params")
+CONFIG_KEYS = ("model", "hf", "data", "train", "zero", "params")
 
 
 def train(ctx: Context, after_step=()) -> dict:
-    """Train the configured GPT for ``ctx.steps`` steps; returns this rank's summary. ``after_step``: hooks
-    ``(ctx, engine, step)`` run after every step (``hybrid.runtime.train.run_steps``)."""
+    """Train the configured GPT (or the ``hf:`` model: ``hybrid.models.hf.train``) for ``ctx.steps`` steps;
+    returns this rank's summary. ``after_step``: hooks ``(ctx, engine, step)`` run after every step
+    (``hybrid.runtime.train.run_steps``)."""
     check_config_keys(ctx.model_config)
+    if is_hf_config(ctx.model_config):
+        from hybrid.models import hf
+
+        return hf.train(ctx, after_step)
     model_config = GPTConfig.from_dict(ctx.model_config.get("model", {}))
     options = train_options(ctx.model_config.get("train"))
     engine = build_engine(ctx, model_config, options)
@@ -98,12 +106,15 @@ def open_token_file(path: Path, local: Path, model_config: GPTConfig, seed: int 
 
 def check_config_keys(doc: Any, path: Optional[Path] = None) -> None:
     """The built-in entrypoint's model config holds only ``CONFIG_KEYS`` (a misspelt ``data:`` would
-    otherwise train on the synthetic stream without a word)."""
+    otherwise train on the synthetic stream without a word), and not both ``model:`` and ``hf:``."""
     if isinstance(doc, Mapping):
         try:
             v.known_keys("", doc, CONFIG_KEYS)
         except ConfigError as err:
             raise ConfigError(f"the model config{f' {path}' if path else ''}: {err}") from None
+        if "model" in doc and "hf" in doc:
+            raise ConfigError(f"the model config{f' {path}' if path else ''} has both model: (the built-in GPT's "
+                              "shape) and hf: (a transformers model); keep the one to train.")
 
 
 def check_model_config(doc: Any, path: Path) -> None:
@@ -112,6 +123,10 @@ def check_model_config(doc: Any, path: Path) -> None:
     metadata and size; the ranks scan its ids). A file not there yet (``make demo`` prepares its corpus after
     a plan may be shown) is the ranks' to refuse."""
     check_config_keys(doc, path)
+    if is_hf_config(doc):
+        from hybrid.models import hf
+
+        return hf.check_model_config(doc, path)
     train_options(doc.get("train") if isinstance(doc, Mapping) else None)
     if not isinstance(doc, Mapping) or not isinstance(doc.get("model"), Mapping):
         return
@@ -159,14 +174,25 @@ def _one_place_each(section: Mapping, optimizer: Optional[dict]) -> None:
                               f"disagree; set {key} in one place (remove one of them).")
 
 
-def build_model(model_config: Mapping, tp_comm=None) -> GPT:
+def build_model(model_config: Mapping, tp_comm=None):
     """The launcher's hook: the GPT of a parsed model config (its ``model:`` mapping), TP-sliced over
-    ``tp_comm``, on the current default device (the driver calls it under ``torch.device("meta")``)."""
+    ``tp_comm``, on the current default device (the driver calls it under ``torch.device("meta")``); for an
+    ``hf:`` section, the unsplit transformers model (``hybrid.models.hf.build_model``)."""
+    if is_hf_config(model_config):
+        from hybrid.models import hf
+
+        return hf.build_model(model_config, tp_comm)
     if not isinstance(model_config, Mapping) or "model" not in model_config:
         raise ConfigError("the model config has no model: mapping for the built-in GPT; put vocab_size, seq_len, "
-                          "n_layers, hidden and n_heads under model:, or, for a model of your own, define "
+                          "n_layers, hidden and n_heads under model:, or name a transformers model under hf: "
+                          "({config: path/to/config.json, seq_len: 128}), or, for a model of your own, define "
                           "build_model(model_config, tp_comm=None) in the entrypoint's module.")
     return GPT(GPTConfig.from_dict(model_config["model"]), tp_comm=tp_comm)
+
+
+def is_hf_config(model_config: Any) -> bool:
+    """Whether the model config names a transformers model (``hf:``) rather than the GPT's ``model:`` shape."""
+    return isinstance(model_config, Mapping) and "hf" in model_config
 
 
 def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTConfig:

@@ -1,0 +1,232 @@
+"""A TP plan applied to a built model: module-name patterns -> styles, as torchtitan's ``parallelize_module``
+and Hugging Face's ``tp_plan`` do, for models written without ``hybrid.tp`` layers.
+
+``apply_plan(model, plan, tp_comm)`` splits every module a pattern matches over the TP group of ``tp_comm``
+(``hybrid.tp.styles``: the module becomes a subclass of its own class whose parameters hold this rank's
+slice, marked for ZeRO, and whose forward adds the TP collectives), in place, before ``hybrid.initialize``.
+Names stay: the model's ``state_dict()`` keys, a weights file's and a checkpoint's are those of the
+single-process model. The model's own forward is untouched: a ``colwise`` projection hands its slice of
+the heads to the model's ``view(..., -1, head_dim)``, a ``rowwise`` one sums over TP and adds its bias once.
+
+A pattern is a module name whose dot-separated parts may hold shell wildcards (``hybrid.config.tp_plan``:
+``model.layers.*.self_attn.q_proj``). Styles are ``colwise``, ``colwise_rep`` (colwise, output gathered: a
+head whose logits a loss reads whole), ``rowwise``, ``rowwise_rep`` (rowwise taking a whole input),
+``local_rowwise`` (rowwise without the sum, for a module above it marked ``all_reduce``), ``vocab`` (an
+embedding split by rows), ``all_reduce``,
+``replicate_grad`` (whole, its gradient summed over TP: a norm of this rank's heads) and ``replicate`` (left
+whole); Hugging Face's spellings mean the same (``HF_SPELLINGS``: ``colwise_gather_output`` is
+``colwise_rep``, ``embedding_rowwise`` is ``vocab``, ...).
+
+Values: on a ``meta`` model nothing is drawn here; ``hybrid.initialize`` / ``hybrid.materialize`` give each
+slice its values (from the weights file, an initializer, or the module's own init run on the full tensor:
+``hybrid.weights.sources``), so they are the slices of the single-process model at every TP degree. On a
+model with values each rank keeps its slice of the full tensor (a model built after ``torch.manual_seed(s)``
+is one model at every degree). At TP 1 (``tp_comm`` None or one rank) the modules are converted and their
+parameters marked but keep their whole tensors: the launcher reads the marks to see a model can be split.
+
+What cannot be applied is one ``ConfigError`` sentence naming the module and the fix, before anything changes:
+an unknown style, a pattern matching no module (or naming a parameter), two styles for one module, a style
+on the wrong kind of module or on a subclass with its own forward, a split size the degree does not divide,
+attention heads the degree does not divide (a Hugging Face config's ``num_attention_heads`` /
+``num_key_value_heads``: a projection split inside a head computes nonsense without an error), a tensor tied
+between modules the plan splits differently, a ``local_rowwise`` layer with a bias (each rank would add it
+to its partial sum before the sum, counting it tp times), an embedding with ``max_norm`` or
+``scale_grad_by_freq`` (per-row statistics a split table cannot keep), and a module already split.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from hybrid.comm.collectives import Comm
+from hybrid.config.tp_plan import normalize_plan, pattern_matches
+from hybrid.errors import ConfigError
+from hybrid.tp.layers import TensorParallelModule
+from hybrid.tp.sharding import tp_rank_size
+from hybrid.tp.styles import STYLE_CLASSES, SplitModule, split_class
+from hybrid.weights.attrs import mark_tensor_parallel
+from hybrid.weights.sources import new_parameter, references, replace_tensor
+
+_SPLIT_SIZE = {"colwise": "out_features", "colwise_rep": "out_features", "rowwise": "in_features",
+               "rowwise_rep": "in_features", "local_rowwise": "in_features", "vocab": "num_embeddings"}
+
+
+def resolve_plan(model: nn.Module, plan: Any, where: str = "the TP plan") -> list[tuple[str, nn.Module, str]]:
+    """``(module name, module, style)`` for every module a pattern of ``plan`` matches, in module order
+    (``replicate`` ones included); see the module docstring for what is refused."""
+    plan = normalize_plan(plan, where)
+    used, out = set(), []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        hits = [(pattern, style) for pattern, style in plan.items() if pattern_matches(pattern, name)]
+        used.update(pattern for pattern, _ in hits)
+        styles = sorted({style for _, style in hits})
+        if len(styles) > 1:
+            raise ConfigError(f"{where} gives {name} two styles ({'; '.join(f'{p!r}: {s}' for p, s in hits)}); "
+                              "make the patterns match it once.")
+        if styles:
+            out.append((name, module, styles[0]))
+    for pattern in plan:
+        if pattern not in used:
+            raise ConfigError(_unmatched(model, pattern, where))
+    return out
+
+
+def _unmatched(model: nn.Module, pattern: str, where: str) -> str:
+    params = [name for name, _ in model.named_parameters() if pattern_matches(pattern, name)]
+    if params:
+        return (f"{where}[{pattern!r}] names the parameter {params[0]}, not a module; a plan splits modules "
+                f"(name the module: {params[0].rpartition('.')[0] or params[0]}).")
+    layers = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))][:3]
+    shown = f" (its layers are named like {', '.join(layers)})" if layers else ""
+    return (f"{where}[{pattern!r}] matches no module of {type(model).__name__}{shown}; correct the pattern or "
+            "remove it.")
+
+
+def check_plan(model: nn.Module, plan: Any, tp: int, where: str = "the TP plan") -> list[tuple[str, nn.Module, str]]:
+    """What ``apply_plan`` would split at TP degree ``tp``, or the ``ConfigError`` it would raise (no
+    process group needed: the launcher's check)."""
+    assignments = resolve_plan(model, plan, where)
+    for name, module, style in assignments:
+        _check_module(name, module, style, tp, where)
+    _check_ties(model, assignments, where)
+    refusal = _attention_refusal(model, [name for name, _, style in assignments if style in _SPLIT_SIZE], tp)
+    if refusal is not None:
+        raise ConfigError(f"{where} cannot split {type(model).__name__} {tp} ways: {refusal}.")
+    return assignments
+
+
+def _check_module(name: str, module: nn.Module, style: str, tp: int, where: str) -> None:
+    cls = type(module).__name__
+    if isinstance(module, (SplitModule, TensorParallelModule)):
+        raise ConfigError(f"{where}: {name} ({cls}) is split already (a hybrid.tp layer, or a plan applied "
+                          "before); apply one plan to a model built without TP layers.")
+    layer = STYLE_CLASSES[style].torch_layer if style != "replicate" else None
+    if layer is None:
+        return
+    if not isinstance(module, layer):
+        raise ConfigError(f"{where}: {name} is a {cls}, but {style} splits an nn.{layer.__name__}; give it another "
+                          f"style ({'vocab' if layer is nn.Linear else 'colwise or rowwise'} fits the other kind, "
+                          "all_reduce or replicate any module).")
+    if type(module).forward is not layer.forward:
+        raise ConfigError(f"{where}: {name} is a {cls}, whose forward is its own rather than nn.{layer.__name__}'s, "
+                          "so the split one would not run; leave it out of the plan (replicate).")
+    size = _split_size(module, style)
+    if size % tp:
+        raise ConfigError(f"{where}: {name} ({style}) has {_SPLIT_SIZE[style]}={size}, which tp={tp} does not "
+                          f"divide; use a TP degree that divides {size}, or leave {name} out of the plan.")
+    if style == "local_rowwise" and module.bias is not None:
+        raise ConfigError(f"{where}: {name} is local_rowwise with a bias, which every TP rank would add to its "
+                          f"partial sum before the sum (counting it tp times); use rowwise (the sum, then the "
+                          "bias once) or a layer without bias.")
+    if style == "vocab" and (module.max_norm is not None or module.scale_grad_by_freq):
+        what = "max_norm" if module.max_norm is not None else "scale_grad_by_freq"
+        raise ConfigError(f"{where}: {name} is an nn.Embedding with {what}, which a table split by rows cannot "
+                          "apply as one table does; leave it out of the plan (replicate).")
+
+
+def _split_size(module: nn.Module, style: str) -> int:
+    """The full size of the dimension ``style`` splits."""
+    return int(getattr(module, _SPLIT_SIZE[style]))
+
+
+def _check_ties(model: nn.Module, assignments: list, where: str) -> None:
+    """A tensor held by several modules (a tied embedding and head) must be split alike by all of them."""
+    styles = {id(module): (name, style) for name, module, style in assignments}
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    refs = references(model)
+    for name, module, style in assignments:
+        dims = STYLE_CLASSES[style].split_dims if style != "replicate" else {}
+        for key, dim in dims.items():
+            param = module._parameters.get(key)
+            if param is None:
+                continue
+            for holder, _, other_key in refs.get(id(param), ()):
+                other_name, other_style = styles.get(id(holder), (names.get(id(holder), "?"), None))
+                other_dim = None
+                if other_style not in (None, "replicate"):
+                    other_dim = STYLE_CLASSES[other_style].split_dims.get(other_key)
+                if other_dim != dim:
+                    how = "is not in the plan" if other_style is None else f"is {other_style}"
+                    raise ConfigError(f"{where}: {other_name}.{other_key} is tied to {name}.{key} (one tensor), "
+                                      f"which {style} splits along dim {dim}, but {other_name} {how}; split both "
+                                      "alike (a tied embedding and head: vocab and colwise_rep) or untie them.")
+
+
+def _attention_refusal(model: nn.Module, split_names: list, tp: int) -> Optional[str]:
+    """A Hugging Face config's heads must split whole when an attention module is split."""
+    from hybrid.tp.hf import heads_refusal
+
+    if tp == 1 or not any("attn" in n or "attention" in n for n in split_names):
+        return None
+    return heads_refusal(getattr(model, "config", None), tp)
+
+
+def apply_plan(model: nn.Module, plan: Any, tp_comm: Optional[Comm], where: str = "the TP plan") -> nn.Module:
+    """Split ``model`` over ``tp_comm``'s group by ``plan`` (see the module docstring), in place; returns it."""
+    rank, tp = tp_rank_size(tp_comm)
+    assignments = check_plan(model, plan, tp, where)
+    refs = references(model)
+    split: dict = {}  # id(parameter) -> its split replacement, made once for a tied tensor
+    for _, module, style in assignments:
+        if style == "replicate":
+            continue
+        cls = split_class(style, type(module))
+        for key, dim in cls.split_dims.items():
+            param = module._parameters.get(key)
+            if param is not None and id(param) not in split:
+                split[id(param)] = (param, _split_parameter(param, dim, rank, tp))
+        module.__class__ = cls
+        module.tp_comm, module.tp_rank, module.tp = tp_comm, rank, tp
+    for old, new in split.values():
+        replace_tensor(refs, old, new)
+    return model
+
+
+@torch.no_grad()
+def _split_parameter(param: nn.Parameter, dim: int, rank: int, tp: int) -> nn.Parameter:
+    """This rank's slice of ``param`` along ``dim`` (a meta one stays on meta), marked; ``param`` itself,
+    marked, at TP 1."""
+    if tp == 1:
+        return mark_tensor_parallel(param, dim)
+    if param.is_meta:
+        shape = list(param.shape)
+        shape[dim] //= tp
+        data = torch.empty(shape, dtype=param.dtype, device="meta")
+    else:
+        data = param.detach().chunk(tp, dim)[rank].clone()
+    return mark_tensor_parallel(new_parameter(param, data), dim)
+
+
+def split_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a plan split (``apply_plan``), with their names."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SplitModule)]
+
+
+def tp_refusal(model: nn.Module, tp: int) -> Optional[str]:
+    """Why the model a plan split (at TP 1, as the launcher builds it) cannot be split ``tp`` ways -- a split
+    size or the attention heads ``tp`` does not divide -- or None when it can."""
+    names = []
+    for name, module in split_modules(model):
+        if module.tp_style in _SPLIT_SIZE:
+            names.append(name)
+            size = _split_size(module, module.tp_style)
+            if size % tp:
+                return f"{name} ({module.tp_style}) has {_SPLIT_SIZE[module.tp_style]}={size}, not divisible by {tp}"
+    return _attention_refusal(model, names, tp)
+
+
+def largest_degree(model: nn.Module, limit: int) -> tuple[int, dict]:
+    """The largest divisor of ``limit`` (a node's GPUs) the split model allows, and why each larger one
+    was refused (degree -> sentence)."""
+    refusals = {}
+    for tp in (d for d in range(limit, 0, -1) if limit % d == 0):
+        refusal = tp_refusal(model, tp)
+        if refusal is None:
+            return tp, refusals
+        refusals[tp] = refusal
+    return 1, refusals
