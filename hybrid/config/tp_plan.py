@@ -24,8 +24,16 @@ HF_SPELLINGS = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "
 EXAMPLE = "{'layers.*.mlp.up_proj': colwise, 'layers.*.mlp.down_proj': rowwise}"
 
 
-def normalize_plan(plan: Any, where: str = "the TP plan") -> dict[str, str]:
-    """``plan`` (pattern -> style, Hugging Face spellings allowed) checked, in hybrid's own style names."""
+OWN = "own"  # parallel.tp_plan: own -- the model's own Hugging Face plan, applied by the entrypoint
+
+
+def normalize_plan(plan: Any, where: str = "the TP plan") -> dict[str, str] | str:
+    """``plan`` (pattern -> style, Hugging Face spellings allowed) checked, in hybrid's own style names; or
+    ``OWN``, the model's own Hugging Face plan."""
+    if isinstance(plan, str):
+        if plan == OWN:
+            return OWN
+        raise v.invalid(where, f"'{OWN}' (the model's own Hugging Face plan) or a mapping like {EXAMPLE}", plan)
     plan = v.mapping(where, plan, example=EXAMPLE)
     if not plan:
         raise ConfigError(f"{where} is empty; give module-name patterns and their styles, like {EXAMPLE}.")

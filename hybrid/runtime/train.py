@@ -126,7 +126,9 @@ class Context:
         from hybrid.tp.hf import hf_plan, parallelize
         from hybrid.weights.attrs import is_tensor_parallel
 
-        plan = self.settings.tp_plan
+        from hybrid.config.tp_plan import OWN
+
+        plan = None if self.settings.tp_plan == OWN else self.settings.tp_plan  # own: the model's plan, below
         if any(is_tensor_parallel(p) for p in model.parameters()):
             if plan is not None:
                 raise ConfigError(f"parallel.tp_plan is set, but the {type(model).__name__} to split has "

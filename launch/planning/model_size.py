@@ -26,6 +26,8 @@ then says why a degree cannot split the model (a split size or the attention hea
 
 from __future__ import annotations
 
+import copy
+
 import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -99,7 +101,8 @@ def model_facts(spec) -> ModelFacts:
                           "model to train from build_model.")
     from hybrid.weights.attrs import is_tensor_parallel
 
-    tp_plan, tp_note = split_by_plan(model, spec.parallel.tp_plan, where)
+    own_by_default = getattr(hook, "__module__", "") in BUILT_IN_HOOKS  # our loops call ctx.parallelize
+    tp_plan, tp_note = split_by_plan(model, spec.parallel.tp_plan, where, own_by_default)
     tensor_parallel = any(is_tensor_parallel(p) for p in model.parameters())
     source = f"counted on the meta device by {where}"
     params = counted
@@ -109,14 +112,29 @@ def model_facts(spec) -> ModelFacts:
     return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model, tp_plan, tp_note)
 
 
-def split_by_plan(model, tp_plan: Optional[dict], where: str) -> tuple[str, str]:
-    """Split the driver's ``model`` at TP 1 by ``tp_plan`` (``parallel.tp_plan``), else by its own Hugging Face
-    plan; returns (which plan split it, "" for none; why its own plan was not used, "" when not tried or used)."""
+def split_by_plan(model, tp_plan, where: str, own_by_default: bool = True) -> tuple[str, str]:
+    """Split the driver's ``model`` at TP 1 by ``tp_plan`` (``parallel.tp_plan``: a plan, or ``own``), else by its
+    own Hugging Face plan where the entrypoint is known to apply it (``own_by_default``: the built-in loops, which
+    call ``ctx.parallelize``; a user's entrypoint opts in with ``parallel.tp_plan: own``, so a job that never
+    splits its model is not planned at TP > 1); returns (which plan split it, "" for none; why its own plan was
+    not used, "" when not tried or used)."""
+    from hybrid.config.tp_plan import OWN
     from hybrid.tp.hf import hf_plan, own_plan_name
     from hybrid.tp.plan import apply_plan
     from hybrid.weights.attrs import is_tensor_parallel
 
     split_already = any(is_tensor_parallel(p) for p in model.parameters())
+    if tp_plan == OWN:
+        if split_already:
+            raise ConfigError(f"parallel.tp_plan is {OWN}, but {where} returns a {type(model).__name__} with "
+                              "tensor-parallel parameters already; remove parallel.tp_plan.")
+        if hf_plan(model) is None:
+            raise ConfigError(f"parallel.tp_plan is {OWN}, but the {type(model).__name__} {where} returns has no TP "
+                              "plan of its own (config.base_model_tp_plan); give the plan as a mapping of module-name "
+                              "patterns to styles instead.")
+        name = own_plan_name(model)
+        apply_plan(model, hf_plan(model), None, name)
+        return name, ""
     if tp_plan is not None:
         if split_already:
             raise ConfigError(f"parallel.tp_plan is set, but {where} returns a {type(model).__name__} with "
@@ -131,6 +149,10 @@ def split_by_plan(model, tp_plan: Optional[dict], where: str) -> tuple[str, str]
         own = hf_plan(model)
         if own is None:
             return "", ""
+        if not own_by_default:  # checked on a copy: the job's own entrypoint stays at TP 1 unless it opts in
+            apply_plan(copy.deepcopy(model), own, None, name)
+            return "", (f"{name} could split it, but {where} is the job's own: set parallel.tp_plan: {OWN} and "
+                        "call ctx.parallelize(model) before hybrid.initialize to train it with TP")
         apply_plan(model, own, None, name)
     except ConfigError as err:
         return "", str(err).rstrip(".")

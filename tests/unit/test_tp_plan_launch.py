@@ -69,7 +69,8 @@ def test_a_tp_plan_for_a_model_split_already_is_refused():
 @pytest.mark.parametrize("plan, expected", [
     ({"blocks.*.up": "sharded"}, "parallel.tp_plan['blocks.*.up'] is 'sharded', which is not a TP style hybrid "
                                  "implements; use one of colwise, colwise_rep, rowwise"),
-    ("colwise", "parallel.tp_plan must be a mapping like {'layers.*.mlp.up_proj': colwise, "),
+    ("colwise", "parallel.tp_plan must be 'own' (the model's own Hugging Face plan) or a mapping like "
+                "{'layers.*.mlp.up_proj': colwise, "),
     ({}, "parallel.tp_plan is empty; give module-name patterns and their styles"),
 ])
 def test_parallel_tp_plan_is_checked_when_the_cluster_file_is_read(tmp_path, plan, expected):
@@ -134,13 +135,14 @@ def train(ctx):
 """
 
 
-def _own_hf(tmp_path, plan=None, tp="auto", name="my_hf"):
+def _own_hf(tmp_path, plan=None, tp="auto", name="my_hf", tp_plan="own"):
     (tmp_path / f"{name}.py").write_text(ENTRYPOINT)
     (tmp_path / "model.yaml").write_text(f"plan: {plan or {}}\n")
+    parallel = {"tp": tp, "precision": "fp32", **({"tp_plan": tp_plan} if tp_plan else {})}
     return parse_spec({
         "cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": 80},
         "job": {"entrypoint": f"{name}:train", "config": "model.yaml", "steps": 3},
-        "parallel": {"tp": tp, "precision": "fp32"},
+        "parallel": parallel,
     }, base_dir=tmp_path)
 
 
@@ -150,14 +152,30 @@ def test_a_hugging_face_model_of_ones_own_entrypoint_is_planned_by_its_own_plan(
                                                   "splits the model")
 
 
+def test_an_own_entrypoint_gets_its_models_own_plan_only_when_it_says_it_applies_it(tmp_path):
+    # an entrypoint that never calls ctx.parallelize must not be planned at TP > 1 (it ran at TP 1 before plans)
+    lp = build_plan(_own_hf(tmp_path, name="my_hf_d", tp_plan=None))
+    assert lp.layout.tp == 1 and "set parallel.tp_plan: own and call ctx.parallelize(model)" in lp.tp_reason, \
+        lp.tp_reason
+    (tmp_path / "plain_model.py").write_text("import torch\n\ndef build_model(model_config):\n"
+                                             "    return torch.nn.Linear(8, 8)\n\ndef train(ctx):\n    pass\n")
+    no_plan = {"cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": 80},
+               "job": {"entrypoint": "plain_model:train", "config": "model.yaml", "steps": 3},
+               "parallel": {"tp_plan": "own"}}
+    assert "has no TP plan of its own" in _refused(build_plan, parse_spec(no_plan, base_dir=tmp_path))
+
+
 def test_a_model_whose_own_plan_cannot_be_used_runs_at_tp_1_and_says_why(tmp_path):
     plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.input_layernorm": "sequence_parallel"}
-    lp = build_plan(_own_hf(tmp_path, plan, name="my_hf_b"))
+    lp = build_plan(_own_hf(tmp_path, plan, name="my_hf_b", tp_plan=None))
     assert lp.layout.tp == 1 and lp.tp_reason.startswith(
         "tp auto: 1, since the model has no tensor-parallel layers and its own TP plan cannot be used "
         "(LlamaForCausalLM's own TP plan['model.layers.*.input_layernorm'] is 'sequence_parallel', which is not a "
         "TP style hybrid implements;"), lp.tp_reason
-    assert "(its own TP plan cannot be used: " in _refused(build_plan, _own_hf(tmp_path, plan, tp=2, name="my_hf_c"))
+    assert "(its own TP plan cannot be used: " in _refused(build_plan, _own_hf(tmp_path, plan, tp=2, name="my_hf_c",
+                                                                              tp_plan=None))
+    asked = _refused(build_plan, _own_hf(tmp_path, plan, name="my_hf_e"))  # parallel.tp_plan: own, explicitly
+    assert "is 'sequence_parallel', which is not a TP style hybrid implements" in asked, asked
 
 
 @pytest.mark.parametrize("model_yaml, expected", [
