@@ -56,6 +56,8 @@ import torch.distributed as dist
 from hybrid.comm import heartbeat
 from hybrid.comm.buffer_pool import BufferPool
 from hybrid.comm.shm import ShmGroup
+from hybrid.plan.layout import (EXCHANGE_MIN_NUMEL, EXCHANGE_NUMEL, EXCHANGE_SLICES, SHM_MIN_BYTES, exchange_cap_numel,
+                                exchange_numel, exchange_shape)
 
 
 # broadcast_many packs tensors below this many elements into one buffer per dtype (a copy in and out);
@@ -88,23 +90,8 @@ class _AverageOnWait:
         return True
 
 
-EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
-EXCHANGE_SLICES = 2       # slices in flight (so ``EXCHANGE_SLICES · (N-1) · EXCHANGE_NUMEL`` elements at most)
-EXCHANGE_MIN_NUMEL = 1 << 24  # gloo all-reduces from this many elements (64 MB fp32) go as exchange + broadcasts
-# CPU tensors from this size go through shared memory (where the group can); below it gloo's latency is small
-# in absolute terms and the staging pages would cost more memory than the data moved
-SHM_MIN_BYTES = 1 << 20
 _shm_groups: dict = {}  # process group -> its ShmGroup, or None where the ranks cannot share memory
 _TAGS = 1 << 24             # p2p tags cycle through this many (every rank issues the same sequence)
-
-
-def _exchange_shape(numel: int, size: int) -> tuple:
-    """``(width, slices, slots)`` of the pairwise exchange of ``numel`` elements over ``size`` ranks: the
-    elements per peer of one receive slice, the slices the longest part (``tensor_split``'s first) is sent
-    in, and the slices in flight -- one receive buffer of ``(size - 1) · width`` elements each."""
-    longest = -(-numel // size)
-    slices = -(-longest // EXCHANGE_NUMEL)
-    return min(longest, EXCHANGE_NUMEL), slices, min(EXCHANGE_SLICES, slices)
 
 
 class _PairwiseReduceScatter:
@@ -119,7 +106,8 @@ class _PairwiseReduceScatter:
         self._parts = input.view(-1).tensor_split(comm.size)
         self._own = self._parts[comm.rank]
         self._peers = [q for q in range(comm.size) if q != comm.rank]
-        self._width, self._n_slices, self._slots = _exchange_shape(input.numel(), comm.size)
+        self._width, self._n_slices, self._slots = exchange_shape(input.numel(), comm.size, EXCHANGE_NUMEL,
+                                                                   EXCHANGE_SLICES)
         self._recv: list = []
         self._posted: list = []  # (slice index, works)
         self._next = 0
@@ -199,26 +187,6 @@ class _ExchangeAllReduce:
             self._comm._broadcast_gather(self._tensor, self._scatter.output).wait()
             self._done = True
         return True
-
-
-def exchange_cap_numel(size: int) -> int:
-    """Elements of receive buffers the pairwise reduce-scatter of a group of ``size`` holds at most (in use
-    and kept for reuse, handles waited in launch order): ``EXCHANGE_SLICES`` slices of ``EXCHANGE_NUMEL``
-    from each of the N-1 peers."""
-    return EXCHANGE_SLICES * (size - 1) * EXCHANGE_NUMEL
-
-
-def exchange_numel(unit_numels, size: int, stage: int) -> int:
-    """Elements of receive buffers kept after a step's gradient collectives over units of ``unit_numels``
-    elements on gloo (stage 0 all-reduces, from ``EXCHANGE_MIN_NUMEL``; stages 1-3 reduce-scatter), each
-    unit counted with its own buffers, within the cap (pure; the memory model's figure)."""
-    need = 0
-    for n in unit_numels:
-        if stage == 0 and n < EXCHANGE_MIN_NUMEL:
-            continue
-        width, _, slots = _exchange_shape(n, size)
-        need += slots * (size - 1) * width
-    return min(need, exchange_cap_numel(size))
 
 
 class _AllDone:

@@ -25,10 +25,7 @@ import torch.distributed as dist
 import hybrid
 from hybrid.runtime.local_launch import run_local
 from hybrid.plan.memory import model_state_bytes
-from hybrid.comm.collectives import SHM_MIN_BYTES, exchange_numel
-from hybrid.comm.shm import region_bytes
-from hybrid.zero.buckets import kept_bucket_numel
-from hybrid.zero.optimizer import CONVERT_NUMEL
+from hybrid.plan.layout import CONVERT_NUMEL, SHM_MIN_BYTES, exchange_numel, kept_bucket_numel, region_bytes
 from tests.dist.zero_models import WideNet, batch, rank_rows
 
 pytestmark = pytest.mark.slow
