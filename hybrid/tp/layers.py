@@ -55,7 +55,8 @@ def check_vocab_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
 
 
 class TensorParallelModule(nn.Module):
-    """Shared bookkeeping: the TP comm, its rank/size, and the seeded weight init."""
+    """Shared bookkeeping: the TP comm, its rank/size, and the seeded weight init. ``tp`` and ``tp_comm`` are
+    what the ZeRO engine reads of a TP layer (``hybrid.zero.tp_interface.SplitOverTP``)."""
 
     def __init__(self, tp_comm: Optional[Comm], init_std: float):
         super().__init__()

@@ -161,13 +161,14 @@ class ParamGatherer:
         """Let go of the ``Function.apply`` patch now rather than when the owner is collected (idempotent)."""
         self._apply_patch()
 
-    def _move(self, to: Phase) -> None:
-        """Enter phase ``to``; a move ``TRANSITIONS`` does not allow raises ``GathererStateError``."""
-        if to not in TRANSITIONS[self.phase]:
-            allowed = " or ".join(p.value for p in sorted(TRANSITIONS[self.phase], key=lambda p: p.value))
-            raise GathererStateError(f"internal error in the ZeRO stage-3 parameter gatherer: it was moved from "
-                                     f"{self.phase.value} to {to.value}, but from {self.phase.value} it only goes "
-                                     f"to {allowed}")
+    def _move(self, start: Phase, to: Phase) -> None:
+        """Go from phase ``start`` to ``to``: ``GathererStateError`` unless the gatherer is in ``start`` and
+        ``TRANSITIONS`` allows the move (the phase is then left as it was)."""
+        if self.phase is not start or to not in TRANSITIONS[start]:
+            allowed = " or ".join(sorted(p.value for p in TRANSITIONS[self.phase]))
+            raise GathererStateError(f"internal error in the ZeRO stage-3 parameter gatherer: asked to go from "
+                                     f"{start.value} to {to.value} while in {self.phase.value}, from which it only "
+                                     f"goes to {allowed}")
         self.phase = to
     def _guard_state_dicts(self, roots) -> None:
         """``state_dict()`` / ``load_state_dict()`` of a module holding released parameters raise one sentence
@@ -281,12 +282,12 @@ class ParamGatherer:
 
     # -- forward --------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
-        self._move(Phase.FORWARD)
+        self._move(Phase.IDLE, Phase.FORWARD)
         self._prev_trace, self._trace, self._returned = self._trace, [], []
 
     def end_forward(self) -> None:
         """Release what was gathered (or prefetched) in forward and is not held for backward."""
-        self._move(Phase.IDLE)
+        self._move(Phase.FORWARD, Phase.IDLE)
         self._refs.clear()  # every module's forward has returned (or raised)
         self._forward_only.clear()
         for u in self.gathered_units():
@@ -406,7 +407,7 @@ class ParamGatherer:
 
     # -- backward -------------------------------------------------------------------------------------
     def begin_backward(self) -> None:
-        self._move(Phase.BACKWARD)
+        self._move(Phase.IDLE, Phase.BACKWARD)
 
     def _pre_backward(self, module: nn.Module) -> None:
         units = self.module_units[module]
@@ -429,7 +430,7 @@ class ParamGatherer:
             self.release(u)
 
     def end_backward(self) -> None:
-        self._move(Phase.IDLE)
+        self._move(Phase.BACKWARD, Phase.IDLE)
         self._in_backward.clear()
         for u in self.gathered_units():
             if self._refs[u] == 0:
@@ -545,8 +546,9 @@ class FunctionApplyPatch:
     ``hold(owner)`` adds a holder for ``owner``'s life: the first holder installs the patch, and the original
     ``apply`` is put back when the last holder is gone -- each owner garbage-collected, or the finalizer that
     ``hold`` returned called, whichever comes first (calling it again does nothing). Where something else
-    replaced ``apply`` on top of ours meanwhile, theirs is left in place and ours stays under it (it only calls
-    the original once no engine's forward guards), to be held again as it is rather than stacked twice."""
+    replaced ``apply`` on top of ours meanwhile, theirs is left in place and ours stays under it (with no
+    engine's forward guarding it only calls the original); later holders then hold it there rather than stack
+    a second one on top, until ``apply`` is the original again."""
 
     def __init__(self):
         self._lock = threading.RLock()  # a finalizer can run (garbage collection) inside hold() on this thread
@@ -567,8 +569,11 @@ class FunctionApplyPatch:
     def hold(self, owner) -> weakref.finalize:
         with self._lock:
             self._holders += 1
-            if not self.installed and not self._under_another:
-                self.original = torch.autograd.Function.__dict__["apply"]
+            current = torch.autograd.Function.__dict__["apply"]
+            if self._under_another and current is self.original:  # the other patch, and ours under it, are gone
+                self._under_another = False
+            if current is not self._patch and not self._under_another:
+                self.original = current
                 torch.autograd.Function.apply = self._patch
         return weakref.finalize(owner, self._drop)
 
