@@ -228,7 +228,7 @@ class Comm:
         self._tag = 0
         # The exchange's receive buffers, reused by later calls (a layout's units come in a few sizes); a
         # call that would pass the cap starts in its handle's wait() instead (unless none is in use).
-        self.exchange_pool = BufferPool(exchange_cap_numel(self.size))
+        self.exchange_pool = BufferPool(exchange_cap_numel(self.size, EXCHANGE_NUMEL, EXCHANGE_SLICES))
         self._shm: Optional[ShmGroup] = None
         self._shm_tried = False
 

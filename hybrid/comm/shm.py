@@ -48,8 +48,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# the transport's sizes are layout arithmetic (the memory model counts them too); shm.SLICE_BYTES and
-# shm.resident_bytes are still their names here
+# the transport's sizes are layout arithmetic (the memory model counts them too); shm.resident_bytes is still
+# a name for the figure, and the transport sizes its buffers from shm.SLICE_BYTES (a test may set it)
 from hybrid.plan.layout import SLICE_BYTES, region_bytes, resident_bytes, slot_bytes  # noqa: F401
 
 ENV_SWITCH = "HYBRID_SHM_COLLECTIVES"  # 0 / false / off / no turns the shared-memory path off (gloo instead)
@@ -167,7 +167,7 @@ class ShmGroup:
         self._regions = regions  # uint8 tensors, one per rank of the group (this rank's own included)
         self._bell = doorbell
         self._slices = 0  # slices moved so far: their parity picks the buffer
-        self._slot_bytes = slot_bytes(size)
+        self._slot_bytes = slot_bytes(size, SLICE_BYTES)
 
     # -- set-up -----------------------------------------------------------------------------------
     @classmethod
@@ -175,7 +175,7 @@ class ShmGroup:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size < 2 or str(dist.get_backend(group)).lower() != "gloo":
             return None
-        own = _OwnMemory.create(region_bytes(size)) if _enabled() else None
+        own = _OwnMemory.create(region_bytes(size, SLICE_BYTES)) if _enabled() else None
         opened = None
         try:
             everyone = [None] * size

@@ -301,11 +301,11 @@ def exchange_shape(numel: int, size: int, slice_numel: int = EXCHANGE_NUMEL,
     return min(longest, slice_numel), slices, min(in_flight, slices)
 
 
-def exchange_cap_numel(size: int) -> int:
+def exchange_cap_numel(size: int, slice_numel: int = EXCHANGE_NUMEL, in_flight: int = EXCHANGE_SLICES) -> int:
     """Elements of receive buffers the pairwise reduce-scatter of a group of ``size`` holds at most (in use
-    and kept for reuse, handles waited in launch order): ``EXCHANGE_SLICES`` slices of ``EXCHANGE_NUMEL``
-    from each of the N-1 peers."""
-    return EXCHANGE_SLICES * (size - 1) * EXCHANGE_NUMEL
+    and kept for reuse, handles waited in launch order): ``in_flight`` slices of ``slice_numel`` from each of
+    the N-1 peers."""
+    return in_flight * (size - 1) * slice_numel
 
 
 def exchange_numel(unit_numels: Sequence[int], size: int, stage: int) -> int:
@@ -328,14 +328,14 @@ SLICE_BYTES = 1 << 20  # bytes of one buffer (its N-1 peer slots together)
 PAGE_BYTES = 4096
 
 
-def slot_bytes(size: int) -> int:
-    """Bytes of one peer slot of a buffer in a group of ``size`` ranks (64-byte aligned)."""
-    return max(64, SLICE_BYTES // (size - 1) // 64 * 64)
+def slot_bytes(size: int, slice_bytes: int = SLICE_BYTES) -> int:
+    """Bytes of one peer slot of a buffer of ``slice_bytes`` in a group of ``size`` ranks (64-byte aligned)."""
+    return max(64, slice_bytes // (size - 1) // 64 * 64)
 
 
-def region_bytes(size: int) -> int:
+def region_bytes(size: int, slice_bytes: int = SLICE_BYTES) -> int:
     """Bytes of one rank's region in a group of ``size`` ranks: two buffers of N-1 slots."""
-    return 2 * (size - 1) * slot_bytes(size)
+    return 2 * (size - 1) * slot_bytes(size, slice_bytes)
 
 
 def resident_bytes(size: int, largest_bytes: int) -> int:

@@ -55,14 +55,18 @@ def check_vocab_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
 
 
 class TensorParallelModule(nn.Module):
-    """Shared bookkeeping: the TP comm, its rank/size, and the seeded weight init. ``tp`` and ``tp_comm`` are
-    what the ZeRO engine reads of a TP layer (``hybrid.zero.tp_interface.SplitOverTP``)."""
+    """Shared bookkeeping: the TP comm, its rank/size, and the seeded weight init."""
 
     def __init__(self, tp_comm: Optional[Comm], init_std: float):
         super().__init__()
         self.tp_comm = tp_comm
         self.tp_rank, self.tp = tp_rank_size(tp_comm)
         self.init_std = init_std
+
+    def tp_split(self) -> tuple[int, Optional[Comm]]:
+        """``(TP degree, TP comm)`` this layer's parameters are split over: what the ZeRO engine reads of a
+        TP layer (``hybrid.zero.tp_interface.SplitOverTP``)."""
+        return self.tp, self.tp_comm
 
     def _maybe_init(self, seed) -> None:
         set_initializer(self.weight, Normal(std=self.init_std))

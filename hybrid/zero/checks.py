@@ -35,13 +35,14 @@ def check_tp_degree(module: nn.Module, tp_comm: Optional[Comm]) -> None:
     fix = ("build the model with tp_comm=mesh.tp_comm (ctx.mesh.tp_comm under hybrid launch) and pass "
            "tp_group=mesh.tp_group, both of one mesh")
     for name, sub in split_over_tp(module):
-        if sub.tp != tp:
+        sub_tp, sub_comm = sub.tp_split()
+        if sub_tp != tp:
             given = "no tp_group (or one of size 1)" if tp == 1 else f"a tp_group of size {tp}"
             raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
-                              f"{sub.tp}, but hybrid.initialize got {given}: {fix}")
-        if tp > 1 and _ranks_of(sub.tp_comm) != _ranks_of(tp_comm):
+                              f"{sub_tp}, but hybrid.initialize got {given}: {fix}")
+        if tp > 1 and _ranks_of(sub_comm) != _ranks_of(tp_comm):
             raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over the ranks "
-                              f"{list(_ranks_of(sub.tp_comm))}, but hybrid.initialize got a tp_group of the ranks "
+                              f"{list(_ranks_of(sub_comm))}, but hybrid.initialize got a tp_group of the ranks "
                               f"{list(_ranks_of(tp_comm))}: {fix}")
     if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
         raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "

@@ -157,6 +157,20 @@ class ParamGatherer:
             module.register_forward_hook(self._post_forward)
         self._guard_state_dicts(module_units)
 
+    def _guard_state_dicts(self, roots) -> None:
+        """``state_dict()`` / ``load_state_dict()`` of a module holding released parameters raise one sentence
+        (they would save empty tensors, or fail on a size mismatch): weights go through the engine.
+        ``state_dict(keep_vars=True)`` (the parameter objects themselves) stays allowed. The hooks are
+        module-level functions, so the model still pickles."""
+        seen = set()
+        for root in roots:
+            for module in root.modules():
+                if id(module) not in seen and _owns_released(module):
+                    seen.add(id(module))
+                    module.register_state_dict_pre_hook(_refuse_saving_released)
+                    module.register_load_state_dict_pre_hook(_refuse_loading_released)
+
+    # -- phase and lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Let go of the ``Function.apply`` patch now rather than when the owner is collected (idempotent)."""
         self._apply_patch()
@@ -170,18 +184,6 @@ class ParamGatherer:
                                      f"{start.value} to {to.value} while in {self.phase.value}, from which it only "
                                      f"goes to {allowed}")
         self.phase = to
-    def _guard_state_dicts(self, roots) -> None:
-        """``state_dict()`` / ``load_state_dict()`` of a module holding released parameters raise one sentence
-        (they would save empty tensors, or fail on a size mismatch): weights go through the engine.
-        ``state_dict(keep_vars=True)`` (the parameter objects themselves) stays allowed. The hooks are
-        module-level functions, so the model still pickles."""
-        seen = set()
-        for root in roots:
-            for module in root.modules():
-                if id(module) not in seen and _owns_released(module):
-                    seen.add(id(module))
-                    module.register_state_dict_pre_hook(_refuse_saving_released)
-                    module.register_load_state_dict_pre_hook(_refuse_loading_released)
 
     # -- gather / release -----------------------------------------------------------------------------
     def _nbytes(self, u: int) -> int:
@@ -567,15 +569,18 @@ class FunctionApplyPatch:
         return self._holders
 
     def hold(self, owner) -> weakref.finalize:
+        release = weakref.finalize(owner, self._drop)  # first: an owner that cannot be weakly referenced fails here
         with self._lock:
+            first = self._holders == 0  # else ours is in place already (on top, or under another patch)
             self._holders += 1
-            current = torch.autograd.Function.__dict__["apply"]
-            if self._under_another and current is self.original:  # the other patch, and ours under it, are gone
-                self._under_another = False
-            if current is not self._patch and not self._under_another:
-                self.original = current
-                torch.autograd.Function.apply = self._patch
-        return weakref.finalize(owner, self._drop)
+            if first:
+                current = torch.autograd.Function.__dict__["apply"]
+                if current is self._patch or current is self.original:  # no other patch on top of ours (left)
+                    self._under_another = False
+                if not self._under_another and current is not self._patch:
+                    self.original = current
+                    torch.autograd.Function.apply = self._patch
+        return release
 
     def _drop(self) -> None:
         with self._lock:

@@ -5,9 +5,10 @@ ZeRO imports no TP layer. It sees tensor parallelism in two ways only:
 * each parameter's mark (``hybrid.weights.attrs``): whether it is sliced across the TP group and along which
   dimension, which decides how its gradient counts in the global norm and how its slices make the full
   tensor in ``full_state_dict`` (``gather_tp_tensor``, over the engine's own TP ``Comm``);
-* ``SplitOverTP``: a module whose parameters are split over a TP group says which one (its size ``tp`` and
-  its ``tp_comm``), so the engine can refuse a ``tp_group`` that is not that group. ``hybrid.tp``'s layers
-  (``TensorParallelModule``) satisfy it; so does any module with these two attributes.
+* ``SplitOverTP``: a module whose own parameters are split over a TP group says which one
+  (``tp_split()``: its size and its ``Comm``), so the engine can refuse a ``tp_group`` that is not that
+  group. ``hybrid.tp``'s layers (``TensorParallelModule``) satisfy it; a module that only holds such layers
+  (a model that keeps a ``tp_comm`` to pass down) does not claim it.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from hybrid.comm.collectives import Comm
 
 @runtime_checkable
 class SplitOverTP(Protocol):
-    """A module whose parameters are split over a TP group."""
+    """A module whose own parameters are split over a TP group."""
 
-    tp: int                   # the TP degree its parameters are split over (1: not split)
-    tp_comm: Optional[Comm]   # the Comm of that group (None without one)
+    def tp_split(self) -> tuple[int, Optional[Comm]]:
+        """``(TP degree, the Comm of that group)`` its parameters are split over: ``(1, None)`` when not split."""
 
 
 def split_over_tp(module: nn.Module) -> list:
-    """``[(qualified name, submodule)]`` of the modules of ``module`` (itself included) split over a TP group."""
+    """``[(qualified name, submodule)]`` of the modules of ``module`` (itself included) split over a TP group,
+    in ``named_modules`` order."""
     return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, SplitOverTP)]

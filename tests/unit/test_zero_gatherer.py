@@ -17,6 +17,16 @@ def _apply_now():
     return torch.autograd.Function.__dict__["apply"]
 
 
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
 def _stage3_engine():
     return hybrid.initialize(ParityNet(), config(3))
 
@@ -165,13 +175,17 @@ def test_a_patch_put_on_top_of_ours_is_left_in_place_and_ours_is_not_stacked_und
     try:
         torch.autograd.Function.apply = classmethod(theirs)
         on_top = _apply_now()
-        del engine
+        second = _stage3_engine()
+        assert _apply_now() is on_top and FUNCTION_APPLY.holders == 2  # ours is held under theirs, not on top
+        assert _Twice.apply(torch.ones(2)).tolist() == [2.0, 2.0]  # theirs, then ours, then the original: once
+        del engine, second
         gc.collect()
         assert _apply_now() is on_top  # theirs stays: ours, under it, only calls the original now
         again = _stage3_engine()
         assert _apply_now() is on_top and FUNCTION_APPLY.holders == 1  # held where it is, not stacked
+        assert _Twice.apply(torch.ones(2)).tolist() == [2.0, 2.0]
         x, y = batch(0, 0)
-        again.backward(again(x, y))  # Function.apply goes through theirs, then ours, then the original
+        again.backward(again(x, y))
         again.step()
         del again
         gc.collect()

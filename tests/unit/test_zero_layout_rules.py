@@ -80,12 +80,13 @@ def test_the_memory_models_layout_defaults_are_zero_configs():
                                                     ZeroConfig().param_persistence_threshold)
 
 
-def test_tp_layers_are_modules_split_over_tp_and_plain_ones_are_not():
+def test_tp_layers_are_modules_split_over_tp_and_a_model_holding_them_is_not():
     model = nn.Sequential(ColumnParallelLinear(4, 6, tp_comm=None), RowParallelLinear(6, 4, tp_comm=None),
                           VocabParallelEmbedding(10, 4, tp_comm=None), nn.Linear(4, 4))
+    model.tp, model.tp_comm = 1, None  # as a model keeps them to pass down to its layers (hybrid's GPT does)
     assert [name for name, _ in split_over_tp(model)] == ["0", "1", "2"]
     assert isinstance(model[0], SplitOverTP) and not isinstance(model[3], SplitOverTP)
-    assert all(sub.tp == 1 and sub.tp_comm is None for _, sub in split_over_tp(model))
+    assert all(sub.tp_split() == (1, None) for _, sub in split_over_tp(model))
 
 
 def test_gathering_the_slices_of_a_group_of_one_copies_the_tensor():
