@@ -116,7 +116,7 @@ def test_memory_and_traffic_per_stage():
                                                                        expected.optimizer), f"{case}: {mem}"
             assert mem["buffers"] == 0, f"{case}: {mem}"
             # Working buffers allocated at the first step and kept: bf16 gradients' fp32 scratch (norm and
-            # step), gloo's pairwise-exchange receive buffers (hybrid.comm.exchange_numel) and, at stages 2-3
+            # step), gloo's pairwise-exchange receive buffers (hybrid.plan.layout.exchange_numel) and, at stages 2-3
             # on CPU, reduced buckets kept for the next backward.
             owned = psi if stage == 0 else psi // 2  # the elements this rank's optimizer steps
             bound = (4 * min(owned, CONVERT_NUMEL) if precision == "bf16" else 0)
