@@ -36,6 +36,7 @@ MOVED = {
     'hybrid.units': 'hybrid.config.units',
     'hybrid.schedule': 'hybrid.config.schedule',
     'hybrid.zero.policy': 'hybrid.config.stage_policy',
+    'hybrid.zero.partition': 'hybrid.plan.layout',
     'hybrid.memory_budget': 'hybrid.plan.budget',
     'hybrid.memory': 'hybrid.plan.memory',
     'hybrid.planner': 'hybrid.plan.planner',

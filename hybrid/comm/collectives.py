@@ -49,6 +49,9 @@ from hybrid.comm.exchange import ExchangeTransport
 from hybrid.comm.process_group import ProcessGroupTransport
 from hybrid.comm.shm_transport import SharedMemoryTransport
 from hybrid.comm.transport import Closed, Solo, Transport
+from hybrid.plan import layout as _layout
+from hybrid.plan.layout import EXCHANGE_MIN_NUMEL, EXCHANGE_NUMEL, EXCHANGE_SLICES, SHM_MIN_BYTES
+from hybrid.plan.layout import exchange_numel  # noqa: F401  (hybrid.comm's name for the memory model's figure)
 
 
 # broadcast_many packs tensors below this many elements into one buffer per dtype (a copy in and out);
@@ -56,41 +59,18 @@ from hybrid.comm.transport import Closed, Solo, Transport
 COALESCE_MAX_NUMEL = 1 << 20
 
 
-EXCHANGE_NUMEL = 1 << 21  # elements per peer per slice of the pairwise reduce-scatter (8 MB in fp32)
-EXCHANGE_SLICES = 2       # slices in flight (so ``EXCHANGE_SLICES · (N-1) · EXCHANGE_NUMEL`` elements at most)
-EXCHANGE_MIN_NUMEL = 1 << 24  # gloo all-reduces from this many elements (64 MB fp32) go as exchange + broadcasts
-# CPU tensors from this size go through shared memory (where the group can); below it gloo's latency is small
-# in absolute terms and the staging pages would cost more memory than the data moved
-SHM_MIN_BYTES = 1 << 20
+# The thresholds and buffer sizes are layout arithmetic (hybrid.plan.layout: the memory model counts the same
+# buffers); a Comm reads them from this module when it chooses its transports, so a test may set them here.
 
 
 def _exchange_shape(numel: int, size: int) -> tuple:
-    """``(width, slices, slots)`` of the pairwise exchange of ``numel`` elements over ``size`` ranks: the
-    elements per peer of one receive slice, the slices the longest part (``tensor_split``'s first) is sent
-    in, and the slices in flight -- one receive buffer of ``(size - 1) · width`` elements each."""
-    longest = -(-numel // size)
-    slices = -(-longest // EXCHANGE_NUMEL)
-    return min(longest, EXCHANGE_NUMEL), slices, min(EXCHANGE_SLICES, slices)
+    """``hybrid.plan.layout.exchange_shape`` with this module's slice size and slices in flight."""
+    return _layout.exchange_shape(numel, size, EXCHANGE_NUMEL, EXCHANGE_SLICES)
 
 
 def exchange_cap_numel(size: int) -> int:
-    """Elements of receive buffers the pairwise reduce-scatter of a group of ``size`` holds at most (in use
-    and kept for reuse, handles waited in launch order): ``EXCHANGE_SLICES`` slices of ``EXCHANGE_NUMEL``
-    from each of the N-1 peers."""
-    return EXCHANGE_SLICES * (size - 1) * EXCHANGE_NUMEL
-
-
-def exchange_numel(unit_numels, size: int, stage: int) -> int:
-    """Elements of receive buffers kept after a step's gradient collectives over units of ``unit_numels``
-    elements on gloo (stage 0 all-reduces, from ``EXCHANGE_MIN_NUMEL``; stages 1-3 reduce-scatter), each
-    unit counted with its own buffers, within the cap (pure; the memory model's figure)."""
-    need = 0
-    for n in unit_numels:
-        if stage == 0 and n < EXCHANGE_MIN_NUMEL:
-            continue
-        width, _, slots = _exchange_shape(n, size)
-        need += slots * (size - 1) * width
-    return min(need, exchange_cap_numel(size))
+    """``hybrid.plan.layout.exchange_cap_numel`` with this module's slice size and slices in flight."""
+    return _layout.exchange_cap_numel(size, EXCHANGE_NUMEL, EXCHANGE_SLICES)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,10 @@ import torch.distributed as dist
 
 from hybrid.errors import FailureKind, of_kind
 
-SLICE_BYTES = 1 << 20  # bytes of one buffer (its N-1 peer slots together)
+# the transport's sizes are layout arithmetic (the memory model counts them too); shm.resident_bytes is still
+# a name for the figure, and the transport sizes its buffers from shm.SLICE_BYTES (a test may set it)
+from hybrid.plan.layout import SLICE_BYTES, region_bytes, resident_bytes, slot_bytes  # noqa: F401
+
 ENV_SWITCH = "HYBRID_SHM_COLLECTIVES"  # 0 / false / off / no turns the shared-memory path off (gloo instead)
 # How a rank says that a peer, not itself, broke a collective (``_peer_error``: the launcher blames the peer)
 PEER_EXITED = "of the group exited during a collective"
@@ -60,30 +63,6 @@ PEER_LATE = "did not reach the collective within the group's timeout"
 _MSG = struct.Struct("<III")  # sender, ring number, signature of the collective
 _POLL_MS = 500  # how often a waiting rank checks that its peers are alive
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo groups
-
-
-def slot_bytes(size: int) -> int:
-    """Bytes of one peer slot of a buffer in a group of ``size`` ranks (64-byte aligned)."""
-    return max(64, SLICE_BYTES // (size - 1) // 64 * 64)
-
-
-def region_bytes(size: int) -> int:
-    """Bytes of one rank's region in a group of ``size`` ranks: two buffers of N-1 slots."""
-    return 2 * (size - 1) * slot_bytes(size)
-
-
-def resident_bytes(size: int, largest_bytes: int) -> int:
-    """Resident bytes a rank of a group of ``size`` holds for the group when its largest collective moves
-    ``largest_bytes`` (pure; the memory model's figure): the pages it touches of its own region and of the
-    slots it reads in its peers' regions (its reduce-scatter slot and the all-gather slot, both buffers).
-    Only touched pages count: a slot is filled to one rank's part of the collective, at most a slot."""
-    if largest_bytes <= 0:
-        return 0
-    page = 4096
-    part = -(-largest_bytes // size)
-    slot = min(-(-slot_bytes(size) // page) * page, -(-part // page) * page)
-    slots_read = 2 if size == 2 else 4
-    return 2 * (size - 1) * slot + (size - 1) * slots_read * slot
 
 
 def _enabled() -> bool:
@@ -200,7 +179,7 @@ class ShmGroup:
         self._regions = regions  # uint8 tensors, one per rank of the group (this rank's own included)
         self._bell = doorbell
         self._slices = 0  # slices moved so far: their parity picks the buffer
-        self._slot_bytes = slot_bytes(size)
+        self._slot_bytes = slot_bytes(size, SLICE_BYTES)
 
     # -- set-up -----------------------------------------------------------------------------------
     @classmethod
@@ -208,7 +187,7 @@ class ShmGroup:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size < 2 or str(dist.get_backend(group)).lower() != "gloo":
             return None
-        own = _OwnMemory.create(region_bytes(size)) if _enabled() else None
+        own = _OwnMemory.create(region_bytes(size, SLICE_BYTES)) if _enabled() else None
         opened = None
         try:
             everyone = [None] * size

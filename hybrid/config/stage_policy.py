@@ -10,7 +10,29 @@
 The fp32 master weights and optimizer state are sharded from stage 1 on (stage 0 keeps one full copy), so
 ``shard_optimizer`` is also what optimizer offload needs (``config.ZeroConfig`` refuses it at stage 0).
 Stages 0-1 reduce once per optimizer step; stages 2-3 at every micro-step (only the shard is kept).
-Nothing else in the engine tests the stage number: a new stage (or an offload variant) is a new row.
+
+What follows from the row (properties, for the pieces that ask a narrower question):
+
+| stage | ``n_shards(N)`` | ``norm_over_dp`` | ``grads_all_reduced`` | ``bucket_buffers`` | ``kept_gathered``      |
+|-------|-----------------|------------------|-----------------------|--------------------|------------------------|
+| 0     | 1               | no               | yes                   | no                 | every unit             |
+| 1     | N               | yes              | no                    | no                 | every unit             |
+| 2     | N               | yes              | no                    | yes                | every unit             |
+| 3     | N               | yes              | no                    | yes                | the persistent unit    |
+
+* ``n_shards(N)``: how many ways the flat layout is cut on a DP group of N ranks;
+* ``norm_over_dp``: each rank's gradient-norm partial sums cover its shard only, so they are summed over DP;
+* ``grads_all_reduced``: the gradients are all-reduced whole (else reduce-scattered): on gloo an all-reduce
+  goes through the pairwise exchange only from ``EXCHANGE_MIN_NUMEL`` elements, a reduce-scatter always
+  (``hybrid.plan.layout.exchange_numel``);
+* ``bucket_buffers``: gradients pass through transient unit-sized buckets reduced during backward and added
+  into the shard; CPU ranks keep reduced buckets for the next backward (``hybrid.plan.layout.kept_bucket_numel``);
+* ``kept_gathered``: which units' full parameters are held between steps ("all", or "persistent" where the
+  parameters are sharded: the rest is gathered around each unit's forward and backward, by hooks on the
+  unit roots, which a ``torch.compile``'d model cannot take).
+
+Nothing else in the engine, the memory model or the planner tests the stage number: a new stage (or an
+offload variant) is a new row.
 """
 
 from __future__ import annotations
@@ -21,7 +43,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StagePolicy:
     stage: int
-    shard_optimizer: bool  # master weights and moments: this rank's shard only
+    shard_optimizer: bool  # master weights and moments: this rank's shard only (what offload needs)
     shard_grads: bool      # gradients: a persistent shard only (transient buckets in backward)
     shard_params: bool     # parameters: a shard, gathered per unit around forward and backward
     grad_mode: str         # GradReducer mode
@@ -36,6 +58,22 @@ class StagePolicy:
     def norm_over_dp(self) -> bool:
         """Whether each rank's gradient-norm partial sums cover only its shard (so they are summed over DP)."""
         return self.shard_optimizer
+
+    @property
+    def grads_all_reduced(self) -> bool:
+        """Whether the gradients are all-reduced whole (else reduce-scattered)."""
+        return self.grad_mode == "all_reduce"
+
+    @property
+    def bucket_buffers(self) -> bool:
+        """Whether gradients pass through transient unit-sized buckets (reduced in backward, kept on CPU)."""
+        return self.grad_mode == "scatter_shard"
+
+    @property
+    def kept_gathered(self) -> str:
+        """Which units' full parameters are held between steps: "all", or "persistent" (the rest is gathered
+        around each unit's forward and backward)."""
+        return "persistent" if self.shard_params else "all"
 
 
 POLICIES = {

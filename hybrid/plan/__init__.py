@@ -1,5 +1,6 @@
 """Deciding and checking the layout: the memory model, the stage-selection planner, what a rank measures.
 
+- ``layout``: the layout arithmetic the engine builds by and the memory model predicts from (pure).
 - ``memory``: the seed's memory model (exact model states, activations, buffers).
 - ``planner``: the stage-selection guide as a pure function, with its reason.
 - ``budget``: what one rank measures of its own memory, and the budget check.

@@ -30,8 +30,12 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 from hybrid.config import validate as v
-from hybrid.errors import ConfigError
+from hybrid.config.stage_policy import policy_for
+from hybrid.config.training import ZeroConfig
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
+from hybrid.errors import ConfigError
+from hybrid.plan.layout import (SHM_MIN_BYTES, ModelUnits, align_elements, batch_numel, exchange_numel,
+                                kept_bucket_numel, resident_bytes, stage_layout)
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -74,20 +78,20 @@ def model_state_bytes(
     params = _positive_int(params, "params")
     dp = _positive_int(dp, "dp")
     tp = _positive_int(tp, "tp")
-    v.stage("stage", stage)
+    policy = policy_for(v.stage("stage", stage))
     p_bytes, g_bytes, o_bytes = _check_precision(precision)
 
     local = Fraction(params, tp)  # what one GPU holds before ZeRO
     shard = local / dp
-    p = p_bytes * (shard if stage >= 3 else local)
-    g = g_bytes * (shard if stage >= 2 else local)
-    o = o_bytes * (shard if stage >= 1 else local)
+    p = p_bytes * (shard if policy.shard_params else local)
+    g = g_bytes * (shard if policy.shard_grads else local)
+    o = o_bytes * (shard if policy.shard_optimizer else local)
     return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
 
 
 def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> dict[int, ModelStateBytes]:
     """``model_state_bytes`` for every stage, keyed 0..3."""
-    return {stage: model_state_bytes(params, dp, stage, tp, precision) for stage in STAGES}
+    return {s: model_state_bytes(params, dp, s, tp, precision) for s in STAGES}
 
 
 def activation_bytes(
@@ -189,7 +193,7 @@ class OffloadBytes:
 def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> OffloadBytes:
     """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
     states = model_state_bytes(params, dp, stage, tp, precision)
-    if stage == 0:
+    if not policy_for(stage).shard_optimizer:
         raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
                           "states); choose a stage from 1 to 3")
     device = Fraction(states.params) + Fraction(states.grads)
@@ -200,7 +204,7 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # ------------------------------------------------------------------------------ the complete prediction
 #
 # What one rank holds at its peak, by category, following the engine's real layout rules
-# (``hybrid.zero.engine.ZeroEngine._units``, ``hybrid.zero.partition``): units are gradient buckets of
+# (``hybrid.plan.layout``, which the engine builds by): units are gradient buckets of
 # ``reduce_bucket_size`` elements at stages 0-2 and those of ``zero.stage3_unit`` at stage 3, with every parameter under
 # ``param_persistence_threshold`` elements in one persistent unit that stays gathered; each parameter starts
 # at a multiple of ``align`` elements (16 bytes) and each unit is padded to ``n_shards · align``.
@@ -231,7 +235,6 @@ DEFAULT_RUNTIME_RESERVE_GB = 1.5  # CUDA context ~0.5 GB, NCCL buffers and cuBLA
 # caches, autograd's and the optimizer's small blocks; libraries' code pages are not counted): 18-79 MB
 # measured at 53M parameters on torch 2.13 (tests/dist/test_memory_prediction.py).
 DEFAULT_CPU_RUNTIME_RESERVE_GB = 0.075
-ALIGN_BYTES = 16  # as hybrid.zero.engine.ALIGN_BYTES
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 FP32 = 4
 
@@ -284,67 +287,33 @@ class MemoryPrediction:
                 "total": self.total}
 
 
-@dataclass(frozen=True)
-class ModelUnits:
-    """What the engine's unit rules read of a model: the trainable parameters' element counts in
-    ``named_parameters`` order (each parameter once), and the parameter indices of each stage-3 unit."""
-
-    numels: tuple
-    stage3_units: tuple
-
-    @classmethod
-    def from_lists(cls, units) -> "ModelUnits":
-        """``[[numel, ...], ...]``: the parameters in order, each inner list one stage-3 unit."""
-        numels, groups, start = [], [], 0
-        for own in units:
-            numels += [int(n) for n in own]
-            groups.append(tuple(range(start, start + len(own))))
-            start += len(own)
-        return cls(tuple(numels), tuple(groups))
-
-
-def model_units(module, tp: int = 1, stage3_unit="auto") -> ModelUnits:
-    """``ModelUnits`` of ``module`` (a model on the meta device is enough) under the stage-3 unit policy
-    ``stage3_unit`` (``hybrid.zero.units``), exactly as the engine plans it. With ``tp`` > 1 on a full
-    (single-process) model, the tensor-parallel parameters count ``numel / tp``: one TP rank's share."""
-    from hybrid.weights.attrs import tensor_parallel_dim
-    from hybrid.zero.units import plan_units
-
-    params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields tied ones once
-    index = {id(p): i for i, p in enumerate(params)}
-    numels = tuple(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel() for p in params)
-    plans = plan_units(module, stage3_unit, index)
-    return ModelUnits(numels, tuple(tuple(plan.params) for plan in plans))
-
-
 def _as_units(units) -> ModelUnits:
     return units if isinstance(units, ModelUnits) else ModelUnits.from_lists(units)
 
 
 def unit_layout(units, stage: int, dp: int, precision: str = DEFAULT_PRECISION,
-                reduce_bucket_size: int = 500_000_000, param_persistence_threshold: int = 100_000):
+                reduce_bucket_size: int = ZeroConfig.reduce_bucket_size,
+                param_persistence_threshold: int = ZeroConfig.param_persistence_threshold):
     """``(FlatLayout, persistent unit indices)`` exactly as the engine builds it for this stage
-    (``hybrid.zero.partition.unit_groups``); ``units`` is a ``ModelUnits`` or a list of per-unit numel lists."""
-    from hybrid.zero.partition import build_layout, unit_groups
-
+    (``hybrid.plan.layout.stage_layout``); ``units`` is a ``ModelUnits`` or a list of per-unit numel lists."""
     units = _as_units(units)
-    align = max(1, ALIGN_BYTES // DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)])
-    groups, _, persistent = unit_groups(list(units.numels), [list(u) for u in units.stage3_units] if stage >= 3
-                                        else None, reduce_bucket_size, param_persistence_threshold, align)
-    return build_layout(list(units.numels), groups, dp if stage >= 1 else 1, align), persistent
+    align = align_elements(DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)])
+    layout, _, persistent = stage_layout(list(units.numels), [list(u) for u in units.stage3_units],
+                                         policy_for(v.stage("stage", stage)), dp, align, reduce_bucket_size,
+                                         param_persistence_threshold)
+    return layout, persistent
 
 
 def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISION, *,
                    activations: float = 0, zero=None,
                    runtime_reserve: float = 0, device: str = "cuda") -> MemoryPrediction:
     """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks for a model whose trainable
-    parameters are ``units`` (``model_units``, made with the ``stage3_unit`` of ``zero``); ``zero`` is a ``hybrid.config.ZeroConfig``
-    (default sizes when None), ``activations`` the bytes of ``gpt_activation_bytes``; ``device`` "cpu"
-    predicts the peak RSS growth instead of the CUDA allocator's peak."""
-    from hybrid.config.training import ZeroConfig
-
+    parameters are ``units`` (``hybrid.zero.units.model_units``, made with the ``stage3_unit`` of ``zero``);
+    ``zero`` is a ``hybrid.config.ZeroConfig`` (default sizes when None), ``activations`` the bytes of
+    ``gpt_activation_bytes``; ``device`` "cpu" predicts the peak RSS growth instead of the CUDA allocator's
+    peak."""
     zero = zero or ZeroConfig()
-    v.stage("stage", stage)
+    policy = policy_for(v.stage("stage", stage))
     dp = _positive_int(dp, "dp")
     param_numels = _as_units(units).numels
     layout, persistent = unit_layout(units, stage, dp, precision, zero.reduce_bucket_size,
@@ -353,21 +322,20 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
     grad_item = DTYPE_BYTES[zero.reduce_dtype or precision]  # gradients and their buckets
     shard, full = layout.shard_numel, layout.full_numel
     units = [u.numel for u in layout.units]
-    if stage >= 3:
-        kept = sum(units[u] for u in persistent)
-        params = (shard + kept) * item
+    if policy.kept_gathered == "persistent":  # the shard, and the persistent unit gathered
+        params = (shard + sum(units[u] for u in persistent)) * item
     else:
         params = full * item
-    grads = (shard if stage >= 2 else full) * grad_item
+    grads = (shard if policy.shard_grads else full) * grad_item
     master = 0 if precision == "fp32" else shard * FP32
     optimizer = master + 2 * shard * FP32
 
     buckets = first_bucket = gathered = running_unit = 0
-    if stage >= 2:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
+    if policy.bucket_buffers:  # unit-sized buckets wait for their reduce-scatter, up to reduce_bucket_size elements
         buckets = _waiting_buckets(units, zero.reduce_bucket_size) * grad_item
         first_bucket = min(max(units), max(param_numels, default=0)) if device == "cpu" else max(units)
         first_bucket *= grad_item
-    if stage >= 3:
+    if policy.shard_params:  # units gathered around forward and backward
         others = sorted((n for u, n in enumerate(units) if u not in persistent), reverse=True)
         if others:
             prefetched, budget = 0, zero.prefetch_bucket_size
@@ -377,14 +345,10 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
                 budget -= n
                 prefetched += n
             gathered, running_unit = (others[0] + prefetched) * item, others[0] * item
-    from hybrid.zero.optimizer import batch_numel
-
     piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
     transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
     comm_buffers = 0
     if device == "cpu":
-        from hybrid.zero.buckets import kept_bucket_numel
-
         comm_buffers = _cpu_comm_bytes(units, dp, stage, item, grad_item) + kept_bucket_numel(units, stage) * grad_item
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(gathered), int(running_unit), int(buckets),
                             int(first_bucket),
@@ -394,10 +358,8 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
 def _cpu_comm_bytes(units: list, dp: int, stage: int, item: int, grad_item: int) -> int:
     """Bytes ``hybrid.comm`` keeps for the collectives of ``units`` on CPU: gloo's exchange buffers where the
     DP ranks are on different hosts; where they share one, those of the collectives below ``SHM_MIN_BYTES``
-    plus the shared-memory pages of the larger ones (``hybrid.comm.shm``). The larger of the two."""
-    from hybrid.comm.collectives import SHM_MIN_BYTES, exchange_numel
-    from hybrid.comm.shm import resident_bytes
-
+    plus the shared-memory pages of the larger ones (``hybrid.comm.shm``), both as ``hybrid.plan.layout``
+    sizes them. The larger of the two."""
     if dp <= 1:
         return 0
     across_hosts = exchange_numel(units, dp, stage) * grad_item

@@ -36,6 +36,7 @@ from fractions import Fraction
 from typing import Optional
 
 from hybrid.config import validate as v
+from hybrid.config.stage_policy import policy_for
 from hybrid.errors import ConfigError, PlanError
 from hybrid.plan.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, host_bytes_per_param, offload_bytes
 from hybrid.config.units import human_bytes as _gb
@@ -52,6 +53,8 @@ ROW_AC = "does not fit even with ZeRO-3: ZeRO-3 with activation checkpointing (b
 ROW_OFFLOAD = "too large even for ZeRO-3: ZeRO-3 with CPU offload of optimizer states"
 ROW_OFFLOAD_AC = ROW_OFFLOAD + " and activation checkpointing"
 _ROW_FOR_STAGE = {1: ROW_STAGE1, 2: ROW_STAGE2, 3: ROW_STAGE3}
+# The stages that shard the optimizer states, so can offload them (stage 0 keeps them whole on every rank).
+OFFLOAD_STAGES = tuple(s for s in STAGES if policy_for(s).shard_optimizer)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def check_lever(path: str, value) -> Optional[bool]:
 def check_offload_stage(offload: Optional[bool], stage: Optional[int], offload_path: str = "offload",
                         stage_path: str = "zero stage") -> None:
     """Offload forced on with stage 0 forced is refused: stage 0 keeps every optimizer state on every rank."""
-    if offload and stage == 0:
+    if offload and stage is not None and not policy_for(stage).shard_optimizer:
         raise ConfigError(f"{offload_path} is true but {stage_path} is 0: offloading moves each rank's shard of "
                           f"the optimizer states to the host, and stage 0 shards nothing; use stage 1, 2 or 3, or set "
                           f"{offload_path} to auto or false.")
@@ -319,18 +322,18 @@ def choose_stage(
             return plan(first[1], f"{ROW_STANDARD_DP}{ac_text}: stage 1 has the same traffic as DP and less memory "
                                   f"({_gb(first[1].device_bytes)} instead of {_gb(first[0].device_bytes)} of "
                                   f"{budget})")
-        for stage in (1, 2, 3):
-            if first[stage].fits:
-                return plan(first[stage], f"{_ROW_FOR_STAGE[stage]}{ac_text}: stage {stage - 1} needs "
-                                          f"{_gb(first[stage - 1].device_bytes)}, stage {stage} "
-                                          f"{_gb(first[stage].device_bytes)} of {budget}")
+        for s in STAGES[1:]:  # the lowest that fits, each said beside the one below it
+            if first[s].fits:
+                return plan(first[s], f"{_ROW_FOR_STAGE[s]}{ac_text}: stage {s - 1} needs "
+                                      f"{_gb(first[s - 1].device_bytes)}, stage {s} "
+                                      f"{_gb(first[s].device_bytes)} of {budget}")
         if ac_lever:
             with_ac = attempt(3, True, False)
             if with_ac.fits:
                 return plan(with_ac, f"{ROW_AC}: stage 3 needs {_gb(first[3].device_bytes)}, "
                                      f"{_gb(with_ac.device_bytes)} with activation checkpointing, of {budget}")
     if offload is not False:
-        offloaded = [attempt(s, base_ac, True) for s in ((1, 2, 3) if offload else (3,))]
+        offloaded = [attempt(s, base_ac, True) for s in (OFFLOAD_STAGES if offload else STAGES[-1:])]
         if ac_lever:
             offloaded.append(attempt(3, True, True))
         for o in offloaded:
@@ -375,7 +378,7 @@ def _forced(stage, offload, ac_lever, base_ac, attempt, plan, budget, host_usabl
         candidates.append((stage, base_ac, False))
         if ac_lever:
             candidates.append((stage, True, False))
-    if offload is not False and stage >= 1:
+    if offload is not False and policy_for(stage).shard_optimizer:
         candidates.append((stage, base_ac, True))
         if ac_lever:
             candidates.append((stage, True, True))

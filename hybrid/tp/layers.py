@@ -63,6 +63,11 @@ class TensorParallelModule(nn.Module):
         self.tp_rank, self.tp = tp_rank_size(tp_comm)
         self.init_std = init_std
 
+    def tp_split(self) -> tuple[int, Optional[Comm]]:
+        """``(TP degree, TP comm)`` this layer's parameters are split over: what the ZeRO engine reads of a
+        TP layer (``hybrid.zero.tp_interface.SplitOverTP``)."""
+        return self.tp, self.tp_comm
+
     def _maybe_init(self, seed) -> None:
         set_initializer(self.weight, Normal(std=self.init_std))
         if getattr(self, "bias", None) is not None:

@@ -2,8 +2,9 @@
 
 A parameter marked with ``hybrid.weights.attrs.mark_tensor_parallel(p, dim)`` holds, on TP rank ``r`` of
 ``t``, the ``r``-th of ``t`` equal contiguous chunks of the full tensor along ``dim``. Everything here is
-that one rule: slicing a full tensor, the full shape of a slice, gathering slices back (checkpoints,
-tests), and the seeded initialization (``init_param_``, from ``hybrid.weights.init``) that makes a TP model
+that one rule: slicing a full tensor, gathering a state dict's slices back (checkpoints, tests; the full
+shape of a slice and the gather of one tensor, ``gather_tp_tensor``, live with the marks, where the ZeRO
+engine reads them), and the seeded initialization (``init_param_``, from ``hybrid.weights.init``) that makes a TP model
 built with seed S hold exactly the slices of the single-process model built with seed S.
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
-from hybrid.weights.attrs import full_shape, tensor_parallel_dim
+from hybrid.weights.attrs import full_shape, gather_tp_tensor, tensor_parallel_dim
 
 
 def tp_rank_size(comm: Optional[Comm]) -> tuple[int, int]:
@@ -38,16 +39,6 @@ def tp_slice(full: torch.Tensor, dim: Optional[int], rank: int, tp: int) -> torc
     if full.shape[dim] % tp:
         raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into {tp} TP slices")
     return full.chunk(tp, dim=dim)[rank]
-
-
-def gather_tp_tensor(local: torch.Tensor, dim: int, comm: Optional[Comm]) -> torch.Tensor:
-    """All-gather TP slices along ``dim`` into the full tensor (collective over the TP group)."""
-    if comm is None or comm.size == 1:
-        return local.clone()
-    local = local.contiguous()
-    flat = torch.empty(comm.size * local.numel(), dtype=local.dtype, device=local.device)
-    comm.all_gather(flat, local.view(-1))
-    return torch.cat(flat.view(comm.size, *local.shape).unbind(0), dim=dim)
 
 
 def tp_dims(model: torch.nn.Module) -> dict[str, Optional[int]]:

@@ -4,6 +4,10 @@ A parameter is *tensor-parallel* when each TP rank holds a different slice of it
 weights, vocab-parallel embeddings). Every other parameter (layer norms, row-parallel biases, position
 embeddings) is *replicated* across the TP group: identical on every TP rank. The global gradient norm
 must sum a TP-sharded parameter's squares over the TP group, but count a replicated one once.
+
+On TP rank ``r`` of ``t`` a marked parameter holds the ``r``-th of ``t`` equal contiguous chunks of the full
+tensor along its dimension: ``full_shape`` is the full tensor's shape, ``gather_tp_tensor`` its values (a
+collective over the TP group).
 """
 
 from __future__ import annotations
@@ -40,3 +44,14 @@ def full_shape(param: torch.Tensor, tp: int) -> torch.Size:
     if dim is not None:
         shape[dim] *= tp
     return torch.Size(shape)
+
+
+def gather_tp_tensor(local: torch.Tensor, dim: int, comm) -> torch.Tensor:
+    """The full tensor from every TP rank's slice ``local`` along ``dim``: an all-gather over ``comm`` (a
+    ``hybrid.comm.Comm`` of the TP group; None or a group of one: a copy of ``local``), on every TP rank."""
+    if comm is None or comm.size == 1:
+        return local.clone()
+    local = local.contiguous()
+    flat = torch.empty(comm.size * local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(flat, local.view(-1))
+    return torch.cat(flat.view(comm.size, *local.shape).unbind(0), dim=dim)

@@ -1,6 +1,6 @@
 """Gradient buckets: each unit's gradients are reduced across the DP group during backward, in one order.
 
-A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind of gradient storage:
+A unit of the layout (``hybrid.plan.layout``) is one bucket. Three modes, one per kind of gradient storage:
 
 * ``all_reduce`` (stage 0): the full flat gradient buffer. At an accumulation boundary each unit is
   all-reduced (averaged) in place.
@@ -17,7 +17,8 @@ A unit of the layout (``partition.py``) is one bucket. Three modes, one per kind
   buffer (unit length; slots that got no gradient are zeroed at launch) and drops it; the full bucket is
   reduce-scattered in place and this rank's part added into the persistent gradient shard; on CPU reduced
   buckets are kept for the next backward (a ``BufferPool`` of ``KEEP_BUCKET_NUMEL`` elements, in use and
-  kept). This runs at every micro-step, so only the shard (plus buckets in flight and kept) is ever held.
+  kept; ``hybrid.plan.layout.kept_bucket_numel`` bounds it). This runs at every micro-step, so only the
+  shard (plus buckets in flight and kept) is ever held.
 
 When the gradient buffers are in another dtype than the parameters (``zero.reduce_dtype: fp32`` for a bf16
 model), autograd cannot accumulate into them: in the first two modes the post-accumulate hook adds each
@@ -49,24 +50,9 @@ from hybrid.comm.buffer_pool import BufferPool
 from hybrid.comm.collectives import Comm
 from hybrid.errors import UsageError, first_line
 from hybrid.zero.params import SAME_MODULES
-from hybrid.zero.partition import FlatLayout
+from hybrid.plan.layout import KEEP_BUCKET_NUMEL, FlatLayout
 
 MODES = ("all_reduce", "scatter_full", "scatter_shard")
-KEEP_BUCKET_NUMEL = 1 << 22  # CPU, stages 2-3: elements of buckets in use and kept for the next backward
-
-
-def kept_bucket_numel(unit_numels, stage: int) -> int:
-    """Elements of buckets a CPU rank keeps between backward passes at ``stage`` (pure; for the memory
-    model): at stages 2-3 units reduce one after another, so their buckets are kept smallest-first until
-    ``KEEP_BUCKET_NUMEL`` -- an upper bound on what the bucket pool keeps."""
-    if stage < 2:
-        return 0
-    kept = 0
-    for n in sorted(unit_numels):
-        if kept + n > KEEP_BUCKET_NUMEL:
-            break
-        kept += n
-    return kept
 
 
 class GradReducer:

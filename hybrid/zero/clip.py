@@ -22,6 +22,7 @@ import torch
 
 from hybrid.comm.collectives import Comm
 from hybrid.errors import NonFiniteError
+from hybrid.plan.layout import CONVERT_NUMEL
 
 
 def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm], chunk: int,
@@ -47,7 +48,7 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
 def _norms(pieces: list, scratch) -> list:
     """fp32 2-norms of ``pieces``: fp32 ones in one ``torch._foreach_norm``; others converted a bounded
     chunk at a time into the reused fp32 scratch (a norm with ``dtype=float32`` would upcast a whole copy)."""
-    from hybrid.zero.optimizer import CONVERT_NUMEL, Fp32Scratch
+    from hybrid.zero.optimizer import Fp32Scratch
 
     fp32 = [p for p in pieces if p.dtype == torch.float32]
     out = list(torch._foreach_norm(fp32, 2)) if fp32 else []

@@ -1,11 +1,13 @@
 """ZeroEngine: ZeRO stages 0-3 on a data-parallel group, as policies over shared pieces.
 
-The pieces: a flat layout of the trainable parameters cut into units (``partition``), the rank's flat
-buffers with the parameters re-bound as views (``state``), gradient buckets reduced during backward
+The pieces: a flat layout of the trainable parameters cut into units (``hybrid.plan.layout``), the rank's
+flat buffers with the parameters re-bound as views (``state``), gradient buckets reduced during backward
 (``buckets``), parameter gathering (``params``), the optimizer on the fp32 shard (``optimizer``: any
 elementwise ``torch.optim`` class, parameter groups from ``param_groups``, the learning rate of each step
-from ``hybrid.config.schedule``) and the global gradient norm (``clip``). A stage only chooses which buffers are
-sharded and which collective moves them:
+from ``hybrid.config.schedule``) and the global gradient norm (``clip``). What the engine refuses and notes
+is in ``checks``, DeepSpeed's names for its methods in ``deepspeed_api``, what it reads of tensor
+parallelism in ``tp_interface``. A stage only chooses which buffers are sharded and which collective moves
+them (``hybrid.config.stage_policy``):
 
 * stage 0: units are buckets of ``reduce_bucket_size``; each is all-reduced in backward (2Ψ per step).
 * stage 1: the same buckets are reduce-scattered in backward (Ψ); after the step every rank all-gathers
@@ -73,41 +75,35 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from hybrid.config import validate as v
 from hybrid.comm.collectives import Comm
-from hybrid.errors import ConfigError, LossError, UsageError, listing
+from hybrid.errors import ConfigError, UsageError
 from hybrid.config.training import TrainConfig
-from hybrid.plan.cpu_bf16 import slow_bf16_note
+from hybrid.config.schedule import lr_at
+from hybrid.config.stage_policy import policy_for
+from hybrid.plan.layout import align_elements, stage_layout
 from hybrid.weights.sources import ValueSources, has_meta
-from hybrid.weights.attrs import is_tensor_parallel, tensor_parallel_dim
+from hybrid.weights.attrs import gather_tp_tensor, is_tensor_parallel, tensor_parallel_dim
+from hybrid.weights.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
+from hybrid.zero import checks
 from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
-from hybrid.config.schedule import lr_at
-from hybrid.weights.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
-from hybrid.tp.layers import TensorParallelModule
-from hybrid.tp.sharding import gather_tp_tensor
+from hybrid.zero.deepspeed_api import DeepSpeedNames
 from hybrid.zero.optimizer import FlatOptimizer
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
-from hybrid.zero.params import ParamGatherer, all_gather_units, wears_released_class
-from hybrid.zero.partition import build_layout, unit_groups
-from hybrid.config.stage_policy import policy_for
+from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.units import plan_units
 from hybrid.zero.state import FlatState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ALIGN_BYTES = 16
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,7 +126,7 @@ class ShardView:
         return self.states["exp_avg_sq"]
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedNames):
     def __init__(self, module: nn.Module, config: TrainConfig, dp_group=None, tp_group=None, *, seed: int = 0,
                  init_fn=None, weights=None, device=None):
         self.module, self.config = module, config
@@ -144,19 +140,19 @@ class ZeroEngine:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
-        _refuse_complex(named)
-        _note_cast(module, self.dtype)
+        checks.refuse_complex(named)
+        checks.note_cast(module, self.dtype)
         model_dtypes = {p.dtype for _, p in named if p.is_floating_point()}
-        _refuse_sparse_gradients(module)
-        _refuse_compiled_at_stage3(module, self.stage)
-        _refuse_model_of_a_stage3_engine(module)
-        _check_tp_degree(module, self.tp_comm)
+        checks.refuse_sparse_gradients(module)
+        checks.refuse_compiled_with_unit_hooks(module, self.policy)
+        checks.refuse_model_of_a_stage3_engine(module)
+        checks.check_tp_degree(module, self.tp_comm)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = resolve_device(self.params, device)
-        _note_slow_bf16(self.device, self.dtype)
+        checks.note_slow_bf16(self.device, self.dtype)
         tp_rank, tp = (self.tp_comm.rank, self.tp_comm.size) if self.tp_comm is not None else (0, 1)
         # Weights are checked (names, shapes) before anything is allocated.
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
@@ -164,10 +160,7 @@ class ZeroEngine:
         try:
             if sources.weights is None:  # a tensor built off meta is taken as it is: DP rank 0's on every rank
                 self._broadcast_from_rank0()
-            numels = [p.numel() for p in self.params]
-            align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
-            groups, order, persistent = self._units(numels, align)
-            self.layout = build_layout(numels, groups, self.policy.n_shards(self.dp_comm.size), align)
+            self.layout, order, persistent = self._layout()
             offload = zero.offload_optimizer
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
@@ -191,7 +184,7 @@ class ZeroEngine:
             self.gatherer = ParamGatherer(self.dp_comm, self.layout, self.state.unit_full,
                                           self.state.unit_param_shard, persistent, self._module_units(persistent),
                                           zero.prefetch_bucket_size, views,
-                                          names={id(p): n for p, n in zip(self.params, self.names)})
+                                          names={id(p): n for p, n in zip(self.params, self.names)}, owner=self)
         self.reducer = GradReducer(
             self.dp_comm, self.layout, self.params, self.policy.grad_mode, order, flat_grad=self.state.flat_grad,
             grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
@@ -230,14 +223,16 @@ class ZeroEngine:
             if not t.is_meta:
                 self.dp_comm.broadcast(t.data)
 
-    def _units(self, numels: list, align: int) -> tuple:
-        """(groups of param indices, reduce order of units, persistent unit indices) for this stage."""
+    def _layout(self) -> tuple:
+        """(FlatLayout, reduce order of units, persistent unit indices) for this stage."""
         zero = self.config.zero
         unit_params = None
         if self.policy.module_units:
             self._unit_plans = plan_units(self.module, zero.stage3_unit, self._index)
             unit_params = [plan.params for plan in self._unit_plans]
-        return unit_groups(numels, unit_params, zero.reduce_bucket_size, zero.param_persistence_threshold, align)
+        align = align_elements(torch.empty((), dtype=self.dtype).element_size())
+        return stage_layout([p.numel() for p in self.params], unit_params, self.policy, self.dp_comm.size, align,
+                            zero.reduce_bucket_size, zero.param_persistence_threshold)
 
     def _module_units(self, persistent: set) -> dict:
         """Unit root -> the non-persistent units holding the parameters registered in its domain."""
@@ -309,8 +304,8 @@ class ZeroEngine:
         if self._awaiting_step:
             raise UsageError("engine.backward() was called twice without engine.step(); call step() after "
                              "every backward (it only steps the optimizer at accumulation boundaries)")
-        _check_loss(loss)  # before the state changes: a corrected call must still work
-        _check_trainable_unchanged(self.names, self.params, self._frozen)
+        checks.check_loss(loss)  # before the state changes: a corrected call must still work
+        checks.check_trainable_unchanged(self.names, self.params, self._frozen)
         accum = self.config.gradient_accumulation_steps
         boundary = (self.micro_steps + 1) % accum == 0
         self.reducer.begin(reduce=boundary)
@@ -524,29 +519,6 @@ class ZeroEngine:
             return local.cpu().clone()
         return gather_tp_tensor(local, dim, self.tp_comm).cpu()
 
-    # -- DeepSpeed's engine names, for scripts written against deepspeed.initialize ------------------------
-    def train(self, mode: bool = True) -> "ZeroEngine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "ZeroEngine":
-        return self.train(False)
-
-    def get_lr(self) -> list:
-        """The rate of every parameter group (``lr`` times the group's ``lr_scale``)."""
-        return [self.lr * g.lr_scale for g in self.groups]
-
-    def get_global_grad_norm(self):
-        return self.last_grad_norm
-
-    @property
-    def global_steps(self) -> int:
-        return self.global_step
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step's ``step()`` will step the optimizer."""
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
     def unsaved_gradients(self) -> Optional[str]:
         """What a checkpoint taken now would lose, or None: a checkpoint holds no gradients, so between a
         backward and its step, or inside an accumulation window, the gradients gathered so far."""
@@ -557,27 +529,6 @@ class ZeroEngine:
             return (f"{into} of the {self.config.gradient_accumulation_steps} micro-steps of this optimizer step "
                     "(gradient_accumulation_steps) have run, so their gradients are accumulated but not applied")
         return None
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
-        """``hybrid.checkpoint.save(save_dir, engine, global_step, extra=client_state)`` (a collective); the
-        checkpoint is ``save_dir/checkpoints/step-N``, so a ``tag`` other than None is refused."""
-        from hybrid import checkpoint
-
-        if tag is not None:
-            raise ConfigError(f"save_checkpoint(tag={tag!r}): hybrid names checkpoints by step "
-                              f"(step-{self.global_step:06d}); leave tag out")
-        return str(checkpoint.save(save_dir, self, self.global_step, extra=client_state))
-
-    def load_checkpoint(self, load_dir, tag=None) -> tuple:
-        """``hybrid.checkpoint.load`` (a collective): ``(path loaded, client_state)``; ``load_dir`` is a run
-        directory (its latest complete checkpoint) or one checkpoint directory."""
-        from hybrid import checkpoint
-
-        if tag is not None:
-            raise ConfigError(f"load_checkpoint(tag={tag!r}): give the checkpoint directory itself as load_dir "
-                              "(e.g. RUN/checkpoints/step-000100) and leave tag out")
-        resumed = checkpoint.load(load_dir, self)
-        return str(resumed.path), resumed.extra
 
     # -- reports --------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
@@ -632,120 +583,3 @@ class ZeroEngine:
         self.dp_comm.reset()
         if self.gatherer is not None:
             self.gatherer.counts.clear()
-
-
-def _check_tp_degree(module: nn.Module, tp_comm: Optional[Comm]) -> None:
-    """The model's TP layers must be split over the ``tp_group`` the engine got -- the same ranks, not only as
-    many: with another group the gradient norm, the TP-replicated parameters and the checkpoint's slices would
-    all silently go wrong (a model built over ``mesh.tp_comm`` with ``tp_group=mesh.dp_group`` trained on)."""
-    tp = tp_comm.size if tp_comm is not None else 1
-    fix = ("build the model with tp_comm=mesh.tp_comm (ctx.mesh.tp_comm under hybrid launch) and pass "
-           "tp_group=mesh.tp_group, both of one mesh")
-    for name, sub in module.named_modules():
-        if not isinstance(sub, TensorParallelModule):
-            continue
-        if sub.tp != tp:
-            given = "no tp_group (or one of size 1)" if tp == 1 else f"a tp_group of size {tp}"
-            raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over a TP group of size "
-                              f"{sub.tp}, but hybrid.initialize got {given}: {fix}")
-        if tp > 1 and _ranks_of(sub.tp_comm) != _ranks_of(tp_comm):
-            raise ConfigError(f"{name or 'the model'} is a {type(sub).__name__} split over the ranks "
-                              f"{list(_ranks_of(sub.tp_comm))}, but hybrid.initialize got a tp_group of the ranks "
-                              f"{list(_ranks_of(tp_comm))}: {fix}")
-    if tp > 1 and not any(is_tensor_parallel(p) for p in module.parameters()):
-        raise ConfigError(f"hybrid.initialize got a tp_group of size {tp}, but the model has no tensor-parallel "
-                          "parameters (hybrid.tp layers or mark_tensor_parallel), so every TP rank would train the "
-                          "whole model: pass tp_group=None, build the model from hybrid.tp layers, or split it by a "
-                          "TP plan first (ctx.parallelize(model), hybrid.tp.apply_plan)")
-
-
-def _ranks_of(comm: Optional[Comm]) -> tuple:
-    """The global ranks of ``comm``'s group (the default group for None)."""
-    group = comm.group if comm is not None and comm.group is not None else dist.group.WORLD
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def _check_trainable_unchanged(names, params, frozen) -> None:
-    """The trainable set is fixed at initialize: a parameter frozen afterwards would still be stepped with a
-    zero gradient (Adam momentum and weight decay keep moving it), silently unlike torch's optimizers, and one
-    unfrozen afterwards would never be stepped (its gradient neither reduced nor applied)."""
-    changed = [n for n, p in zip(names, params) if not p.requires_grad]
-    if changed:
-        raise UsageError(f"{_subject(changed)} frozen after hybrid.initialize; the engine would keep updating "
-                         f"{'them' if len(changed) > 1 else 'it'}. Freeze parameters (requires_grad_(False)) "
-                         "before hybrid.initialize")
-    changed = [n for n, p in frozen if p.requires_grad]
-    if changed:
-        raise UsageError(f"{_subject(changed)} unfrozen after hybrid.initialize; the engine would never update "
-                         f"{'them' if len(changed) > 1 else 'it'}. Set requires_grad before hybrid.initialize "
-                         "(to unfreeze mid-training, save a checkpoint and initialize a new engine)")
-
-
-def _subject(names: list) -> str:
-    return f"{len(names)} parameter(s) ({listing(names, 3)}) {'were' if len(names) > 1 else 'was'}"
-
-
-def _note_cast(module: nn.Module, dtype: torch.dtype) -> None:
-    """The module runs in the config's precision (fp32 masters either way): say so (once, on the first rank)
-    where the model was built in a third dtype, whose inputs the user may still be making in it."""
-    odd = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters()
-                  if p.is_floating_point() and p.dtype not in (torch.float32, dtype)})
-    if odd and (not dist.is_initialized() or dist.get_rank() == 0):
-        name = str(dtype).replace("torch.", "")
-        log.warning("the model's parameters are %s; hybrid runs the module in %s, the config's precision "
-                    "(bf16: {\"enabled\": true} selects bf16), so give it %s inputs", " and ".join(odd), name, name)
-
-
-def _note_slow_bf16(device: torch.device, dtype: torch.dtype) -> None:
-    """bf16 on a CPU without native bf16 matmul is ~100x slower than fp32: say so (once, on the first rank)."""
-    if dtype == torch.bfloat16 and (not dist.is_initialized() or dist.get_rank() == 0):
-        note = slow_bf16_note(device)
-        if note is not None:
-            log.warning("%s", note)
-
-
-def _refuse_complex(named) -> None:
-    """Complex parameters would be stored as real numbers (their imaginary part dropped)."""
-    bad = [n for n, p in named if p.is_complex()]
-    if bad:
-        raise ConfigError(f"{_subject(bad)} complex; hybrid trains real floating-point parameters, and would drop "
-                          "the imaginary part: keep each as a real parameter of torch.view_as_real's shape and "
-                          "torch.view_as_complex it in the forward")
-
-
-def _refuse_model_of_a_stage3_engine(module: nn.Module) -> None:
-    """A model a stage-3 engine holds has its parameters sharded there (released between forwards) and that
-    engine's hooks on its modules: a second engine cannot take it over."""
-    if any(wears_released_class(p) for p in module.parameters()):
-        raise UsageError("this model is already initialized by a ZeRO stage-3 engine, which holds its parameters "
-                         "in shards; build a new model to initialize again (or keep training with that engine)")
-
-
-def _refuse_compiled_at_stage3(module: nn.Module, stage: int) -> None:
-    """Stage 3 hooks every unit root; inside a graph ``torch.compile`` traced before they existed, dynamo
-    fails on them with an internal error."""
-    if stage == 3 and hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
-        raise ConfigError("hybrid.initialize got a torch.compile'd model at ZeRO stage 3, whose unit hooks a "
-                          "compiled graph cannot take: pass the plain model and compile engine.module (or its "
-                          "blocks) after hybrid.initialize")
-
-
-def _check_loss(loss) -> None:
-    """``engine.backward`` takes the one-element loss of a forward that recorded gradients."""
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
-        return
-    what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
-            else f"a tensor of shape {tuple(loss.shape)}" if loss.numel() != 1
-            else "a tensor that does not require grad (computed under torch.no_grad() or from frozen parameters?)")
-    raise LossError(f"engine.backward(loss) needs the scalar loss of a forward run with gradients, got {what}; "
-                    "pass output.loss for a Hugging Face output (with labels= given to the forward), or reduce "
-                    "the loss to one element (loss.mean())")
-
-
-def _refuse_sparse_gradients(module: nn.Module) -> None:
-    """The engine reduces dense gradients; an embedding with ``sparse=True`` would hand it sparse ones."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-            where = f"module {name!r}" if name else "the model"
-            raise ConfigError(f"{where} is an {type(sub).__name__} with sparse=True, whose gradients are sparse; "
-                              f"the ZeRO engine reduces dense gradients: build it with sparse=False")

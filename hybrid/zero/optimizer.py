@@ -1,14 +1,15 @@
 """Any elementwise ``torch.optim`` optimizer stepped over this rank's flat fp32 shard, in ``sub_group_size`` batches.
 
-The shard is a list of ``Piece``s: the part of one parameter this rank owns (``partition.owned_pieces``),
+The shard is a list of ``Piece``s: the part of one parameter this rank owns (``hybrid.plan.layout``'s ``owned_pieces``),
 as a view of the fp32 master, of the reduced gradient and, when the master is a separate copy (bf16, or
 offloaded), of the model-dtype parameter shard that receives the updated values. Pieces are packed in
 shard order into batches of at most ``sub_group_size`` elements (a larger piece is cut); each batch is one
 ``torch.optim`` instance whose parameter groups are the batch's pieces by ``param_groups.Group``, so one
 fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size and fp32
 gradients, all of a rank's pieces at once. Non-fp32 (bf16) gradients are converted into one reused fp32
-scratch buffer, so their batches are at most ``CONVERT_NUMEL`` elements: the only temporary is that scratch
-(clipping scales the reduced gradient in place: it is zeroed after the step anyway).
+scratch buffer, so their batches are at most ``CONVERT_NUMEL`` elements (``hybrid.plan.layout.batch_numel``):
+the only temporary is that scratch (clipping scales the reduced gradient in place: it is zeroed after the
+step anyway).
 
 The optimizer's per-element state (``exp_avg`` and ``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD,
 whatever an elementwise class keeps: found by stepping it once on a 2-element probe) lives in one flat
@@ -36,17 +37,7 @@ import torch
 
 from hybrid.config.training import OptimizerConfig
 from hybrid.errors import ConfigError
-from hybrid.zero.partition import bucket_groups
-
-# Elements of bf16 gradients converted to fp32 at a time (one reused 4 MB scratch): a few fused calls per
-# step instead of one, and no shard-sized fp32 copy. Fused AdamW over 4.3M elements took as long in 1M
-# chunks as in one 4M call (9.2 ms, one thread), so the smaller scratch costs no time.
-CONVERT_NUMEL = 1 << 20
-
-
-def batch_numel(sub_group_size: int, grad_is_fp32: bool) -> int:
-    """The most elements one optimizer batch steps at once (``hybrid.plan.memory`` counts its scratch)."""
-    return int(sub_group_size) if grad_is_fp32 else min(int(sub_group_size), CONVERT_NUMEL)
+from hybrid.plan.layout import batch_numel, bucket_groups
 
 
 class Fp32Scratch:

@@ -37,6 +37,15 @@ Which modules are unit roots and which units each reads is ``hybrid.zero.units``
   (held to the end of their backward); it neither releases, nor prefetches, nor changes the trace that
   prefetch follows, so a unit gathered for backward is gathered once.
 
+Phases (``Phase``, one explicit state): ``IDLE`` between calls, ``FORWARD`` from ``begin_forward`` to
+``end_forward`` (the engine's forward), ``BACKWARD`` from ``begin_backward`` to ``end_backward`` (the
+engine's backward; a forward in it is a recomputation). Only IDLE -> FORWARD -> IDLE and IDLE -> BACKWARD ->
+IDLE are allowed; any other move is a bug in the engine and raises ``GathererStateError``.
+
+``torch.autograd.Function.apply`` is patched for the process while a stage-3 engine lives
+(``FUNCTION_APPLY``): every ``ParamGatherer`` holds the patch for its owner's life (the engine that made it)
+and ``close()`` lets it go early; the first holder installs it, the last one gone puts back what was there.
+
 ``counts`` holds per-step-resettable tallies: ``gathers`` (all-gathers issued in forward and backward),
 ``prefetches`` (of those, the ones issued ahead of need) and ``on_demand``.
 
@@ -47,11 +56,13 @@ gather is a collective.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
+import threading
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import fields, is_dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -59,13 +70,31 @@ from torch.utils._pytree import tree_flatten
 
 from hybrid.comm.collectives import Comm
 from hybrid.errors import UsageError, first_line
-from hybrid.zero.partition import FlatLayout
+from hybrid.plan.layout import FlatLayout
 
 log = logging.getLogger(__name__)
 # what every stage-3 mismatch sentence ends with: the rule, and the ways out
 SAME_MODULES = ("at stage 3 every DP rank must call the same modules in the same order (run every MoE expert on "
                 "every rank, with no rows if none are routed to it), or use ZeRO stage 2")
 ORDER_MODULUS = (1 << 20) - 3  # h^2 summed over 1024 ranks stays an exact float64 integer
+
+
+class Phase(enum.Enum):
+    """Where the engine is, as the gatherer sees it."""
+
+    IDLE = "idle"          # between the engine's calls
+    FORWARD = "forward"    # inside the engine's forward
+    BACKWARD = "backward"  # inside engine.backward: a forward now is an activation-checkpoint recomputation
+
+
+# The moves the engine makes: a forward or a backward from IDLE, each back to IDLE.
+TRANSITIONS = {Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD}),
+               Phase.FORWARD: frozenset({Phase.IDLE}),
+               Phase.BACKWARD: frozenset({Phase.IDLE})}
+
+
+class GathererStateError(RuntimeError):
+    """An internal error: the engine moved its ``ParamGatherer`` between phases in an order it never should."""
 
 
 def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Callable, max_inflight_numel: int) -> None:
@@ -85,8 +114,12 @@ def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Calla
 
 class ParamGatherer:
     def __init__(self, comm: Comm, layout: FlatLayout, full: list, shard_of: Callable, persistent: set,
-                 module_units: dict, prefetch_numel: int, views: list, names: dict | None = None):
+                 module_units: dict, prefetch_numel: int, views: list, names: dict | None = None,
+                 owner: Optional[object] = None):
         self.comm, self.layout, self.full, self.shard_of = comm, layout, full, shard_of
+        # Function.apply gathers what a custom autograd Function reads, while ``owner`` (the engine) lives
+        self._apply_patch = FUNCTION_APPLY.hold(self if owner is None else owner)
+        self.phase = Phase.IDLE
         self._views = views  # unit -> [(parameter, its view of the unit's buffer)]
         self._empty = torch.empty(0, dtype=full[0].dtype, device=full[0].device)
         self.persistent = set(persistent)
@@ -96,7 +129,7 @@ class ParamGatherer:
         self._unit_of = {id(param): u for u, pairs in enumerate(views) if u not in self.persistent
                          for param, _ in pairs}
         self._ready: set = set(self.persistent)  # every other unit starts released (storage freed)
-        self._guarding = 0                # inside guard(): reads of parameters not in use gather them
+        self._guarding = False            # inside guard(): reads of parameters not in use gather them
         for u in range(len(layout.units)):
             if u not in self.persistent:
                 for param, _ in views[u]:
@@ -113,7 +146,6 @@ class ParamGatherer:
         self._returned: list = []         # roots in the order their forwards returned
         self._bwd_order: list = []        # the order the backward is expected to reach the roots
         self._cursor = 0                  # backward position in _bwd_order
-        self._backward = False            # inside engine.backward (a forward now is a recomputation)
         self._internal = 0                # inside our own hooks: the guard stays out of the way
         self._warned: set = set()
         self.counts: Counter = Counter()
@@ -137,6 +169,21 @@ class ParamGatherer:
                     seen.add(id(module))
                     module.register_state_dict_pre_hook(_refuse_saving_released)
                     module.register_load_state_dict_pre_hook(_refuse_loading_released)
+
+    # -- phase and lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of the ``Function.apply`` patch now rather than when the owner is collected (idempotent)."""
+        self._apply_patch()
+
+    def _move(self, start: Phase, to: Phase) -> None:
+        """Go from phase ``start`` to ``to``: ``GathererStateError`` unless the gatherer is in ``start`` and
+        ``TRANSITIONS`` allows the move (the phase is then left as it was)."""
+        if self.phase is not start or to not in TRANSITIONS[start]:
+            allowed = " or ".join(sorted(p.value for p in TRANSITIONS[self.phase]))
+            raise GathererStateError(f"internal error in the ZeRO stage-3 parameter gatherer: asked to go from "
+                                     f"{start.value} to {to.value} while in {self.phase.value}, from which it only "
+                                     f"goes to {allowed}")
+        self.phase = to
 
     # -- gather / release -----------------------------------------------------------------------------
     def _nbytes(self, u: int) -> int:
@@ -237,10 +284,12 @@ class ParamGatherer:
 
     # -- forward --------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
+        self._move(Phase.IDLE, Phase.FORWARD)
         self._prev_trace, self._trace, self._returned = self._trace, [], []
 
     def end_forward(self) -> None:
         """Release what was gathered (or prefetched) in forward and is not held for backward."""
+        self._move(Phase.FORWARD, Phase.IDLE)
         self._refs.clear()  # every module's forward has returned (or raised)
         self._forward_only.clear()
         for u in self.gathered_units():
@@ -252,12 +301,16 @@ class ParamGatherer:
     def guard(self):
         """Enter around the model's forward: reads of parameters outside their units gather them, and the
         parameters autograd saves gather their unit again when backward unpacks them."""
-        self._guarding += 1
+        if self.phase is not Phase.FORWARD or self._guarding:
+            raise GathererStateError(f"internal error in the ZeRO stage-3 parameter gatherer: guard() entered "
+                                     f"{'again' if self._guarding else 'in phase ' + self.phase.value}; it guards "
+                                     "one forward, between begin_forward and end_forward")
+        self._guarding = True
         try:
-            with _gathering_function_apply(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self._guarding -= 1
+            self._guarding = False
 
     def _pack(self, tensor):
         try:
@@ -302,7 +355,7 @@ class ParamGatherer:
         self._internal += 1
         try:
             units = self.module_units[module]
-            if self._backward:  # recomputation: gathered once for this backward, held to its end
+            if self.phase is Phase.BACKWARD:  # recomputation: gathered once for this backward, held to its end
                 for u in units:
                     self._in_backward.add(u)
                     self.issue(u)
@@ -322,7 +375,7 @@ class ParamGatherer:
             self._internal -= 1
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
-        if self._backward:
+        if self.phase is Phase.BACKWARD:
             return
         self._internal += 1
         try:
@@ -356,7 +409,7 @@ class ParamGatherer:
 
     # -- backward -------------------------------------------------------------------------------------
     def begin_backward(self) -> None:
-        self._backward = True
+        self._move(Phase.IDLE, Phase.BACKWARD)
 
     def _pre_backward(self, module: nn.Module) -> None:
         units = self.module_units[module]
@@ -379,7 +432,7 @@ class ParamGatherer:
             self.release(u)
 
     def end_backward(self) -> None:
-        self._backward = False
+        self._move(Phase.BACKWARD, Phase.IDLE)
         self._in_backward.clear()
         for u in self.gathered_units():
             if self._refs[u] == 0:
@@ -478,33 +531,68 @@ def _as_own_class(method: str):
 _DISABLED = torch.nn.Parameter.__torch_function__
 _RELEASED_CLASSES: dict = {}  # own class -> its released class
 _OWN_CLASS: dict = {}         # released class -> own class
-_apply_patched = 0
-_saved_apply = None
 
 
 def _gathering_apply(cls, *args, **kwargs):
-    """``Function.apply`` inside the engine's forward: a custom ``torch.autograd.Function`` (a fused kernel
-    given ``self.fc.weight``) does not dispatch ``__torch_function__``, so autograd would record a parameter
-    not in use with its released shape (0,) and backward would fail on its gradient: gather it first."""
+    """``Function.apply`` while a stage-3 engine lives: a custom ``torch.autograd.Function`` (a fused kernel
+    given ``self.fc.weight``) does not dispatch ``__torch_function__``, so inside an engine's forward autograd
+    would record a parameter not in use with its released shape (0,) and backward would fail on its gradient:
+    gather it first. Outside every engine's forward it only calls the original."""
     _gather_if_guarded((*args, *kwargs.values()))
-    return _saved_apply.__get__(None, cls)(*args, **kwargs)
+    return FUNCTION_APPLY.original.__get__(None, cls)(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _gathering_function_apply():
-    """``torch.autograd.Function.apply`` is ``_gathering_apply`` while any engine's forward runs (and only
-    then: a process-wide patch, counted for nested forwards; whatever was there is put back)."""
-    global _apply_patched, _saved_apply
-    if _apply_patched == 0:
-        _saved_apply = torch.autograd.Function.__dict__["apply"]
-        torch.autograd.Function.apply = classmethod(_gathering_apply)
-    _apply_patched += 1
-    try:
-        yield
-    finally:
-        _apply_patched -= 1
-        if _apply_patched == 0:
-            torch.autograd.Function.apply = _saved_apply
+class FunctionApplyPatch:
+    """``torch.autograd.Function.apply`` replaced by ``_gathering_apply`` for the process while it has holders.
+
+    ``hold(owner)`` adds a holder for ``owner``'s life: the first holder installs the patch, and the original
+    ``apply`` is put back when the last holder is gone -- each owner garbage-collected, or the finalizer that
+    ``hold`` returned called, whichever comes first (calling it again does nothing). Where something else
+    replaced ``apply`` on top of ours meanwhile, theirs is left in place and ours stays under it (with no
+    engine's forward guarding it only calls the original); later holders then hold it there rather than stack
+    a second one on top, until ``apply`` is the original again."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # a finalizer can run (garbage collection) inside hold() on this thread
+        self._holders = 0
+        self._patch = classmethod(_gathering_apply)
+        self._under_another = False  # the last holder left while another patch sat on top of ours
+        self.original = None         # what ``Function.__dict__["apply"]`` was before ours
+
+    @property
+    def installed(self) -> bool:
+        """Whether ``Function.apply`` is ours now."""
+        return torch.autograd.Function.__dict__.get("apply") is self._patch
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def hold(self, owner) -> weakref.finalize:
+        release = weakref.finalize(owner, self._drop)  # first: an owner that cannot be weakly referenced fails here
+        with self._lock:
+            first = self._holders == 0  # else ours is in place already (on top, or under another patch)
+            self._holders += 1
+            if first:
+                current = torch.autograd.Function.__dict__["apply"]
+                if current is self._patch or current is self.original:  # no other patch on top of ours (left)
+                    self._under_another = False
+                if not self._under_another and current is not self._patch:
+                    self.original = current
+                    torch.autograd.Function.apply = self._patch
+        return release
+
+    def _drop(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                if self.installed:
+                    torch.autograd.Function.apply = self.original
+                else:
+                    self._under_another = True
+
+
+FUNCTION_APPLY = FunctionApplyPatch()
 
 
 def _released_class(cls: type) -> type:

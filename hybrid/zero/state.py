@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from hybrid.zero.optimizer import Piece
-from hybrid.zero.partition import FlatLayout
+from hybrid.plan.layout import FlatLayout
 from hybrid.config.stage_policy import StagePolicy
 
 

@@ -14,6 +14,9 @@ The policy (``ZeroConfig.stage3_unit``) says which other modules are roots:
 * a callable ``(qualified_name, module) -> bool``: the modules it marks (the model is a root regardless); a
   marked ``ModuleList`` / ``ModuleDict`` stands for its children, as under ``"auto"``.
 
+``model_units(model, tp, policy)`` reads off a model what the memory model (``hybrid.plan.memory``) predicts
+from: the trainable parameters' element counts and each unit's parameter indices, as plain numbers.
+
 A parameter registered on several modules (tied weights) belongs to the unit of the domain where it is
 first seen (in ``named_modules`` order, as ``named_parameters`` counts it); every root whose domain also
 registers it reads that unit too (``reads``). A module registered at several places (shared by two
@@ -26,6 +29,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from torch import nn
+
+from hybrid.plan.layout import ModelUnits
+from hybrid.weights.attrs import tensor_parallel_dim
 
 Policy = Union[str, Callable[[str, nn.Module], bool]]
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -118,3 +124,14 @@ def plan_units(model: nn.Module, policy: Policy, index: dict) -> list:
                 plan.params.append(i)
     return [plans[id(m)] for _, m in roots]
 
+
+
+def model_units(module: nn.Module, tp: int = 1, stage3_unit: Policy = "auto") -> ModelUnits:
+    """``ModelUnits`` of ``module`` (a model on the meta device is enough) under the stage-3 unit policy
+    ``stage3_unit``, exactly as the engine plans it. With ``tp`` > 1 on a full (single-process) model, the
+    tensor-parallel parameters count ``numel / tp``: one TP rank's share."""
+    params = [p for p in module.parameters() if p.requires_grad]  # parameters() yields tied ones once
+    index = {id(p): i for i, p in enumerate(params)}
+    numels = tuple(p.numel() // tp if tp > 1 and tensor_parallel_dim(p) is not None else p.numel() for p in params)
+    plans = plan_units(module, stage3_unit, index)
+    return ModelUnits(numels, tuple(tuple(plan.params) for plan in plans))

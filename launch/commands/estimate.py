@@ -239,8 +239,9 @@ def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: 
 def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> tuple:
     """``(parameter count, {stage: hybrid.plan.memory.predict_memory})`` for the built-in GPT of this shape with these
     activation bytes (``_activations``' "gpt" figure), on GPUs (the default runtime reserve included)."""
-    from hybrid.plan.memory import DEFAULT_RUNTIME_RESERVE_GB, model_units, predict_memory
+    from hybrid.plan.memory import DEFAULT_RUNTIME_RESERVE_GB, predict_memory
     from hybrid.models.gpt.model import GPT
+    from hybrid.zero.units import model_units
 
     config = GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
                        n_heads=shape["heads"])

@@ -29,8 +29,9 @@ from typing import Optional
 
 from hybrid.errors import JobError
 from hybrid.plan.memory import (DEFAULT_CPU_RUNTIME_RESERVE_GB, DEFAULT_RUNTIME_RESERVE_GB, GB, MemoryPrediction,
-                           ModelUnits, gpt_activation_bytes, model_units, predict_memory)
+                           ModelUnits, gpt_activation_bytes, predict_memory)
 from hybrid.runtime.train import JobSettings
+from hybrid.zero.units import model_units
 from hybrid.config.units import human_bytes
 
 MAX_NODES_SEARCHED = 4096

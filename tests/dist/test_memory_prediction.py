@@ -18,7 +18,8 @@ import hybrid
 from hybrid.config.training import TrainConfig, ZeroConfig
 from hybrid.plan.cpu_bf16 import SLOW_FACTOR, bf16_matmul_slowdown
 from hybrid.runtime.local_launch import run_local
-from hybrid.plan.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, gpt_activation_bytes, model_units, predict_memory
+from hybrid.plan.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, gpt_activation_bytes, predict_memory
+from hybrid.zero.units import model_units
 from hybrid.plan.budget import MemoryMeter
 from hybrid.models.gpt.model import GPT, GPTConfig
 

@@ -25,10 +25,7 @@ import torch.distributed as dist
 import hybrid
 from hybrid.runtime.local_launch import run_local
 from hybrid.plan.memory import model_state_bytes
-from hybrid.comm.collectives import SHM_MIN_BYTES, exchange_numel
-from hybrid.comm.shm import region_bytes
-from hybrid.zero.buckets import kept_bucket_numel
-from hybrid.zero.optimizer import CONVERT_NUMEL
+from hybrid.plan.layout import CONVERT_NUMEL, SHM_MIN_BYTES, exchange_numel, kept_bucket_numel, region_bytes
 from tests.dist.zero_models import WideNet, batch, rank_rows
 
 pytestmark = pytest.mark.slow
@@ -119,7 +116,7 @@ def test_memory_and_traffic_per_stage():
                                                                        expected.optimizer), f"{case}: {mem}"
             assert mem["buffers"] == 0, f"{case}: {mem}"
             # Working buffers allocated at the first step and kept: bf16 gradients' fp32 scratch (norm and
-            # step), gloo's pairwise-exchange receive buffers (hybrid.comm.exchange_numel) and, at stages 2-3
+            # step), gloo's pairwise-exchange receive buffers (hybrid.plan.layout.exchange_numel) and, at stages 2-3
             # on CPU, reduced buckets kept for the next backward.
             owned = psi if stage == 0 else psi // 2  # the elements this rank's optimizer steps
             bound = (4 * min(owned, CONVERT_NUMEL) if precision == "bf16" else 0)

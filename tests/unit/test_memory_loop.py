@@ -10,7 +10,8 @@ import torch
 
 import hybrid
 from hybrid.config.training import TrainConfig, ZeroConfig
-from hybrid.plan.memory import gpt_activation_bytes, model_units, predict_memory, unit_layout
+from hybrid.plan.memory import gpt_activation_bytes, predict_memory, unit_layout
+from hybrid.zero.units import model_units
 from hybrid.plan.budget import MemoryMeter, OutOfMemoryError, near_oom, should_measure
 from hybrid.models.gpt.model import GPT, GPTConfig
 from hybrid.runtime.train import train_step

@@ -1,10 +1,10 @@
-"""hybrid.zero.partition: every parameter element is owned by exactly one rank, shards are equal and
-contiguous, padding is bounded, and buckets respect their size."""
+"""The flat layout (hybrid.plan.layout): every parameter element is owned by exactly one rank, shards are equal
+and contiguous, padding is bounded, and buckets respect their size."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid.zero.partition import align_up, bucket_groups, build_layout
+from hybrid.plan.layout import align_up, bucket_groups, build_layout
 
 
 def _owner_map(layout, rank_count):
