@@ -2,10 +2,10 @@
 
 Each command lives in its own module under ``launch/commands/`` and is registered here. ``main`` returns
 the process's exit status: 0 success, 1 the job failed (a command raised ``click.exceptions.Exit(1)``),
-2 a ``UserError`` or a usage error (one ``error:`` line on stderr, never a traceback; a group without its
-command prints its help first), 130 interrupted by SIGINT, SIGTERM or SIGHUP unless ignored (schedulers stop
-jobs with SIGTERM, a closed terminal sends SIGHUP; all raise ``KeyboardInterrupt`` here, so every
-``finally`` teardown below runs).
+2 a ``UserError`` or a usage error (one ``error:`` line on stderr, never a traceback; a usage error ends with
+the command's ``--help`` as its fix; a group without its command prints its help first), 130 interrupted by
+SIGINT, SIGTERM or SIGHUP unless ignored (schedulers stop jobs with SIGTERM, a closed terminal sends SIGHUP;
+all raise ``KeyboardInterrupt`` here, so every ``finally`` teardown below runs).
 """
 
 from __future__ import annotations
@@ -49,12 +49,25 @@ def main(argv=None) -> int:
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("interrupted", err=True)
             return EXIT_INTERRUPTED
-        except click.ClickException as err:  # a usage error: bad option, missing argument
+        except click.UsageError as err:  # a bad option, a missing argument: click's sentence, then the fix
+            click.echo(f"error: {_usage_sentence(err, sys.argv[1:] if argv is None else argv)}", err=True)
+            return EXIT_USER_ERROR
+        except click.ClickException as err:
             click.echo(f"error: {err.format_message()}", err=True)
             return EXIT_USER_ERROR
         except click.exceptions.Exit as done:
             return done.exit_code
     return code if isinstance(code, int) else EXIT_OK
+
+
+def _usage_sentence(err: click.UsageError, argv: list) -> str:
+    """click's sentence for a usage error ("No such option '--bogus'.") with where the right usage is: the
+    command's help (click leaves the context out of some errors: then the command named first in ``argv``)."""
+    if err.ctx is not None:
+        path = err.ctx.command_path
+    else:
+        path = "hybrid" + (f" {argv[0]}" if argv and argv[0] in cli.commands else "")
+    return f"{err.format_message().rstrip('.')}; see {path} --help."
 
 
 def _missing_command(ctx: click.Context) -> str:

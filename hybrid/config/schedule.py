@@ -13,7 +13,8 @@ parameter group whose unscheduled learning rate is ``base_lr`` (``optimizer.lr``
 * ``WarmupDecayLR``: ``WarmupLR``, then linear decay to 0 at ``total_num_steps``:
   ``(total - i) / (total - warmup)``.
 * ``WarmupCosineLR``: ratios of the base rate: from ``warmup_min_ratio`` to 1 over the warmup, then
-  ``cos_min_ratio + (1 - cos_min_ratio) (1 + cos(pi (i - warmup + 1) / (total - warmup))) / 2``.
+  ``cos_min_ratio + (1 - cos_min_ratio) (1 + cos(pi p)) / 2`` with ``p = min(1, (i - warmup + 1) /
+  (total - warmup))``: ``cos_min_ratio`` from step ``total_num_steps - 1`` on (it does not rise again).
 
 The schedule's state is the number of optimizer steps taken, nothing else; a checkpoint records it.
 """
@@ -67,5 +68,6 @@ def _cosine_ratio(params: Mapping, i: int) -> float:
         low = float(params["warmup_min_ratio"])
         return low + (1.0 - low) * _warmup_gamma(params, i)
     cos_min = float(params["cos_min_ratio"])
-    ratio = (1 + math.cos(math.pi * (i - warmup + 1) / max(1, total - warmup))) / 2
+    progress = min(1.0, (i - warmup + 1) / max(1, total - warmup))  # held at the end: no rise past total
+    ratio = (1 + math.cos(math.pi * progress)) / 2
     return max(0.0, cos_min + (1.0 - cos_min) * ratio)

@@ -56,7 +56,9 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     mean of the ranks' ``loss`` (the TP ranks of a DP rank report the same loss, so any of them stands for it,
     TP rank 0 first) --, throughput at the slowest rank's pace, each rank's model-state bytes, how many ranks
     reported (a step flushed at a restart may lack the dead rank's report; with none at all the loss is None),
-    and the other numbers the entrypoint reported (``_own_numbers``)."""
+    the non-finite guard where the ranks report it (``nonfinite``: this step's update was skipped for a NaN/inf
+    gradient norm; ``skipped_steps``: how many so far) and the other numbers the entrypoint reported
+    (``_own_numbers``)."""
     if not records:
         return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": None,
                 "throughput_unit": "tokens/s", "model_state_bytes": [], "ranks_reported": 0}
@@ -77,6 +79,10 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     own = _own_numbers(dp_records[0])
     job_loss = first.get("job_loss")  # run_steps' ranks report the DP mean itself: exact from any one of them
     loss = job_loss if isinstance(job_loss, (int, float)) else sum(r["loss"] for r in dp_records) / len(dp_records)
+    guarded = [r for r in records.values() if isinstance(r.get("skipped_steps"), int)]
+    if guarded:  # the engine's non-finite guard (step_metrics): every rank skips a step together
+        extra.update(nonfinite=any(bool(r.get("nonfinite")) for r in guarded),
+                     skipped_steps=max(r["skipped_steps"] for r in guarded))
     return {**own, **extra, "step": step, "loss": loss,
             "lr": first.get("lr"), "grad_norm": first.get("grad_norm"), "step_time_s": slowest,
             "throughput": count / slowest if slowest and count is not None else None, "throughput_unit": f"{unit}/s",
@@ -92,7 +98,7 @@ _REPORT_FIELDS = frozenset({"rank", "step", "time", "dp_rank", "tp_rank", "loss"
 
 # What ``step_entry`` itself puts in an entry.
 _ENTRY_FIELDS = frozenset({"step", "loss", "lr", "grad_norm", "step_time_s", "throughput", "throughput_unit",
-                           "model_state_bytes", "ranks_reported", "memory_measured"})
+                           "model_state_bytes", "ranks_reported", "memory_measured", "nonfinite", "skipped_steps"})
 
 
 def _own_numbers(record: dict) -> dict:
@@ -184,7 +190,7 @@ class MetricsWriter:
     def _scalars(self, entry: dict) -> None:
         step = entry["step"]
         own = [k for k in entry if k not in _ENTRY_FIELDS]  # an entrypoint's own numbers (``_own_numbers``)
-        for key in ("loss", "lr", "grad_norm", "step_time_s", *own):
+        for key in ("loss", "lr", "grad_norm", "step_time_s", "skipped_steps", *own):
             if isinstance(entry.get(key), (int, float)) and not isinstance(entry.get(key), bool):
                 self._tb.add_scalar(f"train/{key}", entry[key], step)
         if entry["throughput"] is not None:

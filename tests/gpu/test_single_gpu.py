@@ -3,7 +3,10 @@ bf16 against single-process AdamW on the same GPU, CUDA memory against the memor
 and resume, and the NVML probe and ``hybrid monitor`` on a real GPU. Skipped without CUDA.
 
 ``levers``: optimizer offload to pinned host memory (the CUDA side stream), activation checkpointing at
-stage 3, and ``offload_optimizer: {device: none, pin_memory: true}``, against the same reference.
+stage 3, and ``offload_optimizer: {device: none, pin_memory: true}``, against the same reference; offloaded
+states in pinned host memory (the engine's host figure, the tensors' devices) and the GPU lower by their
+bytes than the same run without offload (``torch.cuda.memory_allocated`` after the steps,
+``max_memory_allocated`` at the peak).
 """
 
 import subprocess
@@ -42,6 +45,30 @@ def test_offload_and_activation_checkpointing_match_on_the_gpu(single, name):
     assert case["loss_err"] < TOLERANCE[precision]["loss"], case
     if precision == "fp32":
         assert case["weights_err"] < TOLERANCE["fp32"]["weights"], case
+
+
+TINY_PARAMS = 134_912  # configs/gpt-tiny.yaml
+OFFLOADED = ["stage2-offload/fp32", "stage3-offload/fp32", "stage3-offload/bf16"]
+
+
+@pytest.mark.parametrize("name", OFFLOADED)
+def test_offloaded_optimizer_states_live_in_pinned_host_memory_not_on_the_gpu(single, name):
+    case, precision = single["levers"][name], name.rsplit("/", 1)[1]
+    offload, plain = case["memory"], case["without_offload"]["memory"]
+    # without offload the GPU holds the Adam moments (8 bytes per parameter), and in bf16 the fp32 master too
+    states = plain["report"]["optimizer"]
+    assert states == pytest.approx((8 if precision == "fp32" else 12) * TINY_PARAMS, rel=0.01), plain
+    assert plain["devices"] == ["cuda:0"] and "host" not in plain["report"]
+    # offloaded: master and moments (12 bytes per parameter) in pinned host memory, none of it on the GPU
+    assert offload["devices"] == ["cpu"] and offload["pinned"] is True, offload
+    assert offload["report"]["optimizer"] == 0
+    assert offload["report"]["host"]["optimizer"] == pytest.approx(12 * TINY_PARAMS, rel=0.01), offload
+    # the GPU's own figures: less memory by the states' bytes after the steps, and a lower peak
+    assert plain["allocated_bytes"] - offload["allocated_bytes"] >= 0.9 * states, (offload, plain)
+    assert offload["peak_bytes"] <= plain["peak_bytes"] - 0.5 * states, (offload, plain)
+    # and the same training: offload moves the states, not the arithmetic
+    plain_losses = case["without_offload"]["losses"]
+    assert case["losses"][:len(plain_losses)] == pytest.approx(plain_losses, rel=TOLERANCE[precision]["loss"])
 
 
 def test_cuda_memory_is_what_the_memory_model_predicts(single):

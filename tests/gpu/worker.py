@@ -14,7 +14,9 @@ measured errors and bytes, which the tests compare against ``TOLERANCE`` and the
 * ``memory``: a ~100M GPT at stage 0, bf16, one rank: ``torch.cuda.max_memory_allocated`` over three steps
   against ``hybrid.plan.memory``'s model-state bytes and activation estimate, and what the engine reports.
 * ``levers``: optimizer offload to pinned host memory (stages 2 and 3, fp32 and bf16), activation
-  checkpointing at stage 3, and offload ``device: none`` with ``pin_memory``: the same errors as ``parity``.
+  checkpointing at stage 3, and offload ``device: none`` with ``pin_memory``: the same errors as ``parity``,
+  where each case's optimizer states are (devices, pinned, ``memory_report``) and, for an offloaded case, the
+  same run without offload (2 steps); on CUDA each run's device bytes after its steps and at its peak.
 * ``checkpoint``: stage 3, fp32: a run of 6 steps saving every 3, against a run of 3 steps resumed for 3
   more from its checkpoint by a fresh engine (``hybrid.runtime.train.run_steps``): same losses and weights.
 """
@@ -22,6 +24,9 @@ measured errors and bytes, which the tests compare against ``TOLERANCE`` and the
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import gc
 import json
 import os
 from datetime import timedelta
@@ -67,8 +72,10 @@ def batch(step: int, cfg: GPTConfig, device, rows: int = GLOBAL_BATCH) -> torch.
     return ((start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size).to(device)
 
 
+@functools.lru_cache(maxsize=None)
 def reference(cfg: GPTConfig, device) -> tuple[list, dict]:
-    """Single-process GPT + torch.optim.AdamW + clip_grad_norm_ on ``device``: losses and final weights."""
+    """Single-process GPT + torch.optim.AdamW + clip_grad_norm_ on ``device``: losses and final weights
+    (computed once per process: ``parity`` and ``levers`` compare against the same run; read only)."""
     model = GPT(cfg, seed=SEED, device=device)
     opt = torch.optim.AdamW(torch_param_groups(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY)), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     losses = []
@@ -131,32 +138,69 @@ LEVERS = {  # name -> (stage, precision, zero settings, activation checkpointing
 }
 
 
+def offloaded(zero: dict) -> bool:
+    return (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+
+
+def where_states_are(engine, device) -> dict:
+    """Where the engine keeps its optimizer states: the devices of the fp32 master and Adam moments this rank
+    owns, whether they are pinned (on CUDA), and the engine's ``memory_report`` (device bytes, ``host``)."""
+    views = [v for v in engine.shard_views().values() if v.end > v.start]
+    tensors = [t for v in views for t in (v.master, v.exp_avg, v.exp_avg_sq)]
+    return {"devices": sorted({str(t.device) for t in tensors}),
+            "pinned": all(t.is_pinned() for t in tensors) if device.type == "cuda" else None,
+            "report": engine.memory_report()}
+
+
+def lever_run(device, cfg: GPTConfig, mesh, stage: int, precision: str, zero: dict, checkpointing: bool,
+              weights: bool, steps: int = STEPS) -> dict:
+    """One lever case: ``steps`` steps of gpt-tiny, its losses, where its optimizer states are and, on CUDA,
+    the device bytes it holds after the steps and at its peak (over what was allocated before it was built)."""
+    if device.type == "cuda":
+        gc.collect()  # the previous case's engine can outlive its del until a cyclic collection
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    model = GPT(dataclasses.replace(cfg, activation_checkpointing=checkpointing), seed=SEED, device=device)
+    engine = hybrid.initialize(model, train_config(stage, precision, **zero), dp_group=mesh.dp_group)
+    losses = []
+    for step in range(steps):
+        seq = batch(step, cfg, device)
+        loss = engine(seq[:, :-1], seq[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    case = {"losses": losses, "memory": where_states_are(engine, device)}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        case["memory"].update(allocated_bytes=torch.cuda.memory_allocated(device) - base,
+                              peak_bytes=torch.cuda.max_memory_allocated(device) - base)
+    if weights:
+        case["weights"] = engine.full_state_dict()
+    del engine, model
+    return case
+
+
 def levers(device, _meshes, _args) -> dict:
     """The planner's levers on one rank against the single-process reference: optimizer offload to pinned
     host memory (on CUDA: the side-stream gradient copies and the host step), activation checkpointing at
-    stage 3, and ``offload_optimizer: {device: none, pin_memory: true}`` (nothing on the device is pinned)."""
-    import dataclasses
-
+    stage 3, and ``offload_optimizer: {device: none, pin_memory: true}`` (nothing on the device is pinned).
+    Each case says where its optimizer states are (``where_states_are``); an offloaded one also carries the
+    same run without offload (``without_offload``), to compare the device memory of the two."""
     cfg = GPTConfig.from_yaml(TINY)
     ref_losses, ref_weights = reference(cfg, device)
     mesh = build_mesh(tp=1)
     out = {}
     for name, (stage, precision, zero, checkpointing) in LEVERS.items():
-        model = GPT(dataclasses.replace(cfg, activation_checkpointing=checkpointing), seed=SEED, device=device)
-        engine = hybrid.initialize(model, train_config(stage, precision, **zero), dp_group=mesh.dp_group)
-        losses = []
-        for step in range(STEPS):
-            seq = batch(step, cfg, device)
-            loss = engine(seq[:, :-1], seq[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        case = {"loss_err": rel(losses, ref_losses)}
+        case = lever_run(device, cfg, mesh, stage, precision, zero, checkpointing, weights=precision == "fp32")
+        case["loss_err"] = rel(case["losses"], ref_losses)
         if precision == "fp32":
-            weights = engine.full_state_dict()
+            weights = case.pop("weights")
             case["weights_err"] = max(rel(weights[n], ref) for n, ref in ref_weights.items())
+        if offloaded(zero):  # two steps: the states exist after the first, every later step is alike
+            case["without_offload"] = lever_run(device, cfg, mesh, stage, precision, {}, checkpointing, False,
+                                                steps=2)
         out[name] = case
-        del engine, model
     return out
 
 

@@ -4,7 +4,9 @@
   ``build_model`` hook) runs under ``tp: auto`` with tp = 1 and DP over all 4 ranks: every rank is its own DP
   rank, sees its own data and reports its own loss, and the loss falls.
 * Offload: with ``gpu_memory_gb`` so small that only ZeRO-3 with the optimizer offloaded to CPU fits, the
-  launcher runs that plan (nothing the planner picks is refused) and the job trains to the end.
+  launcher runs that plan (nothing the planner picks is refused), the job trains to the end, and every rank's
+  optimizer states are in its host memory: its engine's memory report (none on the device, the shard's
+  master and moments under ``host``, the plan's host bytes) and its own process's measured growth.
 """
 
 import io
@@ -12,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config.training import TrainConfig
-from hybrid.errors import ConfigError
 from launch.job.driver import plan_and_run
 from launch.planning.plan import build_plan
 from launch.spec import load_spec, parse_spec
@@ -25,6 +25,7 @@ NODES, RANKS_PER_NODE = 2, 2
 # gpt-tiny in fp32 at tp 2, dp 2, micro-batch 8: ZeRO-3 needs 2.518 MB per GPU, offloaded 2.248 MB (the
 # activations are 1.978 MB); 2.34 MB usable (0.0026 GB less 10%) leaves only the offloaded plan.
 ONLY_OFFLOAD_GB = 0.0026
+TINY_PARAMS = 134_912  # configs/gpt-tiny.yaml
 
 
 def test_own_model_without_tp_layers_runs_with_tp_1_and_dp_over_all_ranks(cluster):
@@ -44,17 +45,7 @@ def test_own_model_without_tp_layers_runs_with_tp_1_and_dp_over_all_ranks(cluste
     assert len(losses) == spec.job.steps and losses[-1] < losses[0] - 1.0, losses
 
 
-def _offload_engine_missing() -> bool:
-    try:
-        TrainConfig.from_dict({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
-    except ConfigError:
-        return True
-    return False
-
-
-@pytest.mark.skipif(_offload_engine_missing(), reason="needs the optimizer-offload engine (issue 11: "
-                    "zero_optimization.offload_optimizer in hybrid.config and hybrid/zero)")
-def test_a_plan_that_fits_only_with_offload_trains_to_the_end(cluster, tmp_path):
+def test_a_plan_that_fits_only_with_offload_trains_to_the_end_with_its_states_in_host_memory(cluster, tmp_path):
     spec = parse_spec({
         "cluster": {"address": "local", "nodes": NODES, "gpus_per_node": RANKS_PER_NODE,
                     "gpu_memory_gb": ONLY_OFFLOAD_GB},
@@ -70,3 +61,18 @@ def test_a_plan_that_fits_only_with_offload_trains_to_the_end(cluster, tmp_path)
     assert all(r["stage"] == 3 for r in result.results.values())
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0, losses
+    # In every rank, as measured there after the last step: its engine holds no optimizer state on the device;
+    # in host memory the fp32 master and Adam's two moments of its shard (12 bytes per element: 134,912
+    # parameters / tp 2 / dp 2, plus the units' alignment padding) beside the gradient shard's fp32 copy (4 bytes
+    # per element) -- the plan's host bytes per rank, to the padding --, and its own process grew by that much.
+    shard = TINY_PARAMS // (2 * 2)
+    for rank in range(NODES * RANKS_PER_NODE):
+        report = result.last_reports[rank]
+        memory, measured = report["memory"], report["memory_measured"]
+        assert memory["optimizer"] == 0 and "host" in memory, (rank, memory)
+        host = memory["host"]
+        assert host["optimizer"] == 3 * host["grads"], (rank, host)
+        assert 12 * shard <= host["optimizer"] <= 1.03 * 12 * shard, (rank, host)
+        assert host["optimizer"] + host["grads"] == pytest.approx(offline.plan.host_bytes, rel=0.03), (rank, host)
+        assert report["step"] == 20 and measured["device"] == "cpu", (rank, report["step"], measured)
+        assert measured["peak_bytes"] >= host["optimizer"] + host["grads"], (rank, measured, host)

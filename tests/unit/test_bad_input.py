@@ -1,7 +1,8 @@
 """Bad input through the real CLI entry: every malformed cluster file and bad argument is one sentence.
 
 Each case runs ``launch.cli.main`` in-process (no Ray starts: every one fails before that) and must
-exit 2 with exactly one ``error:`` line on stderr that names the field, and no traceback. A few run
+exit 2 with exactly one ``error:`` line on stderr that names the field and then the fix (``FIXES``,
+``ARG_FIXES``: after the '; ' where the sentence has one), and no traceback. A few run
 through a subprocess, as a user's shell would.
 """
 
@@ -186,23 +187,136 @@ FILES = {
 }
 
 
+# The fix each sentence gives, after the field it names (after the '; ' when the sentence has one): what to
+# write instead, or the range a value must lie in.
+FIXES = {
+    'a list': 'must be a mapping with sections cluster, job (and optionally parallel)',
+    'address a number': "must be 'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port' with a port from 1 to 65535",
+    'address missing': "add it ('local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port')",
+    'address not an address': "must be 'local' (embedded Ray), 'auto' (the running cluster) or 'ray://host:port'",
+    'checkpoint a string': 'must be a mapping like {dir: ./runs/demo, every: 10}',
+    'checkpoint dir is a file': 'give a directory path',
+    'checkpoint dir missing': 'add it (the directory for checkpoints)',
+    'checkpoint dir not writable': 'give a directory you can write to',
+    'checkpoint dir under a file': 'give a directory path',
+    'checkpoint every 0': 'must be a whole number from 1 to 1000000000000',
+    'checkpoint keep_last 0': 'must be a whole number from 1 to 1000000000000',
+    'checkpoint unknown key': 'use one of: dir, every, keep_last',
+    'cluster a list': 'must be a mapping',
+    'cluster missing': 'add it (see clusters/local.yaml for the shape)',
+    'cluster unknown key': 'use one of: address, nodes, gpus_per_node, gpu_memory_gb, interconnect',
+    'collective timeout 0': 'must be a number from 1 to 604800 seconds',
+    'collective timeout 1e-6': 'must be a number from 1 to 604800 seconds',
+    'collective timeout absurd': 'must be a number from 1 to 604800 seconds',
+    'collective timeout inf': 'must be a number from 1 to 604800 seconds',
+    'collective timeout with unit': 'must be a number from 1 to 604800 seconds',
+    'config a directory': 'give the path of the model config YAML (relative to the cluster file)',
+    'config a number': 'must be the path of the model config YAML',
+    'config absent file': 'give the path of the model config YAML (relative to the cluster file)',
+    'config missing': 'add it (the path of the model config YAML)',
+    'connect timeout 0': 'must be a number from 1 to 3600 seconds',
+    'connect timeout 1e-6': 'must be a number from 1 to 3600 seconds',
+    'connect timeout a day': 'must be a number from 1 to 3600 seconds',
+    'connect timeout inf': 'must be a number from 1 to 3600 seconds',
+    'duplicate key': 'keep one of them',
+    'duplicate section': 'keep one of them',
+    'empty': 'must be a mapping with sections cluster, job (and optionally parallel)',
+    'entrypoint a number': 'must be module:function, e.g. hybrid.models.gpt:train',
+    'entrypoint function missing': 'give an importable module:function',
+    'entrypoint missing': 'add it (module:function, e.g. hybrid.models.gpt:train)',
+    'entrypoint module missing': 'give a module:function importable from there or installed',
+    'entrypoint no arguments': "give a function that takes the rank's Context, def train(ctx)",
+    'entrypoint not callable': 'give an importable module:function',
+    'entrypoint two colons': 'must be module:function, e.g. hybrid.models.gpt:train',
+    'entrypoint without colon': 'must be module:function, e.g. hybrid.models.gpt:train',
+    'entrypoint wrong signature': "give a function that takes the rank's Context, def train(ctx)",
+    'gpu memory 0': 'must be a number above 0 and at most 100000 GB',
+    'gpu memory 1e3 read as a string': 'must be a number above 0 and at most 100000 GB',
+    'gpu memory inf': 'must be a number above 0 and at most 100000 GB',
+    'gpu memory missing': 'add it (the memory of one GPU in GB, e.g. 80)',
+    'gpu memory nan': 'must be a number above 0 and at most 100000 GB',
+    'gpu memory negative': 'must be a number above 0 and at most 100000 GB',
+    'gpu memory with unit': 'must be a number above 0 and at most 100000 GB',
+    'gpus_per_node 0': 'must be a whole number from 1 to 1024',
+    'gpus_per_node absurd': 'must be a whole number from 1 to 1024',
+    'gpus_per_node auto': 'write the real value',
+    'huge string value': 'must be a whole number from 1 to 1000000000000',
+    'inter_node a number': 'must be one of infiniband, roce, ethernet, loopback, unspecified',
+    'interconnect a string': 'must be a mapping like {intra_node: nvlink, inter_node: infiniband}',
+    'interconnect false': 'must be a mapping like {intra_node: nvlink, inter_node: infiniband}',
+    'interconnect unknown key': 'use one of: intra_node, inter_node',
+    'intra_node unknown': 'must be one of nvlink, pcie, loopback, unspecified',
+    'job a string': 'must be a mapping',
+    'job unknown key': 'use one of: entrypoint, config, steps, micro_batch',
+    'job.env a float YAML made of 1.10': "must be a string (quote it, as in VERSION: '1.1', so it reaches the ranks exactly as written)",
+    'max_failures absurd': 'must be a whole number from 0 to 1000',
+    'max_failures negative': 'must be a whole number from 0 to 1000',
+    'micro_batch 0': 'must be a whole number from 1 to 1048576',
+    'micro_batch absurd': 'must be a whole number from 1 to 1048576',
+    'nodes 0': 'must be a whole number from 1 to 100000',
+    'nodes a boolean': 'must be a whole number from 1 to 100000',
+    'nodes a list': 'must be a whole number from 1 to 100000',
+    'nodes a string': 'write the number without quotes',
+    'nodes absurd': 'must be a whole number from 1 to 100000',
+    'nodes fractional': 'must be a whole number from 1 to 100000',
+    'nodes negative': 'must be a whole number from 1 to 100000',
+    'not utf-8': 'save it as UTF-8',
+    'parallel a number': 'must be a mapping',
+    'parallel unknown key': 'use one of: tp, zero_stage, precision, offload, activation_checkpointing',
+    'placement timeout 0': 'must be a number from 1 to 604800 seconds',
+    'placement timeout text': 'must be a number from 1 to 604800 seconds',
+    'precision a list': 'must be one of bf16, fp32',
+    'precision fp8': 'must be one of bf16, fp32',
+    'ray address port 0': 'with a port from 1 to 65535',
+    'ray address port not a number': 'with a port from 1 to 65535',
+    'ray address port too big': 'with a port from 1 to 65535',
+    'ray address without host': "or 'ray://host:port'",
+    'seed 2^70': 'must be a whole number from 0 to 4294967295',
+    'seed fractional': 'must be a whole number from 0 to 4294967295',
+    'seed negative': 'must be a whole number from 0 to 4294967295',
+    'stage 4': "must be 'auto' or 0, 1, 2 or 3",
+    'stage a boolean': "must be 'auto' or 0, 1, 2 or 3",
+    'stage a string': 'write the number without quotes',
+    'stage negative': "must be 'auto' or 0, 1, 2 or 3",
+    'steps 0': 'must be a whole number from 1 to 1000000000000',
+    'steps 1e3 read as a string': 'write 1.0e+3 or the plain number',
+    'steps a word': 'must be a whole number from 1 to 1000000000000',
+    'steps fractional': 'must be a whole number from 1 to 1000000000000',
+    'steps missing': 'add it (the number of training steps)',
+    'steps negative': 'must be a whole number from 1 to 1000000000000',
+    'tab indentation': 'fix the indentation or quoting there',
+    'tp 0': "must be 'auto' or a whole number that divides cluster.gpus_per_node",
+    'tp a word': "must be 'auto' or a whole number that divides cluster.gpus_per_node",
+    'tp does not divide': "use a divisor of 2 or 'auto'",
+    'unknown section': 'use one of: cluster, job, parallel',
+    'yaml bomb': 'must be a whole number from 1 to 100000',
+    'yaml syntax': 'fix the indentation or quoting there',
+}
+
 def _file(tmp: Path) -> Path:
     path = tmp / "a-file"
     path.write_text("x")
     return path
 
 
-def assert_one_error_line(code: int, err: str, field: str) -> str:
+def assert_one_error_line(code: int, err: str, field: str, fix: str = None) -> str:
+    """One ``error:`` line, exit 2, naming ``field``; with ``fix``, the fix follows the field (in the part after
+    the '; ' where the sentence has one)."""
     lines = err.strip().splitlines()
     assert code == 2, err
     assert "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert field in lines[0], (field, lines[0])
+    if fix is not None:
+        after_field = lines[0][lines[0].index(field) + len(field):]
+        fix_part = after_field.split("; ", 1)[1] if "; " in after_field else after_field
+        assert fix in fix_part, (fix, lines[0])
     return lines[0]
 
 
-def test_the_sweep_is_as_wide_as_promised():
+def test_the_sweep_is_as_wide_as_promised_and_every_case_has_its_fix():
     assert len(FILES) >= 60 and len(ARGS) >= 15
+    assert sorted(FIXES) == sorted(FILES) and sorted(ARG_FIXES) == sorted(ARGS)
 
 
 @pytest.mark.parametrize("case", sorted(FILES))
@@ -211,7 +325,7 @@ def test_a_malformed_cluster_file_is_one_sentence_naming_the_field(case, tmp_pat
     text = text(tmp_path) if callable(text) else text
     path = tmp_path / "cluster.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    line = assert_one_error_line(main(["plan", str(path)]), capsys.readouterr().err, field)
+    line = assert_one_error_line(main(["plan", str(path)]), capsys.readouterr().err, field, FIXES[case])
     assert len(line) < 400, line  # user values are quoted short
 
 
@@ -298,11 +412,39 @@ ARGS = {
     "estimate headroom 1": (["estimate", "--params", "7B", "--gpus", "8", "--headroom", "1"], "--headroom"),
     "estimate headroom negative": (["estimate", "--params", "7B", "--gpus", "8", "--headroom", "-0.5"], "--headroom"),
     "estimate precision fp8": (["estimate", "--params", "7B", "--gpus", "8", "--precision", "fp8"], "--precision"),
-    "estimate partial shape": (["estimate", "--params", "7B", "--gpus", "8", "--layers", "2"], "--hidden"),
+    "estimate partial shape": (["estimate", "--params", "7B", "--gpus", "8", "--layers", "2"],
+                               "needs the whole model shape"),
     "estimate layers 0": (["estimate", "--params", "7B", "--gpus", "8", "--layers", "0", "--hidden", "64", "--heads",
                            "4", "--seq", "32", "--micro-batch", "1"], "--layers"),
 }
 
+
+ARG_FIXES = {
+    'estimate gpu memory inf': 'must be a number above 0 and at most 100000 GB per GPU',
+    'estimate gpu memory nan': 'must be a number above 0 and at most 100000 GB per GPU',
+    'estimate gpu memory negative': 'must be a number above 0 and at most 100000 GB per GPU',
+    'estimate gpus 0': 'must be a whole number from 1 to 10,000,000',
+    'estimate gpus not a multiple of tp': 'must be a multiple of --tp (3)',
+    'estimate headroom 1': 'must be a fraction in [0, 1), e.g. 0.1 keeps 10% free',
+    'estimate headroom negative': 'must be a fraction in [0, 1), e.g. 0.1 keeps 10% free',
+    'estimate layers 0': 'must be a positive integer',
+    'estimate params 0': 'must be a whole number from 1 to 10^18',
+    'estimate params absurd': 'must be a whole number from 1 to 10^18',
+    'estimate params inf': 'must be a count such as 7B, 350M, 13e9 or 7000000000',
+    'estimate params overflowing': 'must be a count such as 7B, 350M, 13e9 or 7000000000',
+    'estimate params unparsable': 'must be a count such as 7B, 350M, 13e9 or 7000000000',
+    'estimate partial shape': 'also give --hidden, --heads, --seq, --micro-batch',
+    'estimate precision fp8': 'see hybrid estimate --help',
+    'estimate tp 0': 'must be a whole number from 1 to 10,000,000',
+    'launch stage 5': 'see hybrid launch --help',
+    'launch steps 0': 'must be a whole number from 1 to 1000000000000',
+    'launch steps a word': 'see hybrid launch --help',
+    'launch steps absurd': 'must be a whole number from 1 to 1000000000000',
+    'launch unknown option': 'see hybrid launch --help',
+    'launch without a file': 'see hybrid launch --help',
+    'plan json with a value': 'see hybrid plan --help',
+    'unknown command': 'see hybrid --help',
+}
 
 @pytest.mark.parametrize("case", sorted(ARGS))
 def test_a_bad_argument_is_one_sentence_naming_it(case, tmp_path, capsys):
@@ -310,7 +452,7 @@ def test_a_bad_argument_is_one_sentence_naming_it(case, tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
     path.write_text(dump(good()))
     argv = [a.replace("{file}", str(path)) for a in argv]
-    assert_one_error_line(main(argv), capsys.readouterr().err, field)
+    assert_one_error_line(main(argv), capsys.readouterr().err, field, ARG_FIXES[case])
 
 
 def _hybrid(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -323,12 +465,12 @@ def test_through_a_real_process(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(FILES["seed 2^70"][0])
     done = _hybrid("plan", str(path))
-    assert_one_error_line(done.returncode, done.stderr, "job.seed")
+    assert_one_error_line(done.returncode, done.stderr, "job.seed", FIXES["seed 2^70"])
     path.write_bytes(FILES["not utf-8"][0])
     done = _hybrid("launch", str(path))
-    assert_one_error_line(done.returncode, done.stderr, "not UTF-8")
+    assert_one_error_line(done.returncode, done.stderr, "not UTF-8", FIXES["not utf-8"])
     done = _hybrid("estimate", "--params", "7B", "--gpus", "8", "--gpu-memory", "inf")
-    assert_one_error_line(done.returncode, done.stderr, "--gpu-memory")
+    assert_one_error_line(done.returncode, done.stderr, "--gpu-memory", ARG_FIXES["estimate gpu memory inf"])
 
 
 FIELDS = [("cluster", k) for k in ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",

@@ -1,9 +1,11 @@
 """``bash bench/gpu_check.sh --cpu``: the GPU check's dry run goes through the same script path on this CPU
 (tests/gpu collected and skipped, the benchmark on gpt-tiny) and writes its report where it is told, never
-over the committed bench/RESULTS-gpu.md. Also: the MFU arithmetic, and that nothing the GPU machine runs
+over the committed bench/RESULTS-gpu.md; the report's structure and figures (every tests/gpu test skipped, the
+model line, one consistent row per implementation); the report of a GPU run from known figures. Also: the MFU arithmetic, and that nothing the GPU machine runs
 imports Ray (that machine has none)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,21 @@ def test_nothing_the_gpu_machine_runs_imports_ray():
     assert done.stdout.strip() == "False"
 
 
+TABLE_HEADER = "| implementation | activation checkpointing | tokens/s | step (ms) | MFU | peak memory (GiB) |"
+
+
+def _table(report: str) -> list:
+    """The rows of the report's results table, as lists of cells."""
+    lines = report.splitlines()
+    start = lines.index(TABLE_HEADER) + 2  # header, separator
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("| "):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
 @pytest.mark.slow
 def test_the_gpu_check_dry_run_passes_and_writes_its_report_where_told(tmp_path):
     before = COMMITTED.read_bytes() if COMMITTED.exists() else None
@@ -40,13 +57,50 @@ def test_the_gpu_check_dry_run_passes_and_writes_its_report_where_told(tmp_path)
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "step 1/2: tests/gpu" in done.stdout and "step 2/2: throughput benchmark" in done.stdout
-    assert " skipped" in done.stdout and " failed" not in done.stdout  # collected cleanly, skipped without CUDA
-    report = out.read_text()
-    assert "Command: `bash bench/gpu_check.sh --cpu`" in report and "tests/gpu: " in report
-    for row in ("| hybrid ZeRO-0 | off |", "| FSDP2 fully_shard | off |"):
-        assert row in report
-    assert "out of memory" not in report and "tokens/s only" in report
     assert (COMMITTED.read_bytes() if COMMITTED.exists() else None) == before
+
+    report = out.read_text()
+    lines = report.splitlines()
+    assert lines[0] == "# GPU check: tests/gpu and single-GPU throughput"
+    assert "Command: `bash bench/gpu_check.sh --cpu`  " in lines and "gpu none (--cpu dry run)" in report
+    # tests/gpu collected cleanly and skipped without CUDA: every test skipped, as many as pytest listed
+    summary = next(line for line in lines if line.startswith("tests/gpu: "))
+    skipped = re.fullmatch(r"tests/gpu: (\d+) skipped in [0-9.]+s \(exit 0\)", summary)
+    assert skipped, summary
+    listed = sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\] tests/gpu/", done.stdout, re.M))
+    assert int(skipped.group(1)) == listed > 0, (summary, listed)
+    # the model line: gpt-tiny's shape, its parameter count, the dry run's micro-batch
+    assert (f"Model: built-in GPT, 134,912 parameters (2 layers, hidden 64, 4 heads, vocab 256), seq 32, "
+            f"micro-batch 2, bf16, world 1; {flops_per_token(134_912, 2, 64, 32) / 1e9:.2f} GFLOP per token") in report
+    # one row per implementation and activation checkpointing (the GPT has the field), each a run of the same
+    # steps: tokens/s x the step time = the micro-batch's tokens (2 x 32), to the rounding of the two figures
+    rows = _table(report)
+    assert [r[:2] for r in rows] == [["hybrid ZeRO-0", "off"], ["FSDP2 fully_shard", "off"],
+                                     ["hybrid ZeRO-0", "on"], ["FSDP2 fully_shard", "on"]], rows
+    for name, _, tokens_per_s, step_ms, mfu, memory in rows:
+        tokens = float(tokens_per_s.replace(",", "")) * float(step_ms) / 1000
+        assert tokens == pytest.approx(2 * 32, rel=0.03), (name, tokens_per_s, step_ms)
+        assert (mfu, memory) == ("n/a (peak unknown)", "n/a")  # the CPU: no bf16 peak, no CUDA allocator
+    assert "MFU needs the GPU's bf16 peak, which is not known for this device: tokens/s only." in lines
+    assert "Activation checkpointing: measured (switched on in the model config)." in lines
+
+
+def test_the_report_of_a_gpu_run(monkeypatch):
+    """``report`` for an H200 run, from rows whose figures are known: MFU = tokens/s x model FLOPs per token /
+    the dense bf16 peak, peak memory in GiB, an out-of-memory row as such."""
+    from bench.gpu_bench import report
+    from hybrid.models.gpt.model import GPTConfig
+
+    cfg = GPTConfig.from_yaml(ROOT / "configs" / "gpt-tiny.yaml")
+    per_token = 6 * 134_912 + 12 * 2 * 64 * 32
+    rows = [{"impl": "hybrid", "checkpointing": False, "params": 134_912, "tokens_per_s": 1e9, "step_s": 0.25,
+             "peak_bytes": 3 * 2**30},
+            {"impl": "fsdp2", "checkpointing": True, "params": 134_912, "error": "out of memory: CUDA out of memory"}]
+    text = report(rows, {"gpu": "NVIDIA H200", "gpus": 1}, cfg, 4, "bash bench/gpu_check.sh", "16 passed", "AC note")
+    assert _table(text) == [
+        ["hybrid ZeRO-0", "off", "1,000,000,000", "250.0", f"{100 * 1e9 * per_token / 989e12:.1f}%", "3.0"],
+        ["FSDP2 fully_shard", "on", "out of memory: CUDA out of memory", "", "", ""]]
+    assert "tests/gpu: 16 passed" in text and "MFU against the dense bf16 peak of 989 TFLOP/s." in text
 
 
 def test_a_bad_argument_is_exit_status_2():

@@ -1,6 +1,7 @@
 """Planning without Ray: mesh layout, memory source (declared vs NVML-measured), rank assignment, data
 stream and progress display -- all pure."""
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -391,20 +392,16 @@ def test_settings_carry_the_plans_levers():
 def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():
     from hybrid.models.gpt.training import TRAIN_DEFAULTS, build_model, training_config, with_levers
     from hybrid.models.gpt.config import GPTConfig
-    from hybrid.runtime.train import Context, JobSettings
-
-    def ctx(**levers):
-        return Context(None, {}, JobSettings(steps=1, micro_batch=1, stage=3, precision="fp32", **levers))
 
     assert training_config(TRAIN_DEFAULTS, 3, "fp32").zero.offload_optimizer.device == "none"
     assert training_config(TRAIN_DEFAULTS, 3, "fp32", offload=True).zero.offload_optimizer.device == "cpu"
     config = GPTConfig.from_yaml(ROOT / "configs" / "gpt-tiny.yaml")
     assert with_levers(config, False) is config
-    if hasattr(config, "activation_checkpointing"):  # the GPT's own field (issue 11)
-        assert with_levers(config, True).activation_checkpointing is True
-    else:
-        with pytest.raises(ConfigError, match="set parallel.activation_checkpointing: false"):
-            with_levers(config, True)
+    # the plan's activation checkpointing becomes the GPT's own field, on a copy of the config
+    assert config.activation_checkpointing is False
+    checkpointed = with_levers(config, True)
+    assert checkpointed.activation_checkpointing is True and config.activation_checkpointing is False
+    assert dataclasses.replace(checkpointed, activation_checkpointing=False) == config  # nothing else changed
     with torch.device("meta"):
         model = build_model({"model": config.to_dict()})
     assert sum(p.numel() for p in model.parameters()) == 134_912 and model.tok_emb.weight.is_meta

@@ -1,5 +1,6 @@
 """hybrid.zero.optimizer: any elementwise torch.optim class over flat pieces equals that class on the tensors;
-hybrid.zero.param_groups: the default groups; hybrid.config.schedule: DeepSpeed's schedules equal torch schedulers."""
+hybrid.zero.param_groups: the default groups; hybrid.config.schedule: DeepSpeed's schedules equal torch schedulers and
+DeepSpeed's published definitions (values worked out by hand at known steps)."""
 
 import math
 
@@ -183,19 +184,64 @@ def test_schedules_equal_torch_schedulers():
                                                        S.LinearLR(o, 1.0, 0.0, total - warm)], [warm]), total)
     ours = [lr_at("WarmupDecayLR", decay.values, base, i, base) for i in range(total)]
     assert ours == pytest.approx(expected, rel=1e-12, abs=1e-12)
-    # linear warmup + cosine == LambdaLR of the same ratio
-    cos = SchedulerConfig("WarmupCosineLR", (("warmup_num_steps", warm), ("total_num_steps", total),
-                                             ("warmup_type", "linear"), ("cos_min_ratio", 0.1)))
-
-    def ratio(i):
-        if i < warm:
-            return i / warm
-        return 0.1 + 0.9 * (1 + math.cos(math.pi * (i - warm + 1) / (total - warm))) / 2
-
-    expected = _torch_lrs(lambda o: S.LambdaLR(o, ratio), total)
-    ours = [lr_at("WarmupCosineLR", cos.values, base, i, base) for i in range(total)]
-    assert ours == pytest.approx(expected, rel=1e-12)
-    # log warmup then constant; a group with lr_scale 2 gets twice the rate
+    # a group with lr_scale 2 gets twice the rate
     wl = SchedulerConfig("WarmupLR", (("warmup_num_steps", 4),)).values
     assert [lr_at("WarmupLR", wl, 2 * base, i, base) for i in range(6)] == pytest.approx(
-        [2 * base * math.log(i + 1) / math.log(4) for i in range(4)] + [2 * base] * 2)
+        [2 * lr_at("WarmupLR", wl, base, i, base) for i in range(6)])
+
+
+# DeepSpeed's published definitions (deepspeed/runtime/lr_schedules.py, WarmupLR / WarmupDecayLR /
+# WarmupCosineLR), as a function of the scheduler's last_batch_iteration i -- our lr_at(..., i, ...):
+#   WarmupLR:       lr = min_lr + (max_lr - min_lr) * gamma(i), n = max(2, warmup_num_steps),
+#                   gamma = log(i + 1) / log(n) ('log') or i / n ('linear') while i < n, then 1
+#   WarmupDecayLR:  the same gamma while i < n, then max(0, (total - i) / max(1, total - n))
+#   WarmupCosineLR: ratio of each group's lr: warmup_min_ratio + (1 - warmup_min_ratio) * gamma(i) while i < n,
+#                   then max(0, cos_min + (1 - cos_min) * (1 + cos(pi * p)) / 2) with
+#                   p = min(1, (i - n + 1) / max(1, total - n)) (held at cos_min_ratio once the schedule ends)
+# The values below were worked out from those formulas by hand (not by our code), each with its arithmetic.
+DEEPSPEED_VALUES = [
+    # WarmupLR, log warmup, min 0.01, max 0.1, n 10
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}, [
+        (0, 0.01),                        # log(1) = 0: the minimum
+        (1, 0.0370926996097583),          # 0.01 + 0.09 * log(2) / log(10)
+        (4, 0.07290730039024168),         # 0.01 + 0.09 * log(5) / log(10)
+        (9, 0.1),                         # log(10) / log(10) = 1
+        (50, 0.1)]),                      # past the warmup: the maximum
+    # WarmupLR, linear warmup, min 0, max = optimizer.lr 0.1 (DeepSpeed: the optimizer's lr when not given), n 4
+    ("WarmupLR", {"warmup_num_steps": 4, "warmup_type": "linear"}, [
+        (0, 0.0), (1, 0.025), (3, 0.075), (4, 0.1)]),  # 0.1 * i / 4, then 0.1
+    # WarmupDecayLR, log warmup, min 0.001, max 0.1, n 5, total 20
+    ("WarmupDecayLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.1, "warmup_num_steps": 5, "total_num_steps": 20}, [
+        (0, 0.001),                       # gamma 0
+        (2, 0.06857801325411256),         # 0.001 + 0.099 * log(3) / log(5)
+        (4, 0.1),                         # log(5) / log(5) = 1
+        (5, 0.1),                         # (20 - 5) / 15 = 1
+        (10, 0.067),                      # 0.001 + 0.099 * 10 / 15
+        (19, 0.0076),                     # 0.001 + 0.099 * 1 / 15
+        (20, 0.001),                      # (20 - 20) / 15 = 0: the minimum
+        (25, 0.001)]),                    # max(0, -5 / 15) = 0: stays at the minimum
+    # WarmupCosineLR, linear warmup, warmup_min_ratio 0.1, cos_min_ratio 0.01, n 5, total 20, group lr 0.1
+    ("WarmupCosineLR", {"warmup_num_steps": 5, "total_num_steps": 20, "warmup_type": "linear",
+                        "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}, [
+        (0, 0.01),                        # 0.1 * (0.1 + 0.9 * 0 / 5)
+        (2, 0.046),                       # 0.1 * (0.1 + 0.9 * 2 / 5)
+        (4, 0.082),                       # 0.1 * (0.1 + 0.9 * 4 / 5)
+        (5, 0.09891830623632339),         # 0.1 * (0.01 + 0.99 * (1 + cos(pi * 1 / 15)) / 2)
+        (12, 0.04532584106825116),        # 0.1 * (0.01 + 0.99 * (1 + cos(pi * 8 / 15)) / 2)
+        (18, 0.0020816937636766184),      # 0.1 * (0.01 + 0.99 * (1 + cos(pi * 14 / 15)) / 2)
+        (19, 0.001),                      # cos(pi) = -1: 0.1 * cos_min_ratio
+        (30, 0.001)]),                    # past total_num_steps: p is held at 1, the rate does not rise again
+    # WarmupCosineLR with DeepSpeed's default log warmup, warmup_min_ratio 0
+    ("WarmupCosineLR", {"warmup_num_steps": 5, "total_num_steps": 20}, [
+        (0, 0.0),                         # log(1) = 0
+        (1, 0.0430676558073393),          # 0.1 * log(2) / log(5)
+        (3, 0.0861353116146786)]),        # 0.1 * log(4) / log(5)
+]
+
+
+@pytest.mark.parametrize("kind, params, expected", DEEPSPEED_VALUES,
+                         ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(DEEPSPEED_VALUES)])
+def test_schedules_give_deepspeeds_published_values(kind, params, expected):
+    values = SchedulerConfig(kind, tuple(params.items())).values
+    got = [(i, lr_at(kind, values, 0.1, i, 0.1)) for i, _ in expected]
+    assert got == [(i, pytest.approx(lr, rel=1e-12, abs=1e-15)) for i, lr in expected]
