@@ -12,7 +12,12 @@ directory) receives metrics.jsonl; ``job.env`` holds environment variables for t
 An empty value (YAML null, ``offload:`` with nothing after it) is the field left unset: its default applies,
 for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
 choice), true or false; offload with ``zero_stage: 0`` is refused. ``cluster.host_memory_gb`` (optional) is a node's host
-memory where the probes cannot measure it. Nothing here
+memory where the probes cannot measure it. The time model's facts (optional, where ``hybrid probe`` has
+not measured them): ``cluster.gpu`` (a GPU of ``hybrid.plan.hardware.GPUS``: ``H100``, ``A100-40GB``, an NVML
+name), ``cluster.gpu_tflops`` (its peak in the training precision), ``cluster.interconnect.intra_node_gbps``
+/ ``inter_node_gbps`` (line rate of one port, Gb/s, one direction) and ``nics_per_node``.
+``job.global_batch`` (optional) is the sequences per optimizer step over all DP ranks, which every layout the
+plan weighs keeps; without ``job.micro_batch`` beside it the plan chooses the micro-batch too. Nothing here
 contacts Ray. (Whether an embedded cluster fits on this machine is ``launch.ray.capacity``'s check, made
 before one is started.)
 """
@@ -47,6 +52,8 @@ MAX_GPU_MEMORY_GB = 100_000
 MAX_HOST_MEMORY_GB = 1_000_000
 MAX_STEPS = 10**12
 MAX_MICRO_BATCH = 1 << 20
+MAX_GPU_TFLOPS = 1e6
+MAX_LINK_GBPS = 1e6
 MAX_FAILURES = 1000
 COLLECTIVE_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
 PLACEMENT_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
@@ -68,6 +75,13 @@ class ClusterSpec:
     # Without GPUs, gpu_memory_gb is a planning figure; true makes it each rank's enforced memory budget too
     # (measured RSS growth above it is an out-of-memory error and a re-plan). On GPUs the budget is the GPU's.
     enforce_memory_budget: bool = False
+    # The time model's facts where no probe measured them (hybrid.plan.hardware): the GPU (a name of its
+    # table), its peak TFLOP/s, the links' line rates per port in Gb/s and the NICs of a node.
+    gpu: Optional[str] = None
+    gpu_tflops: Optional[float] = None
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+    nics_per_node: Optional[int] = None
 
     @property
     def is_local(self) -> bool:
@@ -101,6 +115,10 @@ class JobSpec:
     isolate_gpus: bool = False  # True: each rank sees only its own GPU (cuda:0); else the node's, cuda:LOCAL_RANK
     max_replans: int = 3  # out-of-memory re-plans (launch.planning.replan); they do not count against max_failures
     placement_timeout_s: float = 120.0  # how long Ray may take to reserve the nodes before the job fails
+    # Sequences per optimizer step over all DP ranks; None: micro_batch x DP at the default TP degree. With it,
+    # the plan chooses micro-batch x accumulation per layout (micro_batch_auto) unless micro_batch is given.
+    global_batch: Optional[int] = None
+    micro_batch_auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,7 +184,7 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
 def _cluster(d: dict) -> ClusterSpec:
     v.known_keys("cluster", d, ("address", "nodes", "gpus_per_node", "gpu_memory_gb", "interconnect",
                                 "connect_timeout_s", "host_memory_gb", "runtime_reserve_gb",
-                                "enforce_memory_budget"))
+                                "enforce_memory_budget", "gpu", "gpu_tflops"))
     address = check_address(v.required(d, "cluster", "address", ADDRESS_HELP))
     nodes = v.positive_int("cluster.nodes", v.required(d, "cluster", "nodes", "a whole number of nodes, at least 1"),
                            MAX_NODES)
@@ -180,7 +198,7 @@ def _cluster(d: dict) -> ClusterSpec:
                                MAX_GPU_MEMORY_GB, unit="GB")
     links = d.get("interconnect")
     links = {} if links is None else links
-    links = v.without_nulls(v.mapping("cluster.interconnect", links, ("intra_node", "inter_node"),
+    links = v.without_nulls(v.mapping("cluster.interconnect", links, ("intra_node", "inter_node") + LINK_RATES,
                                       example="{intra_node: nvlink, inter_node: infiniband}"))
     intra = v.one_of("cluster.interconnect.intra_node", links.get("intra_node", "unspecified"),
                      INTRA_NODE + ("unspecified",))
@@ -195,7 +213,32 @@ def _cluster(d: dict) -> ClusterSpec:
         need = f"a number from 0 to below cluster.gpu_memory_gb ({memory:g} GB)"
         reserve = v.number("cluster.runtime_reserve_gb", reserve, 0, memory, hi_open=True, need=need)
     enforce = v.boolean("cluster.enforce_memory_budget", d.get("enforce_memory_budget", False))
-    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve, enforce)
+    return ClusterSpec(address, nodes, gpus, memory, intra, inter, connect, host, reserve, enforce,
+                       *_time_facts(d, links))
+
+
+LINK_RATES = ("intra_node_gbps", "inter_node_gbps", "nics_per_node")
+
+
+def _time_facts(d: dict, links: dict) -> tuple:
+    """``cluster.gpu``, ``cluster.gpu_tflops`` and the interconnect's rates, each checked (None where unset)."""
+    from hybrid.plan.hardware import GPU_ALIASES, gpu_spec
+
+    gpu = d.get("gpu")
+    if gpu is not None and (not isinstance(gpu, str) or gpu_spec(gpu) is None):
+        raise v.invalid("cluster.gpu", "a GPU the time model knows (" + ", ".join(sorted(GPU_ALIASES)) +
+                        ", or an NVML name such as 'NVIDIA H100 80GB HBM3'); for another, set cluster.gpu_tflops",
+                        gpu)
+    tflops = d.get("gpu_tflops")
+    if tflops is not None:
+        tflops = v.positive_number("cluster.gpu_tflops", tflops, MAX_GPU_TFLOPS, unit="TFLOP/s")
+    rates = [None if links.get(k) is None else
+             v.positive_number(f"cluster.interconnect.{k}", links[k], MAX_LINK_GBPS, unit="Gb/s")
+             for k in LINK_RATES[:2]]
+    nics = links.get("nics_per_node")
+    if nics is not None:
+        nics = v.positive_int("cluster.interconnect.nics_per_node", nics, MAX_GPUS_PER_NODE)
+    return gpu, tflops, rates[0], rates[1], nics
 
 
 def check_address(address: Any) -> str:
@@ -212,7 +255,7 @@ def check_address(address: Any) -> str:
 def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     v.known_keys("job", d, ("entrypoint", "config", "steps", "micro_batch", "checkpoint", "max_failures",
                             "collective_timeout_s", "seed", "run_dir", "working_dir", "env", "isolate_gpus",
-                            "max_replans", "placement_timeout_s"))
+                            "max_replans", "placement_timeout_s", "global_batch"))
     working_dir = _directory(d.get("working_dir", "."), "job.working_dir", base_dir)
     entrypoint = v.required(d, "job", "entrypoint", "module:function, e.g. hybrid.models.gpt:train")
     check_entrypoint(entrypoint, working_dir)
@@ -225,6 +268,9 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
                           "give the path of the model config YAML (relative to the cluster file).")
     steps = v.positive_int("job.steps", v.required(d, "job", "steps", "the number of training steps"), MAX_STEPS)
     micro_batch = v.positive_int("job.micro_batch", d.get("micro_batch", 8), MAX_MICRO_BATCH)
+    global_batch = d.get("global_batch")
+    if global_batch is not None:
+        global_batch = v.positive_int("job.global_batch", global_batch, MAX_MICRO_BATCH * MAX_WORLD_SIZE)
     max_failures = v.integer("job.max_failures", d.get("max_failures", 0), 0, MAX_FAILURES)
     max_replans = v.integer("job.max_replans", d.get("max_replans", 3), 0, MAX_FAILURES)
     seed = v.integer("job.seed", d.get("seed", 0), 0, v.MAX_SEED)
@@ -243,7 +289,8 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
     isolate_gpus = v.boolean("job.isolate_gpus", d.get("isolate_gpus", False))
     return JobSpec(entrypoint, config_path, steps, micro_batch, checkpoint, max_failures, timeout, seed,
                    run_dir, working_dir, _env(d.get("env")), isolate_gpus, max_replans=max_replans,
-                   placement_timeout_s=placement_timeout)
+                   placement_timeout_s=placement_timeout, global_batch=global_batch,
+                   micro_batch_auto=global_batch is not None and "micro_batch" not in d)
 
 
 def _directory(value: Any, name: str, base_dir: Path) -> Path:
