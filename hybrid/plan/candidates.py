@@ -8,8 +8,10 @@ paired with stage 0 (nothing sharded to move).
 
 ``rank(model, layouts, hw, memory)`` costs each (``hybrid.plan.cost.step_cost``) and sizes it
 (``memory(layout) -> hybrid.plan.planner.Option``, the planner's own rule); only layouts that fit are ever
-chosen: the fastest by tokens/s, or among those within ``TIE`` of it the one that needs the least memory
-per GPU (the same speed with more room). The ``Ranking`` carries every candidate, fitting ones first,
+chosen: the fastest by tokens/s; where others are within ``TIE`` of it (the same speed, as far as the model
+can tell), the memory-only choice (``baseline``) when it is one of them -- the guide's choice stands unless
+time says otherwise -- else the one with the fewest levers (no offload, then no activation checkpointing)
+and then the least memory per GPU. The ``Ranking`` carries every candidate, fitting ones first,
 fastest first, and one reason sentence that names the numbers: what the choice does differently from the
 memory-only choice (``baseline``), or, where they agree, from the runner-up.
 """
@@ -114,7 +116,11 @@ def rank(model: ModelShape, candidates: Sequence[Layout], hw: Hardware, memory: 
         return Ranking(ordered, None, base, global_batch, "no layout fits the memory")
     fastest = fitting[0].cost.tokens_per_s
     ties = [c for c in fitting if c.cost.tokens_per_s >= fastest * (1 - TIE)]
-    chosen = min(ties, key=lambda c: (c.device_bytes, ties.index(c)))
+    if base is not None and base in ties:
+        chosen = base
+    else:
+        chosen = min(ties, key=lambda c: (c.layout.offload, c.layout.activation_checkpointing, c.device_bytes,
+                                          ties.index(c)))
     return Ranking(ordered, chosen, base, global_batch, reason(chosen, base, fitting))
 
 
@@ -122,24 +128,25 @@ def rank(model: ModelShape, candidates: Sequence[Layout], hw: Hardware, memory: 
 
 
 def reason(chosen: Candidate, baseline: Optional[Candidate], fitting: list) -> str:
-    """One sentence naming the numbers: the choice against the memory-only one, or against the runner-up."""
+    """One sentence naming the numbers: the choice against the memory-only one, or, where they are the same
+    layout, against the fastest other one."""
     c = chosen.cost
+    rest = [x for x in fitting if x.layout != chosen.layout]
     if baseline is not None and baseline.layout != chosen.layout:
         other, against = baseline, "the memory-only choice"
+    elif not rest:
+        return f"{describe(chosen.layout)}: the only layout that fits, {_rate(c)} ({_ms(c.step_s)} per step)"
     else:
-        rest = [x for x in fitting if x.layout != chosen.layout]
-        if not rest:
-            return (f"{describe(chosen.layout)}: the only layout that fits, {_rate(c)} predicted "
-                    f"({_ms(c.step_s)} per step)")
-        other, against = rest[0], "the runner-up"
+        other = rest[0]
+        if other.cost.tokens_per_s >= c.tokens_per_s:  # kept within the tie: the guide's or the leaner one
+            why = ("the memory-only choice, kept" if baseline is not None else "the fewest levers and least memory")
+            return (f"{describe(chosen.layout)}: {why}: {describe(other.layout)} predicts "
+                    f"{other.cost.tokens_per_s / c.tokens_per_s:.3f}x its {_rate(c)}, within the {TIE:.0%} the "
+                    f"model cannot tell apart ({differences(other, chosen)})")
+        against = "the memory-only choice, also the fastest; next" if baseline is not None else "the runner-up"
     ratio = c.tokens_per_s / other.cost.tokens_per_s
-    why = differences(chosen, other)
-    tie = ""
-    if ratio < 1 + TIE:
-        tie = (f"; within {TIE:.0%} of it, so the one that needs less memory ({human_bytes(chosen.device_bytes)} "
-               f"instead of {human_bytes(other.device_bytes)} per GPU)")
-    return (f"{describe(chosen.layout)} over {against} ({describe(other.layout)}): {why}: step "
-            f"{_ms(other.cost.step_s)} -> {_ms(c.step_s)}, {ratio:.2f}x tokens/s ({_rate(c)}){tie}")
+    return (f"{describe(chosen.layout)} over {against} ({describe(other.layout)}): {differences(chosen, other)}: "
+            f"step {_ms(other.cost.step_s)} -> {_ms(c.step_s)}, {ratio:.2f}x tokens/s ({_rate(c)})")
 
 
 def differences(a: Candidate, b: Candidate) -> str:

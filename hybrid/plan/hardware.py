@@ -145,7 +145,8 @@ LINK_EFFICIENCY = 0.8
 class Efficiency:
     compute: float         # of the datasheet peak: what a transformer's whole step reaches in matmuls
     compute_measured: float  # of a probed large matmul's rate (the rest: small matmuls, norms, softmax)
-    overlap: float         # fraction of the overlappable traffic that hides behind compute
+    overlap: float         # fraction of the overlappable traffic that hides behind compute (GPUs)
+    overlap_cpu: float     # the same for CPU ranks
     host_adam: float       # parameters per second one host core steps with fused AdamW (offload)
 
 
@@ -161,6 +162,9 @@ EFFICIENCY = Efficiency(
     # paper, Zhao et al. 2023, fig. 7: backward prefetch ~ no exposed all-gather); 0.8 leaves a margin
     # for the last bucket and stream contention.
     overlap=0.8,
+    # CPU ranks: hybrid.comm.shm copies in the calling thread (the collective returns done) and gloo's worker
+    # threads share the rank's one core with its compute, so nothing hides.
+    overlap_cpu=0.0,
     # hybrid.zero.optimizer: fused AdamW over 4.3M fp32 elements took 9.2 ms on one core (~470M/s).
     host_adam=4.7e8,
 )
@@ -240,8 +244,9 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
     if device == "cpu":  # the host is the device: one core steps the optimizer either way
         host_rate = optimizer_rate = EFFICIENCY.host_adam if not probe or not probe.get("optimizer_rate") \
             else optimizer_rate
+    overlap = EFFICIENCY.overlap_cpu if device == "cpu" else EFFICIENCY.overlap
     return Hardware(device or gpu.name, peak, efficiency, optimizer_rate, intra_link, inter_link, pcie, host_rate,
-                    EFFICIENCY.overlap, tuple(sources))
+                    overlap, tuple(sources))
 
 
 def _probed(probe: dict, precision: str, peak, efficiency, optimizer_rate, intra, inter, peak_declared: bool):

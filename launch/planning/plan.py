@@ -16,7 +16,8 @@ each TP degree that splits the model (``tp_options``; only ``parallel.tp`` when 
 micro-batch x accumulation keeping the global batch -- is costed (``hybrid.plan.cost``) and sized by the
 planner's rule, and the fastest that fits is the plan: its TP degree makes the mesh, its stage and levers the
 ``Plan`` (``choose_stage`` at that stage and levers, with the ranking's reason), its micro-batch and
-accumulation the ranks' (``LaunchPlan.micro_batch``, ``accumulation``). Where nothing is costed (another
+accumulation the ranks' (``LaunchPlan.micro_batch``, ``accumulation``); where it is the memory-only choice
+the memory guide's plan and reason stand, and the ranking says why it is also the fastest. Where nothing is costed (another
 model) or nothing fits, the memory-only choice at the default TP degree stands, as before. ``probe`` (a
 ``probe.json``), ``calibration`` and ``extra_bytes`` (``hybrid plan --measured``) feed the ranking.
 
@@ -91,6 +92,8 @@ class LaunchPlan:
     micro_batch: Optional[int] = None  # per micro-step and DP rank; None: job.micro_batch
     accumulation: int = 1  # micro-steps per optimizer step
     time: Optional[time_plan.TimeModel] = field(default=None, compare=False, repr=False)
+    # choose_stage at the default TP degree and the job's micro-batch: what memory alone picks (None: nothing fits)
+    memory_plan: Optional[Plan] = field(default=None, compare=False, repr=False)
 
     @property
     def stage(self) -> int:
@@ -149,9 +152,10 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     tm = time_plan.rank_layouts(spec, facts, tp_options(parallel.tp, cluster.gpus_per_node, facts, tp), baseline,
                                 memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes)
     chosen = tm.chosen.layout if tm.chosen is not None else None
+    memory_only = plan
     if chosen is None and plan is None:
         raise refusal
-    if chosen is not None:
+    if chosen is not None and chosen != baseline:  # time changed the layout: its reason is the plan's
         if chosen.tp != layout.tp:
             tp_reason = (f"tp {chosen.tp}: the fastest layout that fits (the default, {tp_reason}, is "
                          f"{_slower(tm, layout.tp)})")
@@ -161,7 +165,7 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
                                    reason=tm.ranking.reason)
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
                       facts.source, host_note, facts.tensor_parallel, facts.module, micro_batch=micro,
-                      accumulation=accumulation, time=tm)
+                      accumulation=accumulation, time=tm, memory_plan=memory_only)
 
 
 def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_batch: int, memory: float,
@@ -328,6 +332,9 @@ def plan_dict(lp: LaunchPlan) -> dict:
         "requested_offload": _lever(par.offload), "requested_activation_checkpointing":
             _lever(par.activation_checkpointing),
         "backend": lp.backend,
+        "batch": {"micro_batch": lp.micro_batch, "accumulation": lp.accumulation,
+                  "global_batch": lp.rows * lp.layout.dp},
+        "time": time_plan.time_dict(lp.time) if lp.time is not None else None,
     }
 
 
@@ -370,6 +377,13 @@ def format_plan(lp: LaunchPlan) -> str:
                  f"(parallel.activation_checkpointing: {_yaml(par.activation_checkpointing)}), optimizer offload "
                  f"{_on(p.offload)} (parallel.offload: {_yaml(par.offload)})")
     lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
+    lines.append(f"batch   micro-batch {lp.micro_batch} x {lp.accumulation} accumulation per DP rank = global batch "
+                 f"{lp.rows * layout.dp} sequences per step" + ("" if par.tp is not None or lp.time is None else
+                                                                   "; TP degree, stage, levers and micro-batch "
+                                                                   "weighed by time below"))
+    if lp.time is not None:
+        lines += time_plan.time_lines(lp.time, with_reason=lp.time.ranking is not None and
+                                      lp.plan.reason != lp.time.ranking.reason)
     return "\n".join(lines)
 
 

@@ -153,13 +153,18 @@ HEADER = (f"  {'layout':<24}{'mem/GPU':>10}{'compute':>9}{'TP':>8}{'DP':>8}{'off
           f"{'exposed':>9}{'step':>9}{'tokens/s':>12}{'MFU':>6}")
 
 
-def time_lines(tm: TimeModel, chosen_layout: Optional[Layout] = None) -> list[str]:
+def time_lines(tm: TimeModel, with_reason: bool = True) -> list[str]:
     """The top candidates as a table (each cost term in ms), the chosen and the memory-only ones marked, and
-    the reason; or the one line saying why there is no time model."""
+    (``with_reason``) the reason; or the one line saying why there is no time model."""
     if tm.ranking is None:
         return [f"time    {tm.note}"]
-    r = tm.ranking
-    lines = [f"time    global batch {r.global_batch} sequences per step; {tm.note}", HEADER]
+    return ranking_lines(tm.ranking, tm.hardware, f"global batch {tm.ranking.global_batch} sequences per step; "
+                                                  f"{tm.note}", with_reason)
+
+
+def ranking_lines(r: Ranking, hw: Hardware, head: str, with_reason: bool = True) -> list[str]:
+    """``time_lines`` of a ranking (``hybrid estimate --time`` prints it too)."""
+    lines = [f"time    {head}", HEADER]
     for cand in r.top():
         c = cand.cost
         marks = [m for on, m in ((cand is r.chosen, "chosen"), (cand is r.baseline, "memory-only")) if on]
@@ -170,23 +175,26 @@ def time_lines(tm: TimeModel, chosen_layout: Optional[Layout] = None) -> list[st
     fitting, tried = len(r.fitting), len(r.candidates)
     lines.append(f"  ({fitting} of {tried} layouts fit; layout: TP degree, ZeRO stage, micro-batch x accumulation, "
                  f"AC, offload; times in ms per step and GPU, MFU of "
-                 f"{'the measured matmul rate' if tm.hardware.device == 'cpu' else 'the peak'})")
-    if r.chosen is not None:
+                 f"{'the measured matmul rate' if hw.device == 'cpu' else 'the peak'})")
+    if r.chosen is not None and with_reason:
         lines.append(f"choice  {r.reason}")
     return lines
 
 
 def _ms(seconds: float) -> str:
     ms = seconds * 1e3
-    return "-" if ms == 0 else f"{ms:.3g}" if ms < 1e4 else f"{ms:.0f}"
+    return "-" if ms == 0 else f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
 def time_dict(tm: TimeModel) -> dict:
     """``hybrid plan --json``'s ``time``: the note, the hardware figures, the chosen and top candidates."""
     if tm.ranking is None:
         return {"note": tm.note}
-    r, hw = tm.ranking, tm.hardware
-    return {"note": tm.note, "global_batch": r.global_batch, "reason": r.reason, "calibration": tm.calibration,
+    return {"note": tm.note, "calibration": tm.calibration, **ranking_dict(tm.ranking, tm.hardware)}
+
+
+def ranking_dict(r: Ranking, hw: Hardware) -> dict:
+    return {"global_batch": r.global_batch, "reason": r.reason,
             "hardware": {"device": hw.device, "peak_flops": hw.peak_flops, "compute_efficiency": hw.compute_efficiency,
                          "optimizer_rate": hw.optimizer_rate, "intra_bandwidth": hw.intra.bandwidth,
                          "intra_latency": hw.intra.latency, "inter_bandwidth": hw.inter.bandwidth,
