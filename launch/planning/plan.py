@@ -140,10 +140,14 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
         use_gpus, memory, source, note = _memory_from_probes(spec, reports)
     host, host_note = host_memory(spec, reports)
     batch = time_plan.global_batch(spec, layout.dp)
-    micro, accumulation = time_plan.split_at(spec, layout.dp, batch)
-    plan, refusal = None, None
+    plan, refusal, micro, accumulation = None, None, None, 1
     try:  # the memory-only choice at the default TP degree: the baseline, and the plan where time is not known
+        micro, accumulation = time_plan.split_at(spec, layout.dp, batch)
         plan = _memory_plan(spec, facts, layout, micro, memory, host)
+    except ConfigError as err:  # the global batch does not split at the default TP degree: another may take it
+        if facts.shape is None:
+            raise
+        refusal = err
     except PlanError as err:
         refusal = err
     baseline = None if plan is None else Layout(
