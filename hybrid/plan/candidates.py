@@ -142,7 +142,7 @@ def reason(chosen: Candidate, baseline: Optional[Candidate], fitting: list) -> s
             why = ("the memory-only choice, kept" if baseline is not None else "the fewest levers and least memory")
             return (f"{describe(chosen.layout)}: {why}: {describe(other.layout)} predicts "
                     f"{other.cost.tokens_per_s / c.tokens_per_s:.3f}x its {_rate(c)}, within the {TIE:.0%} the "
-                    f"model cannot tell apart ({differences(other, chosen)})")
+                    f"model cannot tell apart; it differs by {differences(other, chosen)}")
         against = "the memory-only choice, also the fastest; next" if baseline is not None else "the runner-up"
     ratio = c.tokens_per_s / other.cost.tokens_per_s
     return (f"{describe(chosen.layout)} over {against} ({describe(other.layout)}): {differences(chosen, other)}: "
@@ -154,14 +154,14 @@ def differences(a: Candidate, b: Candidate) -> str:
     la, lb, ca, cb = a.layout, b.layout, a.cost, b.cost
     parts = []
     if la.tp != lb.tp:
-        parts.append(f"tp {lb.tp} -> {la.tp} (TP traffic {_ms(cb.tp_s)} -> {_ms(ca.tp_s)}, compute "
-                     f"{_ms(cb.compute_s)} -> {_ms(ca.compute_s)})")
+        parts.append(f"tp {lb.tp} -> {la.tp}: TP traffic {_ms(cb.tp_s)} -> {_ms(ca.tp_s)}, compute "
+                     f"{_ms(cb.compute_s)} -> {_ms(ca.compute_s)}")
     if la.stage != lb.stage:
         traffic = ca.dp_bytes / cb.dp_bytes if cb.dp_bytes and la.tp == lb.tp else None
         what = ("same traffic" if traffic is not None and abs(traffic - 1) < 0.01 else
                 f"{traffic:.2g}x the traffic" if traffic else "DP traffic")
-        parts.append(f"stage {lb.stage} -> {la.stage} ({what} {_ms(cb.dp_s)} -> {_ms(ca.dp_s)}, exposed "
-                     f"{_ms(cb.exposed_s)} -> {_ms(ca.exposed_s)})")
+        parts.append(f"stage {lb.stage} -> {la.stage}: {what} {_ms(cb.dp_s)} -> {_ms(ca.dp_s)}, exposed "
+                     f"{_ms(cb.exposed_s)} -> {_ms(ca.exposed_s)}")
     if la.micro_batch != lb.micro_batch:
         freed = b.device_bytes - a.device_bytes
         room = f"the freed {human_bytes(freed)} takes" if freed > 0 and la.micro_batch > lb.micro_batch else "with"

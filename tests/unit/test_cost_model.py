@@ -248,7 +248,7 @@ def test_the_memory_only_choice_stands_within_the_tie_and_the_reason_names_numbe
                  _memory_of(80e9), baseline=Layout(16, 8, 8, 1, 1, 8, False, False, "bf16"))
     assert other.chosen.layout.tp == 1  # 8x the compute per GPU but no TP traffic and 1/8 of the exposed DP
     assert other.reason.startswith("tp 1, stage 1, micro-batch 1 over the memory-only choice (tp 8, stage 1, "
-                                   "micro-batch 1 x 8): tp 8 -> 1 (TP traffic ")
+                                   "micro-batch 1 x 8): tp 8 -> 1: TP traffic ")
     assert "x tokens/s" in other.reason and " ms -> " in other.reason
 
 

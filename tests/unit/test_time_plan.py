@@ -5,6 +5,7 @@ and fixed choices, the probe's figures (fitting a line through two sizes), the c
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,41 @@ def test_the_re_plan_ladder_is_ordered_by_predicted_time():
     times = [replan.predicted_cost(lp, c).step_s for c in ordered]
     for i, t in enumerate(times):  # each is within the tie of the fastest of those left
         assert t <= min(times[i:]) * 1.01 + 1e-12
+
+
+# -------------------------------------------------------------------------------------- estimate --time
+
+def _estimate(capsys, *argv):
+    from launch.cli import main
+
+    code = main(["estimate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+MPT7B = ["--params", "6.66B", "--gpus", "8", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "2048",
+         "--micro-batch", "6", "--vocab", "50368", "--global-batch", "48"]
+
+
+def test_estimate_time_ranks_a_cluster_not_yet_booked(capsys):
+    code, out, err = _estimate(capsys, *MPT7B, "--time")
+    assert code == 0 and err == "", err
+    assert "  layout " in out and "<- chosen" in out and "nodes of 8 GPUs (--gpus-per-node not given" in out
+    fastest = re.search(r"^Fastest: tp (\d+), stage (\d).*: ([\d,]+) tokens/s per GPU .*MFU ([\d.]+)%$", out, re.M)
+    assert fastest and 5_000 < int(fastest.group(3).replace(",", "")) < 20_000 and 20 < float(fastest.group(4)) < 60
+    code, out, _ = _estimate(capsys, *MPT7B, "--time", "--json")
+    doc = json.loads(out)
+    assert doc["time"]["chosen"]["fits"] and doc["time"]["global_batch"] == 48
+    assert {c["micro_batch"] * c["accumulation"] * c["dp"] for c in doc["time"]["candidates"]} == {48}
+    slower = json.loads(_estimate(capsys, *MPT7B, "--time", "--json", "--inter-gbps", "25", "--gpus", "16")[1])
+    assert slower["time"]["hardware"]["inter_bandwidth"] < doc["time"]["hardware"]["inter_bandwidth"]
+
+
+@pytest.mark.parametrize("extra, field", [(["--gpu", "K80"], "--gpu"), (["--gpu-tflops", "-1"], "--gpu-tflops"),
+                                          (["--global-batch", "0"], "--global-batch"),
+                                          (["--nics-per-node", "0"], "--nics-per-node")])
+def test_estimate_time_refuses_bad_options_in_one_sentence(capsys, extra, field):
+    code, _, err = _estimate(capsys, *MPT7B, "--time", *extra)
+    assert code == 2 and err.startswith(f"error: {field}") and err.count("\n") == 1, err
+    code, _, err = _estimate(capsys, "--params", "7B", "--gpus", "8", "--time")
+    assert code == 2 and "--time needs the model's shape" in err
