@@ -148,13 +148,14 @@ def verdict(rows: list) -> dict:
             "passed": all(within) and rho >= MIN_SPEARMAN}
 
 
-def markdown(result: dict, check: dict, command: str) -> str:
+def markdown(result: dict, check: dict, command: str, quick: bool = False) -> str:
     p = result["probe"]
     intra, inter = p.get("intra") or {}, p.get("inter") or {}
     lines = [SECTION, "",
              f"- Command: `{command}`, {result['minutes']:.1f} min in all",
              f"- Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), Linux "
-             f"{platform.release()}, Python {platform.python_version()}",
+             f"{platform.release()}, Python {platform.python_version()}; load average at the end "
+             f"{os.getloadavg()[0]:.1f} (timings need a quiet machine: other jobs share the cores and the probe)",
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Cluster: local, {result['nodes']} nodes x {result['per_node']} ranks, gloo on CPU, fp32; GPT "
              f"{MODEL}; global batch 16 sequences in every layout; each layout one `hybrid launch` with its choices "
@@ -165,7 +166,9 @@ def markdown(result: dict, check: dict, command: str) -> str:
              f"{inter.get('latency', 0) * 1e6:.0f} us",
              "- measured: median step time of the slowest rank over the steps after the first 3 "
              "(`launch.job.metrics.measured_step_s`); calibrated: every prediction scaled by the first layout's "
-             "measured / predicted (what one run tells `hybrid plan --measured`)", "",
+             "measured / predicted (what one run tells `hybrid plan --measured`)",
+             *(["- **A short run (`--quick`: 3 layouts, 6 steps) that checks the script, not the model**; the "
+                "acceptance run is the full one (24 layouts, 15 steps) on a quiet machine", ""] if quick else [""]),
              "| layout | compute ms | TP ms | DP ms | optim ms | predicted ms | measured ms | measured / predicted "
              "| within 30% | calibrated ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -204,9 +207,9 @@ def main(argv=None) -> int:
     result = run(args)
     check = verdict(result["rows"])
     command = "python bench/time_model.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    text = markdown(result, check, command.strip())
+    text = markdown(result, check, command.strip(), args.quick)
     print(text)
-    out = args.out or (None if args.quick else str(Path(__file__).with_name("RESULTS.md")))
+    out = args.out or (None if args.quick else str(Path(__file__).with_name("RESULTS.md")))  # --quick --out X: X
     if out:
         write_section(Path(out), text)
     return 0 if check["passed"] or args.quick else 1

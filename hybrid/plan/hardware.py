@@ -156,7 +156,8 @@ EFFICIENCY = Efficiency(
     # half the datasheet peak is what tuned transformer training gets from its matmuls.
     compute=0.5,
     # A whole step against one large matmul on the same device: small matmuls, layer norms, softmax, the
-    # loss and Python overhead; 0.7 on the bench's CPU GPTs (bench/RESULTS.md).
+    # loss and Python overhead. The bench's 4M GPT (bench/time_model.py's) did forward + backward at 0.5-0.8 of
+    # a 1024^3 fp32 matmul's rate on one core of the 2-core Xeon (micro-batches 2-8, a busy machine): 0.7.
     compute_measured=0.7,
     # Bucketed reduce-scatter in backward and stage-3 prefetch hide most of their traffic (PyTorch FSDP
     # paper, Zhao et al. 2023, fig. 7: backward prefetch ~ no exposed all-gather); 0.8 leaves a margin

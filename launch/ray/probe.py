@@ -5,6 +5,10 @@
 ``probe_nodes()`` returns one ``NodeReport`` per alive Ray node (node id, IP, logical CPU/GPU counts,
 the ``NodeProbe`` NVML gave, or its reason for giving nothing, and the host memory, None where unknown).
 The tasks take no CPU, so they run even where ranks already hold every CPU.
+
+``hybrid probe`` (below: ``measure_rank`` on every rank actor, ``summarize``, ``run_probe``, ``write_probe``,
+``read_probe``) measures the links and compute rates the time model otherwise takes from its tables and
+writes them to ``run_dir/probe.json``.
 """
 
 from __future__ import annotations
