@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
+from hybrid.config.stage_policy import policy_for
 from hybrid.config.units import human_bytes
 from hybrid.plan.cost import DEFAULT_BUCKET_NUMEL, Hardware, Layout, ModelShape, StepCost, step_cost
 
@@ -97,7 +98,7 @@ def layouts(nodes: int, gpus_per_node: int, precision: str, tps: Iterable[int], 
             for stage in stages:
                 for ac in checkpointing:
                     for off in offloads:
-                        if off and stage == 0:
+                        if off and not policy_for(stage).shard_optimizer:  # nothing sharded to move
                             continue
                         out.append(Layout(nodes, gpus_per_node, tp, stage, b, k, ac, off, precision))
     return out

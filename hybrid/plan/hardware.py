@@ -230,7 +230,7 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
     intra_link = Link(intra_bw * LINK_EFFICIENCY, intra_spec.latency, intra_source)
     inter_link = Link(inter_bw * ports * LINK_EFFICIENCY, inter_spec.latency,
                       f"{ports} x {inter_bw * 8 / GB:g} Gb/s: {inter_source}")
-    pcie = Link(gpu.pcie * LINK_EFFICIENCY, 10e-6, gpu.source)
+    pcie = Link(gpu.pcie * LINK_EFFICIENCY, LINKS["pcie"].latency, gpu.source)
     if probe:
         peak, efficiency, optimizer_rate, intra_link, inter_link, measured = _probed(
             probe, precision, peak, efficiency, optimizer_rate, intra_link, inter_link, gpu_tflops is not None)
