@@ -1,4 +1,4 @@
-"""The ``hybrid`` command line: ``estimate``, ``plan``, ``launch``, ``monitor``, ``checkpoint``, ``data``.
+"""The ``hybrid`` command line: ``estimate``, ``plan``, ``probe``, ``launch``, ``monitor``, ``checkpoint``, ``data``.
 
 Each command lives in its own module under ``launch/commands/`` and is registered here. ``main`` returns
 the process's exit status: 0 success, 1 the job failed (a command raised ``click.exceptions.Exit(1)``),

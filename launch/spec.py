@@ -18,7 +18,13 @@ for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` 
 choice), true or false; offload with ``zero_stage: 0`` is refused. ``parallel.tp_plan`` (optional) is a TP
 plan for a model without TP layers (``hybrid.config.tp_plan``: module-name patterns -> styles), checked here
 as text; ``launch.planning.model_size`` checks it against the model. ``cluster.host_memory_gb`` (optional) is a
-node's host memory where the probes cannot measure it. Nothing here contacts Ray. (Whether an embedded
+node's host memory where the probes cannot measure it. The time model's facts (optional, where ``hybrid
+probe`` has not measured them): ``cluster.gpu`` (a GPU of ``hybrid.plan.hardware.GPUS``: ``H100``,
+``A100-40GB``, an NVML name), ``cluster.gpu_tflops`` (its peak in the training precision),
+``cluster.interconnect.intra_node_gbps`` / ``inter_node_gbps`` (line rate of one port, Gb/s, one direction) and
+``nics_per_node``. ``job.global_batch`` (optional) is the sequences per optimizer step over all DP ranks, which
+every layout the plan weighs keeps; without ``job.micro_batch`` beside it the plan chooses the micro-batch too
+(``JobSpec.micro_batch_auto``). Nothing here contacts Ray. (Whether an embedded
 cluster fits on this machine is ``launch.ray.capacity``'s check, made before one is started.)
 """
 
@@ -57,6 +63,8 @@ MAX_GPU_MEMORY_GB = 100_000
 MAX_HOST_MEMORY_GB = 1_000_000
 MAX_STEPS = 10**12
 MAX_MICRO_BATCH = 1 << 20
+MAX_GPU_TFLOPS = 1e6
+MAX_LINK_GBPS = 1e6
 MAX_FAILURES = 1000
 COLLECTIVE_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
 PLACEMENT_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
@@ -72,6 +80,16 @@ def _address(path: str, address: Any) -> str:
         if host and port.isdigit() and 1 <= int(port) <= 65535 and "/" not in host:
             return address
     raise v.invalid(path, ADDRESS_HELP + " with a port from 1 to 65535", address)
+
+
+def _gpu(path: str, value: Any) -> str:
+    """A GPU the time model's table knows (``hybrid.plan.hardware``), by its short or NVML name."""
+    from hybrid.plan.hardware import GPU_ALIASES, gpu_spec
+
+    if not isinstance(value, str) or gpu_spec(value) is None:
+        raise v.invalid(path, "a GPU the time model knows (" + ", ".join(sorted(GPU_ALIASES)) + ", or an NVML "
+                        "name such as 'NVIDIA H100 80GB HBM3'); for another, set cluster.gpu_tflops", value)
+    return value
 
 
 def _seconds(bounds: tuple) -> Check:
@@ -102,6 +120,18 @@ class ClusterSpec(Section):
     enforce_memory_budget: bool = setting(
         False, v.boolean, help="without GPUs, make gpu_memory_gb each rank's enforced memory budget (measured RSS "
                                "growth above it is an out-of-memory error and a re-plan); on GPUs it is the GPU's")
+    # The time model's facts where no probe measured them (hybrid.plan.hardware)
+    gpu: Optional[str] = setting(None, _gpu, help="a GPU of the time model's table (H100, A100-40GB, or an NVML name)")
+    gpu_tflops: Optional[float] = setting(None, partial(v.positive_number, hi=MAX_GPU_TFLOPS, unit="TFLOP/s"),
+                                          help="the GPU's peak TFLOP/s in the training precision")
+    intra_node_gbps: Optional[float] = setting(None, partial(v.positive_number, hi=MAX_LINK_GBPS, unit="Gb/s"),
+                                               key="interconnect.intra_node_gbps",
+                                               help="line rate of one intra-node port, Gb/s, one direction")
+    inter_node_gbps: Optional[float] = setting(None, partial(v.positive_number, hi=MAX_LINK_GBPS, unit="Gb/s"),
+                                               key="interconnect.inter_node_gbps",
+                                               help="line rate of one inter-node NIC, Gb/s, one direction")
+    nics_per_node: Optional[int] = setting(None, partial(v.positive_int, hi=MAX_GPUS_PER_NODE),
+                                           key="interconnect.nics_per_node", help="inter-node NICs of one node")
 
     def _check_together(self, where: Where) -> None:
         nodes, gpus = self.nodes, self.gpus_per_node
@@ -182,6 +212,11 @@ class JobSpec(Section):
                                help="out-of-memory re-plans (launch.planning.replan), not counted as failures")
     placement_timeout_s: float = setting(120.0, _seconds(PLACEMENT_TIMEOUT_S),
                                          help="how long Ray may take to reserve the nodes before the job fails")
+    global_batch: Optional[int] = setting(None, partial(v.positive_int, hi=MAX_MICRO_BATCH * MAX_WORLD_SIZE),
+                                          help="sequences per optimizer step over all DP ranks, kept by every "
+                                               "layout the plan weighs; unset: micro_batch x DP")
+    micro_batch_auto: bool = setting(False, v.boolean, derived=True,
+                                     help="the plan chooses micro_batch (job.global_batch given without it)")
 
 
 def _tp(path: str, value: Any) -> Optional[int]:
@@ -290,6 +325,7 @@ def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
         run_dir = _resolve(v.text("job.run_dir", run_dir, "a directory path for metrics and logs"), base_dir,
                            "job.run_dir")
     values["run_dir"] = run_dir or values["checkpoint"].dir or Path.cwd() / "runs" / name
+    values["micro_batch_auto"] = values.get("global_batch") is not None and "micro_batch" not in values
     job = JobSpec(**values, where=where)
     check_entrypoint(job.entrypoint, job.working_dir)
     check_writable_dir(job.run_dir, "job.run_dir", only_if_here=not local)  # the driver writes metrics there

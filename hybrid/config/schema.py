@@ -26,7 +26,8 @@ From that one declaration come the four things that used to restate it:
   the ``Where`` they were written at; ``read`` then constructs, so a file's values are checked by the
   constructor, once;
 - ``defaults(cls)``: the defaults, as a dict;
-- ``echo(obj)``: the section in the spelling a user writes (``auto`` for unset levers, paths as text).
+- ``echo(obj)``: the section in the spelling a user writes (``auto`` for unset levers, unset optional fields
+  left out, paths as text).
 
 Plain dataclasses and not pydantic: the checks are ``hybrid.config.validate``'s, whose one-sentence errors
 (``<path> must be <what>, got <value>.``, with the YAML and ``auto`` hints) tests and users rely on; pydantic
@@ -71,6 +72,7 @@ class Setting:
     key: Optional[str] = None
     yaml_number: bool = False
     auto: bool = False
+    derived: bool = False  # set by the section's reader from what was written, never a key of its own
 
 
 _METADATA = "hybrid.setting"
@@ -78,9 +80,11 @@ _METADATA = "hybrid.setting"
 
 def setting(default: Any = MISSING, check: Optional[Check] = None, *, factory: Any = MISSING, help: str = "",
             deepspeed: Optional[str] = None, aliases: Iterable[str] = (), deepspeed_default: Any = UNSET,
-            key: Optional[str] = None, yaml_number: bool = False, auto: bool = False):
-    """A dataclass field with its default (``default``, or ``factory()``; neither: required) and its ``Setting``."""
-    meta = {_METADATA: Setting(check, help, deepspeed, tuple(aliases), deepspeed_default, key, yaml_number, auto)}
+            key: Optional[str] = None, yaml_number: bool = False, auto: bool = False, derived: bool = False):
+    """A dataclass field with its default (``default``, or ``factory()``; neither: required) and its ``Setting``;
+    ``derived``: a fact the section's reader derives from what the user wrote (no key of its own)."""
+    meta = {_METADATA: Setting(check, help, deepspeed, tuple(aliases), deepspeed_default, key, yaml_number, auto,
+                               derived)}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -185,6 +189,8 @@ def keys(cls, also: Iterable[str] = ()) -> list:
     out: list = []
     for f in fields(cls):
         s = _setting(f)
+        if s.derived:
+            continue
         for name in ((s.key or f.name).split(".")[0], s.deepspeed, *s.aliases):
             if name and name not in out:
                 out.append(name)
@@ -210,6 +216,8 @@ def spelled(cls, section: Any, where: str = "", *, also: Iterable[str] = (), exa
     paths: dict = {}
     for f in fields(cls):
         s = _setting(f)
+        if s.derived:
+            continue
         found = _found(d, f.name, s, where, nested, examples or {}, nulls_unset)
         if len(found) > 1:
             names = " and ".join(v.join(where, key) for key, _ in found)
@@ -274,8 +282,12 @@ def echo(obj) -> dict:
     out: dict = {}
     for f in fields(obj):
         s = _setting(f)
+        if s.derived:
+            continue
         value = getattr(obj, f.name)
-        if value is None and s.auto:
+        if value is None and not s.auto:
+            continue  # an optional field left unset is not written
+        if value is None:
             value = "auto"
         elif isinstance(value, Section):
             value = echo(value)

@@ -394,3 +394,29 @@ def _forced(stage, offload, ac_lever, base_ac, attempt, plan, budget, host_usabl
     if chosen.offload:
         reason += f"; {_host_text(chosen, ranks_per_node, host_usable)}"
     return plan(chosen, reason)
+
+
+def layout_option(params: int, dp: int, tp: int, stage: int, gpu_memory_bytes: float,
+                  precision: str = DEFAULT_PRECISION, activation_bytes: float = 0.0, headroom: float = 0.1, *,
+                  activation_checkpointing: bool = False, offload: bool = False,
+                  host_memory_bytes: float | None = None, ranks_per_node: int = 1,
+                  extra_bytes: float = 0.0) -> Option:
+    """One option with its bytes and whether it fits, by ``choose_stage``'s rule (model states on the GPU plus
+    ``activation_bytes``, the estimate of this option's micro-batch and checkpointing, plus ``extra_bytes``
+    a run measured beyond its prediction, within ``gpu_memory_bytes · (1 − headroom)``; with offload, a
+    node's host shares within its host memory when known). The time-aware search
+    (``hybrid.plan.candidates``) asks it for every layout it ranks."""
+    from hybrid.plan.memory import model_state_bytes
+
+    usable = _usable(gpu_memory_bytes, headroom)
+    acts = Fraction(activation_bytes) + Fraction(extra_bytes)
+    if offload:
+        split = offload_bytes(params, dp, stage, tp, precision)
+        device, host = Fraction(split.device) + acts, Fraction(split.host)
+        host_fits = None if host_memory_bytes is None else \
+            host * ranks_per_node <= _usable(host_memory_bytes, headroom)
+    else:
+        device = Fraction(model_state_bytes(params, dp, stage, tp, precision).total) + acts
+        host, host_fits = Fraction(0), None
+    return Option(stage, activation_checkpointing, offload, float(device), float(host),
+                  device <= usable and host_fits is not False, host_fits)

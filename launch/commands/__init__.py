@@ -6,5 +6,6 @@ from launch.commands.estimate import estimate
 from launch.commands.launch import launch_command
 from launch.commands.monitor import monitor
 from launch.commands.plan import plan_command
+from launch.commands.probe import probe_command
 
-ALL_COMMANDS: list = [estimate, plan_command, launch_command, monitor, checkpoint_group, data_group]
+ALL_COMMANDS: list = [estimate, plan_command, probe_command, launch_command, monitor, checkpoint_group, data_group]

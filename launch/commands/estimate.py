@@ -20,6 +20,12 @@ and ``--tp`` what ``GPTConfig.check_tp`` splits (the heads, the MLP width and, w
 ``--gpus-per-node`` is the node size: the ranks that share a node's host memory under offload, and the unit of
 the GPU count a no-fit error suggests (whole nodes); without it only the TP group is known to share a node
 (``choose_stage``'s ``ranks_per_node`` is then ``--tp`` and the suggestion is said in GPUs).
+``--time`` (with the whole shape) ranks every layout that fits by predicted tokens/s for a cluster not yet
+booked (``launch.commands.estimate_time``): the GPU (``--gpu``, ``--gpu-tflops``), the links (``--intra``,
+``--inter``, ``--intra-gbps``, ``--inter-gbps``, ``--nics-per-node``) from ``hybrid.plan.hardware``'s tables,
+TP degrees dividing the node, stages, levers and micro-batches keeping ``--global-batch``; it prints the
+table ``hybrid plan`` prints, the chosen layout and its predicted throughput per GPU, and ``--json`` adds
+``time``.
 Any bad input ends with one ``error: ...`` line and exit status 2.
 """
 
@@ -180,12 +186,35 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
               "built-in GPT of that shape (states as the engine lays them out, buckets, activations, reserve), and the "
               "table uses that GPT's activation estimate, as hybrid plan does.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--time", "with_time", is_flag=True, help="Also rank every layout that fits by predicted tokens/s "
+              "(TP degree, stage, levers, micro-batch; needs the whole shape) and print the fastest.")
+@click.option("--gpu", default="H100", show_default=True, help="With --time: the GPU (H100, H200, A100, A100-40GB, "
+              "B200, L40S, ... or an NVML name).")
+@click.option("--gpu-tflops", type=float, help="With --time: peak TFLOP/s per GPU in --precision (instead of the "
+              "GPU table's).")
+@click.option("--intra", type=click.Choice(("nvlink", "pcie", "loopback")), default="nvlink", show_default=True,
+              help="With --time: the link between the GPUs of a node.")
+@click.option("--inter", type=click.Choice(("infiniband", "roce", "ethernet", "loopback")), default="infiniband",
+              show_default=True, help="With --time: the link between nodes.")
+@click.option("--intra-gbps", type=float, help="With --time: the intra-node link's rate per GPU, Gb/s one way.")
+@click.option("--inter-gbps", type=float, help="With --time: one NIC's rate, Gb/s one way (400 for NDR).")
+@click.option("--nics-per-node", type=int, help="With --time: NICs per node (default: one per GPU; ethernet 1).")
+@click.option("--global-batch", type=int, help="With --time: sequences per optimizer step, kept by every layout "
+              "(the micro-batch is then chosen); default --micro-batch x DP at --tp.")
 def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
-             activation_checkpointing, vocab, as_json) -> None:
+             activation_checkpointing, vocab, as_json, with_time, gpu, gpu_tflops, intra, inter, intra_gbps, inter_gbps,
+             nics_per_node, global_batch) -> None:
     """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
     params = parse_count(params_text, field="--params")
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
     _validate(gpus, tp, gpus_per_node, gpu_memory, headroom, shape, vocab)
+    timing = None
+    if with_time:
+        from launch.commands.estimate_time import rank_estimate
+
+        timing = rank_estimate(params, gpus, tp, gpus_per_node, gpu_memory, precision, headroom, shape, vocab,
+                               activation_checkpointing, gpu, gpu_tflops, intra, inter, intra_gbps, inter_gbps,
+                               nics_per_node, global_batch)
 
     kind = activations = checkpointed = None
     if shape["layers"] is not None:
@@ -211,6 +240,8 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
         if prediction is not None:
             out["prediction"] = {str(s): p.as_dict() for s, p in prediction.items()}
             out["prediction_params"] = gpt_params
+        if timing is not None:
+            out["time"] = timing.as_dict()
         click.echo(json.dumps(out))
     else:
         click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind, gpus_per_node))
@@ -222,6 +253,9 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
                 click.echo(note)
 
             for line in prediction_lines(prediction, plan.usable_bytes, "cuda"):
+                click.echo(line)
+        if timing is not None:
+            for line in timing.lines():
                 click.echo(line)
 
 

@@ -1,6 +1,7 @@
-"""``hybrid launch cluster.yaml [--steps N] [--stage S]``: run the job the cluster file describes.
+"""``hybrid launch cluster.yaml [--steps N] [--stage S] [--probe]``: run the job the cluster file describes.
 
-``--steps`` and ``--stage`` override ``job.steps`` and ``parallel.zero_stage``. Exit status: 0 when every
+``--steps`` and ``--stage`` override ``job.steps`` and ``parallel.zero_stage``; ``--probe`` measures the links
+and compute rates on the rank actors first (``hybrid probe``) and plans from them. Exit status: 0 when every
 rank finished, 2 for a problem the user can fix (bad cluster file, model that cannot fit), 1 when the job
 failed while running (one ``error:`` sentence; the rank's traceback is in the log above it), 130 on Ctrl-C
 or SIGTERM. Every actor is killed and an embedded Ray cluster torn down in all cases. ``--help`` lists the
@@ -44,7 +45,9 @@ def require_ray() -> None:
 @click.option("--steps", type=int, default=None, help="Override job.steps.")
 @click.option("--stage", type=click.IntRange(0, 3), default=None, help="Force ZeRO stage 0-3 (overrides "
               "parallel.zero_stage).")
-def launch_command(cluster_file: str, steps: Optional[int], stage: Optional[int]) -> None:
+@click.option("--probe", "measure_links", is_flag=True, help="Measure the links and compute rates first (hybrid "
+              "probe, a few seconds) and plan from them; without it a probe.json in job.run_dir is used.")
+def launch_command(cluster_file: str, steps: Optional[int], stage: Optional[int], measure_links: bool) -> None:
     """Train on the Ray cluster CLUSTER_FILE names (address: local starts an embedded one).
 
     \b
@@ -60,7 +63,7 @@ def launch_command(cluster_file: str, steps: Optional[int], stage: Optional[int]
     from launch.job.driver import JobFailed, launch  # imports Ray: only for this command
 
     try:
-        launch(spec)
+        launch(spec, measure_links=measure_links)
     except JobFailed as err:
         click.echo(f"error: {err}", err=True)
         raise click.exceptions.Exit(EXIT_FAILED)

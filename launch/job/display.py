@@ -6,7 +6,8 @@ step, the loss (mean over the DP ranks), the job's throughput in the entrypoint'
 samples/s), the per-rank model-state memory, the largest rank's measured memory against its budget,
 and the latest NVML sample of each node where NVML is available. With a ``prediction`` (``new_plan``),
 the first step every rank measured is followed by the predicted-vs-measured table
-(``launch.job.memory_view``), which the summary repeats; a rank above 95 % of its budget is warned about once
+(``launch.job.memory_view``), which the summary repeats; with ``predicted_step_s`` (the time model's step
+time of the running layout) every entry carries it and the summary compares it with the measured median; a rank above 95 % of its budget is warned about once
 per attempt. ``summary()`` renders the final per-rank table. ``on_step`` (the metrics writer) gets every
 entry that goes into the history, re-run steps included (they replace the earlier ones).
 
@@ -35,7 +36,7 @@ from hybrid.config.units import human_bytes
 from launch.job.memory_view import memory_table, near_oom_line, usage_text
 
 
-from launch.job.metrics import model_state_bytes, step_entry  # noqa: E402,F401  (re-exported)
+from launch.job.metrics import model_state_bytes, step_entry, time_line  # noqa: E402,F401  (re-exported)
 
 
 class Progress:
@@ -61,6 +62,8 @@ class Progress:
         self.reports: dict[int, dict] = {}  # rank -> the engine memory report of that measurement
         self._table_out = False  # the predicted-vs-measured table of this attempt is printed
         self._warned: set = set()  # ranks warned near out of memory in this attempt
+        self.predicted_step_s: Optional[float] = None  # the time model's step time of the running layout
+        self.predicted_layout = ""  # its label (hybrid.plan.cost.Layout.label)
 
     # ------------------------------------------------------------------------------------------ input
 
@@ -166,6 +169,8 @@ class Progress:
         """Step ``step`` is done: into the history, its line out (unless printed before a restart), then
         the checkpoint lines of the steps up to it. ``records`` may lack ranks only at a restart."""
         entry = step_entry(step, records)
+        if self.predicted_step_s is not None:
+            entry["predicted_step_s"] = self.predicted_step_s
         self.history.append(entry)
         self._done = step
         if self.on_step is not None:
@@ -246,5 +251,8 @@ class Progress:
             mean_text = f"; {sum(rates) / len(rates):,.0f} {unit} mean" if rates else ""
             rows.append(f"steps {last['step']}/{self.total_steps} in {wall_s:.1f} s; loss {first['loss']:.4f} (step "
                         f"{first['step']}) -> {last['loss']:.4f} (step {last['step']}){mean_text}")
+        timing = time_line(self.predicted_step_s, reported, self.predicted_layout)
+        if timing is not None:
+            rows.append(timing)
         rows += self.memory_lines()
         return "\n".join(rows)

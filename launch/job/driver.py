@@ -38,6 +38,11 @@ ranks' budget check) makes the driver re-plan from the measured figures (``launc
 every rank from the latest checkpoint with the new plan, at most ``job.max_replans`` times, without using up
 ``job.max_failures``; the figures go to ``run_dir/memory.json``.
 
+Time (``launch.planning.time_plan``): the plan is the fastest layout that fits by the time model, fed by
+``run_dir/probe.json`` where ``hybrid probe`` (or ``hybrid launch --probe``) measured the links; every
+metrics line carries the layout's predicted step time beside the measured one, the summary compares the
+two, and ``run_dir/time.json`` keeps them for ``hybrid plan --measured``.
+
 Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
 exits 1); the rank's traceback is logged.
 """
@@ -65,7 +70,7 @@ from launch.ray import cluster as ray_cluster
 from launch.job import signals
 from launch.job.display import Progress
 from launch.job.log_forwarding import LogActivity
-from launch.job.metrics import MetricsWriter, ray_log_dir, summary_lines
+from launch.job.metrics import MetricsWriter, ray_log_dir, summary_lines, time_record, write_time_record
 from launch.planning.model_size import ModelFacts, model_facts
 from launch.planning.plan import LaunchPlan, build_plan, format_plan
 from launch.ray.probe import probe_nodes
@@ -123,7 +128,7 @@ class JobResult:
     replans: list[str] = field(default_factory=list)  # the re-plan line of each out-of-memory restart
 
 
-def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
+def launch(spec: LaunchSpec, stream: Optional[TextIO] = None, measure_links: bool = False) -> JobResult:
     """Run the job of ``spec`` end to end on the cluster it names (printing to ``stream``, default stdout)."""
     stream = stream or sys.stdout  # looked up per call: stdout may have been replaced since import
     facts = model_facts(spec)  # the model config and the model's own hook are checked before Ray starts
@@ -135,7 +140,7 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None) -> JobResult:
     with ray_cluster.connect(cluster, keep_logs=kept_logs_dir(spec), client_runtime_env=client_runtime_env(spec)) \
             as connected:
         print(connected.line(), file=stream, flush=True)
-        return plan_and_run(spec, stream, facts=facts)
+        return plan_and_run(spec, stream, facts=facts, measure_links=measure_links)
 
 
 def kept_logs_dir(spec: LaunchSpec):
@@ -145,13 +150,35 @@ def kept_logs_dir(spec: LaunchSpec):
 
 
 def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bool] = None,
-                 facts: Optional[ModelFacts] = None) -> JobResult:
+                 facts: Optional[ModelFacts] = None, measure_links: bool = False) -> JobResult:
     """Probe the connected Ray cluster, plan, print the plan and run the job (``facts``: the model's, when
-    already measured)."""
+    already measured). The time model takes the links and rates ``hybrid probe`` measured: measured now with
+    ``measure_links`` (``hybrid launch --probe``), else ``job.run_dir``'s ``probe.json`` when one was made for
+    this cluster's shape and device kind."""
     reports = probe_nodes()
-    plan = build_plan(spec, reports, facts)
+    figures = measured_links(spec, reports, measure_links, stream)
+    plan = build_plan(spec, reports, facts, probe=figures)
     print(format_plan(plan), file=stream, flush=True)
     return run_job(plan, stream, tty=tty)
+
+
+def measured_links(spec: LaunchSpec, reports, measure: bool, stream: TextIO) -> Optional[dict]:
+    """``probe.json``'s figures for the plan (see ``plan_and_run``), or None."""
+    from launch.planning.plan import _memory_from_probes
+    from launch.ray.probe import read_probe, run_probe, write_probe
+
+    if spec.job.run_dir is None:
+        return None
+    use_gpus = _memory_from_probes(spec, reports)[0]
+    if measure:
+        print("probing the links and compute rates on the rank actors (hybrid probe)", file=stream, flush=True)
+        figures = run_probe(spec, use_gpus)
+        write_probe(spec.job.run_dir, figures)
+        return figures
+    figures = read_probe(spec.job.run_dir, spec)
+    if figures is not None and (figures.get("device") == "cpu") == bool(use_gpus):
+        return None  # made on other devices (CPU ranks then, GPUs now, or the other way)
+    return figures
 
 
 def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> JobSettings:
@@ -182,6 +209,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
     progress.begin_at(latest_checkpoint_step(spec.job.checkpoint.dir, None) or 0)
     failures: list[str] = []
     loop = memory_loop.MemoryLoop(plan, progress)
+    predict_time(plan, loop.choice, progress)
     start = replan.start_note(plan)
     if start is not None:
         progress.note(start)
@@ -200,6 +228,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                     raise JobFailed(str(err)) from None
                 progress.restart(loop.resume_step or 0)
                 progress.note(line)
+                predict_time(plan, loop.choice, progress)
                 attempt -= 1  # a re-plan is not a failed attempt
                 continue
             if outcome.ok:
@@ -226,6 +255,32 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
         progress.close()
         metrics.close()
         loop.save()
+        save_time(plan, loop.choice, progress)
+
+
+def predict_time(plan: LaunchPlan, choice: replan.Choice, progress: Progress) -> None:
+    """Give the display the time model's step time of ``plan`` run as ``choice`` (none without a model)."""
+    cost = replan.predicted_cost(plan, choice)
+    progress.predicted_step_s = cost.step_s if cost is not None else None
+    progress.predicted_layout = cost.layout.label if cost is not None else ""
+
+
+def save_time(plan: LaunchPlan, choice: replan.Choice, progress: Progress) -> None:
+    """``run_dir/time.json`` (``launch.job.metrics.time_record``) when the run was predicted and measured."""
+    from launch.planning.time_plan import time_dict
+
+    cost = replan.predicted_cost(plan, choice)
+    if cost is None or plan.spec.job.run_dir is None or not progress.history:
+        return
+    lay = cost.layout
+    layout = {"nodes": lay.nodes, "gpus_per_node": lay.gpus_per_node, "tp": lay.tp, "stage": lay.stage,
+              "micro_batch": lay.micro_batch, "accumulation": lay.accumulation,
+              "activation_checkpointing": lay.activation_checkpointing, "offload": lay.offload,
+              "precision": lay.precision}
+    history = [e for e in progress.history if e.get("predicted_step_s") == cost.step_s]
+    record = time_record(layout, cost.as_dict(), history, time_dict(plan.time).get("hardware", {}))
+    if record["measured_step_s"] is not None:
+        write_time_record(plan.spec.job.run_dir, record)
 
 
 def restart_line(failure: str, step: Optional[int], checkpoints: bool, attempt: int, attempts: int) -> str:

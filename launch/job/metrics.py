@@ -15,6 +15,13 @@ restarts from checkpoint ``K`` -- within one launch or in a later one -- rewrite
 file never holds a step twice and never misses one the finished job ran. TensorBoard gets the same rule
 through its ``purge_step``.
 
+Time (the plan's time model, ``hybrid.plan.cost``): each entry carries ``predicted_step_s``, the predicted step
+time of the layout the ranks run, beside the measured ``step_time_s``; ``measured_step_s(history)`` is the
+median of the measured ones after the first ``WARMUP_STEPS`` (allocation, first-touch pages, the optimizer's
+state), ``time_line`` the summary's sentence comparing the two, and ``time_record`` what the driver writes to
+``run_dir/time.json`` (``TIME_FILE``): the layout run, both figures and the terms of the prediction -- what
+``hybrid plan --measured RUN_DIR`` calibrates the compute efficiency from.
+
 ``ray_log_dir()`` says where Ray keeps the ranks' full stdout and stderr (the driver prints only what the
 log monitor forwards); ``summary_lines`` is what the driver prints under the run summary.
 """
@@ -31,6 +38,8 @@ from typing import Any, Iterable, Optional
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TIME_FILE = "time.json"
+WARMUP_STEPS = 3  # steps a step-time comparison leaves out: the first ones allocate and fault pages in
 TENSORBOARD_DIR = "tensorboard"
 FINAL_STEPS = 10  # the summary's final loss is the mean of this many last steps (one step's loss is noisy)
 
@@ -98,7 +107,8 @@ _REPORT_FIELDS = frozenset({"rank", "step", "time", "dp_rank", "tp_rank", "loss"
 
 # What ``step_entry`` itself puts in an entry.
 _ENTRY_FIELDS = frozenset({"step", "loss", "lr", "grad_norm", "step_time_s", "throughput", "throughput_unit",
-                           "model_state_bytes", "ranks_reported", "memory_measured", "nonfinite", "skipped_steps"})
+                           "model_state_bytes", "ranks_reported", "memory_measured", "nonfinite", "skipped_steps",
+                           "predicted_step_s"})
 
 
 def _own_numbers(record: dict) -> dict:
@@ -244,3 +254,49 @@ def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsW
                      "each step with ctx.report(...) or train through hybrid.runtime.train.run_steps")
     lines.append(f"full rank logs (stdout/stderr of every worker): {logs}")
     return lines
+
+
+# ------------------------------------------------------------------------------- predicted vs measured time
+
+
+def measured_step_s(history: list[dict], warmup: int = WARMUP_STEPS) -> tuple[Optional[float], int]:
+    """``(median measured step time, steps it is taken over)``: the steps after the first ``warmup`` of the
+    history (all of them when there are no more), None without any."""
+    times = [e["step_time_s"] for e in history if isinstance(e.get("step_time_s"), (int, float))]
+    if len(times) > warmup:
+        times = times[warmup:]
+    if not times:
+        return None, 0
+    ordered = sorted(times)
+    return ordered[len(ordered) // 2], len(times)
+
+
+def time_line(predicted_s: Optional[float], history: list[dict], layout: str = "") -> Optional[str]:
+    """The summary's sentence: predicted against measured step time (the steps run with this prediction:
+    after a re-plan, those of the new layout), or None without a prediction."""
+    measured, steps = measured_step_s([e for e in history if e.get("predicted_step_s", predicted_s) == predicted_s])
+    if predicted_s is None or measured is None:
+        return None
+    return (f"step time: predicted {_seconds(predicted_s)}{f' ({layout})' if layout else ''}, measured "
+            f"{_seconds(measured)} (median of {steps} steps): measured / predicted = {measured / predicted_s:.2f}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def time_record(layout: dict, predicted: dict, history: list[dict], hardware: dict) -> dict:
+    """``time.json``: the layout run, its predicted step time and terms, the measured median, the hardware."""
+    measured, steps = measured_step_s(history)
+    return {"layout": layout, "predicted_step_s": predicted.get("step_s"), "predicted": predicted,
+            "measured_step_s": measured, "measured_steps": steps, "hardware": hardware}
+
+
+def write_time_record(run_dir, record: dict) -> Path:
+    """``run_dir/time.json``, atomically; its path."""
+    path = Path(run_dir) / TIME_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{TIME_FILE}.tmp")
+    tmp.write_text(json.dumps(_finite(record), indent=2, allow_nan=False))
+    os.replace(tmp, path)
+    return path

@@ -13,6 +13,16 @@ and why), activation estimates for one micro-batch with and without checkpointin
 (``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice). Without
 ``reports`` nothing touches Ray: that is ``hybrid plan``.
 
+Time beside memory (``launch.planning.time_plan``): for the built-in GPT, every layout the job could run --
+each TP degree that splits the model (``tp_options``; only ``parallel.tp`` when given), stage, lever and
+micro-batch x accumulation keeping the global batch -- is costed (``hybrid.plan.cost``) and sized by the
+planner's rule, and the fastest that fits is the plan: its TP degree makes the mesh, its stage and levers the
+``Plan`` (``choose_stage`` at that stage and levers, with the ranking's reason), its micro-batch and
+accumulation the ranks' (``LaunchPlan.micro_batch``, ``accumulation``); where it is the memory-only choice
+the memory guide's plan and reason stand, and the ranking says why it is also the fastest. Where nothing is costed (another
+model) or nothing fits, the memory-only choice at the default TP degree stands, as before. ``probe`` (a
+``probe.json``), ``calibration`` and ``extra_bytes`` (``hybrid plan --measured``) feed the ranking.
+
 ``mesh_layout`` is the plan's rank layout, a ``hybrid.comm.mesh.MeshLayout`` (rank r on node r // gpus_per_node;
 TP groups of consecutive ranks; DP groups of ranks with equal r % tp), the groups the ranks' ``build_mesh``
 creates; ``plan_dict`` and ``format_plan`` render a plan.
@@ -20,6 +30,7 @@ creates; ``plan_dict`` and ``format_plan`` render a plan.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,9 +38,11 @@ from typing import Any, Optional, Sequence
 
 from hybrid.comm.mesh import MeshLayout
 from hybrid.errors import ConfigError, PlanError
+from hybrid.plan.cost import Layout
 from hybrid.plan.memory import GB, gpt_activation_bytes
 from hybrid.plan.planner import Plan, choose_stage, quantity
 from hybrid.config.units import count, human_bytes
+from launch.planning import time_plan
 from launch.planning.model_size import ModelFacts, model_facts
 from launch.spec import LaunchSpec
 
@@ -59,10 +72,26 @@ class LaunchPlan:
     # Names this job to its ranks across attempts and re-plans (HYBRID_JOB_ID): an attempt waits longer for a
     # checkpoint lock an earlier attempt of its own job still holds (hybrid.checkpoint.lock).
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12], compare=False)
+    micro_batch: Optional[int] = None  # per micro-step and DP rank; None: job.micro_batch
+    accumulation: int = 1  # micro-steps per optimizer step
+    time: Optional[time_plan.TimeModel] = field(default=None, compare=False, repr=False)
+    # choose_stage at the default TP degree and the job's micro-batch: what memory alone picks (None: nothing fits)
+    memory_plan: Optional[Plan] = field(default=None, compare=False, repr=False)
 
     @property
     def stage(self) -> int:
         return self.plan.stage
+
+    @property
+    def rows(self) -> int:
+        """Micro-batch x accumulation: the sequences a DP rank trains per step."""
+        return (self.micro_batch or self.spec.job.micro_batch) * self.accumulation
+
+    @property
+    def predicted(self):
+        """The chosen layout's ``hybrid.plan.cost.StepCost``, or None without a time model."""
+        chosen = self.time.chosen if self.time is not None else None
+        return chosen.cost if chosen is not None else None
 
     @property
     def backend(self) -> str:
@@ -75,9 +104,11 @@ class LaunchPlan:
 
 
 def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
-               facts: Optional[ModelFacts] = None) -> LaunchPlan:
+               facts: Optional[ModelFacts] = None, *, probe: Optional[dict] = None, calibration: float = 1.0,
+               extra_bytes: float = 0.0) -> LaunchPlan:
     """The plan for ``spec``; ``reports`` are ``launch.ray.probe.NodeReport``s, or None to plan from declared
-    facts alone; ``facts``: ``model_facts(spec)`` when the caller has them already."""
+    facts alone; ``facts``: ``model_facts(spec)`` when the caller has them already; ``probe``,
+    ``calibration``, ``extra_bytes``: what runs measured (``hybrid probe``, ``hybrid plan --measured``)."""
     cluster, parallel = spec.cluster, spec.parallel
     facts = facts if facts is not None else model_facts(spec)
     tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
@@ -90,22 +121,76 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     else:
         use_gpus, memory, source, note = _memory_from_probes(spec, reports)
     host, host_note = host_memory(spec, reports)
+    batch = time_plan.global_batch(spec, layout.dp)
+    plan, refusal, micro, accumulation = None, None, None, 1
+    try:  # the memory-only choice at the default TP degree: the baseline, and the plan where time is not known
+        micro, accumulation = time_plan.split_at(spec, layout.dp, batch)
+        plan = _memory_plan(spec, facts, layout, micro, memory, host)
+    except ConfigError as err:  # the global batch does not split at the default TP degree: another may take it
+        if facts.shape is None:
+            raise
+        refusal = err
+    except PlanError as err:
+        refusal = err
+    baseline = None if plan is None else Layout(
+        cluster.nodes, cluster.gpus_per_node, layout.tp, plan.stage, micro, accumulation,
+        plan.activation_checkpointing, plan.offload, parallel.precision)
+    tm = time_plan.rank_layouts(spec, facts, tp_options(parallel.tp, cluster.gpus_per_node, facts, tp), baseline,
+                                memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes)
+    chosen = tm.chosen.layout if tm.chosen is not None else None
+    memory_only = plan
+    if chosen is None and plan is None:
+        raise refusal
+    if chosen is not None and chosen != baseline:  # time changed the layout: its reason is the plan's
+        if chosen.tp != layout.tp:
+            tp_reason = (f"tp {chosen.tp}: the fastest layout that fits (the default, {tp_reason}, is "
+                         f"{_slower(tm, layout.tp)})")
+            layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, chosen.tp)
+        micro, accumulation = chosen.micro_batch, chosen.accumulation
+        plan = dataclasses.replace(_memory_plan(spec, facts, layout, micro, memory, host, chosen),
+                                   reason=tm.ranking.reason)
+    return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
+                      facts.source, host_note, facts.tensor_parallel, facts.module, micro_batch=micro,
+                      accumulation=accumulation, time=tm, memory_plan=memory_only)
+
+
+def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_batch: int, memory: float,
+                 host: Optional[float], chosen: Optional[Layout] = None) -> Plan:
+    """``choose_stage`` on ``layout`` with the GPT's activation estimate at ``micro_batch``: the user's levers,
+    or ``chosen``'s stage and levers where the time model chose them."""
+    parallel = spec.parallel
     activations, checkpointed = 0.0, None
     if facts.shape is not None:
         m = facts.shape
         # The built-in GPT's own estimate (SDPA, dtype, logits and loss), the one its memory prediction uses.
-        shape = dict(seq=m["seq_len"], micro_batch=spec.job.micro_batch, hidden=m["hidden"], heads=m["n_heads"],
+        shape = dict(seq=m["seq_len"], micro_batch=micro_batch, hidden=m["hidden"], heads=m["n_heads"],
                      layers=m["n_layers"], vocab=m["vocab_size"], tp=layout.tp, precision=parallel.precision,
                      mlp_ratio=m["mlp_ratio"])
         activations = gpt_activation_bytes(**shape)
         checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
-    plan = choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
-                        activation_bytes=activations, forced_stage=parallel.zero_stage,
-                        checkpointed_activation_bytes=checkpointed, offload=parallel.offload,
-                        activation_checkpointing=parallel.activation_checkpointing, host_memory_bytes=host,
-                        ranks_per_node=cluster.gpus_per_node)
-    return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
-                      facts.source, host_note, facts.tensor_parallel, facts.module)
+    stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
+    if chosen is not None:
+        stage, offload, ac = chosen.stage, chosen.offload, chosen.activation_checkpointing
+    return choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
+                        activation_bytes=activations, forced_stage=stage,
+                        checkpointed_activation_bytes=checkpointed, offload=offload,
+                        activation_checkpointing=ac, host_memory_bytes=host,
+                        ranks_per_node=spec.cluster.gpus_per_node)
+
+
+def _slower(tm, tp: int) -> str:
+    best = [c for c in tm.ranking.fitting if c.layout.tp == tp]
+    if not best:
+        return "of layouts none of which fits"
+    return f"{tm.chosen.cost.tokens_per_s / best[0].cost.tokens_per_s:.2f}x slower at its best"
+
+
+def tp_options(requested: Optional[int], gpus_per_node: int, facts: ModelFacts, default: int) -> list[int]:
+    """The TP degrees the time model weighs: ``parallel.tp`` when given; for the built-in GPT every divisor of
+    gpus_per_node that splits it; else the default degree alone (``choose_tp``'s)."""
+    if requested is not None or not facts.tensor_parallel or facts.shape is None:
+        return [default]
+    return [d for d in range(gpus_per_node, 0, -1) if gpus_per_node % d == 0 and facts.tp_refusal(d) is None]
 
 
 def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, facts: ModelFacts) -> tuple[int, str]:
@@ -239,6 +324,9 @@ def plan_dict(lp: LaunchPlan) -> dict:
         "requested_offload": _lever(par.offload), "requested_activation_checkpointing":
             _lever(par.activation_checkpointing),
         "backend": lp.backend,
+        "batch": {"micro_batch": lp.micro_batch, "accumulation": lp.accumulation,
+                  "global_batch": lp.rows * lp.layout.dp},
+        "time": time_plan.time_dict(lp.time) if lp.time is not None else None,
     }
 
 
@@ -281,6 +369,13 @@ def format_plan(lp: LaunchPlan) -> str:
                  f"(parallel.activation_checkpointing: {_yaml(par.activation_checkpointing)}), optimizer offload "
                  f"{_on(p.offload)} (parallel.offload: {_yaml(par.offload)})")
     lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
+    lines.append(f"batch   micro-batch {lp.micro_batch} x {lp.accumulation} accumulation per DP rank = global batch "
+                 f"{lp.rows * layout.dp} sequences per step" + ("" if par.tp is not None or lp.time is None else
+                                                                   "; TP degree, stage, levers and micro-batch "
+                                                                   "weighed by time below"))
+    if lp.time is not None:
+        lines += time_plan.time_lines(lp.time, with_reason=lp.time.ranking is not None and
+                                      lp.plan.reason != lp.time.ranking.reason)
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ micro-batch rungs only for a GPT model config (the built-in GPT trains ``micro_b
 per step as ``accumulation`` micro-batches; an entrypoint of its own would have to read both settings).
 ``replan(lp, current, overshoot)`` corrects every candidate by what the measurement showed beyond the
 prediction (``Overshoot.extra``: memory the planner cannot see, such as an entrypoint's own buffers) and
-returns the first that fits the usable budget, or raises ``NothingFits`` with one sentence naming the
+returns the fastest that fits the usable budget by the plan's time model (``by_time``: the ranking of
+``hybrid plan``; the ladder's order where there is none or the times tie), or raises ``NothingFits`` with one sentence naming the
 smallest configuration that would (more nodes, offload, a smaller micro-batch).
 """
 
@@ -86,7 +87,8 @@ class Overshoot:
 
 def planned_choice(lp) -> Choice:
     """The planner's choice as it stands (``hybrid.plan.planner``: model states and activations)."""
-    return Choice(lp.stage, lp.spec.job.micro_batch, 1, lp.plan.activation_checkpointing, lp.plan.offload)
+    return Choice(lp.stage, lp.micro_batch or lp.spec.job.micro_batch, lp.accumulation,
+                  lp.plan.activation_checkpointing, lp.plan.offload)
 
 
 def initial_choice(lp) -> Choice:
@@ -99,7 +101,7 @@ def initial_choice(lp) -> Choice:
     usable = usable_bytes(lp)
     if predict(lp, planned).total <= usable:
         return planned
-    return next((c for c in ladder(lp, planned) if predict(lp, c).total <= usable), planned)
+    return next((c for c in by_time(lp, ladder(lp, planned)) if predict(lp, c).total <= usable), planned)
 
 
 def start_note(lp) -> Optional[str]:
@@ -225,11 +227,49 @@ def ladder(lp, current: Choice) -> list[Choice]:
 def replan(lp, current: Choice, overshoot: Overshoot) -> tuple[Choice, MemoryPrediction]:
     """The first candidate on the ladder that fits the usable budget once corrected by the overshoot."""
     usable = usable_bytes(lp)
-    for choice in ladder(lp, current):
+    for choice in by_time(lp, ladder(lp, current)):
         p = predict(lp, choice)
         if p.total + overshoot.extra <= usable:
             return choice, p
     raise NothingFits(nothing_fits(lp, current, overshoot))
+
+
+def layout_of(lp, choice: Choice):
+    """``choice`` on ``lp``'s mesh as a ``hybrid.plan.cost.Layout``."""
+    from hybrid.plan.cost import Layout
+
+    c = lp.spec.cluster
+    return Layout(c.nodes, c.gpus_per_node, lp.layout.tp, choice.stage, choice.micro_batch, choice.accumulation,
+                  choice.activation_checkpointing, choice.offload, lp.spec.parallel.precision)
+
+
+def predicted_cost(lp, choice: Choice):
+    """The time model's ``StepCost`` of ``lp`` run as ``choice``; None without a time model (another model
+    than the built-in GPT)."""
+    from hybrid.plan.cost import step_cost
+
+    tm = getattr(lp, "time", None)
+    if tm is None or tm.model is None:
+        return None
+    return step_cost(tm.model, layout_of(lp, choice), tm.hardware)
+
+
+def by_time(lp, choices: list) -> list:
+    """``choices`` fastest first by the time model (the ranking ``hybrid plan`` uses); choices within
+    ``hybrid.plan.candidates.TIE`` of the fastest left keep their order (the ladder's: cheapest in memory
+    traffic first). Without a time model, the order given."""
+    from hybrid.plan.candidates import TIE
+
+    costs = [predicted_cost(lp, c) for c in choices]
+    if any(c is None for c in costs):
+        return list(choices)
+    left = list(zip(choices, (c.step_s for c in costs)))
+    ordered = []
+    while left:
+        best = min(t for _, t in left)
+        pick = next(i for i, (_, t) in enumerate(left) if t <= best * (1 + TIE))
+        ordered.append(left.pop(pick)[0])
+    return ordered
 
 
 def nothing_fits(lp, current: Choice, overshoot: Overshoot) -> str:
@@ -269,23 +309,28 @@ def _nodes_that_fit(lp, choice: Choice, extra: float) -> Optional[int]:
     return None
 
 
-def from_measured(lp, record: dict) -> tuple[Choice, MemoryPrediction, Overshoot]:
-    """Re-plan ``lp`` from a run's ``memory.json`` (``launch.planning.memory_loop``): the largest measured peak
-    against that run's prediction gives the extra every candidate must hold; the candidates are stage 0
-    to 3 at the job's micro-batch, then the rest of the ladder. ``record`` is as ``launch.planning.memory_loop.load``
-    returns it, its figures checked there. Raises ``NothingFits``."""
+def overshoot_of(record: dict, budget: float) -> Overshoot:
+    """The largest measured peak of a run's ``memory.json`` against that run's prediction (``budget``: the
+    rank's budget where the record has none). Raises ``NothingFits`` when the run measured nothing."""
     measured = record.get("measured") or {}
     if not measured:
         raise NothingFits("the run measured nothing (it stopped before its first step), so there is nothing to "
                           "re-plan from; run it for at least one step")
     rank, m = max(measured.items(), key=lambda kv: kv[1]["peak_bytes"])
     key = "peak" if m.get("device") == "cuda" else "total"
-    over = Overshoot(int(rank), float(max(m["peak_bytes"], m.get("nvml_used_bytes", 0))),
-                     float(m.get("budget_bytes") or budget_bytes(lp)), float(record["predicted"][key]),
-                     int(m.get("step", 0)))
-    start = Choice(0, lp.spec.job.micro_batch)
+    return Overshoot(int(rank), float(max(m["peak_bytes"], m.get("nvml_used_bytes", 0))),
+                     float(m.get("budget_bytes") or budget), float(record["predicted"][key]), int(m.get("step", 0)))
+
+
+def from_measured(lp, record: dict) -> tuple[Choice, MemoryPrediction, Overshoot]:
+    """Re-plan ``lp`` from a run's ``memory.json`` (``launch.planning.memory_loop``): the largest measured peak
+    against that run's prediction gives the extra every candidate must hold; the candidates are stage 0
+    to 3 at the job's micro-batch, then the rest of the ladder. ``record`` is as ``launch.planning.memory_loop.load``
+    returns it, its figures checked there. Raises ``NothingFits``."""
+    over = overshoot_of(record, budget_bytes(lp))
+    start = Choice(0, lp.micro_batch or lp.spec.job.micro_batch, lp.accumulation)
     usable = usable_bytes(lp)
-    for choice in [start] + ladder(lp, start):
+    for choice in by_time(lp, [start] + ladder(lp, start)):
         p = predict(lp, choice)
         if p.total + over.extra <= usable:
             return choice, p, over

@@ -17,6 +17,7 @@ CUDA_VISIBLE_DEVICES listing all the node's GPUs given to the job and rank LOCAL
 ``isolate_gpus`` each actor keeps only its own GPU (``cuda:0``). The default group is
 ``"cpu:gloo,cuda:nccl"`` on GPUs (``hybrid.comm.mesh.init_default_group``), gloo without.
 
+``probe()`` measures the rank's links and compute for ``hybrid probe`` (``launch.ray.probe``).
 ``run()`` calls the entrypoint on every rank with a ``hybrid.runtime.train.Context`` whose reports the actor
 buffers until the driver drains them; what the entrypoint raises reaches the driver as ``hybrid.errors.RankFailed``,
 with the kind of failure the rank decided (``rank_failed``); ``drain()`` also returns the rank's collective heartbeat
@@ -256,6 +257,14 @@ class RankWorker:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def probe(self, precision: str) -> dict:
+        """This rank's link and compute figures for ``hybrid probe`` (``launch.ray.probe.measure_rank``); every
+        rank calls it at once, after ``setup``."""
+        from launch.ray.probe import measure_rank
+
+        return measure_rank(self._rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]),
+                            self._device, precision)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -82,7 +82,9 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
         watch.stop()
         proc.kill()
     assert proc.returncode == 0, out
-    assert "step 12/12" in out and "steps 12/12" in out and "ZeRO-1" in out
+    assert "step 12/12" in out and "steps 12/12" in out and re.search(r"stage   ZeRO-[0-3]", out)
+    assert "tokens/s" in out and "<- chosen" in out  # the layouts ranked by time, and the chosen one run
+    assert re.search(r"step time: predicted [\d.]+ m?s \(tp\d z\d mb \d+.*\), measured [\d.]+ m?s", out), out
     assert watch.connected_seen > 0 and not watch.violations, (watch.violations, watch.culprits)
     if trace is not None:
         assert trace.stat().st_size > 0 and strace_peers(str(trace)) == set()

@@ -51,7 +51,7 @@ def test_a_plan_that_fits_only_with_offload_trains_to_the_end_with_its_states_in
                     "gpu_memory_gb": ONLY_OFFLOAD_GB},
         "job": {"entrypoint": "hybrid.models.gpt:train", "config": "configs/gpt-tiny.yaml", "steps": 20,
                 "micro_batch": 8, "collective_timeout_s": 60},
-        "parallel": {"zero_stage": "auto", "precision": "fp32", "activation_checkpointing": False},
+        "parallel": {"tp": 2, "zero_stage": "auto", "precision": "fp32", "activation_checkpointing": False},
     }, base_dir=ROOT)
     offline = build_plan(spec)
     assert (offline.stage, offline.plan.offload) == (3, True) and not any(offline.plan.fits.values())

@@ -174,7 +174,7 @@ def test_the_command_line_overrides_are_checked_under_the_flag(tmp_path):
 
 def test_echo_is_what_a_user_writes_and_reads_back_to_the_same_section():
     assert schema.echo(ParallelSpec()) == {"tp": "auto", "zero_stage": "auto", "precision": "bf16", "offload": "auto",
-                                           "activation_checkpointing": "auto", "tp_plan": None}
+                                           "activation_checkpointing": "auto"}
     cluster = ClusterSpec("ray://head:10001", 2, 8, 80, intra_node="nvlink", host_memory_gb=512)
     written = schema.echo(cluster)
     assert written["interconnect"] == {"intra_node": "nvlink", "inter_node": "unspecified"}

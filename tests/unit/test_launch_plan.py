@@ -17,6 +17,7 @@ from hybrid.plan.memory import GB
 from hybrid.plan.monitor import GpuInfo, NodeProbe
 from hybrid.plan.planner import choose_stage
 from launch.job.display import Progress, model_state_bytes
+from launch.planning.model_size import model_facts
 from launch.planning.plan import build_plan, mesh_layout, plan_dict
 from launch.ray.probe import NodeReport
 from launch.spec import load_spec, parse_spec
@@ -61,17 +62,25 @@ def test_local_layout_is_two_tp_pairs_and_two_dp_pairs():
 @pytest.mark.parametrize("memory_gb, stage", [(0.0025, 3), (80.0, 1)])
 def test_declared_plan_is_the_planners_choice(memory_gb, stage):
     lp = build_plan(spec_for(memory=memory_gb))
+    memory_only = lp.memory_plan  # the guide's choice at the default TP degree and the job's micro-batch
     expected = choose_stage(lp.params, 2, 2, memory_gb * GB, precision="fp32",
-                            activation_bytes=lp.plan.activation_bytes,
-                            checkpointed_activation_bytes=lp.plan.checkpointed_activation_bytes)
-    assert lp.stage == expected.stage == stage
+                            activation_bytes=memory_only.activation_bytes,
+                            checkpointed_activation_bytes=memory_only.checkpointed_activation_bytes)
+    assert memory_only.stage == expected.stage == stage
+    # the plan runs the fastest layout that fits, which the time model ranked among the guide's
+    chosen = lp.time.chosen
+    assert chosen.fits and (lp.layout.tp, lp.stage, lp.micro_batch) == (chosen.layout.tp, chosen.layout.stage,
+                                                                          chosen.layout.micro_batch)
+    assert lp.rows * lp.layout.dp == 16  # the global batch of the default layout: micro_batch 8 x DP 2
     assert lp.params == 134_912 and lp.memory_source == "declared" and "no Ray cluster contacted" in lp.memory_note
     assert lp.use_gpus is None
 
 
 def test_forced_stage_and_tp_reach_the_plan():
     lp = build_plan(spec_for(gpus=4, tp=2, stage=2))
-    assert (lp.stage, lp.layout.tp, lp.layout.dp) == (2, 2, 4) and "as requested" in lp.plan.reason
+    assert (lp.stage, lp.layout.tp, lp.layout.dp) == (2, 2, 4) and "as requested" in lp.memory_plan.reason
+    assert {c.layout.tp for c in lp.time.ranking.candidates} == {2}  # fixed choices are the only ones offered
+    assert {c.layout.stage for c in lp.time.ranking.candidates} == {2}
 
 
 def test_tp_that_cannot_split_the_model_is_a_config_error(tmp_path):
@@ -87,7 +96,13 @@ def test_tp_auto_takes_the_largest_divisor_of_gpus_per_node_that_splits_the_mode
     assert (lp.layout.tp, lp.layout.dp) == (1, 3)
     assert lp.tp_reason.startswith("tp auto: 1, the largest divisor of gpus_per_node=3 that splits the model "
                                    "(tp 3: model.n_heads=4 is not divisible")
-    assert build_plan(spec_for(nodes=1, gpus=8)).layout.tp == 4
+    from launch.planning.plan import choose_tp, tp_options
+
+    eight = build_plan(spec_for(nodes=1, gpus=8))
+    facts = model_facts(spec_for(nodes=1, gpus=8))
+    assert choose_tp(None, 8, 8, facts)[0] == 4  # the default: the largest divisor that splits the model
+    assert tp_options(None, 8, facts, 4) == [4, 2, 1]  # the degrees the time model weighs: never 8
+    assert eight.layout.tp in (4, 2, 1) and {c.layout.tp for c in eight.time.ranking.candidates} == {4, 2, 1}
     with pytest.raises(ConfigError, match=r"^parallel\.tp=3 cannot split this model: model\.n_heads=4 .*or auto\.$"):
         build_plan(spec_for(nodes=1, gpus=3, tp=3))
 
@@ -141,7 +156,7 @@ def test_probed_memory_is_used_when_every_node_measured():
 
 def test_declared_memory_is_used_and_said_without_nvml():
     lp = build_plan(spec_for(memory=0.0025), [_report(0, 0, cpus=2), _report(1, 0, cpus=2)])
-    assert lp.use_gpus is False and lp.memory_source == "declared" and lp.stage == 3
+    assert lp.use_gpus is False and lp.memory_source == "declared" and lp.memory_plan.stage == 3
     assert "no GPUs" in lp.memory_note and "gpu_memory_gb = 0.0025 GB" in lp.memory_note
     lp = build_plan(spec_for(gpus=8, tp=4), [_report(0, 8, nvml=False), _report(1, 8, nvml=False)])
     assert lp.use_gpus is True and lp.memory_source == "declared" and "NVML unavailable on 2 of 2" in lp.memory_note
@@ -300,8 +315,9 @@ def test_own_model_is_counted_on_meta_and_gets_tp_1_without_tp_layers(tmp_path):
     doc = plan_dict(lp)
     assert doc["mesh"]["tp_reason"] == lp.tp_reason and doc["model"]["tensor_parallel_layers"] is False
     # the built-in GPT has TP layers: tp auto is gpus_per_node, and says why
+    # (the time model weighs tp 1 too, and says when it runs another than this default)
     gpt = build_plan(spec_for())
-    assert gpt.layout.tp == 2 and gpt.tp_reason == "tp auto: 2 = gpus_per_node, since the model has tensor-parallel layers"
+    assert "tp auto: 2 = gpus_per_node, since the model has tensor-parallel layers" in gpt.tp_reason
 
 
 def test_tp_forced_above_1_for_a_model_without_tp_layers_is_refused(tmp_path):
@@ -347,7 +363,8 @@ def test_host_memory_is_probed_per_node_and_shared_by_nodes_on_one_machine(tmp_p
     assert got == 5 * GB and note == ("host memory probed: 5 GB available per node (smallest node, shared by the 2 "
                                       "Ray nodes at 127.0.0.1)")
     lp = build_plan(spec_for(memory=0.0026, cluster={"host_memory_gb": 64}, activation_checkpointing=False), reports)
-    assert lp.plan.offload and lp.plan.host_memory_bytes == 5 * GB and "of 4.5 GB usable per node" in lp.plan.reason
+    assert lp.plan.offload and lp.plan.host_memory_bytes == 5 * GB
+    assert "of 4.5 GB usable per node" in lp.memory_plan.reason
 
 
 def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
@@ -356,7 +373,7 @@ def test_hybrid_plan_prints_offload_when_only_offload_fits(tmp_path, capsys):
     cluster = tmp_path / "cluster.yaml"
     text = ("cluster: {address: local, nodes: 2, gpus_per_node: 2, gpu_memory_gb: MEMORY, host_memory_gb: 1}\n"
             f"job: {{entrypoint: 'hybrid.models.gpt:train', config: {ROOT / 'configs' / 'gpt-tiny.yaml'}, steps: 3}}\n"
-            "parallel: {precision: fp32, activation_checkpointing: AC}\n")
+            "parallel: {tp: 2, precision: fp32, activation_checkpointing: AC}\n")  # tp 2: only offload fits
 
     def write(memory, ac, extra=""):
         cluster.write_text(text.replace("MEMORY", str(memory)).replace("AC", ac + extra))
@@ -386,7 +403,11 @@ def test_settings_carry_the_plans_levers():
 
     lp = build_plan(spec_for(memory=0.0019))
     settings = settings_for(lp)
-    assert (settings.stage, settings.offload, settings.activation_checkpointing) == (3, True, True)
+    assert (lp.memory_plan.stage, lp.memory_plan.offload, lp.memory_plan.activation_checkpointing) == (3, True, True)
+    # the time model found a layout that fits without offload (tp 1, micro-batch 4): the ranks run that one
+    assert (settings.stage, settings.offload, settings.activation_checkpointing) == \
+        (lp.stage, lp.plan.offload, lp.plan.activation_checkpointing) == (3, False, True)
+    assert (settings.micro_batch, settings.gradient_accumulation_steps) == (lp.micro_batch, lp.accumulation)
 
 
 def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():

@@ -1,0 +1,219 @@
+"""The time model against the clock: predicted vs measured step time of real launches on this machine.
+
+    python bench/time_model.py            # 24 layouts (TP 1/2 x stage 1/2/3 x AC x 2 micro-batches), world 4
+    python bench/time_model.py --quick    # 3 layouts, 6 steps: checks the script, proves nothing
+    python bench/time_model.py --world 2  # one node of 2 ranks instead of 2 nodes of 2
+
+Runs ``hybrid probe`` once on a local cluster (2 simulated nodes x 2 ranks, gloo on CPU), then ``hybrid launch``
+for each layout with every choice fixed in the cluster file (``parallel.tp``, ``zero_stage``,
+``activation_checkpointing``, ``offload: false``; ``job.global_batch`` and ``job.micro_batch``) and the probe's
+``probe.json`` in its run directory, so its plan predicts with the measured links and rates -- the real
+commands, end to end. Each launch leaves ``time.json`` (``launch.job.metrics.time_record``): the predicted
+step time beside the median measured one (the first steps left out). The report: one row per layout
+(predicted, measured, measured / predicted, within +-30 %), the Spearman rank correlation of predicted and
+measured (the ranking the planner relies on), and what a calibration on the first layout alone
+(``hybrid plan --measured``'s) would have predicted for the others. Pass: every layout within +-30 % and
+Spearman >= 0.8 (exit 1 otherwise). Timings need a quiet machine; the full run takes ~15 min on 2 cores.
+Without ``--quick`` the section "Time model" of bench/RESULTS.md is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MODEL = {"vocab_size": 2048, "seq_len": 64, "n_layers": 4, "hidden": 256, "n_heads": 4, "mlp_ratio": 4,
+         "dropout": 0.0}
+SECTION = "## Time model: predicted vs measured step time (issue 35)"
+TOLERANCE = 0.30
+MIN_SPEARMAN = 0.8
+
+
+def layouts(world: int, quick: bool) -> list[dict]:
+    """TP 1/2 x stage 1/2/3 x activation checkpointing x two micro-batches, one global batch for all."""
+    out = []
+    for tp in (1, 2):
+        dp = world // tp
+        rows = 16 // dp  # global batch 16 sequences
+        for stage in (1, 2, 3):
+            for ac in (False, True):
+                for micro in (rows, rows // 2):
+                    out.append({"tp": tp, "stage": stage, "ac": ac, "micro_batch": micro})
+    if quick:
+        return [out[0], out[7], out[-1]]
+    return out
+
+
+def label(lay: dict) -> str:
+    return f"tp{lay['tp']} z{lay['stage']} mb {lay['micro_batch']}" + (" AC" if lay["ac"] else "")
+
+
+def cluster_text(nodes: int, per_node: int, model: Path, run_dir: Path, steps: int, lay: dict | None) -> str:
+    parallel = "{precision: fp32}" if lay is None else (
+        f"{{precision: fp32, tp: {lay['tp']}, zero_stage: {lay['stage']}, activation_checkpointing: "
+        f"{str(lay['ac']).lower()}, offload: false}}")
+    micro = "" if lay is None else f", micro_batch: {lay['micro_batch']}"
+    return (f"cluster: {{address: local, nodes: {nodes}, gpus_per_node: {per_node}, gpu_memory_gb: 16, "
+            f"interconnect: {{intra_node: loopback, inter_node: loopback}}}}\n"
+            f"job: {{entrypoint: 'hybrid.models.gpt:train', config: {model}, steps: {steps}, run_dir: {run_dir}, "
+            f"global_batch: 16{micro}, collective_timeout_s: 300}}\n"
+            f"parallel: {parallel}\n")
+
+
+def hybrid(*argv: str, log: Path) -> None:
+    """Run ``hybrid ARGV`` (the real CLI) with its output in ``log``; raise when it fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with open(log, "w") as out:
+        code = subprocess.call([sys.executable, "-m", "launch.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
+                               cwd=ROOT, env=env)
+    if code != 0:
+        raise RuntimeError(f"hybrid {' '.join(argv)} exited {code}; see {log}")
+
+
+def spearman(xs: list, ys: list) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        r = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def run(args) -> dict:
+    from launch.ray.probe import PROBE_FILE
+
+    nodes, per_node = (2, 2) if args.world == 4 else (1, args.world)
+    work = Path(args.work).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    model = work / "model.yaml"
+    model.write_text(json.dumps({"model": MODEL}))
+    probe_dir = work / "probe"
+    (work / "probe.yaml").write_text(cluster_text(nodes, per_node, model, probe_dir, args.steps, None))
+    started = time.perf_counter()
+    hybrid("probe", str(work / "probe.yaml"), log=work / "probe.log")
+    probe = json.loads((probe_dir / PROBE_FILE).read_text())
+    rows = []
+    for i, lay in enumerate(layouts(args.world, args.quick)):
+        run_dir = work / f"run-{i:02d}"
+        run_dir.mkdir()
+        shutil.copy(probe_dir / PROBE_FILE, run_dir / PROBE_FILE)
+        cluster = work / f"run-{i:02d}.yaml"
+        cluster.write_text(cluster_text(nodes, per_node, model, run_dir, args.steps, lay))
+        hybrid("launch", str(cluster), log=run_dir / "launch.log")
+        record = json.loads((run_dir / "time.json").read_text())
+        rows.append({"layout": label(lay), **lay, "predicted_s": record["predicted_step_s"],
+                     "measured_s": record["measured_step_s"], "steps": record["measured_steps"],
+                     "terms": record["predicted"]})
+        print(f"{label(lay):<18} predicted {rows[-1]['predicted_s'] * 1e3:8.2f} ms  measured "
+              f"{rows[-1]['measured_s'] * 1e3:8.2f} ms", flush=True)
+    return {"rows": rows, "probe": {k: v for k, v in probe.items() if k != "ranks"}, "nodes": nodes,
+            "per_node": per_node, "minutes": (time.perf_counter() - started) / 60}
+
+
+def verdict(rows: list) -> dict:
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    within = [abs(m / p - 1) <= TOLERANCE for p, m in zip(predicted, measured)]
+    rho = spearman(predicted, measured) if len(rows) > 2 else float("nan")
+    first = rows[0]
+    scale = first["measured_s"] / first["predicted_s"]  # the simplest calibration: one run's ratio
+    return {"within": within, "spearman": rho, "calibrated": [p * scale for p in predicted],
+            "passed": all(within) and rho >= MIN_SPEARMAN}
+
+
+def markdown(result: dict, check: dict, command: str, quick: bool = False) -> str:
+    p = result["probe"]
+    intra, inter = p.get("intra") or {}, p.get("inter") or {}
+    lines = [SECTION, "",
+             f"- Command: `{command}`, {result['minutes']:.1f} min in all",
+             f"- Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), Linux "
+             f"{platform.release()}, Python {platform.python_version()}; load average at the end "
+             f"{os.getloadavg()[0]:.1f} (timings need a quiet machine: other jobs share the cores and the probe)",
+             f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- Cluster: local, {result['nodes']} nodes x {result['per_node']} ranks, gloo on CPU, fp32; GPT "
+             f"{MODEL}; global batch 16 sequences in every layout; each layout one `hybrid launch` with its choices "
+             f"fixed in the cluster file and the probe's probe.json in its run_dir",
+             f"- Probe (`hybrid probe`): matmul {next(iter(p['matmul_flops'].values())) / 1e9:.3g} GFLOP/s, AdamW "
+             f"{p['optimizer_rate'] / 1e6:.3g}M parameters/s; intra-node {intra.get('bandwidth', 0) / 1e9:.3g} GB/s, "
+             f"{intra.get('latency', 0) * 1e6:.0f} us; inter-node {inter.get('bandwidth', 0) / 1e9:.3g} GB/s, "
+             f"{inter.get('latency', 0) * 1e6:.0f} us",
+             "- measured: median step time of the slowest rank over the steps after the first 3 "
+             "(`launch.job.metrics.measured_step_s`); calibrated: every prediction scaled by the first layout's "
+             "measured / predicted (what one run tells `hybrid plan --measured`)",
+             *(["- **A short run (`--quick`: 3 layouts, 6 steps) that checks the script, not the model**; the "
+                "acceptance run is the full one (24 layouts, 15 steps) on a quiet machine", ""] if quick else [""]),
+             "| layout | compute ms | TP ms | DP ms | optim ms | predicted ms | measured ms | measured / predicted "
+             "| within 30% | calibrated ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r, ok, cal in zip(result["rows"], check["within"], check["calibrated"]):
+        t = r["terms"]
+        lines.append(f"| {r['layout']} | {t['compute_s'] * 1e3:.2f} | {t['tp_s'] * 1e3:.2f} | {t['dp_s'] * 1e3:.2f} | "
+                     f"{t['optimizer_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{r['measured_s'] / r['predicted_s']:.2f} | {'yes' if ok else 'no'} | {cal * 1e3:.2f} |")
+    lines += ["", f"Within +-{TOLERANCE:.0%}: {sum(check['within'])} of {len(check['within'])} layouts; Spearman "
+                  f"rank correlation of predicted and measured: {check['spearman']:.2f} (target >= {MIN_SPEARMAN}). "
+                  f"{'PASS' if check['passed'] else 'FAIL'}.", ""]
+    return "\n".join(lines)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace this bench's section of RESULTS.md (from its heading to the next ``## ``), else append it."""
+    old = path.read_text() if path.exists() else ""
+    if SECTION in old:
+        head, _, rest = old.partition(SECTION)
+        tail = rest[rest.find("\n## ") + 1:] if "\n## " in rest else ""
+        new = head + text + ("\n" + tail if tail else "")
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    path.write_text(new)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 layouts, 6 steps: checks the script")
+    ap.add_argument("--world", type=int, default=4, choices=(2, 4), help="ranks (4: 2 nodes x 2; 2: 1 node)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per launch (default 15; --quick 6)")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "bench-time-model"), help="scratch directory")
+    ap.add_argument("--out", default=None, help="markdown file (default bench/RESULTS.md; --quick: none)")
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (6 if args.quick else 15)
+    result = run(args)
+    check = verdict(result["rows"])
+    command = "python bench/time_model.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    text = markdown(result, check, command.strip(), args.quick)
+    print(text)
+    out = args.out or (None if args.quick else str(Path(__file__).with_name("RESULTS.md")))  # --quick --out X: X
+    if out:
+        write_section(Path(out), text)
+    return 0 if check["passed"] or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""The time model: what one training step of a layout costs per GPU, term by term (pure, no torch, no Ray).
+
+``step_cost(model, layout, hw)`` returns a ``StepCost`` whose terms are, per GPU and per optimizer step
+(k = gradient accumulation steps, b = micro-batch, s = sequence length, h = hidden size, L = layers,
+t = TP degree, N = DP degree, Ψ = parameters):
+
+* **compute**: ``6·Ψ_mm·T/t`` plus attention ``12·L·h·s·T/t`` for the T = b·k·s tokens of a DP rank's step,
+  at ``peak · efficiency``; Ψ_mm leaves out the token and position embeddings (a lookup does no FLOPs).
+  Activation checkpointing recomputes each block's forward in backward: ``2·Ψ_blocks·T/t + 4·L·h·s·T/t``
+  more. Forward is a third of the model FLOPs, backward the rest and the recompute.
+* **TP**: Megatron's activation all-reduces of b·s·h elements: two per block in forward, two in backward
+  (two more in the recomputed forward), one each for the vocab-parallel embedding and LM head, and three
+  small ones of the vocab-parallel loss; ring bytes ``2(t-1)/t`` of the message per call, on the intra-node
+  link, k times per step, never hidden (every one is on the critical path).
+* **DP (ZeRO)**: what the stage's policy (``hybrid.config.stage_policy``) moves, with the ring factor
+  ``(N-1)/N``: its gradient reduction (``all_reduce``: 2Ψ/t, a reduce-scatter: Ψ/t elements) once per step
+  or, where gradients are sharded, at every micro-step; where parameters are sharded, an all-gather of
+  Ψ/t before each unit's forward and again before its backward, at every micro-step; after the step the
+  all-gather its ``refresh`` names (``all``: Ψ/t). Stages 0-2 move 2Ψ/t, stage 3 3Ψ/t per micro-step.
+  Across nodes the node's NICs carry one crossing of each of its t DP rings (``Hardware.inter`` is the
+  node's bandwidth); inside one node each rank's own link carries its ring.
+* **overlap**: the gradient reduction runs bucketed in backward, the stage-3 gathers are prefetched in
+  forward and backward; ``hw.overlap`` of what fits under that compute is hidden. Stages whose reduction
+  waits for the last micro-step hide it only under that micro-step's backward; the after-step gather is
+  never hidden.
+* **offload**: the gradient shard to the host and the updated parameter shard back over PCIe, and the host
+  optimizer stepping the shard at the host's Adam rate (shared by the node's ranks); the gradient copy
+  hides under backward like the reduction.
+* **optimizer**: the device optimizer over the rank's shard (all of Ψ/t where the optimizer is not
+  sharded) at the device's Adam rate (memory bound).
+
+``exposed`` is the traffic not hidden (TP, the rest of DP and offload); ``step = compute + optimizer +
+exposed``; tokens/s is the job's tokens per step over it, MFU the model FLOPs (no recompute) over the
+peak. Collectives cost ``latency + bytes / bandwidth`` each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from hybrid.config.stage_policy import StagePolicy, policy_for
+
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+DEFAULT_BUCKET_NUMEL = 500_000_000  # hybrid.config.training.ZeroConfig.reduce_bucket_size
+LOSS_CALLS = 3  # the vocab-parallel cross-entropy's all-reduces: max, sum of exponentials, target logit
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer: Ψ and the shape its FLOPs and activations follow."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    mlp_ratio: int = 4
+
+    @property
+    def matmul_params(self) -> int:
+        """Ψ without the token and position embeddings (lookups, no FLOPs)."""
+        return max(1, self.params - (self.vocab + self.seq) * self.hidden)
+
+    @property
+    def block_params(self) -> int:
+        """The transformer blocks' parameters: what activation checkpointing recomputes (not the LM head)."""
+        return max(0, self.matmul_params - self.vocab * self.hidden)
+
+    @classmethod
+    def from_gpt(cls, params: int, shape: dict) -> "ModelShape":
+        """From the built-in GPT's config dict (``GPTConfig.to_dict()``)."""
+        return cls(params, shape["n_layers"], shape["hidden"], shape["n_heads"], shape["seq_len"],
+                   shape["vocab_size"], shape.get("mlp_ratio", 4))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: mesh, ZeRO stage, levers, micro-batch and accumulation."""
+
+    nodes: int
+    gpus_per_node: int
+    tp: int
+    stage: int
+    micro_batch: int
+    accumulation: int = 1
+    activation_checkpointing: bool = False
+    offload: bool = False
+    precision: str = "bf16"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Sequences one DP rank trains per optimizer step."""
+        return self.micro_batch * self.accumulation
+
+    @property
+    def global_batch(self) -> int:
+        return self.rows_per_rank * self.dp
+
+    @property
+    def policy(self) -> StagePolicy:
+        return policy_for(self.stage)
+
+    @property
+    def label(self) -> str:
+        batch = f"mb {self.micro_batch}" + (f"x{self.accumulation}" if self.accumulation > 1 else "")
+        levers = "".join(text for on, text in ((self.activation_checkpointing, " AC"), (self.offload, " off"))
+                         if on)
+        return f"tp{self.tp} z{self.stage} {batch}{levers}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path collectives take: ``latency + bytes / bandwidth`` per call. ``bandwidth`` is the ring's bus
+    bandwidth (nccl-tests' busbw: bytes each rank sends over the time), one direction."""
+
+    bandwidth: float
+    latency: float
+    source: str = ""
+
+    def time(self, nbytes: float, calls: float = 1.0) -> float:
+        return calls * self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost model knows of the machines, each figure with where it came from."""
+
+    device: str             # the GPU's NVML name, or "cpu"
+    peak_flops: float       # per GPU, in the training precision
+    compute_efficiency: float
+    optimizer_rate: float   # parameters per second the device's optimizer steps
+    intra: Link             # one GPU's link to the others of its node (TP; DP inside one node)
+    inter: Link             # one node's NICs together (DP across nodes)
+    pcie: Link              # one GPU's host link (offload copies)
+    host_adam_rate: float   # parameters per second the host steps for one rank (offload)
+    overlap: float          # fraction of overlappable traffic hidden behind compute
+    sources: tuple = ()     # (figure, where it came from) pairs, for the plan's text
+
+    def scaled(self, compute: float = 1.0) -> "Hardware":
+        """This hardware with the compute efficiency scaled (calibration)."""
+        return replace(self, compute_efficiency=self.compute_efficiency * compute)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    layout: Layout
+    compute_s: float        # forward + backward, recompute included
+    recompute_s: float      # of which activation checkpointing's recompute
+    optimizer_s: float      # the device optimizer step (0 with offload)
+    tp_s: float             # TP all-reduces
+    dp_s: float             # ZeRO collectives, all of them
+    dp_hidden_s: float      # of which hidden behind compute
+    offload_s: float        # PCIe copies and the host optimizer
+    offload_hidden_s: float
+    tp_bytes: float         # per GPU per step
+    dp_bytes: float
+    pcie_bytes: float
+    model_flops: float      # per GPU per step, without recompute (MFU's numerator)
+    tokens: int             # the job's tokens per step
+    peak_flops: float
+    terms: dict = field(default_factory=dict)  # the sub-terms, for tests and --json
+
+    @property
+    def exposed_s(self) -> float:
+        return self.tp_s + (self.dp_s - self.dp_hidden_s) + (self.offload_s - self.offload_hidden_s)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.optimizer_s + self.exposed_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.layout.world
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_s * self.peak_flops)
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout.label, "compute_s": self.compute_s, "recompute_s": self.recompute_s,
+                "optimizer_s": self.optimizer_s, "tp_s": self.tp_s, "dp_s": self.dp_s,
+                "dp_hidden_s": self.dp_hidden_s, "offload_s": self.offload_s,
+                "offload_hidden_s": self.offload_hidden_s, "exposed_s": self.exposed_s, "step_s": self.step_s,
+                "tp_bytes": self.tp_bytes, "dp_bytes": self.dp_bytes, "pcie_bytes": self.pcie_bytes,
+                "model_flops": self.model_flops, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, **self.terms}
+
+
+# ------------------------------------------------------------------------------------------------ terms
+
+
+def compute_flops(model: ModelShape, layout: Layout) -> tuple[float, float]:
+    """``(model FLOPs, recompute FLOPs)`` per GPU per step."""
+    tokens = layout.rows_per_rank * model.seq
+    attention = 12 * model.layers * model.hidden * model.seq
+    flops = (6 * model.matmul_params + attention) * tokens / layout.tp
+    recompute = 0.0
+    if layout.activation_checkpointing:
+        recompute = (2 * model.block_params + attention / 3) * tokens / layout.tp
+    return float(flops), float(recompute)
+
+
+def tp_traffic(model: ModelShape, layout: Layout) -> tuple[float, float]:
+    """``(bytes each rank sends, collective calls)`` of TP per step (0 at t = 1)."""
+    t = layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    item = DTYPE_BYTES[layout.precision]
+    tokens = layout.micro_batch * model.seq
+    blocks = 4 + (2 if layout.activation_checkpointing else 0)  # per block and micro-step
+    big = blocks * model.layers + 2
+    ring = 2 * (t - 1) / t
+    per_micro = big * ring * tokens * model.hidden * item + LOSS_CALLS * ring * tokens * 4
+    return per_micro * layout.accumulation, float((big + LOSS_CALLS) * layout.accumulation)
+
+
+@dataclass(frozen=True)
+class DpTraffic:
+    """ZeRO's bytes per rank (ring-normalized) and calls per step, by when they can overlap compute."""
+
+    forward: float = 0.0       # stage-3 gathers in forward (prefetched)
+    backward: float = 0.0      # gradient reduction and stage-3 gathers in backward
+    after: float = 0.0         # the after-step all-gather (never hidden)
+    calls_forward: float = 0.0
+    calls_backward: float = 0.0
+    calls_after: float = 0.0
+    last_micro_only: bool = False  # the backward traffic waits for the last micro-step (unsharded gradients)
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.after
+
+    @property
+    def calls(self) -> float:
+        return self.calls_forward + self.calls_backward + self.calls_after
+
+
+def dp_traffic(model: ModelShape, layout: Layout, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> DpTraffic:
+    """What the stage's policy moves over the DP group per step (see the module docstring)."""
+    n = layout.dp
+    if n == 1:
+        return DpTraffic()
+    p = layout.policy
+    item = DTYPE_BYTES[layout.precision]
+    local = model.params / layout.tp
+    ring = (n - 1) / n
+    k = layout.accumulation
+    units = model.layers + 2  # stage-3 module units: the blocks, the embeddings, the head
+    buckets = max(1, math.ceil(local / bucket_numel))
+    pieces = units if p.module_units else buckets
+    reduce_volume = (2 if p.grad_mode == "all_reduce" else 1) * local * item * ring
+    reductions = k if p.shard_grads else 1
+    gathers = k if p.shard_params else 0  # each a forward and a backward gather of every unit
+    refresh = {"all": local * item * ring, "persistent": 0.0, "none": 0.0}[p.refresh]
+    return DpTraffic(forward=gathers * local * item * ring,
+                     backward=reductions * reduce_volume + gathers * local * item * ring,
+                     after=refresh, calls_forward=gathers * pieces, calls_backward=(reductions + gathers) * pieces,
+                     calls_after=buckets if refresh else 0.0, last_micro_only=not p.shard_grads)
+
+
+def dp_seconds(nbytes: float, calls: float, layout: Layout, hw: Hardware) -> float:
+    """Seconds of ``nbytes`` (per rank, ring-normalized) of DP collectives in ``calls`` calls: inside one node
+    on the rank's own link; across nodes the node's NICs carry one crossing of each of the node's t rings,
+    and where a ring has several ranks on a node their intra-node hops run at the same time."""
+    if nbytes == 0 and calls == 0:
+        return 0.0
+    if layout.nodes == 1:
+        return hw.intra.time(nbytes, calls)
+    across = hw.inter.time(nbytes * layout.tp, calls)
+    per_node = layout.gpus_per_node // layout.tp  # ranks of one DP ring on one node
+    inside = hw.intra.time(nbytes, calls) if per_node > 1 else 0.0
+    return max(across, inside)
+
+
+def _hidden(traffic: float, window: float, overlap: float) -> float:
+    return overlap * min(traffic, window)
+
+
+def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> StepCost:
+    """The cost of one optimizer step of ``layout`` on ``hw`` (see the module docstring)."""
+    flops, recompute_flops = compute_flops(model, layout)
+    rate = hw.peak_flops * hw.compute_efficiency
+    compute, recompute = (flops + recompute_flops) / rate, recompute_flops / rate
+    forward = flops / 3 / rate
+    backward = compute - forward
+
+    tp_bytes, tp_calls = tp_traffic(model, layout)
+    tp = hw.intra.time(tp_bytes, tp_calls) if layout.tp > 1 else 0.0
+
+    d = dp_traffic(model, layout, bucket_numel)
+    dp_forward = dp_seconds(d.forward, d.calls_forward, layout, hw)
+    dp_backward = dp_seconds(d.backward, d.calls_backward, layout, hw)
+    dp_after = dp_seconds(d.after, d.calls_after, layout, hw)
+    backward_window = backward / layout.accumulation if d.last_micro_only else backward
+    dp_hidden = _hidden(dp_forward, forward, hw.overlap) + _hidden(dp_backward, backward_window, hw.overlap)
+
+    shard = model.params / layout.tp / (layout.dp if layout.policy.shard_optimizer else 1)
+    optimizer = offload = offload_hidden = pcie_bytes = 0.0
+    if layout.offload:
+        item = DTYPE_BYTES[layout.precision]
+        to_host, to_device = shard * item, shard * item  # the gradient shard out, the updated parameters in
+        pcie_bytes = to_host + to_device
+        host = shard / hw.host_adam_rate
+        copy_out, copy_in = hw.pcie.time(to_host), hw.pcie.time(to_device)
+        offload = copy_out + host + copy_in
+        offload_hidden = _hidden(copy_out, max(0.0, backward_window - (dp_backward - dp_hidden)), hw.overlap)
+    else:
+        optimizer = shard / hw.optimizer_rate
+
+    terms = {"forward_s": forward, "backward_s": backward, "tp_calls": tp_calls, "dp_forward_s": dp_forward,
+             "dp_backward_s": dp_backward, "dp_after_s": dp_after, "dp_calls": d.calls,
+             "optimizer_params": shard}
+    return StepCost(layout, compute, recompute, optimizer, tp, dp_forward + dp_backward + dp_after, dp_hidden,
+                    offload, offload_hidden, tp_bytes, d.total, pcie_bytes, flops,
+                    layout.global_batch * model.seq, hw.peak_flops, terms)
+
+
+def calibrate(hw: Hardware, predicted: StepCost, measured_step_s: float) -> tuple[Hardware, float]:
+    """``hw`` with its compute efficiency refitted from one run, and the factor applied to it: the run's
+    layout was predicted at ``predicted`` and took ``measured_step_s``. One run gives one number, so only
+    compute is refitted and the step's other terms are taken as predicted; where those alone reach the
+    measurement, compute is scaled by the whole step's ratio instead. The factor stays within
+    ``CALIBRATION_RANGE``: a run far outside it measured something else (a stall, a cold start)."""
+    if measured_step_s <= 0 or predicted.step_s <= 0 or predicted.compute_s <= 0:
+        return hw, 1.0
+    rest = predicted.step_s - predicted.compute_s
+    if measured_step_s > rest * 1.05:
+        factor = predicted.compute_s / (measured_step_s - rest)
+    else:
+        factor = predicted.step_s / measured_step_s
+    lo, hi = CALIBRATION_RANGE
+    factor = min(hi, max(lo, factor))
+    return hw.scaled(factor), factor
+
+
+CALIBRATION_RANGE = (0.05, 20.0)
