@@ -41,6 +41,7 @@ from hybrid.errors import ConfigError, PlanError
 from hybrid.plan.cost import Layout
 from hybrid.plan.memory import GB, gpt_activation_bytes
 from hybrid.plan.planner import Plan, choose_stage, quantity
+from hybrid.config.schema import echo
 from hybrid.config.units import count, human_bytes
 from launch.planning import time_plan
 from launch.planning.model_size import ModelFacts, model_facts
@@ -298,6 +299,7 @@ def _memory_from_probes(spec: LaunchSpec, reports: Sequence) -> tuple[bool, floa
 def plan_dict(lp: LaunchPlan) -> dict:
     """A JSON-ready description of the plan (what ``hybrid plan --json`` prints)."""
     c, p, par = lp.spec.cluster, lp.plan, lp.spec.parallel
+    echoed = echo(par)  # the parallel section as the user wrote it (auto for what the plan chooses)
     return {
         "cluster": {"address": c.address, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
                     "interconnect": {"intra_node": c.intra_node, "inter_node": c.inter_node}},
@@ -320,9 +322,8 @@ def plan_dict(lp: LaunchPlan) -> dict:
                                 "fits": o.fits} for o in p.options]},
         "stage": p.stage, "offload": p.offload, "activation_checkpointing": p.activation_checkpointing,
         "reason": p.reason,
-        "requested_stage": "auto" if par.zero_stage is None else par.zero_stage,
-        "requested_offload": _lever(par.offload), "requested_activation_checkpointing":
-            _lever(par.activation_checkpointing),
+        **{f"requested_{key}": echoed[name] for key, name in (("stage", "zero_stage"), ("offload", "offload"),
+                                                               ("activation_checkpointing", "activation_checkpointing"))},
         "backend": lp.backend,
         "batch": {"micro_batch": lp.micro_batch, "accumulation": lp.accumulation,
                   "global_batch": lp.rows * lp.layout.dp},
@@ -365,9 +366,10 @@ def format_plan(lp: LaunchPlan) -> str:
             host = human_bytes(o.host_bytes * p.ranks_per_node) if o.offload else "-"
             lines.append(f"  {o.label:<17}{human_bytes(o.device_bytes):>11}{host:>11}  {'yes' if o.fits else 'no':<4}"
                          f"{'  <- chosen' if chosen else ''}")
+    written = {k: str(value).lower() if isinstance(value, bool) else value for k, value in echo(par).items()}
     lines.append(f"levers  activation checkpointing {_on(p.activation_checkpointing)} "
-                 f"(parallel.activation_checkpointing: {_yaml(par.activation_checkpointing)}), optimizer offload "
-                 f"{_on(p.offload)} (parallel.offload: {_yaml(par.offload)})")
+                 f"(parallel.activation_checkpointing: {written['activation_checkpointing']}), optimizer offload "
+                 f"{_on(p.offload)} (parallel.offload: {written['offload']})")
     lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
     lines.append(f"batch   micro-batch {lp.micro_batch} x {lp.accumulation} accumulation per DP rank = global batch "
                  f"{lp.rows * layout.dp} sequences per step" + ("" if par.tp is not None or lp.time is None else
@@ -383,14 +385,6 @@ def _with_levers(p: Plan) -> str:
     parts = [text for on, text in ((p.offload, "optimizer states offloaded to CPU"),
                                    (p.activation_checkpointing, "activation checkpointing")) if on]
     return f" with {' and '.join(parts)}" if parts else ""
-
-
-def _lever(value: Optional[bool]):
-    return "auto" if value is None else value
-
-
-def _yaml(value: Optional[bool]) -> str:
-    return "auto" if value is None else str(value).lower()
 
 
 def _on(value: bool) -> str:
