@@ -42,7 +42,7 @@ def tp_slice(full: torch.Tensor, dim: Optional[int], rank: int, tp: int) -> torc
 
 def gather_tp_tensor(local: torch.Tensor, dim: int, comm: Optional[Comm]) -> torch.Tensor:
     """All-gather TP slices along ``dim`` into the full tensor (collective over the TP group)."""
-    if comm is None or comm.size == 1:
+    if comm is None or comm.solo:
         return local.clone()
     local = local.contiguous()
     flat = torch.empty(comm.size * local.numel(), dtype=local.dtype, device=local.device)
