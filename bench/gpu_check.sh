@@ -53,8 +53,8 @@ want = {"numpy": "numpy (torch.distributed.checkpoint and `hybrid monitor` need 
         "pynvml": "nvidia-ml-py (the NVML probe test will fail and the memory meter reads no NVML figures)"}
 hard = [pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None]
 if hard:
-    print("error: the GPU check needs the Python packages " + ", ".join(hard) + ", which are not importable "
-          f"with {sys.executable}; install them or set PYTHON to an interpreter that has them.")
+    print(f"error: the GPU check needs {' and '.join(hard)}, not importable with {sys.executable}; install "
+          f"{'them' if len(hard) > 1 else 'it'} or set PYTHON to an interpreter that has {'them' if len(hard) > 1 else 'it'}.")
     sys.exit(2)
 import torch
 if not sys.argv[1] and not torch.cuda.is_available():
