@@ -19,8 +19,8 @@ nothing is counted (``Comm.solo``). With ``HYBRID_FORCE_COLLECTIVES=1`` (``colle
 group, and counts it: a sum over one rank is the identity, so results do not change, and one GPU then runs
 NCCL's all-gather, reduce-scatter and all-reduce on every path a multi-GPU job takes. Callers that skip work
 which only exists to communicate ask ``comm.solo``, never the size. Async ops return a handle with
-``.wait()`` in every case, so callers never branch on the group size. Callers that want a mean pass ``average=True`` (NCCL averages in the collective; on gloo the
-sum is divided by the group size).
+``.wait()`` in every case, so callers never branch on the group size. Callers that want a mean pass
+``average=True`` (NCCL averages in the collective; on gloo the sum is divided by the group size).
 
 The bytes move by transports (``hybrid.comm.transport``), chosen once, when the ``Comm`` is made, for its
 group (`GroupTransports`):

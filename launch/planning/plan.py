@@ -117,11 +117,14 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
                      mlp_ratio=m["mlp_ratio"])
         activations = gpt_activation_bytes(**shape)
         checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
+    from launch.planning.replan import zero_config_of  # here: replan brings in torch (hybrid.runtime.train)
+
     plan = choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
                         activation_bytes=activations, forced_stage=parallel.zero_stage,
                         checkpointed_activation_bytes=checkpointed, offload=parallel.offload,
                         activation_checkpointing=parallel.activation_checkpointing, host_memory_bytes=host,
-                        ranks_per_node=cluster.gpus_per_node)
+                        ranks_per_node=cluster.gpus_per_node,
+                        reduce_dtype=zero_config_of(spec, facts.shape, 0).reduce_dtype)
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
                       facts.source, host_note, facts.tensor_parallel, facts.module)
 
