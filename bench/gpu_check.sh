@@ -41,6 +41,8 @@ fi
 COMMAND="bash bench/gpu_check.sh${CPU:+ $CPU}"
 started=$(date +%s)
 log() { echo "[gpu-check +$(( $(date +%s) - started ))s] $*"; }
+# run "$@" stopped after $1 seconds (SIGTERM, SIGKILL 15 s later) where coreutils' timeout exists
+limited() { local s=$1; shift; if command -v timeout >/dev/null 2>&1; then timeout --kill-after=15 "$s" "$@"; else "$@"; fi; }
 
 # Prerequisites: what nothing can run without stops the check here (exit 2); what only some tests need is
 # named, and those tests fail by themselves.
@@ -76,14 +78,14 @@ log "prerequisites: ${MISSING:-all present}"
 log "step 1/2: tests/gpu"
 LOG=$(mktemp)
 trap 'rm -f "$LOG"' EXIT
-timeout --kill-after=15 "$TESTS_TIMEOUT_S" "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$LOG"
+limited "$TESTS_TIMEOUT_S" "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$LOG"
 tests_status=${PIPESTATUS[0]}
 SUMMARY=$(grep -E '(passed|failed|skipped|error)' "$LOG" | tail -n 1 | sed -e 's/^=* *//' -e 's/ *=*$//')
 [ "$tests_status" -eq 124 ] || [ "$tests_status" -eq 137 ] && SUMMARY="stopped after ${TESTS_TIMEOUT_S} s: ${SUMMARY:-no summary}"
 log "tests/gpu: ${SUMMARY:-no summary} (exit $tests_status)"
 
 log "step 2/2: throughput benchmark"
-timeout --kill-after=15 "$BENCH_TIMEOUT_S" "$PY" -m bench.gpu_bench --out "$OUT" --time-limit-s "$BENCH_LIMIT_S" \
+limited "$BENCH_TIMEOUT_S" "$PY" -m bench.gpu_bench --out "$OUT" --time-limit-s "$BENCH_LIMIT_S" \
     --tests "${SUMMARY:-no summary} (exit $tests_status)" --command "$COMMAND" --prerequisites "$MISSING" $CPU
 bench_status=$?
 log "done: tests exit $tests_status, benchmark exit $bench_status, report $OUT"
