@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+from typing import Optional
 
 from hybrid.config import validate as v
 from hybrid.config.stage_policy import policy_for
@@ -71,15 +72,26 @@ def _check_precision(precision: str) -> tuple[int, int, int]:
     return BYTES_PER_PARAM[v.one_of("precision", precision, PRECISIONS)]
 
 
+def bytes_per_param(precision: str, reduce_dtype: Optional[str] = None) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter: ``BYTES_PER_PARAM[precision]``, with the
+    gradients in ``reduce_dtype`` (``zero.reduce_dtype``: fp32 gradients of a bf16 model) when given."""
+    p_bytes, g_bytes, o_bytes = _check_precision(precision)
+    if reduce_dtype is not None:
+        g_bytes = DTYPE_BYTES[v.one_of("zero.reduce_dtype", reduce_dtype, PRECISIONS)]
+    return p_bytes, g_bytes, o_bytes
+
+
 def model_state_bytes(
-    params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION
+    params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+    reduce_dtype: Optional[str] = None,
 ) -> ModelStateBytes:
-    """Per-GPU bytes of parameters, gradients and optimizer states at ZeRO ``stage``."""
+    """Per-GPU bytes of parameters, gradients (in ``reduce_dtype``, default the model's) and optimizer states
+    at ZeRO ``stage``."""
     params = _positive_int(params, "params")
     dp = _positive_int(dp, "dp")
     tp = _positive_int(tp, "tp")
     policy = policy_for(v.stage("stage", stage))
-    p_bytes, g_bytes, o_bytes = _check_precision(precision)
+    p_bytes, g_bytes, o_bytes = bytes_per_param(precision, reduce_dtype)
 
     local = Fraction(params, tp)  # what one GPU holds before ZeRO
     shard = local / dp
@@ -89,9 +101,10 @@ def model_state_bytes(
     return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
 
 
-def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> dict[int, ModelStateBytes]:
+def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+               reduce_dtype: Optional[str] = None) -> dict[int, ModelStateBytes]:
     """``model_state_bytes`` for every stage, keyed 0..3."""
-    return {s: model_state_bytes(params, dp, s, tp, precision) for s in STAGES}
+    return {s: model_state_bytes(params, dp, s, tp, precision, reduce_dtype) for s in STAGES}
 
 
 def activation_bytes(
@@ -177,9 +190,9 @@ def parse_count(text, field: str = "params") -> int:
 # gradient bytes, 2 in bf16, 4 in fp32), as in ZeRO-Offload.
 # The device keeps the parameters and gradients of its stage: 2Ψ/(t·N) + 2Ψ/(t·N) at stage 3 in bf16.
 # Transients of the copies (one unit's gradient shard in flight) are left to the prediction model.
-def host_bytes_per_param(precision: str) -> int:
+def host_bytes_per_param(precision: str, reduce_dtype: Optional[str] = None) -> int:
     """Host bytes per parameter of a rank's shard with the optimizer offloaded: master, moments, gradient."""
-    return 12 + _check_precision(precision)[1]
+    return 12 + bytes_per_param(precision, reduce_dtype)[1]
 
 
 @dataclass(frozen=True)
@@ -190,14 +203,15 @@ class OffloadBytes:
     host: int | float
 
 
-def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> OffloadBytes:
+def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+                  reduce_dtype: Optional[str] = None) -> OffloadBytes:
     """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
-    states = model_state_bytes(params, dp, stage, tp, precision)
+    states = model_state_bytes(params, dp, stage, tp, precision, reduce_dtype)
     if not policy_for(stage).shard_optimizer:
         raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
                           "states); choose a stage from 1 to 3")
     device = Fraction(states.params) + Fraction(states.grads)
-    host = Fraction(host_bytes_per_param(precision) * params, tp * dp)
+    host = Fraction(host_bytes_per_param(precision, reduce_dtype) * params, tp * dp)
     return OffloadBytes(_number(device), _number(host))
 
 

@@ -38,7 +38,7 @@ from typing import Optional
 from hybrid.config import validate as v
 from hybrid.config.stage_policy import policy_for
 from hybrid.errors import ConfigError, PlanError
-from hybrid.plan.memory import BYTES_PER_PARAM, ModelStateBytes, all_stages, host_bytes_per_param, offload_bytes
+from hybrid.plan.memory import ModelStateBytes, all_stages, bytes_per_param, host_bytes_per_param, offload_bytes
 from hybrid.config.units import human_bytes as _gb
 from hybrid.config.validate import DEFAULT_PRECISION, STAGES
 
@@ -198,7 +198,7 @@ def _min_dp(bytes_per_param: int, params: int, tp: int, room: Fraction) -> int:
 
 def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Fraction, offload_allowed: bool,
                   with_ac: bool, ranks_per_node: int, node_size_known: bool,
-                  host_usable: Optional[Fraction]) -> PlanError:
+                  host_usable: Optional[Fraction], reduce_dtype: Optional[str] = None) -> PlanError:
     room = usable - activations
     ac = " with activation checkpointing" if with_ac else ""
     if room <= 0:
@@ -208,7 +208,7 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
                "raise the TP degree (parallel.tp, --tp) or use GPUs with more memory (cluster.gpu_memory_gb)")
         return PlanError(f"activations{ac} alone need {_gb(activations)} per GPU but only {_gb(usable)} is "
                          f"usable: {fix}.")
-    p_bytes, g_bytes, o_bytes = BYTES_PER_PARAM[precision]
+    p_bytes, g_bytes, o_bytes = bytes_per_param(precision, reduce_dtype)
 
     def needed(dp_needed: int) -> str:
         return _gpus_needed(dp_needed * tp, tp, ranks_per_node, node_size_known)
@@ -221,8 +221,8 @@ def _no_fit_error(params, dp, tp, precision, usable: Fraction, activations: Frac
                          "more memory, or allow offload (auto).")
     offload_dp = _min_dp(p_bytes + g_bytes, params, tp, room)  # the optimizer states on the host
     if host_usable is not None:  # and a node's ranks' host shares within its host memory
-        offload_dp = max(offload_dp, _min_dp(host_bytes_per_param(precision) * ranks_per_node, params, tp,
-                                             host_usable))
+        host_per_param = host_bytes_per_param(precision, reduce_dtype)
+        offload_dp = max(offload_dp, _min_dp(host_per_param * ranks_per_node, params, tp, host_usable))
     offloaded = needed(offload_dp)
     if offloaded.startswith("more than"):
         use = f"use {offloaded}"
@@ -270,12 +270,14 @@ def choose_stage(
     host_memory_bytes: float | None = None,
     ranks_per_node: int = 1,
     node_size_known: bool = True,
+    reduce_dtype: str | None = None,
 ) -> Plan:
-    """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring."""
+    """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring.
+    ``reduce_dtype``: the gradients' dtype (``zero.reduce_dtype``), default the model's ``precision``."""
     _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed_activation_bytes,
               offload, activation_checkpointing, host_memory_bytes, ranks_per_node, node_size_known)
     offload, ac = check_lever("offload", offload), check_lever("activation_checkpointing", activation_checkpointing)
-    stages = all_stages(params, dp, tp, precision)
+    stages = all_stages(params, dp, tp, precision, reduce_dtype)
     usable = _usable(gpu_memory_bytes, headroom)
     host_usable = None if host_memory_bytes is None else _usable(host_memory_bytes, headroom)
     acts = {False: Fraction(activation_bytes), True: Fraction(activation_bytes)}
@@ -286,7 +288,7 @@ def choose_stage(
 
     def option(stage: int, with_ac: bool, off: bool) -> Option:
         if off:
-            split = offload_bytes(params, dp, stage, tp, precision)
+            split = offload_bytes(params, dp, stage, tp, precision, reduce_dtype)
             device, host = Fraction(split.device) + acts[with_ac], Fraction(split.host)
             host_fits = None if host_usable is None else host * ranks_per_node <= host_usable
         else:
@@ -344,11 +346,11 @@ def choose_stage(
     if offload is not False:
         on_gpu = [o for o in offloaded if Fraction(o.device_bytes) <= usable]
         if on_gpu:  # the GPUs would do; the host memory is what is too small
-            plain_dp = (_min_dp(sum(BYTES_PER_PARAM[precision]), params, tp, usable - smallest)
+            plain_dp = (_min_dp(sum(bytes_per_param(precision, reduce_dtype)), params, tp, usable - smallest)
                         if offload is None and usable > smallest else None)
             raise _host_error(params, dp, tp, on_gpu[0], ranks_per_node, node_size_known, host_usable, plain_dp)
     raise _no_fit_error(params, dp, tp, precision, usable, smallest, offload is not False, ac_lever or base_ac,
-                        ranks_per_node, node_size_known, host_usable)
+                        ranks_per_node, node_size_known, host_usable, reduce_dtype)
 
 
 def _offload_reason(o: Option, plain: Option, forced: bool, base_ac: bool, budget: str, ranks_per_node: int,

@@ -261,7 +261,7 @@ class ZeroEngine(DeepSpeedNames):
 
     def _grad_norm_runs(self) -> list:
         """``(grad view, is_tensor_parallel)`` covering this rank's gradient shard, split where the flag flips."""
-        tp = self.tp_comm is not None and self.tp_comm.size > 1
+        tp = self.tp_comm is not None and not self.tp_comm.solo
         pieces_by_unit = {}
         for piece in self.layout.owned_pieces(self.state.rank):
             pieces_by_unit.setdefault(piece.unit, []).append(piece)
@@ -389,7 +389,7 @@ class ZeroEngine(DeepSpeedNames):
         """DP rank 0's persistent buffers (BatchNorm running statistics, step counters) to every DP rank at
         each optimizer step, as DDP broadcasts them: every rank's forward updated its own copy from its own
         rows, and rank 0's is the one a checkpoint saves. Non-persistent buffers (caches) stay as they are."""
-        if self.dp_comm.size == 1:
+        if self.dp_comm.solo:
             return
         self.dp_comm.broadcast_many(value for _, kind, value in state_dict_entries(self.module, extra=False)
                                     if kind == BUFFER)

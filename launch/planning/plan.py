@@ -172,11 +172,14 @@ def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_
     stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
     if chosen is not None:
         stage, offload, ac = chosen.stage, chosen.offload, chosen.activation_checkpointing
+    from launch.planning.replan import zero_config_of  # here: replan brings in torch (hybrid.runtime.train)
+
     return choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
                         activation_bytes=activations, forced_stage=stage,
                         checkpointed_activation_bytes=checkpointed, offload=offload,
                         activation_checkpointing=ac, host_memory_bytes=host,
-                        ranks_per_node=spec.cluster.gpus_per_node)
+                        ranks_per_node=spec.cluster.gpus_per_node,
+                        reduce_dtype=zero_config_of(spec, facts.shape, 0).reduce_dtype)
 
 
 def _slower(tm, tp: int) -> str:

@@ -155,20 +155,26 @@ def _gpt_units(shape: tuple, tp: int, stage3_unit) -> ModelUnits:
     return model_units(GPT(GPTConfig(**dict(shape)), device="meta"), tp, stage3_unit)
 
 
-def _model_doc(lp) -> dict:
+def _model_doc(spec) -> dict:
     from hybrid.config.yamlfile import load_yaml
 
-    doc = load_yaml(lp.spec.job.config, "model config")
+    doc = load_yaml(spec.job.config, "model config")
     return doc if isinstance(doc, dict) else {}
 
 
 def zero_config(lp, stage: int):
     """The ZeroConfig the ranks will build: the built-in GPT's ``zero:`` sizes over the defaults."""
+    return zero_config_of(lp.spec, lp.model, stage)
+
+
+def zero_config_of(spec, model: Optional[dict], stage: int):
+    """``zero_config`` before the plan exists: for ``spec`` and its built-in GPT's shape (``model``, None for
+    another model)."""
     from hybrid.config.training import ZeroConfig
     from hybrid.models.gpt.training import zero_options
 
-    builtin = lp.spec.job.entrypoint == "hybrid.models.gpt:train" or lp.model is not None
-    return ZeroConfig(stage=stage, **(zero_options(_model_doc(lp).get("zero")) if builtin else {}))
+    builtin = spec.job.entrypoint == "hybrid.models.gpt:train" or model is not None
+    return ZeroConfig(stage=stage, **(zero_options(_model_doc(spec).get("zero")) if builtin else {}))
 
 
 def supports_activation_checkpointing(lp) -> bool:
