@@ -17,9 +17,10 @@ Tensors are ordered by name with numbers compared as numbers (``layers.2`` befor
 model's order) and cut into shards as ``save_pretrained`` cuts them: in order, a new shard when the next
 tensor would pass ``max_shard_size`` (default 5 GB), a larger tensor alone in its own.
 
-It streams: the shards are planned from the manifest's shapes, then each is read from the checkpoint (one
-DCP load of its tensors), checked, written and dropped before the next, so the process holds one shard's
-worth of tensors (twice, while safetensors serialises it), never the model.
+It streams: the shards are planned from the manifest's shapes and dtypes, so each shard file's safetensors
+header (names, dtypes, shapes, byte offsets) is written first; then each tensor is read from the checkpoint
+(one DCP load), checked and its bytes appended before the next is read. The process holds one tensor (and
+the piece DCP is reading into it), never a shard's worth, never the model.
 
 ``config.json`` comes from ``config`` (a config.json, or the directory holding one), else from the
 checkpoint's model config when it is a transformers config (it has a ``model_type``; or a ``model:``
@@ -39,10 +40,12 @@ import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from hybrid.checkpoint import layout, offline
@@ -55,6 +58,11 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # huggingface_hub's default; small shards ke
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = "a size such as 5GB, 500MB or 2000000 (bytes)"
+# safetensors' names of the dtypes a state dict holds (its format specification)
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 @dataclass(frozen=True)
@@ -180,8 +188,12 @@ def consolidate_hf(path: layout.PathLike, out_dir: layout.PathLike, *,
         tensors = sorted(offline.saved_tensors(ckpt, reader, doc), key=lambda t: natural_key(t.name))
         shards = plan_shards(tensors, limit)
         names = tuple(SHARD.format(i, len(shards)) for i in range(1, len(shards) + 1))
+        unsafe = next((t for t in tensors if t.exported_dtype not in _DTYPES), None)
+        if unsafe is not None:
+            raise CheckpointError(f"{unsafe.name!r} is a {unsafe.exported_dtype} tensor, which safetensors cannot "
+                                  f"hold; consolidate to a torch file instead (--out model.pt).")
         for name, shard in zip(names, shards):
-            _write_shard(tmp / name, offline.read_tensors(ckpt, reader, shard), out_dir)
+            _write_shard(tmp / name, shard, lambda t: offline.read_tensors(ckpt, reader, [t])[t.name], out_dir)
         counted = set(doc["params"]) | set(doc.get("frozen", {}))
         parameters = sum(math.prod(t.full_shape) for t in tensors if t.name in counted)
         total = sum(t.nbytes for t in tensors)
@@ -231,17 +243,36 @@ def _temporary_beside(out_dir: Path) -> Path:
     return tmp
 
 
-def _write_shard(path: Path, tensors: dict, out_dir: Path) -> None:
-    from safetensors.torch import save_file
+def shard_header(shard: list) -> bytes:
+    """The safetensors header of a shard file holding ``shard`` (``SavedTensor``s) in order: the 8-byte
+    little-endian length, then the JSON of every tensor's dtype, shape and byte range (padded with spaces to
+    a multiple of 8 bytes, as the safetensors package writes it)."""
+    doc: dict = {"__metadata__": {"format": "pt"}}  # transformers loads only files that say they are torch's
+    offset = 0
+    for t in shard:
+        doc[t.name] = {"dtype": _DTYPES[t.exported_dtype], "shape": list(t.full_shape),
+                       "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
+
+def _write_shard(path: Path, shard: list, read, out_dir: Path) -> None:
+    """Write the shard file at ``path``: its header, then each tensor's bytes as ``read(tensor)`` gives it."""
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+        with open(path, "wb") as f:
+            f.write(shard_header(shard))
+            for t in shard:
+                value = read(t).contiguous()
+                if value.dtype != t.exported_dtype or value.numel() != math.prod(t.full_shape):
+                    raise CheckpointError(f"{t.name!r} was read as {value.dtype} {list(value.shape)}, not the "
+                                          f"{t.exported_dtype} {list(t.full_shape)} its checkpoint's manifest "
+                                          f"records; the checkpoint is damaged: use an older one.")
+                f.write(memoryview(value.reshape(-1).view(torch.uint8).numpy()))  # host order: little-endian (x86, ARM)
+                del value
     except OSError as exc:
         raise _cannot_write(out_dir, exc.strerror or str(exc)) from None
-    except Exception as exc:  # safetensors reports a failed write (disk full) as its own error type
-        if type(exc).__name__ != "SafetensorError":
-            raise
-        raise _cannot_write(out_dir, first_line(exc)) from None
 
 
 def _write_json(path: Path, doc: Mapping, out_dir: Path) -> None:

@@ -150,12 +150,18 @@ def read_tensors(ckpt: Path, reader: FileSystemReader, tensors: list[SavedTensor
             continue
         slices = [buffers.pop(key).view(t.shape) for key in t.keys]
         full = exported(slices[0] if len(slices) == 1 else torch.cat(slices, dim=t.tp_dim))
-        if full.is_floating_point() and not bool(torch.isfinite(full).all()):
+        if full.is_floating_point() and not _all_finite(full):
             raise CheckpointError(f"{ckpt} holds non-finite values (NaN or inf) in {t.name!r}, so it is not "
                                   f"consolidated; consolidate an older checkpoint (hybrid checkpoint inspect "
                                   f"lists them).")
         state[t.name] = full
     return state
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """No NaN or inf in ``tensor``, checked a chunk at a time (``isfinite`` of the whole tensor would hold
+    temporaries as large as it: its ``abs()`` and a bool mask)."""
+    return all(bool(torch.isfinite(part).all()) for part in tensor.reshape(-1).split(chunk))
 
 
 def _damaged(ckpt: Path, exc: Exception) -> CheckpointError:
