@@ -18,7 +18,7 @@ let a fresh start overwrite them.
 Offline (one process, no process group): ``consolidate(path)`` → the single-process fp32 state dict (a
 damaged checkpoint or a non-finite tensor is refused); ``consolidate_hf(path, out_dir, max_shard_size=...)``
 → the same weights as a Hugging Face ``save_pretrained`` directory (sharded safetensors, their index, the
-model's config.json), streamed a shard at a time; ``describe(run_dir)`` → every checkpoint with its
+model's config.json), streamed a tensor at a time; ``describe(run_dir)`` → every checkpoint with its
 status (verified), step, layout and size. Errors a user can fix (not a checkpoint, a damaged one, another
 model, another TP degree) are ``hybrid.errors.CheckpointError``.
 

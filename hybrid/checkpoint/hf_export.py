@@ -1,4 +1,4 @@
-"""A checkpoint written as a Hugging Face ``save_pretrained`` directory, streamed a shard at a time.
+"""A checkpoint written as a Hugging Face ``save_pretrained`` directory, streamed a tensor at a time.
 
 ``consolidate_hf(path, out_dir, max_shard_size=..., config=None)`` writes the single-process weights of the
 checkpoint ``consolidate`` would read (the same verification, the same refusals: a damaged checkpoint, a

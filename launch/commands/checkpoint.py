@@ -21,7 +21,7 @@
   weights as a Hugging Face ``save_pretrained`` directory (``hybrid.checkpoint.consolidate_hf``): sharded
   safetensors ``model-00001-of-0000N.safetensors``, their ``model.safetensors.index.json`` and the model's
   ``config.json`` (``--config``, else the checkpoint's model config when it is a transformers one), streamed
-  a shard at a time; ``from_pretrained(OUT_DIR)`` and ``weights=OUT_DIR`` load it. OUT_DIR must not exist (or
+  a tensor at a time; ``from_pretrained(OUT_DIR)`` and ``weights=OUT_DIR`` load it. OUT_DIR must not exist (or
   be empty) and lie outside every checkpoint directory; it appears complete or not at all.
 
 Both run in one process with no process group. A path that is not a checkpoint, a damaged one, or an
