@@ -1,21 +1,25 @@
 """Hugging Face checkpoints in and out on 4 real gloo ranks, all cases in one spawned world.
 
 * In: a random-init transformers Llama (GQA, tied embeddings) saved in bf16 by ``save_pretrained`` into
-  several shard files is built on meta on every rank and loaded with ``weights=DIR`` at ZeRO stage 3, DP 4:
-  the first step's loss is the single-process loss of ``from_pretrained(DIR)`` (fp32) on the same batch, and
-  each rank's peak RSS growth (``VmHWM``: the process's own figures, as tests/dist/test_meta_init.py
-  measures construction) while loading stays below the rank's states plus one shard file: the engine's
-  construction peak (``init_report``: its model states and one stage-3 unit's buffer, which a seeded init
-  of the same model costs too) plus the largest shard file. TP: ``hybrid.tp.apply_plan`` (TP plans for
-  transformers models) is not on main yet, so the Llama runs at DP only; the reader's TP slicing is tested
-  with the built-in GPT, loaded from a sharded directory at DP 2 x TP 2 (stages 0 and 3).
-* Out: after two steps the run is saved, written by ``consolidate_hf`` (what ``hybrid checkpoint
-  consolidate RUN --hf OUT`` calls) in a fresh process, and ``from_pretrained(OUT)`` in this plain process gives the logits of the engine's
-  ``full_state_dict()`` loaded into the single-process model (rel < 1e-5), with the tensor names
-  save_pretrained writes (the tied head once). The consolidating process's peak RSS growth is bounded by
-  two shard files (the tensor being read, the piece DCP reads into it), a third of the model's 72 MB.
+  three shard files is built on meta on every rank and loaded with ``weights=DIR`` at ZeRO stage 3, DP 4:
+  the first step's loss is the single-process loss of ``from_pretrained(DIR)`` (fp32) on the same batch,
+  and each rank's peak RSS growth while loading (``VmHWM``: the process's own figures, as
+  tests/dist/test_meta_init.py measures construction) stays below its states plus one shard file: the
+  engine's construction peak (``init_report``: its model states and one stage-3 unit's buffer, which a
+  seeded init of the same model costs too) plus the largest shard file.
+* TP: the same files loaded into the Llama split by its own TP plan (``hybrid.tp.apply_plan``, ``hf_plan``)
+  at DP 2 x TP 2, stage 3, give the same loss and exactly the files' weights. (Those plans reached main
+  after this branch left it: the case runs where ``hybrid.tp.hf`` exists.) The built-in GPT, loaded from a
+  sharded directory at DP 2 x TP 2, stages 0 and 3, holds exactly its file's weights.
+* Out: after two steps the run is saved and written by ``consolidate_hf`` (what ``hybrid checkpoint
+  consolidate RUN --hf OUT`` calls) in a fresh process; ``from_pretrained(OUT)`` in this plain process gives
+  the logits of the engine's ``full_state_dict()`` loaded into the single-process model (rel < 1e-5), with
+  the tensor names save_pretrained writes (the tied head once). The consolidating process's peak RSS growth
+  is bounded by two shard files (the tensor being read, the piece DCP reads into it), a third of the
+  model's 72 MB.
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -41,6 +45,9 @@ LLAMA = dict(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidde
 SHARD = "16MB"  # bf16: 36 MB in 3 shards; consolidated, fp32: 72 MB in 9 of 8 MB
 GPT_CFG = GPTConfig(vocab_size=96, seq_len=16, hidden=48, n_layers=2, n_heads=4)
 MiB = 2 ** 20
+# hybrid.tp.apply_plan / hf_plan (TP plans for transformers models) came to main with the tpplan branch, after
+# this branch left it; the Llama's TP case runs wherever they are.
+TP_PLANS = importlib.util.find_spec("hybrid.tp.hf") is not None
 
 
 def _llama_config():
@@ -97,8 +104,23 @@ def _ranks(llama_dir: str, gpt_dir: str, run_dir: str):
     full = engine.full_state_dict()
     out["trained"] = full if rank == 0 else None
     del engine, full
-    # 2. the GPT from a sharded directory at DP 2 x TP 2: the reader's TP slicing
     mesh = build_mesh(tp=2)
+    if TP_PLANS:  # 2. the Llama split by its own TP plan at DP 2 x TP 2, stage 3: each rank reads its slice
+        from hybrid.tp import apply_plan, hf_plan
+
+        model = _meta_llama()
+        apply_plan(model, hf_plan(model), mesh.tp_comm)
+        engine = hybrid.initialize(model, _engine_config(3), dp_group=mesh.dp_group, tp_group=mesh.tp_group,
+                                   weights=llama_dir)
+        ids = _ids(0)[mesh.dp_rank * ROWS // mesh.dp:(mesh.dp_rank + 1) * ROWS // mesh.dp]
+        with torch.no_grad():
+            loss = engine(input_ids=ids, labels=ids).loss
+        dist.all_reduce(loss)  # both ranks of a TP pair hold their DP rank's loss
+        out["tp_first_loss"] = loss.item() / WORLD
+        full = engine.full_state_dict()
+        out["tp_loaded"] = full if rank == 0 else None
+        del engine, full
+    # 3. the GPT from a sharded directory at DP 2 x TP 2: the reader's TP slicing of the built-in TP layers
     for stage in (0, 3):
         engine = hybrid.initialize(GPT(GPT_CFG, tp_comm=mesh.tp_comm, device="meta"), _engine_config(stage),
                                    dp_group=mesh.dp_group, tp_group=mesh.tp_group, weights=gpt_dir)
@@ -158,6 +180,11 @@ def test_a_save_pretrained_llama_loads_trains_and_comes_back(tmp_path):
         # the engine's own construction peak (its states and one stage-3 unit's buffer) plus one shard file
         assert r["load"]["model_state_bytes"] == r["load"]["states"]
         assert r["load"]["growth"] <= r["load"]["peak_bytes"] + largest_shard, (r["load"], largest_shard)
+    if TP_PLANS:
+        assert abs(results[0]["tp_first_loss"] - expected) <= 1e-5 * abs(expected), (results[0], expected)
+        loaded = results[0]["tp_loaded"]
+        for name, value in reference.state_dict().items():
+            assert torch.equal(loaded[name], value), name
     for stage in (0, 3):
         full = results[0][f"gpt-stage{stage}"]
         assert full.keys() == gpt_state.keys()
