@@ -5,7 +5,7 @@ the built-in GPT's ``model:`` shape, the model of an ``hf:`` section::
 
     hf:
       config: tiny-llama/config.json     # a transformers config.json (or the directory holding one)
-      weights: tiny-llama/model.safetensors   # optional: start from these weights (a consolidated .safetensors / .pt)
+      weights: tiny-llama   # optional: start from these weights (a save_pretrained directory, or one .safetensors / .pt)
       seq_len: 128                       # tokens per row
     data: corpus.bin                     # optional: a token file (else the synthetic chain over the vocabulary)
     train: {lr: 0.001}                   # as the built-in GPT's (optimizer, scheduler, clipping, ...)
@@ -27,9 +27,11 @@ checkpointing is the model's own (``gradient_checkpointing_enable``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from hybrid.weights.files import INDEX, SINGLE
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
 from hybrid.runtime.train import Context, run_steps, stream_batches
@@ -69,9 +71,10 @@ def hf_options(section: Any, model_config_path: Optional[str] = None) -> dict:
     weights = section.get("weights")
     if weights is not None:
         weights = _path(weights, "hf.weights", base)
-        if not weights.is_file():
-            raise ConfigError(f"hf.weights is {v.quote(str(weights))}, which is not a file; give a consolidated "
-                              ".safetensors or .pt file, or leave hf.weights out to start from random weights.")
+        if not weights.is_file() and not any((weights / name).is_file() for name in (INDEX, SINGLE)):
+            raise ConfigError(f"hf.weights is {v.quote(str(weights))}, which is neither a file nor a save_pretrained "
+                              f"directory (with {INDEX} or {SINGLE}); give a consolidated .safetensors or .pt file "
+                              "or such a directory, or leave hf.weights out to start from random weights.")
     seq_len = v.positive_int("hf.seq_len", v.required(section, "hf", "seq_len", "tokens per row, e.g. 128"))
     return {"config": config, "weights": weights, "seq_len": seq_len}
 
@@ -156,6 +159,8 @@ def train(ctx: Context, after_step=()) -> dict:
     options = hf_options(ctx.model_config.get("hf"), ctx.model_config_origin)
     train_opts = train_options(ctx.model_config.get("train"))
     config = load_config(ctx.local_path(options["config"]))
+    # checkpoints record the architecture itself, so `consolidate --hf` writes its config.json with no path to find
+    ctx.model_config = {**ctx.model_config, "hf": {**ctx.model_config["hf"], "config": json.loads(config.to_json_string())}}
     seq_len = options["seq_len"]
     check_seq_len(config, seq_len)
     with hybrid.empty_init():

@@ -19,7 +19,6 @@
   model's 72 MB.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -45,9 +44,6 @@ LLAMA = dict(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidde
 SHARD = "16MB"  # bf16: 36 MB in 3 shards; consolidated, fp32: 72 MB in 9 of 8 MB
 GPT_CFG = GPTConfig(vocab_size=96, seq_len=16, hidden=48, n_layers=2, n_heads=4)
 MiB = 2 ** 20
-# hybrid.tp.apply_plan / hf_plan (TP plans for transformers models) came to main with the tpplan branch, after
-# this branch left it; the Llama's TP case runs wherever they are.
-TP_PLANS = importlib.util.find_spec("hybrid.tp.hf") is not None
 
 
 def _llama_config():
@@ -105,21 +101,21 @@ def _ranks(llama_dir: str, gpt_dir: str, run_dir: str):
     out["trained"] = full if rank == 0 else None
     del engine, full
     mesh = build_mesh(tp=2)
-    if TP_PLANS:  # 2. the Llama split by its own TP plan at DP 2 x TP 2, stage 3: each rank reads its slice
-        from hybrid.tp import apply_plan, hf_plan
+    # 2. the Llama split by its own TP plan at DP 2 x TP 2, stage 3: each rank reads its slice
+    from hybrid.tp import apply_plan, hf_plan
 
-        model = _meta_llama()
-        apply_plan(model, hf_plan(model), mesh.tp_comm)
-        engine = hybrid.initialize(model, _engine_config(3), dp_group=mesh.dp_group, tp_group=mesh.tp_group,
-                                   weights=llama_dir)
-        ids = _ids(0)[mesh.dp_rank * ROWS // mesh.dp:(mesh.dp_rank + 1) * ROWS // mesh.dp]
-        with torch.no_grad():
-            loss = engine(input_ids=ids, labels=ids).loss
-        dist.all_reduce(loss)  # both ranks of a TP pair hold their DP rank's loss
-        out["tp_first_loss"] = loss.item() / WORLD
-        full = engine.full_state_dict()
-        out["tp_loaded"] = full if rank == 0 else None
-        del engine, full
+    model = _meta_llama()
+    apply_plan(model, hf_plan(model), mesh.tp_comm)
+    engine = hybrid.initialize(model, _engine_config(3), dp_group=mesh.dp_group, tp_group=mesh.tp_group,
+                               weights=llama_dir)
+    ids = _ids(0)[mesh.dp_rank * ROWS // mesh.dp:(mesh.dp_rank + 1) * ROWS // mesh.dp]
+    with torch.no_grad():
+        loss = engine(input_ids=ids, labels=ids).loss
+    dist.all_reduce(loss)  # both ranks of a TP pair hold their DP rank's loss
+    out["tp_first_loss"] = loss.item() / WORLD
+    full = engine.full_state_dict()
+    out["tp_loaded"] = full if rank == 0 else None
+    del engine, full
     # 3. the GPT from a sharded directory at DP 2 x TP 2: the reader's TP slicing of the built-in TP layers
     for stage in (0, 3):
         engine = hybrid.initialize(GPT(GPT_CFG, tp_comm=mesh.tp_comm, device="meta"), _engine_config(stage),
@@ -180,11 +176,10 @@ def test_a_save_pretrained_llama_loads_trains_and_comes_back(tmp_path):
         # the engine's own construction peak (its states and one stage-3 unit's buffer) plus one shard file
         assert r["load"]["model_state_bytes"] == r["load"]["states"]
         assert r["load"]["growth"] <= r["load"]["peak_bytes"] + largest_shard, (r["load"], largest_shard)
-    if TP_PLANS:
-        assert abs(results[0]["tp_first_loss"] - expected) <= 1e-5 * abs(expected), (results[0], expected)
-        loaded = results[0]["tp_loaded"]
-        for name, value in reference.state_dict().items():
-            assert torch.equal(loaded[name], value), name
+    assert abs(results[0]["tp_first_loss"] - expected) <= 1e-5 * abs(expected), (results[0], expected)
+    loaded = results[0]["tp_loaded"]
+    for name, value in reference.state_dict().items():
+        assert torch.equal(loaded[name], value), name
     for stage in (0, 3):
         full = results[0][f"gpt-stage{stage}"]
         assert full.keys() == gpt_state.keys()
