@@ -1,7 +1,7 @@
 """One rank's random-number-generator states as bytes, so a restarted rank draws what it would have drawn.
 
 Covers Python's ``random``, NumPy's global generator, torch's CPU generator and, when CUDA is in use, the
-generator of the rank's CUDA device (``hybrid.runtime.device.rank_cuda_device``: named, not the calling
+generator of the rank's CUDA device (``hybrid.comm.device.rank_cuda_device``: named, not the calling
 thread's current device, which on a thread that never set one is ``cuda:0``). The bytes are a pickle
 written and read only by this module.
 """
@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from hybrid.runtime.device import rank_cuda_device
+from hybrid.comm.device import rank_cuda_device
 
 try:
     import numpy as np

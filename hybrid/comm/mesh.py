@@ -56,6 +56,14 @@ class MeshLayout:
     tp: int
     dp: int
 
+    @classmethod
+    def of(cls, nodes: int, ranks_per_node: int, tp: int) -> "MeshLayout":
+        """The layout of ``nodes`` x ``ranks_per_node`` ranks in TP groups of ``tp`` (a divisor of the node)."""
+        if ranks_per_node % tp:
+            raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {ranks_per_node}; "
+                              "use a divisor of gpus_per_node.")
+        return cls(nodes, ranks_per_node, tp, nodes * ranks_per_node // tp)
+
     @property
     def node_ranks(self) -> list[list[int]]:
         g = self.ranks_per_node

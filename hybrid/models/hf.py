@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional
 from hybrid.weights.files import INDEX, SINGLE
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
+from hybrid.models.sections import data_path, train_options, training_config, zero_options
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
 HF_KEYS = ("config", "weights", "seq_len")
@@ -130,7 +131,6 @@ def build_model(model_config: Mapping, tp_comm=None):
 def check_model_config(doc: Mapping, path: Path) -> None:
     """What the launcher checks before any rank starts: the ``hf:`` section, the ``train:`` options, and
     a ``data:`` token file's vocabulary against the model's."""
-    from hybrid.models.gpt.training import data_path, train_options, zero_options
     from hybrid.data import TokenFile
 
     options = hf_options(doc.get("hf"), path)
@@ -154,7 +154,6 @@ def train(ctx: Context, after_step=()) -> dict:
     """Train the model of the ``hf:`` section for ``ctx.steps`` steps; returns this rank's summary."""
     import hybrid
     from hybrid.data import MarkovTokens, TokenFile
-    from hybrid.models.gpt.training import data_path, train_options, training_config, zero_options
 
     options = hf_options(ctx.model_config.get("hf"), ctx.model_config_origin)
     train_opts = train_options(ctx.model_config.get("train"))

@@ -195,7 +195,7 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
                    intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
                    probe: Optional[dict] = None):
     """The ``hybrid.plan.cost.Hardware`` for a cluster: the probe's figures (``probe.json``, see
-    ``launch.ray.probe``) where it measured them, else the declared ones (``gpu_tflops``: peak TFLOP/s per
+    ``launch.planning.probe_figures``) where it measured them, else the declared ones (``gpu_tflops``: peak TFLOP/s per
     GPU; ``*_gbps``: line rate of one port in Gb/s, one direction; ``nics_per_node``), else the tables.
     ``device``: the GPU's NVML name, ``cpu`` for CPU ranks, None when not known (the table's default GPU,
     an H100 SXM, said in the sources). ``intra`` / ``inter``: cluster.yaml's link names."""

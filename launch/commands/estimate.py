@@ -38,11 +38,12 @@ import click
 
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.plan.memory import activation_bytes, gpt_activation_bytes, parse_count
+from hybrid.plan.memory import parse_count
 from hybrid.models.gpt.config import GPTConfig, shape_violation
 from hybrid.plan.planner import MAX_GPUS, Plan, check_headroom, choose_stage, quantity
 from hybrid.config.units import human_bytes
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
+from launch.commands.estimate_time import activation_estimate
 from launch.spec import MAX_GPU_MEMORY_GB, MAX_GPUS_PER_NODE
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
@@ -219,8 +220,8 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
     kind = activations = checkpointed = None
     if shape["layers"] is not None:
         kind = "gpt" if vocab is not None else "korthikanti"
-        activations = _activations(kind, shape, vocab, tp, precision, activation_checkpointing)
-        checkpointed = _activations(kind, shape, vocab, tp, precision, checkpointing=True)
+        activations = activation_estimate(kind, shape, vocab, tp, precision, activation_checkpointing)
+        checkpointed = activation_estimate(kind, shape, vocab, tp, precision, checkpointing=True)
 
     prediction = gpt_params = None
     if vocab is not None:
@@ -257,17 +258,6 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
         if timing is not None:
             for line in timing.lines():
                 click.echo(line)
-
-
-def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
-    """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
-    is ``gpt_activation_bytes`` with the arguments ``launch.planning.plan.build_plan`` gives it for the built-in GPT
-    of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
-    s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
-    if kind == "gpt":
-        return gpt_activation_bytes(s, b, h, a, n, vocab, tp=tp, precision=precision, mlp_ratio=GPTConfig.mlp_ratio,
-                                    checkpointing=checkpointing)
-    return activation_bytes(s, b, h, a, n, tp, checkpointing)
 
 
 def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> tuple:

@@ -18,10 +18,11 @@ from typing import Optional
 
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.models.gpt.config import shape_violation
+from hybrid.models.gpt.config import GPTConfig, shape_violation
 from hybrid.plan.candidates import Ranking, describe, layouts, rank
 from hybrid.plan.cost import Hardware, Layout, ModelShape
 from hybrid.plan.hardware import GPU_ALIASES, build_hardware, gpu_spec
+from hybrid.plan.memory import activation_bytes, gpt_activation_bytes
 from hybrid.plan.planner import layout_option
 from launch.planning.time_plan import ranking_dict, ranking_lines
 
@@ -60,8 +61,6 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
                   inter_gbps: Optional[float], nics_per_node: Optional[int],
                   global_batch: Optional[int]) -> EstimateTime:
     """The ranking (see the module docstring); options are checked here, each refusal one sentence."""
-    from launch.commands.estimate import _activations
-
     if shape["layers"] is None:
         raise ConfigError("--time needs the model's shape: give --layers, --hidden, --heads, --seq and "
                           "--micro-batch (and --vocab for the built-in GPT's activation estimate).")
@@ -97,7 +96,7 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
     kind = "gpt" if vocab is not None else "korthikanti"
 
     def memory(lay: Layout):
-        acts = _activations(kind, {**shape, "micro_batch": lay.micro_batch}, vocab, lay.tp, precision,
+        acts = activation_estimate(kind, {**shape, "micro_batch": lay.micro_batch}, vocab, lay.tp, precision,
                             lay.activation_checkpointing)
         return layout_option(params, lay.dp, lay.tp, lay.stage, memory_bytes, precision, acts, headroom,
                              activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
@@ -119,3 +118,14 @@ def _gcd_micro(micro: int, batch: int, dp: int) -> Optional[int]:
     import math
 
     return math.gcd(micro, batch // dp) if batch % dp == 0 else micro
+
+
+def activation_estimate(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
+    """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
+    is ``gpt_activation_bytes`` with the arguments ``launch.planning.plan.build_plan`` gives it for the built-in GPT
+    of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
+    s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
+    if kind == "gpt":
+        return gpt_activation_bytes(s, b, h, a, n, vocab, tp=tp, precision=precision, mlp_ratio=GPTConfig.mlp_ratio,
+                                    checkpointing=checkpointing)
+    return activation_bytes(s, b, h, a, n, tp, checkpointing)

@@ -62,7 +62,7 @@ import ray
 
 from hybrid.comm import heartbeat
 from hybrid.checkpoint import layout
-from hybrid.errors import FailureKind, RankFailed, first_line, reworded
+from hybrid.errors import FailureKind, RankFailed, UserError, first_line, reworded
 from hybrid.runtime.train import JobSettings
 from hybrid.config.units import count
 from launch.planning import memory_loop, replan
@@ -165,7 +165,8 @@ def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bo
 def measured_links(spec: LaunchSpec, reports, measure: bool, stream: TextIO) -> Optional[dict]:
     """``probe.json``'s figures for the plan (see ``plan_and_run``), or None."""
     from launch.planning.plan import _memory_from_probes
-    from launch.ray.probe import read_probe, run_probe, write_probe
+    from launch.planning.probe_figures import read_probe, write_probe
+    from launch.ray.rank_probe import run_probe
 
     if spec.job.run_dir is None:
         return None

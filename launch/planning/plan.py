@@ -48,11 +48,7 @@ from launch.planning.model_size import ModelFacts, model_facts
 from launch.spec import LaunchSpec
 
 
-def mesh_layout(nodes: int, ranks_per_node: int, tp: int) -> MeshLayout:
-    if ranks_per_node % tp:
-        raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {ranks_per_node}; "
-                          "use a divisor of gpus_per_node.")
-    return MeshLayout(nodes, ranks_per_node, tp, nodes * ranks_per_node // tp)
+mesh_layout = MeshLayout.of  # the plan's rank layout (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -250,17 +246,6 @@ def host_memory(spec: LaunchSpec, reports: Optional[Sequence]) -> tuple[Optional
     if declared is not None:
         return declared * GB, f"host memory declared: cluster.host_memory_gb = {declared:g} GB per node"
     return None, "host memory unknown (declare cluster.host_memory_gb to check it when planning offline)"
-
-
-def gpt_tp_refusal(model: dict, tp: int) -> Optional[str]:
-    """Why the built-in GPT of shape ``model`` cannot be split ``tp`` ways, or None when it can."""
-    from hybrid.models.gpt.model import GPTConfig
-
-    try:
-        GPTConfig.from_dict(model).check_tp(tp)
-    except ConfigError as err:
-        return str(err).rstrip(".")
-    return None
 
 
 def _check_tp(facts: ModelFacts, tp: int) -> None:

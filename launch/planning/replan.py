@@ -301,12 +301,12 @@ def nothing_fits(lp, current: Choice, overshoot: Overshoot) -> str:
 
 
 def _nodes_that_fit(lp, choice: Choice, extra: float) -> Optional[int]:
-    from launch.planning.plan import mesh_layout
+    from hybrid.comm.mesh import MeshLayout
 
     cluster = lp.spec.cluster
     usable = usable_bytes(lp)
     for nodes in range(cluster.nodes + 1, MAX_NODES_SEARCHED + 1):
-        layout = mesh_layout(nodes, cluster.gpus_per_node, lp.layout.tp)
+        layout = MeshLayout.of(nodes, cluster.gpus_per_node, lp.layout.tp)
         bigger = dataclasses.replace(lp, layout=layout)
         if predict(bigger, choice).total + extra <= usable:
             return nodes

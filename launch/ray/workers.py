@@ -17,7 +17,7 @@ CUDA_VISIBLE_DEVICES listing all the node's GPUs given to the job and rank LOCAL
 ``isolate_gpus`` each actor keeps only its own GPU (``cuda:0``). The default group is
 ``"cpu:gloo,cuda:nccl"`` on GPUs (``hybrid.comm.mesh.init_default_group``), gloo without.
 
-``probe()`` measures the rank's links and compute for ``hybrid probe`` (``launch.ray.probe``).
+``probe()`` measures the rank's links and compute for ``hybrid probe`` (``hybrid.runtime.probe``).
 ``run()`` calls the entrypoint on every rank with a ``hybrid.runtime.train.Context`` whose reports the actor
 buffers until the driver drains them; what the entrypoint raises reaches the driver as ``hybrid.errors.RankFailed``,
 with the kind of failure the rank decided (``rank_failed``); ``drain()`` also returns the rank's collective heartbeat
@@ -167,7 +167,7 @@ class RankWorker:
     """One rank (the actor ``RankActor`` runs it). Ray calls its methods on two threads, ``run()`` training
     while ``drain()`` answers the driver, and which thread runs a call is Ray's choice: CUDA's current device
     is per thread, so ``setup()`` and ``run()``, the calls that do the rank's CUDA work, first bind the rank's
-    device on the thread they run on (``hybrid.runtime.device.bind_thread``)."""
+    device on the thread they run on (``hybrid.comm.device.bind_thread``)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -205,7 +205,7 @@ class RankWorker:
         import torch.distributed as dist
 
         from hybrid.comm.mesh import build_mesh, init_default_group
-        from hybrid.runtime.device import bind_thread
+        from hybrid.comm.device import bind_thread
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self._rank, self._device = rank, device
@@ -227,7 +227,7 @@ class RankWorker:
         """Run the entrypoint on this rank; returns what it returns (must be picklable)."""
         import yaml
 
-        from hybrid.runtime.device import bind_thread
+        from hybrid.comm.device import bind_thread
         from hybrid.runtime.train import Context
         from launch.ray.runtime_env import localize_shipped
         from launch.spec import resolve_entrypoint
@@ -267,9 +267,9 @@ class RankWorker:
         self._stop.set()
 
     def probe(self, precision: str) -> dict:
-        """This rank's link and compute figures for ``hybrid probe`` (``launch.ray.probe.measure_rank``); every
+        """This rank's link and compute figures for ``hybrid probe`` (``hybrid.runtime.probe.measure_rank``); every
         rank calls it at once, after ``setup``."""
-        from launch.ray.probe import measure_rank
+        from hybrid.runtime.probe import measure_rank
 
         return measure_rank(self._rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]),
                             self._device, precision)

@@ -411,7 +411,8 @@ def test_settings_carry_the_plans_levers():
 
 
 def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():
-    from hybrid.models.gpt.training import TRAIN_DEFAULTS, build_model, training_config, with_levers
+    from hybrid.models.gpt.training import build_model, with_levers
+    from hybrid.models.sections import TRAIN_DEFAULTS, training_config
     from hybrid.models.gpt.config import GPTConfig
 
     assert training_config(TRAIN_DEFAULTS, 3, "fp32").zero.offload_optimizer.device == "none"

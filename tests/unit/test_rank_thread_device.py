@@ -3,13 +3,13 @@
 Ray runs a rank actor's calls on two threads (``run()`` trains while ``drain()`` answers the driver), and
 CUDA's current device is per thread: ``RankWorker.run`` must bind the rank's device on whichever thread it
 runs on, not rely on the thread ``setup()`` ran on. Checked without a GPU through the real code path: the
-entrypoint, called by ``run()`` on a fresh thread, reports that thread and what ``hybrid.runtime.device``
+entrypoint, called by ``run()`` on a fresh thread, reports that thread and what ``hybrid.comm.device``
 recorded for it.
 """
 
 import threading
 
-from hybrid.runtime.device import bind_thread, thread_device
+from hybrid.comm.device import bind_thread, thread_device
 from hybrid.runtime.train import JobSettings
 from launch.ray.workers import RankWorker
 

@@ -42,15 +42,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from hybrid.config import schema
 from hybrid.config import validate as v
 from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError, DataError
 from hybrid.models.gpt.model import GPT
-from hybrid.models.gpt.config import GPTConfig, TrainOptions
+from hybrid.models.gpt.config import GPTConfig
+# data_path, train_options, training_config, zero_options: the shared sections, named here too (an own loop's
+# imports, README) as the built-in loop's pieces
+from hybrid.models.sections import data_path, train_options, training_config, zero_options  # noqa: F401
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
-TRAIN_DEFAULTS = schema.defaults(TrainOptions)  # the train: section's defaults (declared in TrainOptions)
 # The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
 CONFIG_KEYS = ("model", "hf", "data", "train", "zero", "params")
 
@@ -136,44 +137,6 @@ def check_model_config(doc: Any, path: Path) -> None:
         open_token_file(data, data, model_config, check=False)
 
 
-def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
-    """The ``data:`` entry of the model config as a path (relative ones against the config's directory)."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"data is {value!r} in the model config; give the path of a token file made by "
-                          "`hybrid data prepare`.")
-    path = Path(value).expanduser()
-    if not path.is_absolute() and model_config_path:
-        path = (Path(model_config_path).resolve().parent / path).resolve()
-    return path
-
-
-def train_options(section: Any) -> dict:
-    """The ``train:`` mapping of the model config (``TrainOptions``: its defaults under what is written, each
-    value checked, unknown keys refused) as a dict; the optimizer and scheduler sections checked too."""
-    if section is None:
-        return dict(TRAIN_DEFAULTS)
-    options = schema.read(TrainOptions, section, "train", example="{lr: 0.005}")
-    _one_place_each(section, options.optimizer)
-    options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-    training_config(options, stage=1, precision="fp32")  # every optimizer/scheduler field checked up front
-    return options
-
-
-def _one_place_each(section: Mapping, optimizer: Optional[dict]) -> None:
-    """``train.lr`` / ``train.weight_decay`` are the optimizer's defaults: one the user also wrote under
-    ``train.optimizer`` (or its ``params``) with another value would be silently overridden, so it is refused."""
-    if not optimizer:
-        return
-    inner = optimizer.get("params") if isinstance(optimizer.get("params"), Mapping) else optimizer
-    where = "train.optimizer.params" if inner is not optimizer else "train.optimizer"
-    for key in ("lr", "weight_decay"):
-        if key in section and key in inner and v.yaml_number(section[key]) != v.yaml_number(inner[key]):
-            raise ConfigError(f"train.{key}={v.quote(section[key])} and {where}.{key}={v.quote(inner[key])} "
-                              f"disagree; set {key} in one place (remove one of them).")
-
-
 def build_model(model_config: Mapping, tp_comm=None):
     """The launcher's hook: the GPT of a parsed model config (its ``model:`` mapping), TP-sliced over
     ``tp_comm``, on the current default device (the driver calls it under ``torch.device("meta")``); for an
@@ -203,45 +166,6 @@ def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTC
         raise ConfigError("the plan turns activation checkpointing on, but this build of the built-in GPT has no "
                           "activation_checkpointing field; set parallel.activation_checkpointing: false.")
     return dataclasses.replace(model_config, activation_checkpointing=True)
-
-
-def training_config(options: dict, stage: int, precision: str, offload: bool = False, zero: Optional[dict] = None,
-                    accumulation: int = 1):
-    """The engine's ``TrainConfig`` from checked ``train:`` options, the job's stage and precision, optimizer
-    offload, ``zero`` sizes (``zero_options``) and gradient accumulation steps."""
-    from hybrid.config.training import TrainConfig
-
-    optimizer = dict(options.get("optimizer") or {})
-    defaults = {"lr": float(options["lr"]), "weight_decay": float(options["weight_decay"])}
-    if "params" in optimizer:
-        optimizer["params"] = {**defaults, **v.mapping("train.optimizer.params", optimizer["params"])}
-    else:
-        optimizer = {**defaults, **optimizer}
-    zero = {**(zero or {}), "stage": stage}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
-                                  "scheduler": options.get("scheduler"),
-                                  "gradient_clipping": options["gradient_clipping"],
-                                  "gradient_accumulation_steps": accumulation}, prefix="train.")
-
-
-def zero_options(section: Any) -> dict:
-    """The ``zero:`` mapping of the model config (ZeroConfig fields but ``stage``), each value checked."""
-    import dataclasses
-
-    from hybrid.config.training import ZeroConfig
-
-    if section is None:
-        return {}
-    if isinstance(section, dict) and "offload_optimizer" in section:
-        raise ConfigError("zero.offload_optimizer in the model config is not read: a launched job's optimizer "
-                          "offload is the cluster file's parallel.offload (auto, true or false); remove it here "
-                          "and set that instead.")
-    names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
-    options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
-    ZeroConfig(**options)  # every field checked, named zero.<field>
-    return options
 
 
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
