@@ -95,12 +95,12 @@ def layouts(nodes: int, gpus_per_node: int, precision: str, tps: Iterable[int], 
     for tp in tps:
         dp = nodes * gpus_per_node // tp
         for b, k in batch_splits(global_batch, dp, micro_batch):
-            for stage in stages:
+            for s in stages:
                 for ac in checkpointing:
                     for off in offloads:
-                        if off and not policy_for(stage).shard_optimizer:  # nothing sharded to move
+                        if off and not policy_for(s).shard_optimizer:  # nothing sharded to move
                             continue
-                        out.append(Layout(nodes, gpus_per_node, tp, stage, b, k, ac, off, precision))
+                        out.append(Layout(nodes, gpus_per_node, tp, s, b, k, ac, off, precision))
     return out
 
 
