@@ -38,8 +38,14 @@ def fail_on_rank_1(ctx):
     return {"rank": ctx.rank}
 
 
-def exit_on_rank_1(ctx):
+def fail_then_exit_on_rank_1(ctx):
+    """Rank 1 raises on the job's first attempt and calls sys.exit(3) on every later one (the file named by
+    FAILED_ONCE, in job.env, marks that the first attempt failed)."""
     if ctx.rank == 1:
+        marker = Path(os.environ["FAILED_ONCE"])
+        if not marker.exists():
+            marker.write_text("attempt 1 failed")
+            raise RuntimeError("rank one is broken on purpose")
         sys.exit(3)
     return {"rank": ctx.rank}
 

@@ -109,26 +109,25 @@ def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memo
     assert_loopback_only(*cluster)
 
 
-def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_cause(cluster):
+def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_cause_and_a_sys_exit_its_code(
+        cluster, tmp_path):
+    """Attempt 1: rank 1 raises, and the job restarts (job.max_failures = 1); attempt 2: rank 1 calls
+    sys.exit(3), which Ray alone would report as 'Worker exits unexpectedly' (and KeyboardInterrupt as a
+    cancelled task), and the job ends naming the code. One job for both: each attempt starts every rank."""
     out = io.StringIO()
     with pytest.raises(JobFailed) as info:
-        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_on_rank_1", max_failures=1), out, tty=False)
-    failure = "rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)"
-    assert f"{failure}; restarting all ranks from step 0 (job.checkpoint is not set) (attempt 2 of 2)" in out.getvalue()
-    assert str(info.value) == f"{failure} on attempt 2 of 2, and job.max_failures (1) allows no more restarts"
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_then_exit_on_rank_1", max_failures=1,
+                               env={"FAILED_ONCE": str(tmp_path / "failed-once")}), out, tty=False)
+    raised = "rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)"
+    assert f"{raised}; restarting all ranks from step 0 (job.checkpoint is not set) (attempt 2 of 2)" in out.getvalue()
+    exited = "rank 1 on node 0 failed (RuntimeError: the entrypoint called sys.exit(3))"
+    assert str(info.value) == f"{exited} on attempt 2 of 2, and job.max_failures (1) allows no more restarts"
     # actors and the placement group are released (asynchronously, so allow Ray a moment)
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU") != NODES * RANKS_PER_NODE and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == NODES * RANKS_PER_NODE
     assert_loopback_only(*cluster)
-
-
-def test_a_rank_calling_sys_exit_is_named_with_its_code(cluster):
-    """Ray turns a SystemExit into 'Worker exits unexpectedly' (and KeyboardInterrupt into a cancelled task)."""
-    with pytest.raises(JobFailed) as info:
-        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:exit_on_rank_1"), io.StringIO(), tty=False)
-    assert str(info.value).startswith("rank 1 on node 0 failed (RuntimeError: the entrypoint called sys.exit(3))")
 
 
 def test_nodes_held_by_another_job_fail_after_the_placement_timeout_in_one_sentence(cluster):
@@ -139,12 +138,12 @@ def test_nodes_held_by_another_job_fail_after_the_placement_timeout_in_one_sente
     try:
         started = time.monotonic()
         with pytest.raises(JobFailed) as info:
-            plan_and_run(make_spec(steps=1, placement_timeout_s=3), io.StringIO(), tty=False)
+            plan_and_run(make_spec(steps=1, placement_timeout_s=1), io.StringIO(), tty=False)
         assert time.monotonic() - started < 60  # not the 120 s default
         message = str(info.value)
         assert "\n" not in message and re.match(
             rf"the Ray cluster could not reserve {NODES} separate nodes with \{{'CPU': {RANKS_PER_NODE}\}} each "
-            r"within 3 s \(1 of the \d live nodes have that free now, 2 have it at all\).*job\.placement_timeout_s",
+            r"within 1 s \(1 of the \d live nodes have that free now, 2 have it at all\).*job\.placement_timeout_s",
             message), message
     finally:
         remove_placement_group(held)
