@@ -43,7 +43,7 @@ def test_the_readme_example_runs_from_another_directory_with_its_code_shipped(tm
     elsewhere.mkdir()
     assert not (elsewhere / "my_train.py").exists()
 
-    proc, out = hybrid(["data", "prepare", str(ROOT / "README.md"), str(ROOT / "hybrid" / "train.py"),
+    proc, out = hybrid(["data", "prepare", str(ROOT / "README.md"), str(ROOT / "hybrid" / "runtime" / "train.py"),
                         "--out", str(byo / "corpus.bin")], cwd=elsewhere)
     assert proc.returncode == 0 and "tokens (uint16, vocabulary 256, tokenizer bytes)" in out, out
 

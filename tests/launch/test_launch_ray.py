@@ -224,7 +224,7 @@ def _kill_after_first_checkpoint(run_dir: Path, rank: int, done: threading.Event
 
 def _token_file_config(tmp_path: Path) -> Path:
     """gpt-tiny reading a token file prepared from two of this repository's files."""
-    prepare([ROOT / "README.md", ROOT / "hybrid" / "train.py"], tmp_path / "data" / "corpus.bin")
+    prepare([ROOT / "README.md", ROOT / "hybrid" / "runtime" / "train.py"], tmp_path / "data" / "corpus.bin")
     path = tmp_path / "model.yaml"
     path.write_text((ROOT / "configs" / "gpt-tiny.yaml").read_text() + "data: data/corpus.bin\n")
     return path
