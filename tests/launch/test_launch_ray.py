@@ -89,8 +89,11 @@ def test_address_auto_of_another_process_would_never_find_this_embedded_cluster(
 # Stage 3 from a declared budget; the default choice (stage 1 at 80 GB) trains in the kill test's reference
 # run and in tests/launch/test_launch_cli.py.
 @pytest.mark.parametrize("gpu_memory_gb, expected_stage", [(0.0025, 3)])
-def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memory_gb, expected_stage):
-    spec = make_spec(steps=30, gpu_memory_gb=gpu_memory_gb)
+def test_auto_stage_follows_the_planner_and_training_converges_with_ranks_placed_by_tp_group(
+        cluster, gpu_memory_gb, expected_stage):
+    """The training job is also the tp = auto case of placement (``_assert_placed_by_tp_group``): the ranks
+    that trained report, after their last step, where they ran. One job for both: each starts every rank."""
+    spec = make_spec(entrypoint="tests.launch.entrypoints:train_then_where", steps=30, gpu_memory_gb=gpu_memory_gb)
     offline = build_plan(spec)  # what the planner predicts from the declared facts
     predicted = choose_stage(offline.params, 2, 2, gpu_memory_gb * GB, precision="fp32",
                              activation_bytes=offline.plan.activation_bytes,
@@ -100,9 +103,10 @@ def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memo
     result = plan_and_run(spec, out, tty=False)
     assert result.plan.stage == expected_stage and result.plan.memory_source == "declared"
     assert "no GPUs in the Ray cluster" in out.getvalue() and f"ZeRO-{expected_stage}" in out.getvalue()
-    assert all(r["stage"] == expected_stage for r in result.results.values())
+    assert all(r["train"]["stage"] == expected_stage for r in result.results.values())
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.5, losses
+    _assert_placed_by_tp_group(result, [result.results[r]["where"] for r in range(4)], RANKS_PER_NODE)
     # the TP ranks of a group see the same data, so report the same loss
     last = result.last_reports
     assert last[0]["loss"] == pytest.approx(last[1]["loss"]) and last[2]["loss"] == pytest.approx(last[3]["loss"])
@@ -182,12 +186,16 @@ def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(clust
                         r"job.max_failures is 0, so the job was not restarted", message), message
 
 
-@pytest.mark.parametrize("tp", ["auto", 1])
-def test_ranks_sit_on_nodes_by_tp_group_with_torchruns_environment_and_the_mesh_knows_it(cluster, tp):
-    result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:where", steps=1, tp=tp),
+def test_ranks_sit_on_nodes_by_tp_group_with_torchruns_environment_and_the_mesh_knows_it(cluster):
+    """tp = 1; tp = auto (2: gpus_per_node, for the GPT's TP layers) is the auto-stage training job's."""
+    result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:where", steps=1, tp=1),
                           io.StringIO(), tty=False)
-    degree = RANKS_PER_NODE if tp == "auto" else tp  # auto: gpus_per_node for the GPT's TP layers
-    out = [result.results[r] for r in range(4)]
+    _assert_placed_by_tp_group(result, [result.results[r] for r in range(4)], 1)
+    assert_loopback_only(*cluster)
+
+
+def _assert_placed_by_tp_group(result, out: list[dict], degree: int) -> None:
+    """``out``: each rank's ``tests.launch.entrypoints.placement``, in rank order, for a job at TP ``degree``."""
     nodes = list(dict.fromkeys(o["node_id"] for o in out))  # Ray nodes in rank order
     assert len(nodes) == NODES
     assert [p.node_id for p in result.placement] == [o["node_id"] for o in out]
@@ -208,7 +216,6 @@ def test_ranks_sit_on_nodes_by_tp_group_with_torchruns_environment_and_the_mesh_
         assert {out[m]["node_id"] for m in o["tp_group"]} == {o["node_id"]}, "a TP group straddles nodes"
         # job.collective_timeout_s reaches the default group and the mesh's dp and tp groups alike
         assert o["timeouts_s"] == [60.0, 60.0, 60.0]
-    assert_loopback_only(*cluster)
 
 
 def _kill_after_first_checkpoint(run_dir: Path, rank: int, done: threading.Event, killed: dict) -> None:
