@@ -24,9 +24,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Two pytest-xdist workers: one runs tests/launch in order (tests/conftest.py), the other everything else.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30 -n 2 tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # The unit tier: tests/unit less the tests marked slow (those start a process that imports torch or Ray: a gloo
 # world, the CLI, a script), so nothing here spawns a world, starts Ray or runs the CLI in a subprocess.
