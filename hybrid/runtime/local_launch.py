@@ -13,11 +13,8 @@ than GPUs is an error, as NCCL cannot put two ranks of one group on one GPU) and
 
 Ranks are forked from a forkserver that has imported torch and the engine once (where the platform has one;
 spawn elsewhere), so a rank starts in milliseconds instead of re-importing torch (seconds on a busy
-2-core host, and the tests start hundreds of ranks). ``preload(*modules)``, called before the process's
-first ``run_local``, adds modules most of the caller's ranks import (the tests: ``torch.distributed.checkpoint``,
-0.7 s a rank); they cost each rank resident memory it shares with the forkserver, so the default list is the
-engine's alone. Each rank gets the caller's environment as it is at the call, as a spawned process would, not
-the one the forkserver started with.
+2-core host, and the tests start hundreds of ranks). Each rank gets the caller's environment as it is at
+the call, as a spawned process would, not the one the forkserver started with.
 
 Why a file store and not MASTER_ADDR/PORT: torch's TCP store client connects over a v4-mapped IPv6
 socket and then resolves the peer's name, which sends a DNS query off this machine. gloo itself still
@@ -39,9 +36,8 @@ import torch.multiprocessing as mp
 from hybrid.errors import ConfigError
 
 BACKENDS = ("gloo", "nccl")
-# What the forkserver imports once for every later rank (importing torch does not initialise CUDA); preload()
-# adds to it.
-_preload = ["torch", "torch.distributed", "hybrid.zero.engine", "hybrid.comm.mesh"]
+# What the forkserver imports once for every later rank (importing torch does not initialise CUDA).
+_PRELOAD = ["torch", "torch.distributed", "hybrid.zero.engine", "hybrid.comm.mesh"]
 
 
 class LocalRunError(RuntimeError):
@@ -70,19 +66,12 @@ def local_rank_env(rank: int, world_size: int) -> dict:
                 GROUP_RANK="0", NODE_RANK="0")
 
 
-def preload(*modules: str) -> None:
-    """Have the forkserver also import ``modules`` once for every rank it forks. Takes effect only before this
-    process's first ``run_local`` (which starts the forkserver); a module that fails to import there is
-    skipped, and the rank imports it itself if it needs it."""
-    _preload.extend(m for m in modules if m not in _preload)
-
-
 def _context():
     """A forkserver context preloading torch where the platform has one, else spawn (never fork: the
     caller may hold threads, CUDA, or a gloo group)."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(_preload))
+        ctx.set_forkserver_preload(_PRELOAD)
         return ctx
     return mp.get_context("spawn")
 
