@@ -27,8 +27,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30 tests
 
+# The unit tier: tests/unit less the tests marked slow (those start a process that imports torch or Ray: a gloo
+# world, the CLI, a script), so nothing here spawns a world, starts Ray or runs the CLI in a subprocess.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit
 
 # The demo's corpus: this repository's own docs and sources, byte-level (configs/gpt-tiny-text.yaml reads it).
 DEMO_TEXT := README.md $(wildcard hybrid/*.py hybrid/*/*.py hybrid/*/*/*.py launch/*.py launch/*/*.py)

@@ -72,7 +72,10 @@ def wait_gone(pid: int, timeout_s: float = 20.0) -> list[str]:
 
 
 def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
-    """Every socket call of the launcher and all its Ray processes goes through strace where it can."""
+    """Every socket call of the launcher and all its Ray processes goes through strace where it can.
+
+    Over 20 s: a user's `hybrid launch` starts its own embedded cluster (GCS, two raylets and their agents) and
+    four rank actors that import torch, all under strace; the 12 steps themselves take about a second."""
     trace = tmp_path / "network.strace" if strace_works() else None
     proc = start(cluster_file(tmp_path, steps=12), trace_to=trace)
     watch = NetWatch(proc.pid).start()
@@ -93,7 +96,10 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
 
 def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_path):
     """``kill PID``. Ctrl-C (SIGINT to the terminal's process group), a group SIGTERM and a hangup are
-    tests/launch/test_group_signal.py's: one signal handler serves all of them."""
+    tests/launch/test_group_signal.py's: one signal handler serves all of them.
+
+    About 20 s: an embedded cluster and four rank actors must start before training is under way, and the
+    teardown that follows the signal is what the test checks."""
     proc = start(cluster_file(tmp_path, steps=5000))
     watch = NetWatch(proc.pid).start()
     lines = []
@@ -189,7 +195,12 @@ def test_sigterm_while_waiting_for_a_remote_cluster_exits_130_at_once(tmp_path):
 
 def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path):
     """`ray start --head` on loopback (in its own temp dir, stopped by its pid): `ray://` (Ray Client) and
-    `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected."""
+    `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected.
+
+    The slowest test: a cluster started as a user starts it (not the embedded kind the other tests use), a
+    Ray Client connection (whose server process the head starts for the driver) and a second driver through
+    `auto`, each placing two rank actors; one cluster serves both addresses, and 2 steps are the least that
+    shows the job ran."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="hy-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     # A token where Ray looks for one (as ~/.ray/auth_token is once any plain ray.init() ran): `ray start`
     # then requires it, and the launcher must send it (it timed out without).

@@ -25,6 +25,7 @@ def test_peak_lookup_by_device_name_and_model_flops_per_token():
     assert flops_per_token(params=1000, layers=2, hidden=8, seq_len=16) == 6 * 1000 + 12 * 2 * 8 * 16
 
 
+@pytest.mark.slow  # a process importing everything the GPU machine runs: not in the fast tier
 def test_nothing_the_gpu_machine_runs_imports_ray():
     code = ("import sys, hybrid, hybrid.models.gpt, hybrid.runtime.train, hybrid.comm.mesh, hybrid.runtime.local_launch, "
             "hybrid.plan.monitor, bench.gpu_bench, tests.gpu.worker, tests.gpu.torchrun, launch.cli; "

@@ -184,6 +184,7 @@ def test_plan_json_needs_no_ray(monkeypatch, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow  # a CLI process importing torch: not in the fast tier (make test-fast)
 def test_plan_json_cli_subprocess(capsys):
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "plan", "clusters/dgx-h100-8x8.yaml", "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
