@@ -88,13 +88,16 @@ def _offload_device(path: str, value: Any) -> str:
 @dataclass(frozen=True)
 class OffloadConfig(Section):
     """Where the fp32 master weights and optimizer state live: ``none`` (the device) or ``cpu`` (host memory,
-    pinned when ``pin_memory`` and the device is CUDA)."""
+    pinned when ``pin_memory`` and the device is CUDA); ``threads``: the host step's threads (unset: the rank's
+    share of its node's cores, ``hybrid.zero.host_threads``)."""
 
     SECTION = "zero.offload_optimizer"
     SORTED_KEYS = True
 
     device: str = setting("none", _offload_device, help="none (the device) or cpu (host memory)")
     pin_memory: bool = setting(False, v.boolean, help="pinned host buffers (with CUDA)")
+    threads: Optional[int] = setting(None, _size(1), help="threads of the host optimizer step; unset: the node's "
+                                     "cores / its ranks")
 
     @property
     def enabled(self) -> bool:

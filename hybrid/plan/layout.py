@@ -250,16 +250,54 @@ def stage_layout(numels: Sequence[int], unit_params: Optional[Sequence[Sequence[
 
 
 # ------------------------------------------------------------------------------------- the optimizer
-# Elements of bf16 gradients converted to fp32 at a time (one reused 4 MB scratch): a few fused calls per
-# step instead of one, and no shard-sized fp32 copy. Fused AdamW over 4.3M elements took as long in 1M
-# chunks as in one 4M call (9.2 ms, one thread), so the smaller scratch costs no time.
+# Elements of non-fp32 gradients converted to fp32 at a time, per device type the conversion runs on. CPU:
+# one reused 4 MB scratch, a few fused calls per step instead of one and no shard-sized fp32 copy: fused
+# AdamW over 4.3M elements took as long in 1M chunks as in one 4M call (9.2 ms, one thread), and the chunk
+# stays in cache between its conversion and its step. A device type not listed here (CUDA) has no such bound:
+# a batch is converted in one call and stepped in one fused call per parameter group, as DeepSpeed steps a
+# sub-group and FSDP2 its shards, bounded only by ``sub_group_size`` and the memory the scratch may use.
 CONVERT_NUMEL = 1 << 20
+CONVERT_LIMITS = {"cpu": CONVERT_NUMEL}
 
 
-def batch_numel(sub_group_size: int, grad_is_fp32: bool) -> int:
-    """The most elements one optimizer batch steps at once (``hybrid.zero.optimizer``; non-fp32 gradients
-    go through the fp32 scratch, ``CONVERT_NUMEL`` elements)."""
-    return int(sub_group_size) if grad_is_fp32 else min(int(sub_group_size), CONVERT_NUMEL)
+def batch_numel(sub_group_size: int, grad_is_fp32: bool, device: str = "cpu",
+                scratch_bytes: Optional[int] = None) -> int:
+    """The most elements one optimizer batch steps at once (``hybrid.zero.optimizer``) on a ``device`` type
+    (``"cpu"``, ``"cuda"``, ...): ``sub_group_size``; with non-fp32 gradients, which are converted into an fp32
+    scratch of one batch, also the device's ``CONVERT_LIMITS`` and ``scratch_bytes // 4`` (the free memory
+    the scratch may use; None: no bound). The memory model sizes the scratch by the same rule."""
+    n = int(sub_group_size)
+    if grad_is_fp32:
+        return n
+    limit = CONVERT_LIMITS.get(str(device))
+    if limit is not None:
+        n = min(n, limit)
+    if scratch_bytes is not None:
+        n = min(n, max(1, int(scratch_bytes) // 4))
+    return n
+
+
+def norm_convert_numel(device: str) -> Optional[int]:
+    """Elements of a non-fp32 gradient converted to fp32 at a time for the gradient norm (``hybrid.zero.clip``)
+    on a ``device`` type: its ``CONVERT_LIMITS``, or None where there is none -- one ``torch._foreach_norm``
+    per gradient dtype then computes every norm in fp32 without a copy."""
+    return CONVERT_LIMITS.get(str(device))
+
+
+def keeps_scratch(device: str) -> bool:
+    """Whether the optimizer keeps its fp32 scratch between steps on a ``device`` type: where it is bounded
+    (``CONVERT_LIMITS``: a few MB, reused); elsewhere it is a batch long and goes back to the allocator after
+    each step, whose cache hands it to the next backward's activations (the step never overlaps them)."""
+    return str(device) in CONVERT_LIMITS
+
+
+def host_arena_bytes(shard_numel, grad_itemsize: int, state_keys: int):
+    """Bytes of a rank's host arena with the optimizer offloaded (``hybrid.zero.host_arena``): the fp32 master
+    shard, the host copy of the gradient shard (``grad_itemsize`` bytes an element) and ``state_keys`` fp32
+    state buffers (2 for Adam(W): its moments), carved in that order. Every region ends 16-byte aligned (a
+    shard is a multiple of 16 bytes in the model dtype), so nothing pads between them; the memory model's host
+    figure is this with ``shard_numel = Ψ/(t·N)``. (The CPU step's fp32 scratch, a few MB, stays apart.)"""
+    return (4 * (1 + int(state_keys)) + int(grad_itemsize)) * shard_numel
 
 
 # --------------------------------------------------------------------------------- gradient buckets

@@ -36,7 +36,7 @@ from hybrid.config.training import ZeroConfig
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
 from hybrid.errors import ConfigError
 from hybrid.plan.layout import (SHM_MIN_BYTES, ModelUnits, align_elements, batch_numel, exchange_numel,
-                                kept_bucket_numel, resident_bytes, stage_layout)
+                                host_arena_bytes, kept_bucket_numel, resident_bytes, stage_layout)
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -187,9 +187,13 @@ def parse_count(text, field: str = "params") -> int:
 # and both Adam moments live in host memory, 4 + 4 + 4 bytes per parameter of its shard in either precision
 # (with fp32 the device keeps the fp32 parameters it computes with, the host the master copy it steps), and
 # so does the copy of the reduced gradient shard the host steps from (``FlatState.host_grad``: the model's
-# gradient bytes, 2 in bf16, 4 in fp32), as in ZeRO-Offload.
+# gradient bytes, 2 in bf16, 4 in fp32), as in ZeRO-Offload: one arena per rank, exactly
+# ``hybrid.plan.layout.host_arena_bytes`` (the engine allocates by it).
 # The device keeps the parameters and gradients of its stage: 2Ψ/(t·N) + 2Ψ/(t·N) at stage 3 in bf16.
 # Transients of the copies (one unit's gradient shard in flight) are left to the prediction model.
+ADAM_STATE_KEYS = 2  # exp_avg, exp_avg_sq: the per-element state buffers the memory model counts
+
+
 def host_bytes_per_param(precision: str, reduce_dtype: Optional[str] = None) -> int:
     """Host bytes per parameter of a rank's shard with the optimizer offloaded: master, moments, gradient."""
     return 12 + bytes_per_param(precision, reduce_dtype)[1]
@@ -205,13 +209,15 @@ class OffloadBytes:
 
 def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
                   reduce_dtype: Optional[str] = None) -> OffloadBytes:
-    """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
+    """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory (the
+    host figure: the rank's host arena, ``host_arena_bytes``, for a shard of Ψ/(t·N) elements)."""
     states = model_state_bytes(params, dp, stage, tp, precision, reduce_dtype)
     if not policy_for(stage).shard_optimizer:
         raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
                           "states); choose a stage from 1 to 3")
     device = Fraction(states.params) + Fraction(states.grads)
-    host = Fraction(host_bytes_per_param(precision, reduce_dtype) * params, tp * dp)
+    grad_item = bytes_per_param(precision, reduce_dtype)[1]
+    host = Fraction(host_arena_bytes(Fraction(params, tp * dp), grad_item, ADAM_STATE_KEYS))
     return OffloadBytes(_number(device), _number(host))
 
 
@@ -229,7 +235,8 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 #   elements awaiting their reduce-scatter, plus the one being filled) and stage-3 gathered units (the
 #   largest unit plus ``prefetch_bucket_size`` elements prefetched);
 # * optimizer transients: the reused fp32 scratch a non-fp32 gradient is converted into, one batch of at
-#   most ``min(sub_group_size, optimizer.CONVERT_NUMEL)`` elements (clipping
+#   most ``layout.batch_numel`` elements on the device (CPU: ``CONVERT_NUMEL``; a GPU converts a whole
+#   sub-group, ``sub_group_size`` elements, the rank's shard by default, into it at once) (clipping
 #   scales in place; the optimizer's state is the flat buffers from the start, so its first step allocates
 #   none); the step runs after backward, so this competes with activations, not adds to them;
 # * activations: see ``gpt_activation_bytes``;
@@ -359,7 +366,7 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
                 budget -= n
                 prefetched += n
             gathered, running_unit = (others[0] + prefetched) * item, others[0] * item
-    piece = min(batch_numel(zero.sub_group_size, grad_item == FP32), layout.shard_numel)
+    piece = min(batch_numel(zero.sub_group_size, grad_item == FP32, device), layout.shard_numel)
     transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
     comm_buffers = 0
     if device == "cpu":

@@ -26,16 +26,19 @@ from hybrid.plan.layout import CONVERT_NUMEL
 
 
 def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm], chunk: int,
-                     scratch=None) -> torch.Tensor:
-    """The 2-norm (fp32, 0-dim) of all gradients; ``runs`` are ``(grad_view, is_tensor_parallel)`` pairs;
-    ``scratch`` (``optimizer.Fp32Scratch``, a new one when None) stages non-fp32 gradients in fp32."""
+                     scratch=None, convert_numel: Optional[int] = CONVERT_NUMEL) -> torch.Tensor:
+    """The 2-norm (fp32, 0-dim) of all gradients; ``runs`` are ``(grad_view, is_tensor_parallel)`` pairs, cut
+    into pieces of at most ``chunk`` elements; non-fp32 pieces are staged in fp32 ``convert_numel`` elements
+    at a time through ``scratch`` (``optimizer.Fp32Scratch``, a new one when None), or with ``convert_numel``
+    None (``hybrid.plan.layout.norm_convert_numel``: on a GPU) normed in fp32 by one ``torch._foreach_norm``
+    per dtype without a copy."""
     device = runs[0][0].device if runs else torch.device("cpu")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tensor-parallel, replicated]
     for k, flag in enumerate((True, False)):
         pieces = [grad[lo:lo + chunk] for grad, is_tp in runs if is_tp == flag and grad.numel()
                   for lo in range(0, grad.numel(), chunk)]
         if pieces:  # no host sync
-            sums[k] = torch.stack(_norms(pieces, scratch)).double().square().sum()
+            sums[k] = torch.stack(_norms(pieces, scratch, convert_numel)).double().square().sum()
     if dp_comm is not None:
         dp_comm.all_reduce(sums)
     if tp_comm is not None and not tp_comm.solo:
@@ -45,16 +48,20 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
     return sums.sum().sqrt().float()
 
 
-def _norms(pieces: list, scratch) -> list:
-    """fp32 2-norms of ``pieces``: fp32 ones in one ``torch._foreach_norm``; others converted a bounded
-    chunk at a time into the reused fp32 scratch (a norm with ``dtype=float32`` would upcast a whole copy)."""
+def _norms(pieces: list, scratch, convert_numel: Optional[int]) -> list:
+    """fp32 2-norms of ``pieces``: fp32 ones in one ``torch._foreach_norm``; others in one more with
+    ``convert_numel`` None, else converted ``convert_numel`` elements at a time into the reused fp32 scratch
+    (on CPU a norm with ``dtype=float32`` upcasts a whole copy, and the chunk stays in cache)."""
     from hybrid.zero.optimizer import Fp32Scratch
 
     fp32 = [p for p in pieces if p.dtype == torch.float32]
     out = list(torch._foreach_norm(fp32, 2)) if fp32 else []
     other = [p for p in pieces if p.dtype != torch.float32]
-    if other:
-        buf = (scratch or Fp32Scratch()).view(min(CONVERT_NUMEL, max(p.numel() for p in other)), other[0].device)
+    if other and convert_numel is None:
+        for dtype in dict.fromkeys(p.dtype for p in other):
+            out += list(torch._foreach_norm([p for p in other if p.dtype == dtype], 2, dtype=torch.float32))
+    elif other:
+        buf = (scratch or Fp32Scratch()).view(min(convert_numel, max(p.numel() for p in other)), other[0].device)
         for p in other:
             for lo in range(0, p.numel(), buf.numel()):
                 part = p[lo:lo + buf.numel()]

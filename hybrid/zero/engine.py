@@ -52,9 +52,11 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   FSDP's ``cast_forward_inputs`` does; integer ones (token ids, indices) are left as they are.
   fp32: the fp32 parameters are the master weights (no second copy).
 * ``zero.offload_optimizer.device: cpu`` (stages 1-3): the fp32 master and the optimizer state live in host
-  memory; each unit's reduced gradient shard is copied to the host as soon as it is reduced (on CUDA on a
-  side stream, non-blocking into pinned memory), the optimizer steps there and the updated values are
-  copied back into the device's parameter shard in the model dtype. The result is that of the same stage
+  memory, views of one host arena per rank of the memory model's host figure (``host_arena``); each unit's
+  reduced gradient shard is copied to the host as soon as it is reduced (on CUDA on a side stream,
+  non-blocking into pinned memory), the optimizer steps there with the rank's share of the node's cores
+  (``host_threads``) and the updated values are copied back into the device's parameter shard in the model
+  dtype (non-blocking from pinned memory). The result is that of the same stage
   without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
 
 Gradients: after ``engine.step()`` every ``param.grad`` is None (as after torch's ``zero_grad()``); after
@@ -75,6 +77,7 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 from dataclasses import dataclass
 
@@ -88,7 +91,7 @@ from hybrid.errors import ConfigError, UsageError
 from hybrid.config.training import TrainConfig
 from hybrid.config.schedule import lr_at
 from hybrid.config.stage_policy import policy_for
-from hybrid.plan.layout import align_elements, stage_layout
+from hybrid.plan.layout import align_elements, host_arena_bytes, norm_convert_numel, stage_layout
 from hybrid.weights.sources import ValueSources, has_meta
 from hybrid.weights.attrs import gather_tp_tensor, is_tensor_parallel, tensor_parallel_dim
 from hybrid.weights.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
@@ -97,7 +100,9 @@ from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
 from hybrid.zero.deepspeed_api import DeepSpeedNames
-from hybrid.zero.optimizer import FlatOptimizer
+from hybrid.zero.host_arena import HostArena
+from hybrid.zero.host_threads import host_optimizer_threads, intra_op_threads, node_cores, ranks_on_node
+from hybrid.zero.optimizer import FlatOptimizer, probe_state
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.units import plan_units
@@ -162,9 +167,11 @@ class ZeroEngine(DeepSpeedNames):
                 self._broadcast_from_rank0()
             self.layout, order, persistent = self._layout()
             offload = zero.offload_optimizer
+            grad_dtype = DTYPES[config.grad_precision]
+            arena = self._host_arena(grad_dtype) if offload.enabled else None
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
-                                   pin_memory=offload.pin_memory, grad_dtype=DTYPES[config.grad_precision])
+                                   pin_memory=offload.pin_memory, grad_dtype=grad_dtype, arena=arena)
             views, transient = materialize(self.module, self.params, self.shapes, self.state, sources,
                                            self.device)
         finally:
@@ -176,7 +183,11 @@ class ZeroEngine(DeepSpeedNames):
         self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module), config.optimizer)
         self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
                                        self.state.master_device, config.optimizer, zero.sub_group_size, self.groups,
-                                       pin_memory=self.state.pin_memory)
+                                       pin_memory=self.state.pin_memory, scratch_bytes=self._scratch_budget(),
+                                       arena=self.state.arena, non_blocking=self.state.pin_memory)
+        # offload: the host step's threads, the rank's share of its node's cores (or as configured)
+        self.host_threads = (host_optimizer_threads(offload.threads, node_cores(), ranks_on_node())
+                             if offload.enabled else None)
         self.base_lr = config.optimizer.lr
         self.persistent_units = persistent
         self.gatherer = None
@@ -222,6 +233,22 @@ class ZeroEngine(DeepSpeedNames):
         for t in tensors:
             if not t.is_meta:
                 self.dp_comm.broadcast(t.data)
+
+    def _host_arena(self, grad_dtype: torch.dtype) -> HostArena:
+        """Offload: the rank's one host allocation, sized by the memory model's rule for this shard."""
+        opt = self.config.optimizer
+        keys, _ = probe_state(opt.torch_class, opt.torch_kwargs())
+        nbytes = host_arena_bytes(self.layout.shard_numel, torch.empty((), dtype=grad_dtype).element_size(), len(keys))
+        pin = self.config.zero.offload_optimizer.pin_memory and self.device.type == "cuda"
+        return HostArena(nbytes, pin=pin)
+
+    def _scratch_budget(self):
+        """Bytes the optimizer's fp32 gradient scratch may take on a GPU: half the device memory free once the
+        model states are allocated (the step runs after backward has freed the activations); None elsewhere."""
+        if self.device.type != "cuda" or self.state.host is not None:
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free // 2
 
     def _layout(self) -> tuple:
         """(FlatLayout, reduce order of units, persistent unit indices) for this stage."""
@@ -350,7 +377,8 @@ class ZeroEngine(DeepSpeedNames):
         self.reducer.fill_if_empty()
         self._sync_buffers()
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
-                                self.config.zero.sub_group_size, scratch=self.optimizer.scratch)
+                                self.config.zero.sub_group_size, scratch=self.optimizer.scratch,
+                                convert_numel=norm_convert_numel(self.device.type))
         self.last_grad_norm = float(norm)  # the one host sync of the step: the check's result is there too
         if units_check is not None:
             try:
@@ -372,7 +400,8 @@ class ZeroEngine(DeepSpeedNames):
             self.state.wait_host_grads()  # the copies (a side stream on CUDA) land before the host reads them
         self.last_lr = self.scheduled_lr(self.optimizer.step_count)
         lrs = [self.last_lr * g.lr_scale for g in self.groups]
-        self.optimizer.step(lrs, clip_coefficient(norm, clip) if clip else None)
+        with intra_op_threads(self.host_threads) if self.host_threads else nullcontext():
+            self.optimizer.step(lrs, clip_coefficient(norm, clip) if clip else None)
         self._refresh_params()
         self.reducer.zero_()
         self.global_step += 1
@@ -439,6 +468,7 @@ class ZeroEngine(DeepSpeedNames):
 
     def shard_views(self) -> dict:
         """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""
+        self.optimizer.wait_writeback()  # a checkpoint may write the host master next
         out = {}
         for i, name in enumerate(self.names):
             start, end, pos = self.layout.owned_range(i, self.state.rank)
@@ -538,8 +568,8 @@ class ZeroEngine(DeepSpeedNames):
         buffer non-fp32 gradients are converted through for the norm and the optimizer step, the
         receive buffers of gloo's pairwise exchange, ``hybrid.comm``, and stage 2-3 gradient buckets kept
         for the next backward). With the optimizer offloaded, ``host`` says what lives in host memory instead:
-        ``{"optimizer": master + state, "grads": the gradient shard's host copy, "scratch": ...}`` (device
-        ``optimizer`` is 0)."""
+        ``{"optimizer": master + state, "grads": the gradient shard's host copy, "scratch": ..., "arena": the one
+        host allocation they are views of}`` (device ``optimizer`` is 0)."""
         kinds = self.state.tensors()
         offloaded = self.state.host is not None
         kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
@@ -551,12 +581,17 @@ class ZeroEngine(DeepSpeedNames):
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
         seen, report = set(), {}
+        arena = self.state.arena.tensors()[0].data_ptr() if self.state.arena is not None else None
 
         def total(tensors) -> int:
             out = 0
             for t in tensors:
                 storage = t.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in seen:
+                if storage.data_ptr() == arena:  # a view of the host arena: its own bytes
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        out += t.numel() * t.element_size()
+                elif storage.nbytes() and storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
                     out += storage.nbytes()
             return out
@@ -565,7 +600,8 @@ class ZeroEngine(DeepSpeedNames):
             report[kind] = total(kinds[kind])
         if offloaded:
             report["host"] = {"optimizer": total(kinds["host_optimizer"]), "grads": total(kinds["host_grads"]),
-                              "scratch": total(self.optimizer.scratch.tensors(self.state.master_device))}
+                              "scratch": total(self.optimizer.scratch.tensors(self.state.master_device)),
+                              "arena": self.state.arena.nbytes if self.state.arena is not None else 0}
         return report
 
     def comm_report(self) -> dict:

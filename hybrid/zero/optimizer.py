@@ -6,10 +6,15 @@ offloaded), of the model-dtype parameter shard that receives the updated values.
 shard order into batches of at most ``sub_group_size`` elements (a larger piece is cut); each batch is one
 ``torch.optim`` instance whose parameter groups are the batch's pieces by ``param_groups.Group``, so one
 fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size and fp32
-gradients, all of a rank's pieces at once. Non-fp32 (bf16) gradients are converted into one reused fp32
-scratch buffer, so their batches are at most ``CONVERT_NUMEL`` elements (``hybrid.plan.layout.batch_numel``):
-the only temporary is that scratch (clipping scales the reduced gradient in place: it is zeroed after the
-step anyway).
+gradients, all of a rank's pieces at once. Non-fp32 (bf16) gradients are converted into one fp32 scratch
+buffer of one batch, so the batch size is one rule of the device the kernels run on
+(``hybrid.plan.layout.batch_numel``, which the memory model sizes the scratch by): on CPU at most
+``CONVERT_NUMEL`` elements (a small reused scratch that stays in cache), on a GPU the whole sub-group,
+bounded by the free memory the engine lets it use (``scratch_bytes``), released after each step. Every batch
+costs the same few calls whatever its size: one ``torch._foreach_copy_`` converting its gradients, one
+``_foreach_mul_`` clipping them (in place: the reduced gradient is zeroed after the step anyway), the
+optimizer's own, and one ``_foreach_copy_`` writing the updated values back -- so a step's calls grow with
+the number of batches and parameter groups, not with the element count.
 
 The optimizer's per-element state (``exp_avg`` and ``exp_avg_sq`` for Adam(W), ``momentum_buffer`` for SGD,
 whatever an elementwise class keeps: found by stepping it once on a 2-element probe) lives in one flat
@@ -25,7 +30,9 @@ exactly the steps an uninterrupted one would.
 With ``state_device`` the CPU while the model is on another device (optimizer offload), the masters and
 buffers live in host memory and each piece's gradient is its view of the host copy of the gradient shard
 (``state.FlatState.copy_grads_to_host`` fills it); the kernels run on the host, and the updated values
-are copied back to the device parameter views (``Piece.out``) in the model dtype.
+are copied back to the device parameter views (``Piece.out``) in the model dtype -- non-blocking from pinned
+memory (``non_blocking``), the next write to the master waiting for them (``wait_writeback``). Given the
+rank's host ``arena`` (``host_arena.HostArena``), the state buffers are views of it.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch
 
 from hybrid.config.training import OptimizerConfig
 from hybrid.errors import ConfigError
-from hybrid.plan.layout import batch_numel, bucket_groups
+from hybrid.plan.layout import batch_numel, bucket_groups, keeps_scratch
 
 
 class Fp32Scratch:
@@ -47,6 +54,10 @@ class Fp32Scratch:
 
     def __init__(self):
         self._buffers: dict = {}
+
+    def release(self, device) -> None:
+        """Drop the buffer held on ``device`` (the next ``view`` allocates again)."""
+        self._buffers.pop(torch.device(device), None)
 
     def view(self, n: int, device) -> torch.Tensor:
         device = torch.device(device)
@@ -132,7 +143,8 @@ def _implementation(cls, implementation: str, device: torch.device) -> list:
 class FlatOptimizer:
     def __init__(self, pieces: Sequence[Piece], shard_numel: int, state_device, config: OptimizerConfig,
                  sub_group_size: int, groups: Sequence = (), pin_memory: bool = False,
-                 scratch: Optional[Fp32Scratch] = None):
+                 scratch: Optional[Fp32Scratch] = None, scratch_bytes: Optional[int] = None, arena=None,
+                 non_blocking: bool = False):
         self.config = config
         self.weight_decays = [g.weight_decay for g in groups] or [config.weight_decay]
         self.cls = config.torch_class
@@ -142,11 +154,18 @@ class FlatOptimizer:
         self.state_device = torch.device(state_device)
         self.pieces = list(pieces)
         fp32_grads = all(p.grad.dtype == torch.float32 for p in self.pieces)
-        self.sub_group_size = batch_numel(sub_group_size, fp32_grads)
-        self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
+        # the batch rule of the device the kernels run on (hybrid.plan.layout.batch_numel)
+        self.sub_group_size = batch_numel(sub_group_size, fp32_grads, self.state_device.type, scratch_bytes)
+        if arena is not None:
+            self.buffers = {key: arena.take(shard_numel, torch.float32) for key in self.keys}
+        else:
+            self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
         self.step_count = 0
         self.batches = self._build_batches()
         self.scratch = scratch or Fp32Scratch()  # fp32 staging of non-fp32 gradients, one batch at a time
+        self._keep_scratch = keeps_scratch(self.state_device.type)
+        self.non_blocking = non_blocking  # write-back from pinned host memory to the device
+        self._written = None  # CUDA event after the last non-blocking write-back
         self._largest_batch = max((sum(hi - lo for _, _, lo, hi in b.views) for b in self.batches), default=0)
         if self._prefill:
             self._point_state()
@@ -192,29 +211,57 @@ class FlatOptimizer:
     @torch.no_grad()
     def step(self, lrs: Sequence[float], grad_scale: Optional[torch.Tensor] = None) -> None:
         """One step of every piece; group ``g`` uses learning rate ``lrs[g]``; ``grad_scale`` (0-dim fp32)
-        multiplies the gradients first."""
+        multiplies the gradients first. Each batch costs a constant number of calls whatever its size: one
+        conversion of its non-fp32 gradients, one scaling, the optimizer's own (one fused or foreach call per
+        parameter group) and one write-back."""
         self.step_count += 1
+        self.wait_writeback()
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.state_device)
         for batch in self.batches:
             for g, group in zip(batch.groups, batch.opt.param_groups):
                 group["lr"] = lrs[g]
-            at = 0
+            grads, staged, sources, at = [], [], [], 0
             for view, piece, lo, hi in batch.views:
                 grad = piece.grad[lo:hi]
                 if grad.dtype != torch.float32:
-                    grad = self._staging(at, hi - lo).view_as(grad).copy_(grad)
+                    sources.append(grad)
+                    grad = self._staging(at, hi - lo).view_as(grad)
+                    staged.append(grad)
                     at += hi - lo
-                # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
-                if grad_scale is not None:
-                    grad.mul_(grad_scale)
+                grads.append(grad)
+            if staged:
+                torch._foreach_copy_(staged, sources)
+            # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
+            if grad_scale is not None and grads:
+                torch._foreach_mul_(grads, grad_scale)
+            for (view, _, _, _), grad in zip(batch.views, grads):
                 view.grad = grad
             batch.opt.step()
+            outs, masters = [], []
             for view, piece, lo, hi in batch.views:
                 view.grad = None
                 if piece.out is not None:
-                    piece.out[lo:hi].copy_(view)
+                    outs.append(piece.out[lo:hi])
+                    masters.append(view)
+            if outs and outs[0].device == masters[0].device:
+                torch._foreach_copy_(outs, masters)
+            else:  # offload: host master -> device parameters, piece by piece (non-blocking from pinned memory)
+                for out, master in zip(outs, masters):
+                    out.copy_(master, non_blocking=self.non_blocking)
             self._adopt(batch)
+        if self.non_blocking:
+            self._written = torch.cuda.Event()
+            self._written.record()
+        if not self._keep_scratch:  # a batch-long device buffer: back to the allocator's cache
+            self.scratch.release(self.state_device)
+
+    def wait_writeback(self) -> None:
+        """Block until the last step's non-blocking copies out of the host master have run (before the host
+        writes the master again: the next step, a checkpoint load)."""
+        if self._written is not None:
+            self._written.synchronize()
+            self._written = None
 
     def _staging(self, at: int, n: int) -> torch.Tensor:
         """Elements ``[at, at + n)`` of the reused fp32 scratch (one batch long)."""
@@ -254,6 +301,7 @@ class FlatOptimizer:
 
     @torch.no_grad()
     def copy_master_to_params(self) -> None:
+        self.wait_writeback()
         for piece in self.pieces:
             if piece.out is not None:
                 piece.out.copy_(piece.master)

@@ -11,8 +11,9 @@ What this rank holds (Ψ trainable elements, N DP ranks, ``dtype`` the model pre
 
 With ``dtype == float32`` the master *is* the parameter storage (the owned part of the flat buffer, or the
 stage-3 shard), so no copy is kept -- unless the optimizer is offloaded (``host`` given): then the fp32
-master and a copy of the gradient shard (``host_grad``, gradient dtype) live in host memory, pinned when
-``pin_memory`` and the device is CUDA, and the parameter shard on the device receives the updates. The
+master and a copy of the gradient shard (``host_grad``, gradient dtype) live in host memory -- views of the
+rank's one host arena (``arena``, ``host_arena``) when given, pinned when ``pin_memory`` and the device is
+CUDA -- and the parameter shard on the device receives the updates. The
 optimizer state lives in ``optimizer.FlatOptimizer`` (on the same device as the master). Gradient
 buffers are in ``grad_dtype`` (``zero.reduce_dtype``: fp32 for a bf16 model that reduces in fp32). Every trainable parameter's
 ``.data`` becomes a view of the full flat buffer (stages 0-2) or of its unit's full buffer (stage 3); its
@@ -40,7 +41,7 @@ from hybrid.config.stage_policy import StagePolicy
 class FlatState:
     def __init__(self, layout: FlatLayout, policy: StagePolicy, rank: int, dtype: torch.dtype, device,
                  persistent: frozenset = frozenset(), host=None, pin_memory: bool = False,
-                 grad_dtype: Optional[torch.dtype] = None):
+                 grad_dtype: Optional[torch.dtype] = None, arena=None):
         self.layout, self.policy, self.dtype, self.device = layout, policy, dtype, device
         self.grad_dtype = grad_dtype or dtype
         self.rank = rank if layout.n_shards > 1 else 0
@@ -59,11 +60,16 @@ class FlatState:
                               for u in layout.units]
         else:
             self.flat_params = torch.zeros(layout.full_numel, **kw)
-        self.master = (torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device,
-                                   pin_memory=self.pin_memory) if self.separate_master else None)
-        self.host_grad = (torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=self.host,
-                                      pin_memory=self.pin_memory)
-                          if self.host is not None else None)
+        self.arena = arena  # offload: the rank's one host allocation (``host_arena.HostArena``)
+        if self.host is not None and arena is not None:
+            self.master = arena.take(layout.shard_numel, torch.float32)
+            self.host_grad = arena.take(layout.shard_numel, self.grad_dtype)
+        else:
+            self.master = (torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device,
+                                       pin_memory=self.pin_memory) if self.separate_master else None)
+            self.host_grad = (torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=self.host,
+                                          pin_memory=self.pin_memory)
+                              if self.host is not None else None)
         cuda = self.host is not None and torch.device(device).type == "cuda"
         self._copy_stream = torch.cuda.Stream(device=device) if cuda else None
         gkw = dict(dtype=self.grad_dtype, device=device)

@@ -1,0 +1,141 @@
+"""The optimizer step and the gradient norm cost O(groups) calls, not O(elements); offload's host side.
+
+* The batch rule (``hybrid.plan.layout.batch_numel``) is one pure function of the device, the gradient dtype,
+  ``sub_group_size`` and the scratch memory: a GPU converts and steps a whole sub-group of bf16 gradients at
+  once, a CPU 1M elements at a time (cache), and the memory model sizes the fp32 scratch by the same rule.
+* The engine at world 1, bf16, stages 1-3: every torch op ``engine.step()`` dispatches (the norm, the
+  conversion, the fused AdamW, the write-back, ...) counted for two models with the same layers and 4x the
+  hidden width -- the same counts under the GPU's rule (no conversion limit), with a sub-group holding the
+  whole shard; under the CPU's rule the wide model, whose matrices pass 1M elements, takes more (so the
+  count does see the chunking).
+* Offload: the host step runs with the rank's share of its node's cores (``zero.offload_optimizer.threads``
+  when set); the host arena is one allocation of the memory model's host figure.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hybrid
+from hybrid.config.training import ZeroConfig
+from hybrid.plan import layout
+from hybrid.plan.memory import offload_bytes, predict_memory
+from hybrid.zero.host_threads import host_optimizer_threads, node_cores
+
+# --- the pure rule ------------------------------------------------------------------------------------------
+def test_a_gpu_steps_a_whole_sub_group_and_a_cpu_converts_in_cache_sized_chunks():
+    assert layout.batch_numel(10**9, grad_is_fp32=False, device="cuda") == 10**9
+    assert layout.batch_numel(10**9, grad_is_fp32=False, device="cpu") == layout.CONVERT_NUMEL
+    assert layout.batch_numel(10**9, grad_is_fp32=True, device="cpu") == 10**9  # nothing to convert
+    assert layout.batch_numel(5000, grad_is_fp32=False, device="cuda") == 5000
+    # the free memory the scratch may use bounds it (fp32: 4 bytes an element)
+    assert layout.batch_numel(10**9, grad_is_fp32=False, device="cuda", scratch_bytes=4 * 10**6) == 10**6
+    assert layout.batch_numel(10**9, grad_is_fp32=True, device="cuda", scratch_bytes=4) == 10**9
+    assert layout.norm_convert_numel("cuda") is None and layout.norm_convert_numel("cpu") == layout.CONVERT_NUMEL
+    assert layout.keeps_scratch("cpu") and not layout.keeps_scratch("cuda")
+
+
+def test_the_memory_model_counts_the_gpu_scratch_of_a_whole_sub_group():
+    units = [[4_000_000, 1000], [4_000_000, 1000]]
+    gpu = predict_memory(units, 1, 2, "bf16", device="cuda")
+    cpu = predict_memory(units, 1, 2, "bf16", device="cpu")
+    shard = sum(sum(u) for u in units)
+    assert gpu.optimizer_transient >= 4 * shard and gpu.optimizer_transient < 4 * shard * 1.01
+    assert cpu.optimizer_transient == 4 * layout.CONVERT_NUMEL
+    capped = predict_memory(units, 1, 2, "bf16", device="cuda", zero=ZeroConfig(sub_group_size=1000))
+    assert capped.optimizer_transient == 4 * 1000
+    assert predict_memory(units, 1, 2, "fp32", device="cuda").optimizer_transient == 0
+
+
+# --- the engine's calls per step ---------------------------------------------------------------------------
+class Blocks(nn.Module):
+    def __init__(self, hidden: int, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                                  nn.Linear(4 * hidden, hidden)) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.float().square().mean()
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(hidden: int, stage: int) -> Counter:
+    torch.manual_seed(0)
+    engine = hybrid.initialize(Blocks(hidden), {"zero": {"stage": stage}, "precision": "bf16",
+                                                "gradient_clipping": 1.0})
+    x = torch.randn(4, hidden)
+    engine.backward(engine(x))
+    with CountOps() as ops:
+        assert engine.step()
+    return ops.counts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_takes_as_many_calls_for_4x_the_width_under_the_gpu_rule(stage, monkeypatch):
+    monkeypatch.delitem(layout.CONVERT_LIMITS, "cpu")  # the CPU takes the GPU's rule: no conversion limit
+    narrow, wide = step_ops(192, stage), step_ops(768, stage)
+    assert narrow == wide, (narrow, wide)
+    optimizer = sum(n for op, n in wide.items() if op.startswith(("_fused_adamw", "_foreach_addcdiv")))
+    assert 1 <= optimizer <= 2, wide  # one fused call per parameter group (decayed, not decayed)
+    assert wide["_foreach_norm"] == 1, wide  # every gradient is bf16: one norm call
+
+
+def test_under_the_cpu_rule_the_wide_model_is_converted_in_more_chunks():
+    narrow, wide = step_ops(192, 2), step_ops(768, 2)  # 768 x 3072 = 2.4M elements > CONVERT_NUMEL
+    assert sum(wide.values()) > sum(narrow.values())
+    assert wide["linalg_vector_norm"] > narrow["linalg_vector_norm"]
+
+
+# --- offload: threads and the host arena --------------------------------------------------------------------
+def test_the_host_optimizer_threads_are_the_ranks_share_of_the_nodes_cores():
+    assert host_optimizer_threads(None, 112, 8) == 14  # a DGX H100: 112 cores, 8 GPUs
+    assert host_optimizer_threads(None, 2, 4) == 1      # never zero
+    assert host_optimizer_threads(3, 112, 8) == 3      # zero.offload_optimizer.threads wins
+
+
+def _offload_engine(stage: int, precision: str = "bf16", **offload):
+    torch.manual_seed(0)
+    cfg = {"zero": {"stage": stage, "offload_optimizer": {"device": "cpu", **offload}}, "precision": precision}
+    return hybrid.initialize(Blocks(256, layers=3), cfg)
+
+
+@pytest.mark.parametrize("ranks, configured", [(1, None), (2, None), (1, 1)])
+def test_the_host_step_runs_with_the_ranks_share_of_the_cores(ranks, configured, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    engine = _offload_engine(1, threads=configured) if configured else _offload_engine(1)
+    expected = host_optimizer_threads(configured, node_cores(), ranks)
+    assert engine.host_threads == expected
+    seen, step = [], engine.optimizer.step
+    monkeypatch.setattr(engine.optimizer, "step", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                   step(*a, **k)))
+    before = torch.get_num_threads()
+    engine.backward(engine(torch.randn(4, 256)))
+    engine.step()
+    assert seen == [expected] and torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (3, "bf16"), (2, "fp32")])
+def test_the_host_arena_is_the_memory_models_host_figure(stage, precision):
+    engine = _offload_engine(stage, precision)
+    params = engine.layout.param_numel  # stage 3 releases the module's parameters
+    arena = engine.state.arena
+    planned = offload_bytes(params, 1, stage, precision=precision).host
+    assert arena.nbytes == pytest.approx(planned, rel=0.01)
+    assert arena.used == arena.nbytes  # every byte carved: master, gradient copy, moments
+    report = engine.memory_report()
+    assert report["host"]["arena"] == arena.nbytes and report["optimizer"] == 0
+    assert report["host"]["optimizer"] == 12 * engine.layout.shard_numel
