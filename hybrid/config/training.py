@@ -34,7 +34,8 @@ against the class. Beside them (ours): ``no_decay`` (``auto``: no weight decay o
 biases, norms -- and embedding weights; ``none``; or a list of name patterns), ``param_groups`` (a list
 of ``{names: [patterns], weight_decay: x, lr_scale: y}``, first match wins) and ``implementation``
 (``auto`` | ``fused`` | ``foreach`` | ``for-loop``). ``zero_optimization.offload_optimizer: {device: cpu,
-pin_memory: true}`` keeps the fp32 master and the optimizer state in host memory (stages 1-3).
+pin_memory: true}`` keeps the fp32 master and the optimizer state in host memory (stages 1-3), stepped with
+``threads`` threads (default: the node's cores divided among its ranks).
 
 Unknown keys are an error that names every unknown key of the section (whole) and lists the accepted ones. Sizes are in
 elements, as in DeepSpeed, and may be written as floats (``5e8``) when they are whole numbers.

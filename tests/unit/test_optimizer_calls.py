@@ -139,3 +139,16 @@ def test_the_host_arena_is_the_memory_models_host_figure(stage, precision):
     report = engine.memory_report()
     assert report["host"]["arena"] == arena.nbytes and report["optimizer"] == 0
     assert report["host"]["optimizer"] == 12 * engine.layout.shard_numel
+
+
+def test_offload_threads_is_a_checked_setting():
+    from hybrid.config.training import TrainConfig
+    from hybrid.errors import ConfigError
+
+    cfg = TrainConfig.from_dict({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
+                                                                                          "threads": 4}}})
+    assert cfg.zero.offload_optimizer.threads == 4
+    assert TrainConfig.from_dict({"zero": {"stage": 1}}).zero.offload_optimizer.threads is None
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_optimizer\.threads must be"):
+        TrainConfig.from_dict({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
+                                                                                       "threads": 0}}})
