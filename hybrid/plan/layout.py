@@ -277,18 +277,25 @@ def batch_numel(sub_group_size: int, grad_is_fp32: bool, device: str = "cpu",
     return n
 
 
-def norm_convert_numel(device: str) -> Optional[int]:
-    """Elements of a non-fp32 gradient converted to fp32 at a time for the gradient norm (``hybrid.zero.clip``)
-    on a ``device`` type: its ``CONVERT_LIMITS``, or None where there is none -- one ``torch._foreach_norm``
-    per gradient dtype then computes every norm in fp32 without a copy."""
-    return CONVERT_LIMITS.get(str(device))
+@dataclass(frozen=True)
+class StepRule:
+    """How the optimizer step and the gradient norm treat non-fp32 gradients on one device (``step_rule``)."""
+
+    batch_numel: int                    # elements one optimizer batch converts and steps at once
+    norm_convert_numel: Optional[int]   # elements the norm converts at a time; None: one _foreach_norm per dtype
+    keep_scratch: bool                  # the fp32 scratch is kept between steps (else back to the allocator)
+    per_piece: bool                     # each piece converted and scaled while in cache, else one call a batch
 
 
-def keeps_scratch(device: str) -> bool:
-    """Whether the optimizer keeps its fp32 scratch between steps on a ``device`` type: where it is bounded
-    (``CONVERT_LIMITS``: a few MB, reused); elsewhere it is a batch long and goes back to the allocator after
-    each step, whose cache hands it to the next backward's activations (the step never overlaps them)."""
-    return str(device) in CONVERT_LIMITS
+def step_rule(device: str, grad_is_fp32: bool, sub_group_size: int, scratch_bytes: Optional[int] = None) -> StepRule:
+    """The rule of a ``device`` type. Where conversion is bounded (``CONVERT_LIMITS``: the CPU) the scratch is a
+    few MB, kept, and each piece is converted and scaled in turn while it is in cache; elsewhere (a GPU) a batch
+    is a whole sub-group (``batch_numel``), converted, scaled and written back in one call each, its scratch
+    returned to the allocator after the step (whose cache hands it to the next backward's activations: the
+    step never overlaps them), and the norm is one fp32 ``_foreach_norm`` per gradient dtype, without a copy."""
+    bounded = str(device) in CONVERT_LIMITS
+    return StepRule(batch_numel(sub_group_size, grad_is_fp32, device, scratch_bytes), CONVERT_LIMITS.get(str(device)),
+                    keep_scratch=bounded, per_piece=bounded)
 
 
 def host_arena_bytes(shard_numel, grad_itemsize: int, state_keys: int):

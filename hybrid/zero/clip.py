@@ -30,7 +30,7 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
     """The 2-norm (fp32, 0-dim) of all gradients; ``runs`` are ``(grad_view, is_tensor_parallel)`` pairs, cut
     into pieces of at most ``chunk`` elements; non-fp32 pieces are staged in fp32 ``convert_numel`` elements
     at a time through ``scratch`` (``optimizer.Fp32Scratch``, a new one when None), or with ``convert_numel``
-    None (``hybrid.plan.layout.norm_convert_numel``: on a GPU) normed in fp32 by one ``torch._foreach_norm``
+    None (``hybrid.plan.layout.step_rule``: on a GPU) normed in fp32 by one ``torch._foreach_norm``
     per dtype without a copy."""
     device = runs[0][0].device if runs else torch.device("cpu")
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [tensor-parallel, replicated]

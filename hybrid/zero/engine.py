@@ -91,7 +91,7 @@ from hybrid.errors import ConfigError, UsageError
 from hybrid.config.training import TrainConfig
 from hybrid.config.schedule import lr_at
 from hybrid.config.stage_policy import policy_for
-from hybrid.plan.layout import align_elements, host_arena_bytes, norm_convert_numel, stage_layout
+from hybrid.plan.layout import align_elements, host_arena_bytes, stage_layout, step_rule
 from hybrid.weights.sources import ValueSources, has_meta
 from hybrid.weights.attrs import gather_tp_tensor, is_tensor_parallel, tensor_parallel_dim
 from hybrid.weights.state_entries import BUFFER, EXTRA, PARAM, exported, state_dict_entries
@@ -204,6 +204,7 @@ class ZeroEngine(DeepSpeedNames):
             on_unit_reduced=self._grad_reduced if self.state.host_grad is not None else None)
         self._on_host = set()  # offload: units whose reduced gradient shard is (being) copied to the host
         self._norm_runs = self._grad_norm_runs()
+        self._norm_rule = step_rule(self.device.type, False, zero.sub_group_size)  # the norm reads the device's grads
         held = self.memory_report()
         states = held["params"] + held["grads"] + held["optimizer"]
         # What construction held at its peak: the final states plus the largest transient on the way.
@@ -378,7 +379,7 @@ class ZeroEngine(DeepSpeedNames):
         self._sync_buffers()
         norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
                                 self.config.zero.sub_group_size, scratch=self.optimizer.scratch,
-                                convert_numel=norm_convert_numel(self.device.type))
+                                convert_numel=self._norm_rule.norm_convert_numel)
         self.last_grad_norm = float(norm)  # the one host sync of the step: the check's result is there too
         if units_check is not None:
             try:

@@ -7,11 +7,11 @@ shard order into batches of at most ``sub_group_size`` elements (a larger piece 
 ``torch.optim`` instance whose parameter groups are the batch's pieces by ``param_groups.Group``, so one
 fused (or foreach) kernel call per group steps a whole batch -- with the default sub-group size and fp32
 gradients, all of a rank's pieces at once. Non-fp32 (bf16) gradients are converted into one fp32 scratch
-buffer of one batch, so the batch size is one rule of the device the kernels run on
-(``hybrid.plan.layout.batch_numel``, which the memory model sizes the scratch by): on CPU at most
-``CONVERT_NUMEL`` elements (a small reused scratch that stays in cache), on a GPU the whole sub-group,
-bounded by the free memory the engine lets it use (``scratch_bytes``), released after each step. Every batch
-costs the same few calls whatever its size: one ``torch._foreach_copy_`` converting its gradients, one
+buffer of one batch, by one rule of the device the kernels run on (``hybrid.plan.layout.step_rule``; the
+memory model sizes the scratch by its ``batch_numel``): on CPU at most ``CONVERT_NUMEL`` elements, a small
+reused scratch, each piece converted and scaled in turn while it is in cache; on a GPU the whole sub-group,
+bounded by the free memory the engine lets it use (``scratch_bytes``), released after each step, and every
+batch costs the same few calls whatever its size: one ``torch._foreach_copy_`` converting its gradients, one
 ``_foreach_mul_`` clipping them (in place: the reduced gradient is zeroed after the step anyway), the
 optimizer's own, and one ``_foreach_copy_`` writing the updated values back -- so a step's calls grow with
 the number of batches and parameter groups, not with the element count.
@@ -44,7 +44,7 @@ import torch
 
 from hybrid.config.training import OptimizerConfig
 from hybrid.errors import ConfigError
-from hybrid.plan.layout import batch_numel, bucket_groups, keeps_scratch
+from hybrid.plan.layout import bucket_groups, step_rule
 
 
 class Fp32Scratch:
@@ -154,8 +154,9 @@ class FlatOptimizer:
         self.state_device = torch.device(state_device)
         self.pieces = list(pieces)
         fp32_grads = all(p.grad.dtype == torch.float32 for p in self.pieces)
-        # the batch rule of the device the kernels run on (hybrid.plan.layout.batch_numel)
-        self.sub_group_size = batch_numel(sub_group_size, fp32_grads, self.state_device.type, scratch_bytes)
+        # the rule of the device the kernels run on (hybrid.plan.layout.step_rule)
+        self.rule = step_rule(self.state_device.type, fp32_grads, sub_group_size, scratch_bytes)
+        self.sub_group_size = self.rule.batch_numel
         if arena is not None:
             self.buffers = {key: arena.take(shard_numel, torch.float32) for key in self.keys}
         else:
@@ -163,7 +164,6 @@ class FlatOptimizer:
         self.step_count = 0
         self.batches = self._build_batches()
         self.scratch = scratch or Fp32Scratch()  # fp32 staging of non-fp32 gradients, one batch at a time
-        self._keep_scratch = keeps_scratch(self.state_device.type)
         self.non_blocking = non_blocking  # write-back from pinned host memory to the device
         self._written = None  # CUDA event after the last non-blocking write-back
         self._largest_batch = max((sum(hi - lo for _, _, lo, hi in b.views) for b in self.batches), default=0)
@@ -221,20 +221,28 @@ class FlatOptimizer:
         for batch in self.batches:
             for g, group in zip(batch.groups, batch.opt.param_groups):
                 group["lr"] = lrs[g]
-            grads, staged, sources, at = [], [], [], 0
+            pairs, at = [], 0  # (the fp32 gradient the optimizer reads, the gradient converted into it or None)
             for view, piece, lo, hi in batch.views:
                 grad = piece.grad[lo:hi]
                 if grad.dtype != torch.float32:
-                    sources.append(grad)
-                    grad = self._staging(at, hi - lo).view_as(grad)
-                    staged.append(grad)
+                    pairs.append((self._staging(at, hi - lo).view_as(grad), grad))
                     at += hi - lo
-                grads.append(grad)
-            if staged:
-                torch._foreach_copy_(staged, sources)
+                else:
+                    pairs.append((grad, None))
+            grads = [grad for grad, _ in pairs]
             # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
-            if grad_scale is not None and grads:
-                torch._foreach_mul_(grads, grad_scale)
+            if self.rule.per_piece:  # CPU: a piece is scaled right after its conversion, while in cache
+                for grad, source in pairs:
+                    if source is not None:
+                        grad.copy_(source)
+                    if grad_scale is not None:
+                        grad.mul_(grad_scale)
+            else:
+                converted = [(grad, source) for grad, source in pairs if source is not None]
+                if converted:
+                    torch._foreach_copy_([grad for grad, _ in converted], [source for _, source in converted])
+                if grad_scale is not None and grads:
+                    torch._foreach_mul_(grads, grad_scale)
             for (view, _, _, _), grad in zip(batch.views, grads):
                 view.grad = grad
             batch.opt.step()
@@ -253,7 +261,7 @@ class FlatOptimizer:
         if self.non_blocking:
             self._written = torch.cuda.Event()
             self._written.record()
-        if not self._keep_scratch:  # a batch-long device buffer: back to the allocator's cache
+        if not self.rule.keep_scratch:  # a batch-long device buffer: back to the allocator's cache
             self.scratch.release(self.state_device)
 
     def wait_writeback(self) -> None:

@@ -1,6 +1,6 @@
 """The optimizer step and the gradient norm cost O(groups) calls, not O(elements); offload's host side.
 
-* The batch rule (``hybrid.plan.layout.batch_numel``) is one pure function of the device, the gradient dtype,
+* The step rule (``hybrid.plan.layout.step_rule``) is one pure function of the device, the gradient dtype,
   ``sub_group_size`` and the scratch memory: a GPU converts and steps a whole sub-group of bf16 gradients at
   once, a CPU 1M elements at a time (cache), and the memory model sizes the fp32 scratch by the same rule.
 * The engine at world 1, bf16, stages 1-3: every torch op ``engine.step()`` dispatches (the norm, the
@@ -34,8 +34,10 @@ def test_a_gpu_steps_a_whole_sub_group_and_a_cpu_converts_in_cache_sized_chunks(
     # the free memory the scratch may use bounds it (fp32: 4 bytes an element)
     assert layout.batch_numel(10**9, grad_is_fp32=False, device="cuda", scratch_bytes=4 * 10**6) == 10**6
     assert layout.batch_numel(10**9, grad_is_fp32=True, device="cuda", scratch_bytes=4) == 10**9
-    assert layout.norm_convert_numel("cuda") is None and layout.norm_convert_numel("cpu") == layout.CONVERT_NUMEL
-    assert layout.keeps_scratch("cpu") and not layout.keeps_scratch("cuda")
+    gpu, cpu = layout.step_rule("cuda", False, 10**9), layout.step_rule("cpu", False, 10**9)
+    assert (gpu.batch_numel, gpu.norm_convert_numel, gpu.keep_scratch, gpu.per_piece) == (10**9, None, False, False)
+    assert (cpu.batch_numel, cpu.norm_convert_numel, cpu.keep_scratch, cpu.per_piece) == (
+        layout.CONVERT_NUMEL, layout.CONVERT_NUMEL, True, True)
 
 
 def test_the_memory_model_counts_the_gpu_scratch_of_a_whole_sub_group():
