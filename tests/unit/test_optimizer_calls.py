@@ -154,3 +154,46 @@ def test_offload_threads_is_a_checked_setting():
     with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_optimizer\.threads must be"):
         TrainConfig.from_dict({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
                                                                                        "threads": 0}}})
+
+
+def test_the_gpu_rules_one_call_per_batch_steps_exactly_as_the_cpus_piece_by_piece(monkeypatch):
+    from hybrid.config.training import OptimizerConfig
+    from hybrid.zero.optimizer import FlatOptimizer, Piece
+    from hybrid.zero.param_groups import Group
+
+    sizes, n = [5, 37, 64, 3, 90], 199
+
+    def run():
+        torch.manual_seed(0)
+        master, out = torch.randn(n), torch.zeros(n, dtype=torch.bfloat16)
+        grad = torch.zeros(n, dtype=torch.bfloat16)
+        pieces, at = [], 0
+        for k, size in enumerate(sizes):
+            pieces.append(Piece(master[at:at + size], grad[at:at + size], at, out[at:at + size], k % 2))
+            at += size
+        opt = FlatOptimizer(pieces, n, "cpu", OptimizerConfig(lr=1e-2, weight_decay=0.1), 50,
+                            [Group(0.1), Group(0.0)])
+        for step in range(3):
+            grad.copy_(torch.randn(n))
+            opt.step([1e-2, 2e-2], torch.tensor(0.5) if step else None)
+        return opt.rule.per_piece, master, out
+
+    per_piece, master_cpu, out_cpu = run()
+    monkeypatch.delitem(layout.CONVERT_LIMITS, "cpu")
+    one_call, master_gpu, out_gpu = run()
+    assert per_piece and not one_call
+    assert torch.equal(master_cpu, master_gpu) and torch.equal(out_cpu, out_gpu)
+
+
+def test_the_host_arena_hands_out_aligned_zeroed_views_and_refuses_more_than_it_holds():
+    from hybrid.zero.host_arena import HostArena
+
+    arena = HostArena(layout.host_arena_bytes(8, 2, 2))  # 8 elements: master, bf16 gradient copy, two moments
+    views = [arena.take(8, torch.float32), arena.take(8, torch.bfloat16), arena.take(8, torch.float32),
+             arena.take(8, torch.float32)]
+    assert arena.used == arena.nbytes == 8 * (4 + 2 + 4 + 4) and not arena.pinned
+    assert all(v.abs().sum() == 0 and v.data_ptr() % v.element_size() == 0 for v in views)
+    views[0].fill_(1)
+    assert views[1].abs().sum() == 0  # disjoint
+    with pytest.raises(RuntimeError, match="host arena of 112 bytes has no room"):
+        arena.take(1, torch.float32)
