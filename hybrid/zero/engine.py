@@ -141,6 +141,7 @@ class ZeroEngine(DeepSpeedNames):
         if not named:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
         checks.refuse_complex(named)
+        checks.refuse_nvme_offload_until_wired(zero.offload_optimizer)
         checks.note_cast(module, self.dtype)
         model_dtypes = {p.dtype for _, p in named if p.is_floating_point()}
         checks.refuse_sparse_gradients(module)

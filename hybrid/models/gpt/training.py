@@ -205,10 +205,12 @@ def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTC
     return dataclasses.replace(model_config, activation_checkpointing=True)
 
 
-def training_config(options: dict, stage: int, precision: str, offload: bool = False, zero: Optional[dict] = None,
-                    accumulation: int = 1):
+def training_config(options: dict, stage: int, precision: str, offload=False, zero: Optional[dict] = None,
+                    accumulation: int = 1, nvme_path: Optional[str] = None):
     """The engine's ``TrainConfig`` from checked ``train:`` options, the job's stage and precision, optimizer
-    offload, ``zero`` sizes (``zero_options``) and gradient accumulation steps."""
+    offload (``ctx.settings.offload``: False, True for host memory, ``"nvme"`` for the node's disk at
+    ``nvme_path``, ``ctx.settings.nvme_path``), ``zero`` sizes (``zero_options``) and gradient accumulation
+    steps."""
     from hybrid.config.training import TrainConfig
 
     optimizer = dict(options.get("optimizer") or {})
@@ -218,7 +220,12 @@ def training_config(options: dict, stage: int, precision: str, offload: bool = F
     else:
         optimizer = {**defaults, **optimizer}
     zero = {**(zero or {}), "stage": stage}
-    if offload:
+    if offload == "nvme":
+        if nvme_path is None:
+            raise ConfigError("the plan offloads the optimizer states to NVMe (parallel.offload), but "
+                              "training_config got no nvme_path; pass nvme_path=ctx.settings.nvme_path.")
+        zero["offload_optimizer"] = {"device": "nvme", "path": nvme_path, "pin_memory": True}
+    elif offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
                                   "scheduler": options.get("scheduler"),
@@ -236,7 +243,7 @@ def zero_options(section: Any) -> dict:
         return {}
     if isinstance(section, dict) and "offload_optimizer" in section:
         raise ConfigError("zero.offload_optimizer in the model config is not read: a launched job's optimizer "
-                          "offload is the cluster file's parallel.offload (auto, true or false); remove it here "
+                          "offload is the cluster file's parallel.offload (auto, true, nvme or false); remove it here "
                           "and set that instead.")
     names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
     options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
@@ -254,6 +261,7 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False),
                              zero=zero_options(ctx.model_config.get("zero")),
-                             accumulation=ctx.settings.gradient_accumulation_steps)
+                             accumulation=ctx.settings.gradient_accumulation_steps,
+                             nvme_path=getattr(ctx.settings, "nvme_path", None))
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)
