@@ -1,7 +1,6 @@
 """What the ZeRO engine checks of the model and of each call, and the notes it logs (one sentence each).
 
-At ``initialize`` (``ZeroEngine.__init__``): optimizer offload to NVMe (until the step uses the swap store), a
-model with complex or sparse-gradient parameters, a
+At ``initialize`` (``ZeroEngine.__init__``): a model with complex or sparse-gradient parameters, a
 ``torch.compile``'d model where units are hooked, a model another stage-3 engine holds, or TP layers split
 over another group than the ``tp_group`` given are refused; a model built in a third dtype, and bf16 on a CPU
 without native bf16 matmul, are noted (once, on the first rank). At each ``engine.backward``: the loss must be
@@ -133,16 +132,6 @@ def check_loss(loss) -> None:
     raise LossError(f"engine.backward(loss) needs the scalar loss of a forward run with gradients, got {what}; "
                     "pass output.loss for a Hugging Face output (with labels= given to the forward), or reduce "
                     "the loss to one element (loss.mean())")
-
-
-def refuse_nvme_offload_until_wired(offload) -> None:
-    """``zero.offload_optimizer.device: nvme`` is accepted by the config, planned for and its swap store exists
-    (``hybrid.zero.nvme``), but the optimizer step does not read and write it yet: refused here, in one place,
-    until it does, rather than silently keeping the states in host memory."""
-    if getattr(offload, "nvme", False):
-        raise ConfigError("zero.offload_optimizer.device is nvme, but this version's optimizer step does not yet "
-                          "read and write its NVMe swap store (hybrid.zero.nvme); use device: cpu (parallel.offload: "
-                          "true in a cluster file) until it does.")
 
 
 def refuse_sparse_gradients(module: nn.Module) -> None:

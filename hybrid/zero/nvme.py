@@ -5,7 +5,7 @@
 in the middle of a step) and holds ``buffers`` reusable host buffers of one record each (pinned with
 ``pin_memory`` where CUDA is available). Record g holds, for sub-group g of ``numels[g]`` elements, one fp32
 array per name of ``fields`` (``("master", "exp_avg", "exp_avg_sq")`` for AdamW). ``close()`` removes the file
-(and the directory when the store made it and it is empty); so does the store's finalizer, and the launcher
+(and its directory when the store made it or it is a job's swap directory, once empty); so does the store's finalizer, and the launcher
 removes a job's whole swap directory from every node when the job ends (``launch.ray.node_files``), which
 covers ranks killed without a chance to clean up.
 
@@ -20,8 +20,11 @@ its loop, ``break``) should close the generator (``contextlib.closing``) so that
 for at once -- the record it held is then not written. The I/O runs in a small thread pool with
 ``os.preadv``/``os.pwritev`` (they release the GIL) straight into the buffers, with ``O_DIRECT`` where the
 filesystem takes it (no second copy in the page cache) and buffered I/O where it does not (tmpfs before Linux
-6.6, some network filesystems). ``rank_swap_file(path, rank)`` names a rank's file under the offload path: the
-launcher's job id (``HYBRID_JOB_ID``) or, outside the launcher, this process's id.
+6.6, some network filesystems). ``read_range`` / ``write_range`` read and store any element range of one field of
+one record, between sweeps, through a second, buffered descriptor (the optimizer's first values and checkpoints,
+a parameter piece at a time). ``rank_swap_file(path, rank)`` names a rank's file under the offload path: the
+launcher's job id (``HYBRID_JOB_ID``) or, outside the launcher, this process's id (and a number where another
+store of this process holds that name: several engines in one process).
 
 Any error of the disk -- full (``ENOSPC``, also while preallocating), a quota, the file-size limit, an I/O
 error, a file cut short -- raises ``SwapError``, a ``JobError`` (the job fails, exit 1, no restart: it would
@@ -44,7 +47,7 @@ import torch
 
 from hybrid.config.units import human_bytes
 from hybrid.errors import JobError
-from hybrid.plan.swap_layout import ALIGN, SWAP_BUFFERS, SwapLayout, swap_file, swap_layout
+from hybrid.plan.swap_layout import ALIGN, SWAP_BUFFERS, SWAP_DIR_PREFIX, SwapLayout, swap_file, swap_layout
 
 MAX_IO = 1 << 30  # bytes per preadv/pwritev call (Linux moves at most ~2 GiB per call); a multiple of ALIGN
 THREADS = 2  # a read and a write in flight at once
@@ -62,10 +65,19 @@ _FIXES = {errno.ENOSPC: _FIX_SPACE, errno.EDQUOT: _FIX_SPACE,
           errno.EPERM: "point the offload path at a directory the job may write"}
 
 
+_OPEN: set = set()  # swap files this process's stores hold open (a second engine in one process gets its own)
+
+
 def rank_swap_file(path, rank: int) -> Path:
     """Where rank ``rank`` keeps its swap file under the offload ``path`` (``hybrid.plan.swap_layout.swap_file``):
-    in the directory of the launcher's job (``HYBRID_JOB_ID``), else of this process."""
-    return swap_file(path, os.environ.get("HYBRID_JOB_ID") or f"pid{os.getpid()}", rank)
+    in the directory of the launcher's job (``HYBRID_JOB_ID``), else of this process; ``rank<r>.swap``, or
+    ``rank<r>.<k>.swap`` while this process's stores already hold that one open (several engines in one process)."""
+    first = swap_file(path, os.environ.get("HYBRID_JOB_ID") or f"pid{os.getpid()}", rank)
+    candidate, k = first, 0
+    while str(candidate) in _OPEN:
+        k += 1
+        candidate = first.with_name(f"rank{int(rank)}.{k}.swap")
+    return candidate
 
 
 class SwapError(JobError):
@@ -125,14 +137,16 @@ def _transfer(call, fd: int, view: memoryview, offset: int) -> None:
         done += moved
 
 
-def _close_file(fd: int, path: Path, made_dir: Optional[Path], pool: ThreadPoolExecutor) -> None:
+def _close_file(fds: tuple, path: Path, made_dir: Optional[Path], pool: ThreadPoolExecutor) -> None:
     """The store's cleanup (also its finalizer): stop the threads, close and remove the file (and the directory
     the store made, when empty)."""
     pool.shutdown(wait=True)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+    _OPEN.discard(str(path))
+    for fd in dict.fromkeys(fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     try:
         path.unlink()
     except OSError:
@@ -159,8 +173,11 @@ class SwapStore:
         self._buffers: list = []
         made_dir = self._make_dir()
         self.fd, self.direct = self._open(direct)
+        # element ranges (checkpoints, the first values) go through a buffered descriptor: any offset, any length
+        self._range_fd = os.open(self.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0)) if self.direct else self.fd
         pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hybrid-swap")
-        self._finalizer = weakref.finalize(self, _close_file, self.fd, self.path, made_dir, pool)
+        _OPEN.add(str(self.path))
+        self._finalizer = weakref.finalize(self, _close_file, (self.fd, self._range_fd), self.path, made_dir, pool)
         self._pool = pool
         try:
             self._reserve()
@@ -179,7 +196,8 @@ class SwapStore:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise swap_error(self.path, "created", err) from None
-        return None if existed else parent
+        # the job's directory of swap files (or one this made) goes with its last file
+        return parent if not existed or parent.name.startswith(SWAP_DIR_PREFIX) else None
 
     def _open(self, direct: Optional[bool]) -> tuple:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -292,6 +310,35 @@ class SwapStore:
             raise self._error
         if not self._finalizer.alive:
             raise ValueError(f"the swap store {self.path} is closed")
+
+    # -- element ranges ---------------------------------------------------------------------------------
+    def read_range(self, g: int, field: str, lo: int, out: torch.Tensor) -> None:
+        """Elements ``[lo, lo + out.numel())`` of field ``field`` of record ``g`` into the fp32 tensor ``out``
+        (contiguous, on the host); not while a sweep is running."""
+        self._range_io(os.preadv, g, field, lo, out, "read")
+
+    def write_range(self, g: int, field: str, lo: int, values: torch.Tensor) -> None:
+        """Store the fp32 ``values`` (contiguous, on the host) as elements ``[lo, lo + values.numel())`` of field
+        ``field`` of record ``g``; not while a sweep is running."""
+        self._range_io(os.pwritev, g, field, lo, values, "written")
+
+    def _range_io(self, call, g: int, field: str, lo: int, tensor: torch.Tensor, action: str) -> None:
+        self._check()
+        record, n = self.layout.records[g], tensor.numel()
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or lo < 0 or lo + n > record.numel:
+            raise ValueError(f"record {g} field {field}: [{lo}, {lo + n}) of {record.numel} fp32 elements")
+        if n == 0:
+            return
+        offset = record.offset + (self.fields.index(field) * record.numel + lo) * 4
+        view = memoryview((ctypes.c_ubyte * (n * 4)).from_address(tensor.data_ptr())).cast("B")
+        try:
+            _transfer(call, self._range_fd, view, offset)
+        except OSError as err:
+            self._fail(swap_error(self.path, action, err))
+        if call is os.preadv:
+            self.bytes_read += n * 4
+        else:
+            self.bytes_written += n * 4
 
     # -- accounting and cleanup -----------------------------------------------------------------------
     @property

@@ -1,8 +1,9 @@
 """NVMe offload in the configs: zero.offload_optimizer {device: nvme, path} (DeepSpeed's nvme_path maps onto it),
-the cluster file's parallel.offload: nvme with cluster.nvme_path / nvme_gb, the engine's refusal until the step
-uses the swap store, and the launcher's settings carrying the path to the ranks' training config."""
+the cluster file's parallel.offload: nvme with cluster.nvme_path / nvme_gb, the engine's swap file under the path
+(removed by close), and the launcher's settings carrying the path to the ranks' training config."""
 
 import copy
+import os
 import logging
 from pathlib import Path
 
@@ -62,15 +63,21 @@ def test_each_bad_offload_is_one_sentence_naming_the_field(offload, start):
         ZeroConfig(stage=0, offload_optimizer={"device": "nvme", "path": "/nvme"})
 
 
-def test_the_engine_refuses_nvme_until_the_step_uses_the_swap_store(tmp_path):
+def test_the_engine_keeps_its_states_in_a_swap_file_under_the_path(tmp_path):
     import hybrid
+    from hybrid.plan.swap_layout import swap_file
 
     config = TrainConfig.from_dict({"zero": {"stage": 1, "offload_optimizer": {"device": "nvme",
                                                                                "path": str(tmp_path)}}})
-    with pytest.raises(ConfigError, match="^zero.offload_optimizer.device is nvme, but this version's optimizer step "
-                                          "does not yet read and write its NVMe swap store"):
-        hybrid.initialize(torch.nn.Linear(4, 4), config)
-    assert list(tmp_path.iterdir()) == []  # refused before anything was made
+    engine = hybrid.initialize(torch.nn.Linear(4, 4), config)
+    assert list(tmp_path.rglob("*.swap")) == [swap_file(tmp_path, f"pid{os.getpid()}", 0)]
+    second = hybrid.initialize(torch.nn.Linear(4, 4), config)  # another engine in this process: its own file
+    assert len(list(tmp_path.rglob("*.swap"))) == 2
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    assert engine.step()
+    engine.close()
+    second.close()
+    assert list(tmp_path.iterdir()) == []  # the files and the job's directory are gone
 
 
 def cluster_file(tmp_path, cluster: str = "", parallel: str = "") -> Path:
