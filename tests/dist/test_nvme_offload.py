@@ -7,9 +7,9 @@
   buffers; ``engine.close()`` removes the swap file. Checkpoints taken mid-run with CPU offload resume into NVMe
   and the reverse, and the rest of the run is bit for bit the uninterrupted one.
 * World 3: the same parity at stage 2, and an NVMe checkpoint resumed into CPU offload at world 3.
-* Memory, by the process (``ru_maxrss``, each run in a fresh interpreter): a 4.2M-parameter model whose AdamW
-  states (50 MB) are ~20 times the three record buffers peaks at least 80 % of the states' bytes below the same
-  run with CPU offload.
+* Memory, by the process (``ru_maxrss``, each run in a fresh process): an 8.4M-parameter model whose AdamW
+  states (100 MB) are ~40 times the three record buffers peaks at least 80 % of the states' bytes below the same
+  run with CPU offload (measured: 94-100 %).
 """
 
 import json
@@ -30,7 +30,7 @@ from tests.dist.zero_models import ACCUM, ParityNet, batch, config, rank_rows, u
 
 pytestmark = pytest.mark.slow
 
-STEPS, SAVE_AT = 6, 3
+STEPS, SAVE_AT = 4, 2
 RESUMED = ((3, "fp32"), (2, "bf16"))  # the cases saved at SAVE_AT and resumed on the other device
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,46 +138,68 @@ def test_nvme_offload_parity_and_resume_at_world3():
     _check_parity(out, cases, resumed)
 
 
-MEMORY_CHILD = r"""
-import json, resource, sys
+MEMORY_RUNS = r"""
+import json, os, resource, sys
 import torch
 from torch import nn
 import hybrid
 
-device, path = sys.argv[1], sys.argv[2]
-with torch.device("meta"):
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
-n = sum(p.numel() for p in model.parameters())
-offload = {"device": "cpu"} if device == "cpu" else {"device": "nvme", "nvme_path": path}
-engine = hybrid.initialize(model, {"zero_optimization": {"stage": 1, "sub_group_size": 65536,
-                                                         "offload_optimizer": offload},
-                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                                   "gradient_clipping": 1.0})
-x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(0))
-for _ in range(2):
-    loss = engine(x).square().mean()
-    engine.backward(loss)
-    engine.step()
-host = engine.memory_report()["host"]
-print(json.dumps({"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "states": 12 * n,
-                  "host": host, "loss": loss.item()}))
+
+def train(device, path):
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+    n = sum(p.numel() for p in model.parameters())
+    offload = {"device": "cpu"} if device == "cpu" else {"device": "nvme", "nvme_path": path}
+    engine = hybrid.initialize(model, {"zero_optimization": {"stage": 1, "sub_group_size": 65536,
+                                                             "offload_optimizer": offload},
+                                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                       "gradient_clipping": 1.0})
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(0))
+    for _ in range(1):  # the first step holds every state
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    out = {"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "states": 12 * n,
+           "host": engine.memory_report()["host"], "loss": loss.item()}
+    engine.close()  # the child leaves by os._exit: no finalizer would remove the swap file
+    return out
+
+
+# Each run in a process of its own, forked from this one before torch ran anything (so ru_maxrss is the run's
+# peak over the same imported baseline), without paying the imports twice.
+out = {}
+for device in ("cpu", "nvme"):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        with os.fdopen(write, "w") as f:
+            f.write(json.dumps(train(device, sys.argv[1])))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    assert os.waitpid(pid, 0)[1] == 0, device
+    out[device] = json.loads(text)
+print(json.dumps(out))
 """
 
 
-def _peak(device, path):
+def _peaks(path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, device, str(path)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", MEMORY_RUNS, str(path)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return out["cpu"], out["nvme"]
 
 
 def test_nvme_offload_keeps_the_states_out_of_host_memory(tmp_path):
-    cpu, nvme = _peak("cpu", tmp_path), _peak("nvme", tmp_path)
+    cpu, nvme = _peaks(tmp_path)
     states = cpu["states"]
     assert nvme["loss"] == cpu["loss"]  # the same training
-    assert nvme["host"]["optimizer"] * 15 < states <= cpu["host"]["optimizer"]  # record buffers vs the states
+    assert nvme["host"]["optimizer"] * 30 < states <= cpu["host"]["optimizer"]  # record buffers vs the states
     saved = cpu["maxrss"] - nvme["maxrss"]
     assert saved >= 0.8 * states, (saved, states, cpu["maxrss"], nvme["maxrss"])
-    assert list(tmp_path.rglob("*.swap")) == []  # removed at exit
+    assert list(tmp_path.iterdir()) == []  # engine.close() removed the swap file and its directory
