@@ -177,14 +177,10 @@ class ZeroEngine(DeepSpeedNames):
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
                                    pin_memory=offload.pin_memory, grad_dtype=DTYPES[config.grad_precision],
                                    nvme=offload.nvme)
-            # The optimizer before the values: with NVMe its swap file takes the masters as they are written.
-            self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module),
-                                                       config.optimizer)
-            self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
-                                           self.state.master_device, config.optimizer, zero.sub_group_size,
-                                           self.groups, pin_memory=self.state.pin_memory,
-                                           swap_path=self._swap_path(offload))
+            # With NVMe the optimizer comes before the values: its swap file takes the masters as they are
+            # written. Otherwise after them (below), its buffers not on top of a weights file's mapped pages.
             if offload.nvme:
+                self._build_optimizer(offload)
                 self.state.master_sink = partial(self.optimizer.write_shard, MASTER)
             views, transient = materialize(self.module, self.params, self.shapes, self.state, sources,
                                            self.device)
@@ -198,6 +194,8 @@ class ZeroEngine(DeepSpeedNames):
         self._cast_frozen_and_buffers(model_dtypes)
         # the frozen parameters as they are now (building on meta and casting replace the objects)
         self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in self._index]
+        if self.optimizer is None:
+            self._build_optimizer(offload)
         self.base_lr = config.optimizer.lr
         self.persistent_units = persistent
         self.gatherer = None
@@ -254,6 +252,17 @@ class ZeroEngine(DeepSpeedNames):
         align = align_elements(torch.empty((), dtype=self.dtype).element_size())
         return stage_layout([p.numel() for p in self.params], unit_params, self.policy, self.dp_comm.size, align,
                             zero.reduce_bucket_size, zero.param_persistence_threshold)
+
+    def _build_optimizer(self, offload) -> None:
+        """The parameter groups and the optimizer over this rank's pieces (``self.group_of``, ``self.groups``,
+        ``self.optimizer``)."""
+        config = self.config
+        self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(self.module),
+                                                   config.optimizer)
+        self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
+                                       self.state.master_device, config.optimizer, config.zero.sub_group_size,
+                                       self.groups, pin_memory=self.state.pin_memory,
+                                       swap_path=self._swap_path(offload))
 
     def _swap_path(self, offload):
         """NVMe offload: this rank's swap file under ``offload.path`` (``hybrid.zero.nvme.rank_swap_file``)."""
