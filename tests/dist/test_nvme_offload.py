@@ -5,7 +5,9 @@
   sub-group of 500 elements at a time (several records), is bit for bit the run with the states in host memory
   (``device: cpu``): losses, gradient norms and every weight; its host ``optimizer`` bytes are the record
   buffers; ``engine.close()`` removes the swap file. Checkpoints taken mid-run with CPU offload resume into NVMe
-  and the reverse, and the rest of the run is bit for bit the uninterrupted one.
+  and the reverse, and the rest of the run is bit for bit the uninterrupted one. A swap file that loses its tail
+  after a checkpoint fails the next step with one sentence (``SwapError``, a ``JobError``: exit 1) and the
+  checkpoint still loads with the weights it was saved with.
 * World 3: the same parity at stage 2, and an NVMe checkpoint resumed into CPU offload at world 3.
 * Memory, by the process (``ru_maxrss``, each run in a fresh process): an 8.4M-parameter model whose AdamW
   states (100 MB) are ~40 times the three record buffers peaks at least 80 % of the states' bytes below the same
@@ -97,6 +99,33 @@ def _parity_and_resume(tmp, cases, resumed):
     return out
 
 
+def _disk_fails(tmp):
+    """A swap file cut short behind the store's back after a checkpoint: the next step is a SwapError (a JobError:
+    exit 1) on every rank, and the checkpoint still loads, holding the weights it was saved with."""
+    from hybrid.errors import JobError
+    from hybrid.zero.nvme import SwapError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = hybrid.initialize(ParityNet(), _cfg(2, "fp32", "nvme", Path(tmp) / "nvme"))
+    _run(engine, range(SAVE_AT), rank, world, save=f"{tmp}/before-failure")
+    saved = engine.full_state_dict()
+    os.truncate(engine.optimizer.swap.path, 4096)  # the disk lost the file's tail: its first record ends early
+    try:
+        _one_step(engine, SAVE_AT, rank, world)
+        error = None
+    except SwapError as err:
+        error = (str(err), isinstance(err, JobError))
+    engine.close()
+    after = hybrid.initialize(ParityNet(), _cfg(2, "fp32", "cpu", None))
+    loaded = checkpoint.load(f"{tmp}/before-failure", after)
+    state = after.full_state_dict()
+    return dict(error=error, step=loaded.step, intact=all(torch.equal(v, state[k]) for k, v in saved.items()))
+
+
+def _world2(tmp, cases, resumed):
+    return {**_parity_and_resume(tmp, cases, resumed), "disk_fails": _disk_fails(tmp)}
+
+
 def _check_parity(out, cases, resumed):
     for rank, res in enumerate(out):
         for stage, precision in cases:
@@ -127,8 +156,14 @@ def _check_parity(out, cases, resumed):
 def test_nvme_offload_is_bit_exact_with_cpu_offload_and_resumes_across_them_world2():
     cases = [(s, p) for s in (1, 2, 3) for p in ("fp32", "bf16")]
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_local(_parity_and_resume, 2, tmp, cases, RESUMED, timeout_s=300)
+        out = run_local(_world2, 2, tmp, cases, RESUMED, timeout_s=300)
     _check_parity(out, cases, RESUMED)
+    for rank, res in enumerate(out):
+        failed = res["disk_fails"]
+        text, is_job_error = failed["error"]
+        assert is_job_error and text.startswith("the optimizer states' swap file ") and "\n" not in text, text
+        assert "could not be read: it ends before its last record" in text, text
+        assert failed["step"] == SAVE_AT and failed["intact"], rank
 
 
 def test_nvme_offload_parity_and_resume_at_world3():
