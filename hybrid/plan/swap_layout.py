@@ -4,7 +4,9 @@ With the optimizer offloaded to NVMe (``zero.offload_optimizer: {device: nvme, p
 the fp32 arrays of its shard that the optimizer steps -- the master weights and every per-element state key
 (``exp_avg`` and ``exp_avg_sq`` for Adam(W)): its ``fields`` -- in one file on the node's local disk instead
 of host memory (``hybrid.zero.nvme.SwapStore``). The shard is stepped in *sub-groups* (``zero.sub_group_size``
-elements at most); each sub-group is one *record* of the file:
+elements at most: the engine's are its optimizer batches, ``hybrid.zero.optimizer``, which hold only owned
+elements and, with non-fp32 gradients, at most ``layout.CONVERT_NUMEL``; the planner's ``sub_group_numels`` cut
+the whole shard evenly, an upper bound of the host buffers); each sub-group is one *record* of the file:
 
     record g = field 0 of its n_g elements, then field 1, ... (fp32, end to end), padded to ``ALIGN`` bytes
 
