@@ -222,7 +222,7 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
 # are a swap file on the node's local disk (``hybrid.zero.nvme``, laid out by ``hybrid.plan.swap_layout``);
 # the host keeps the copy of the reduced gradient shard the optimizer steps from (the gradient bytes, as with
 # CPU offload) and the store's record buffers: ``SWAP_BUFFERS`` sub-groups of at most ``sub_group_size``
-# elements, 12 bytes each (``swap_buffer_bytes``: a fixed cost per rank, not one that shrinks with DP). The
+# elements (``CONVERT_NUMEL`` with non-fp32 gradients: the optimizer's batches), 12 bytes each (``swap_buffer_bytes``: a fixed cost per rank, not one that shrinks with DP). The
 # device keeps what it keeps with CPU offload. A step reads and writes the whole file once: 12 bytes per
 # parameter of the shard each way.
 NVME_BYTES_PER_PARAM = 12
@@ -245,8 +245,10 @@ def nvme_offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision:
 
     split = offload_bytes(params, dp, stage, tp, precision, reduce_dtype)  # the device's share, and the stage check
     shard = Fraction(params, tp * dp)
-    grads = bytes_per_param(precision, reduce_dtype)[1] * shard
-    buffers = swap_buffer_bytes(math.ceil(shard), sub_group_size)
+    grad_item = bytes_per_param(precision, reduce_dtype)[1]
+    grads = grad_item * shard
+    # the engine's records are its optimizer batches: non-fp32 gradients cap them at CONVERT_NUMEL elements
+    buffers = swap_buffer_bytes(math.ceil(shard), batch_numel(sub_group_size, grad_item == FP32))
     return NvmeBytes(split.device, _number(grads + buffers), _number(NVME_BYTES_PER_PARAM * shard))
 
 
