@@ -169,7 +169,8 @@ def train(ctx: Context, after_step=()) -> dict:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine_config = training_config(train_opts, ctx.stage, ctx.settings.precision, ctx.settings.offload,
                                     zero=zero_options(ctx.model_config.get("zero")),
-                                    accumulation=ctx.settings.gradient_accumulation_steps)
+                                    accumulation=ctx.settings.gradient_accumulation_steps,
+                                    nvme_path=ctx.settings.nvme_path)
     values = (dict(weights=str(ctx.local_path(options["weights"]))) if options["weights"] is not None else
               dict(seed=ctx.settings.seed, init_fn=model._init_weights))
     engine = hybrid.initialize(model, engine_config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,

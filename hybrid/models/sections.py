@@ -78,10 +78,12 @@ def _one_place_each(section: Mapping, optimizer: Optional[dict]) -> None:
                               f"disagree; set {key} in one place (remove one of them).")
 
 
-def training_config(options: dict, stage: int, precision: str, offload: bool = False, zero: Optional[dict] = None,
-                    accumulation: int = 1):
+def training_config(options: dict, stage: int, precision: str, offload=False, zero: Optional[dict] = None,
+                    accumulation: int = 1, nvme_path: Optional[str] = None):
     """The engine's ``TrainConfig`` from checked ``train:`` options, the job's stage and precision, optimizer
-    offload, ``zero`` sizes (``zero_options``) and gradient accumulation steps."""
+    offload (``ctx.settings.offload``: False, True for host memory, ``"nvme"`` for the node's disk at
+    ``nvme_path``, ``ctx.settings.nvme_path``), ``zero`` sizes (``zero_options``) and gradient accumulation
+    steps."""
     from hybrid.config.training import TrainConfig
 
     optimizer = dict(options.get("optimizer") or {})
@@ -91,7 +93,12 @@ def training_config(options: dict, stage: int, precision: str, offload: bool = F
     else:
         optimizer = {**defaults, **optimizer}
     zero = {**(zero or {}), "stage": stage}
-    if offload:
+    if offload == "nvme":
+        if nvme_path is None:
+            raise ConfigError("the plan offloads the optimizer states to NVMe (parallel.offload), but "
+                              "training_config got no nvme_path; pass nvme_path=ctx.settings.nvme_path.")
+        zero["offload_optimizer"] = {"device": "nvme", "path": nvme_path, "pin_memory": True}
+    elif offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
                                   "scheduler": options.get("scheduler"),
@@ -109,7 +116,7 @@ def zero_options(section: Any) -> dict:
         return {}
     if isinstance(section, dict) and "offload_optimizer" in section:
         raise ConfigError("zero.offload_optimizer in the model config is not read: a launched job's optimizer "
-                          "offload is the cluster file's parallel.offload (auto, true or false); remove it here "
+                          "offload is the cluster file's parallel.offload (auto, true, nvme or false); remove it here "
                           "and set that instead.")
     names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
     options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))

@@ -1,17 +1,17 @@
 """The time-aware choice: every layout the job could run, those that fit memory, ranked by predicted tokens/s.
 
 ``layouts(...)`` lists the candidates: each TP degree offered, ZeRO stage, activation checkpointing and
-offload setting, and each split of a DP rank's rows into micro-batch × accumulation that keeps the global
-batch (``global_batch`` sequences per step in every candidate; a TP degree whose DP degree does not divide
-it is left out). A user's fixed choices are the only values offered for their field; offload is never
-paired with stage 0 (nothing sharded to move).
+offload setting (False, True: host memory, ``"nvme"``: the node's disk), and each split of a DP rank's rows
+into micro-batch × accumulation that keeps the global batch (``global_batch`` sequences per step in every
+candidate; a TP degree whose DP degree does not divide it is left out). A user's fixed choices are the only
+values offered for their field; offload is never paired with stage 0 (nothing sharded to move).
 
 ``rank(model, layouts, hw, memory)`` costs each (``hybrid.plan.cost.step_cost``) and sizes it
 (``memory(layout) -> hybrid.plan.planner.Option``, the planner's own rule); only layouts that fit are ever
 chosen: the fastest by tokens/s; where others are within ``TIE`` of it (the same speed, as far as the model
 can tell), the memory-only choice (``baseline``) when it is one of them -- the guide's choice stands unless
-time says otherwise -- else the one with the fewest levers (no offload, then no activation checkpointing)
-and then the least memory per GPU. The ``Ranking`` carries every candidate, fitting ones first,
+time says otherwise -- else the one with the fewest levers (no offload, not NVMe, then no activation
+checkpointing) and then the least memory per GPU. The ``Ranking`` carries every candidate, fitting ones first,
 fastest first, and one reason sentence that names the numbers: what the choice does differently from the
 memory-only choice (``baseline``), or, where they agree, from the runner-up.
 """
@@ -50,8 +50,10 @@ class Candidate:
         lay = self.layout
         return {"tp": lay.tp, "dp": lay.dp, "stage": lay.stage, "micro_batch": lay.micro_batch,
                 "accumulation": lay.accumulation, "activation_checkpointing": lay.activation_checkpointing,
-                "offload": lay.offload, "device_bytes": self.device_bytes,
-                "host_bytes": float(self.option.host_bytes), "fits": self.fits, **self.cost.as_dict()}
+                "offload": lay.offload, "nvme": lay.nvme, "device_bytes": self.device_bytes,
+                "host_bytes": float(self.option.host_bytes),
+                "disk_bytes": float(getattr(self.option, "disk_bytes", 0.0)), "fits": self.fits,
+                **self.cost.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def layouts(nodes: int, gpus_per_node: int, precision: str, tps: Iterable[int], 
                     for off in offloads:
                         if off and not policy_for(s).shard_optimizer:  # nothing sharded to move
                             continue
-                        out.append(Layout(nodes, gpus_per_node, tp, s, b, k, ac, off, precision))
+                        out.append(Layout(nodes, gpus_per_node, tp, s, b, k, ac, bool(off), precision,
+                                          nvme=off == "nvme"))
     return out
 
 
@@ -120,8 +123,8 @@ def rank(model: ModelShape, candidates: Sequence[Layout], hw: Hardware, memory: 
     if base is not None and base in ties:
         chosen = base
     else:
-        chosen = min(ties, key=lambda c: (c.layout.offload, c.layout.activation_checkpointing, c.device_bytes,
-                                          ties.index(c)))
+        chosen = min(ties, key=lambda c: (c.layout.offload, c.layout.nvme, c.layout.activation_checkpointing,
+                                          c.device_bytes, ties.index(c)))
     return Ranking(ordered, chosen, base, global_batch, reason(chosen, base, fitting))
 
 
@@ -172,14 +175,20 @@ def differences(a: Candidate, b: Candidate) -> str:
         recompute = ca.recompute_s if la.activation_checkpointing else cb.recompute_s
         parts.append(("with" if la.activation_checkpointing else "without") +
                      f" activation checkpointing ({_ms(recompute)} of recompute)")
-    if la.offload != lb.offload:
-        cost = ca.offload_s if la.offload else cb.offload_s
-        parts.append(("with" if la.offload else "without") + f" optimizer offload ({_ms(cost)} of PCIe and host)")
+    if (la.offload, la.nvme) != (lb.offload, lb.nvme):
+        on, c = (la, ca) if la.offload else (lb, cb)
+        what = (f"NVMe optimizer offload ({_ms(c.offload_s)} of PCIe, host and disk)" if on.nvme else
+                f"optimizer offload ({_ms(c.offload_s)} of PCIe and host)")
+        if la.offload and lb.offload:
+            parts.append(f"with {what} instead of " + ("host memory" if la.nvme else "NVMe"))
+        else:
+            parts.append(("with " if la.offload else "without ") + what)
     return ", ".join(parts) or "the same layout"
 
 
 def describe(lay: Layout) -> str:
-    levers = [text for on, text in ((lay.activation_checkpointing, "AC"), (lay.offload, "offload")) if on]
+    levers = [text for on, text in ((lay.activation_checkpointing, "AC"),
+                                    (lay.offload, "NVMe offload" if lay.nvme else "offload")) if on]
     acc = f" x {lay.accumulation}" if lay.accumulation > 1 else ""
     return f"tp {lay.tp}, stage {lay.stage}, micro-batch {lay.micro_batch}{acc}" + \
         (f", {' + '.join(levers)}" if levers else "")

@@ -298,13 +298,16 @@ def step_rule(device: str, grad_is_fp32: bool, sub_group_size: int, scratch_byte
                     keep_scratch=bounded, per_piece=bounded)
 
 
-def host_arena_bytes(shard_numel, grad_itemsize: int, state_keys: int):
+def host_arena_bytes(shard_numel, grad_itemsize: int, state_keys: int, nvme: bool = False):
     """Bytes of a rank's host arena with the optimizer offloaded (``hybrid.zero.host_arena``): the fp32 master
     shard, the host copy of the gradient shard (``grad_itemsize`` bytes an element) and ``state_keys`` fp32
     state buffers (2 for Adam(W): its moments), carved in that order. Every region ends 16-byte aligned (a
     shard is a multiple of 16 bytes in the model dtype), so nothing pads between them; the memory model's host
-    figure is this with ``shard_numel = Ψ/(t·N)``. (The CPU step's fp32 scratch, a few MB, stays apart.)"""
-    return (4 * (1 + int(state_keys)) + int(grad_itemsize)) * shard_numel
+    figure is this with ``shard_numel = Ψ/(t·N)``. (The CPU step's fp32 scratch, a few MB, stays apart.) With
+    ``nvme`` the master and the state are the swap file's records (``hybrid.zero.nvme``), so the arena holds the
+    gradient copy alone (the store's record buffers, ``swap_layout.swap_buffer_bytes``, stay apart)."""
+    fp32_arrays = 0 if nvme else 1 + int(state_keys)
+    return (4 * fp32_arrays + int(grad_itemsize)) * shard_numel
 
 
 # --------------------------------------------------------------------------------- gradient buckets

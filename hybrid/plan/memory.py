@@ -24,6 +24,7 @@ bytes per transformer layer for sequence length s, micro-batch b, hidden size h,
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -36,7 +37,7 @@ from hybrid.config.training import ZeroConfig
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
 from hybrid.errors import ConfigError
 from hybrid.plan.layout import (SHM_MIN_BYTES, ModelUnits, align_elements, batch_numel, exchange_numel,
-                                host_arena_bytes, kept_bucket_numel, resident_bytes, stage_layout)
+                                host_arena_bytes, kept_bucket_numel, resident_bytes, stage_layout, step_rule)
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -219,6 +220,45 @@ def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str 
     grad_item = bytes_per_param(precision, reduce_dtype)[1]
     host = Fraction(host_arena_bytes(Fraction(params, tp * dp), grad_item, ADAM_STATE_KEYS))
     return OffloadBytes(_number(device), _number(host))
+
+
+# ------------------------------------------------------------------------ optimizer states on NVMe
+# With the optimizer offloaded to NVMe (DeepSpeed's offload_optimizer: {device: nvme}, ZeRO-Infinity), each
+# rank's fp32 master shard and both Adam moments -- 12 bytes per parameter of its shard in either precision --
+# are a swap file on the node's local disk (``hybrid.zero.nvme``, laid out by ``hybrid.plan.swap_layout``);
+# the host keeps the copy of the reduced gradient shard the optimizer steps from (the gradient bytes, as with
+# CPU offload: the rank's host arena, ``host_arena_bytes(..., nvme=True)``) and the store's record buffers:
+# ``SWAP_BUFFERS`` records of the optimizer's batches, sized by the host's ``step_rule`` (at most
+# ``sub_group_size`` elements; ``CONVERT_NUMEL`` with non-fp32 gradients), 12 bytes each (``swap_buffer_bytes``:
+# a fixed cost per rank, not one that shrinks with DP). The
+# device keeps what it keeps with CPU offload. A step reads and writes the whole file once: 12 bytes per
+# parameter of the shard each way.
+NVME_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class NvmeBytes:
+    """Per-rank bytes with the optimizer states on NVMe: on the device, in host memory and on the disk."""
+
+    device: int | float
+    host: int | float
+    disk: int | float
+
+
+def nvme_offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+                       reduce_dtype: Optional[str] = None,
+                       sub_group_size: int = ZeroConfig.sub_group_size) -> NvmeBytes:
+    """Device, host and disk bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states on NVMe."""
+    from hybrid.plan.swap_layout import swap_buffer_bytes
+
+    split = offload_bytes(params, dp, stage, tp, precision, reduce_dtype)  # the device's share, and the stage check
+    shard = Fraction(params, tp * dp)
+    grad_item = bytes_per_param(precision, reduce_dtype)[1]
+    grads = Fraction(host_arena_bytes(shard, grad_item, ADAM_STATE_KEYS, nvme=True))  # the arena: the gradient copy
+    # the engine's records are its optimizer batches, sized by the host's step rule (the step runs on the CPU:
+    # non-fp32 gradients cap them at CONVERT_NUMEL elements)
+    buffers = swap_buffer_bytes(math.ceil(shard), step_rule("cpu", grad_item == FP32, sub_group_size).batch_numel)
+    return NvmeBytes(split.device, _number(grads + buffers), _number(NVME_BYTES_PER_PARAM * shard))
 
 
 # ------------------------------------------------------------------------------ the complete prediction

@@ -58,6 +58,16 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   (``host_threads``) and the updated values are copied back into the device's parameter shard in the model
   dtype (non-blocking from pinned memory). The result is that of the same stage
   without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
+* ``zero.offload_optimizer: {device: nvme, path: DIR}`` (stages 1-3): as with ``cpu``, but the fp32 master and
+  the optimizer state live in one swap file per rank under ``DIR`` (``hybrid.zero.nvme``), one record per
+  optimizer batch (``hybrid.plan.layout.step_rule`` of the host: at most ``sub_group_size`` elements, and
+  ``CONVERT_NUMEL`` with non-fp32 gradients): the step reads a record into a host buffer, steps it with the
+  same kernels and the same host threads and writes it back while the next is read (``FlatOptimizer``), so
+  host memory holds the gradient shard's copy (the host arena, nothing else in it) and three records, not the
+  states. Bit for bit the result of ``cpu`` (the same batches);
+  checkpoints read and fill the file a parameter piece at a time (so one taken with either resumes with the
+  other); a disk error is ``SwapError`` (a ``JobError``: exit 1; the checkpoints keep their own files).
+  ``engine.close()`` removes the file (so do garbage collection and the process's exit).
 
 Gradients: after ``engine.step()`` every ``param.grad`` is None (as after torch's ``zero_grad()``); after
 ``engine.backward`` they are views of the flat gradient at stage 0 (reduced at an accumulation boundary) and
@@ -78,10 +88,12 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Optional
 from dataclasses import dataclass
+from functools import partial
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -102,7 +114,7 @@ from hybrid.zero.construct import materialize, resolve_device
 from hybrid.zero.deepspeed_api import DeepSpeedNames
 from hybrid.zero.host_arena import HostArena
 from hybrid.zero.host_threads import host_optimizer_threads, intra_op_threads, node_cores, ranks_on_node
-from hybrid.zero.optimizer import FlatOptimizer, probe_state
+from hybrid.zero.optimizer import MASTER, FlatOptimizer, SwappedRange, probe_state
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.units import plan_units
@@ -119,7 +131,7 @@ class ShardView:
     numel: int
     start: int
     end: int
-    master: torch.Tensor
+    master: torch.Tensor  # with NVMe offload: a ``SwappedRange`` of the swap file (and so are the states)
     states: dict  # optimizer state key (exp_avg, momentum_buffer, ...) -> writable view
 
     @property
@@ -162,6 +174,7 @@ class ZeroEngine(DeepSpeedNames):
         # Weights are checked (names, shapes) before anything is allocated.
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
         meta = has_meta(module)
+        self.optimizer = None
         try:
             if sources.weights is None:  # a tensor built off meta is taken as it is: DP rank 0's on every rank
                 self._broadcast_from_rank0()
@@ -171,21 +184,28 @@ class ZeroEngine(DeepSpeedNames):
             arena = self._host_arena(grad_dtype) if offload.enabled else None
             self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
-                                   pin_memory=offload.pin_memory, grad_dtype=grad_dtype, arena=arena)
+                                   pin_memory=offload.pin_memory, grad_dtype=grad_dtype, arena=arena,
+                                   nvme=offload.nvme)
+            # With NVMe the optimizer comes before the values: its swap file takes the masters as they are
+            # written. Otherwise after them (below), its buffers not on top of a weights file's mapped pages.
+            if offload.nvme:
+                self._build_optimizer(offload)
+                self.state.master_sink = partial(self.optimizer.write_shard, MASTER)
             views, transient = materialize(self.module, self.params, self.shapes, self.state, sources,
                                            self.device)
+        except BaseException:
+            if self.optimizer is not None:
+                self.optimizer.close()  # NVMe: its swap file goes at once
+            raise
         finally:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._cast_frozen_and_buffers(model_dtypes)
         # the frozen parameters as they are now (building on meta and casting replace the objects)
         self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in self._index]
-        self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module), config.optimizer)
-        self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
-                                       self.state.master_device, config.optimizer, zero.sub_group_size, self.groups,
-                                       pin_memory=self.state.pin_memory, scratch_bytes=self._scratch_budget(),
-                                       arena=self.state.arena, non_blocking=self.state.pin_memory)
-        # offload: the host step's threads, the rank's share of its node's cores (or as configured)
+        if self.optimizer is None:
+            self._build_optimizer(offload)
+        # offload (cpu or nvme): the host step's threads, the rank's share of its node's cores (or as configured)
         self.host_threads = (host_optimizer_threads(offload.threads, node_cores(), ranks_on_node())
                              if offload.enabled else None)
         self.base_lr = config.optimizer.lr
@@ -236,11 +256,13 @@ class ZeroEngine(DeepSpeedNames):
                 self.dp_comm.broadcast(t.data)
 
     def _host_arena(self, grad_dtype: torch.dtype) -> HostArena:
-        """Offload: the rank's one host allocation, sized by the memory model's rule for this shard."""
-        opt = self.config.optimizer
+        """Offload: the rank's one host allocation, sized by the memory model's rule for this shard (with NVMe
+        the gradient copy alone: the master and the state are in the swap file)."""
+        opt, offload = self.config.optimizer, self.config.zero.offload_optimizer
         keys, _ = probe_state(opt.torch_class, opt.torch_kwargs())
-        nbytes = host_arena_bytes(self.layout.shard_numel, torch.empty((), dtype=grad_dtype).element_size(), len(keys))
-        pin = self.config.zero.offload_optimizer.pin_memory and self.device.type == "cuda"
+        nbytes = host_arena_bytes(self.layout.shard_numel, torch.empty((), dtype=grad_dtype).element_size(), len(keys),
+                                  nvme=offload.nvme)
+        pin = offload.pin_memory and self.device.type == "cuda"
         return HostArena(nbytes, pin=pin)
 
     def _scratch_budget(self):
@@ -261,6 +283,34 @@ class ZeroEngine(DeepSpeedNames):
         align = align_elements(torch.empty((), dtype=self.dtype).element_size())
         return stage_layout([p.numel() for p in self.params], unit_params, self.policy, self.dp_comm.size, align,
                             zero.reduce_bucket_size, zero.param_persistence_threshold)
+
+    def _build_optimizer(self, offload) -> None:
+        """The parameter groups and the optimizer over this rank's pieces (``self.group_of``, ``self.groups``,
+        ``self.optimizer``)."""
+        config = self.config
+        self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(self.module),
+                                                   config.optimizer)
+        self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
+                                       self.state.master_device, config.optimizer, config.zero.sub_group_size,
+                                       self.groups, pin_memory=self.state.pin_memory,
+                                       scratch_bytes=self._scratch_budget(), arena=self.state.arena,
+                                       non_blocking=self.state.pin_memory, swap_path=self._swap_path(offload))
+
+    def _swap_path(self, offload):
+        """NVMe offload: this rank's swap file under ``offload.path`` (``hybrid.zero.nvme.rank_swap_file``)."""
+        if not offload.nvme:
+            return None
+        from hybrid.zero.nvme import rank_swap_file
+
+        return rank_swap_file(offload.path, dist.get_rank() if dist.is_initialized() else 0)
+
+    def _unit_master(self, u: int) -> torch.Tensor:
+        """The fp32 master of this rank's part of unit ``u``: its memory, or with NVMe a host copy read from the
+        swap file."""
+        if self.state.nvme:
+            unit = self.layout.units[u]
+            return self.optimizer.read_shard(MASTER, unit.shard_offset, unit.shard_numel)
+        return self.state.unit_master(u)
 
     def _module_units(self, persistent: set) -> dict:
         """Unit root -> the non-persistent units holding the parameters registered in its domain."""
@@ -468,16 +518,21 @@ class ZeroEngine(DeepSpeedNames):
         self.base_lr, self.last_lr = value, None
 
     def shard_views(self) -> dict:
-        """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""
+        """name -> ShardView of the elements this rank owns (possibly none: ``start == end``). With NVMe
+        offload the master and the state are ``SwappedRange``s of the swap file (read and written on demand)."""
         self.optimizer.wait_writeback()  # a checkpoint may write the host master next
         out = {}
         for i, name in enumerate(self.names):
             start, end, pos = self.layout.owned_range(i, self.state.rank)
             unit, _ = self.layout.locate(i)
             local, n = pos - unit.shard_offset, end - start
-            master = self.state.unit_master(unit.index)[local:local + n]
-            out[name] = ShardView(self.shapes[i], self.layout.numels[i], start, end, master,
-                                  {key: buf[pos:pos + n] for key, buf in self.optimizer.buffers.items()})
+            if self.state.nvme:
+                master = SwappedRange(self.optimizer, MASTER, pos, n)
+                states = {key: SwappedRange(self.optimizer, key, pos, n) for key in self.optimizer.keys}
+            else:
+                master = self.state.unit_master(unit.index)[local:local + n]
+                states = {key: buf[pos:pos + n] for key, buf in self.optimizer.buffers.items()}
+            out[name] = ShardView(self.shapes[i], self.layout.numels[i], start, end, master, states)
         return out
 
     @torch.no_grad()
@@ -504,7 +559,7 @@ class ZeroEngine(DeepSpeedNames):
         gather = not rank0_only or self.dp_comm.rank == 0  # a TP group shares its DP rank: all or none gather
         full_by_param = {}
         for unit in self.layout.units:
-            master = self.state.unit_master(unit.index)
+            master = self._unit_master(unit.index)
             if self.layout.n_shards == 1:
                 full = master
             else:
@@ -570,7 +625,8 @@ class ZeroEngine(DeepSpeedNames):
         receive buffers of gloo's pairwise exchange, ``hybrid.comm``, and stage 2-3 gradient buckets kept
         for the next backward). With the optimizer offloaded, ``host`` says what lives in host memory instead:
         ``{"optimizer": master + state, "grads": the gradient shard's host copy, "scratch": ..., "arena": the one
-        host allocation they are views of}`` (device ``optimizer`` is 0)."""
+        host allocation they are views of}`` (device ``optimizer`` is 0); with NVMe ``optimizer`` is the swap
+        store's record buffers, the arena holds the gradient copy alone, and ``swap_file`` is the file's bytes."""
         kinds = self.state.tensors()
         offloaded = self.state.host is not None
         kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
@@ -603,7 +659,14 @@ class ZeroEngine(DeepSpeedNames):
             report["host"] = {"optimizer": total(kinds["host_optimizer"]), "grads": total(kinds["host_grads"]),
                               "scratch": total(self.optimizer.scratch.tensors(self.state.master_device)),
                               "arena": self.state.arena.nbytes if self.state.arena is not None else 0}
+            if self.optimizer.swap is not None:  # NVMe: host "optimizer" is the swap records' buffers
+                report["host"]["swap_file"] = self.optimizer.swap.layout.file_bytes
         return report
+
+    def close(self) -> None:
+        """Release what outlives the Python objects: with NVMe offload, the swap file (also removed when the
+        engine is garbage-collected or the process exits). The engine cannot step after it."""
+        self.optimizer.close()
 
     def comm_report(self) -> dict:
         """Logical bytes moved on the DP group since the last reset, per op kind and ``total``, and the number

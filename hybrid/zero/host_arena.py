@@ -3,7 +3,10 @@
 With ``zero.offload_optimizer.device: cpu`` a rank keeps its fp32 master shard, the host copy of its gradient
 shard and the optimizer's state buffers in host memory. They are views of one arena of exactly
 ``hybrid.plan.layout.host_arena_bytes`` bytes -- the memory model's host figure
-(``hybrid.plan.memory.offload_bytes``) -- handed out in that order by ``take``.
+(``hybrid.plan.memory.offload_bytes``) -- handed out in that order by ``take``. With ``device: nvme`` the master
+and the state are records of the swap file (``hybrid.zero.nvme``), so the arena holds the gradient copy alone
+(``host_arena_bytes(..., nvme=True)``, the gradient part of ``hybrid.plan.memory.nvme_offload_bytes``; the swap
+store's record buffers are its own).
 
 Pinned (``pin``: offload from a CUDA device with ``pin_memory``) the arena is registered with CUDA as it is
 (``cudaHostRegister``), so device<->host copies into it can be non-blocking; torch's caching host allocator

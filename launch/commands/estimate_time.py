@@ -6,7 +6,8 @@ the hardware (``hybrid.plan.hardware.build_hardware`` from ``--gpu`` and the lin
 default one the global batch is taken at), the stages and levers (``--activation-checkpointing`` forces it
 on), micro-batch x accumulation keeping ``--global-batch`` (default ``--micro-batch`` x DP at ``--tp``; with
 ``--global-batch`` the micro-batch is chosen), and each layout's memory by the planner's rule with the
-estimate's activation figure (the built-in GPT's with ``--vocab``, Korthikanti's without). The node size is
+estimate's activation figure (the built-in GPT's with ``--vocab``, Korthikanti's without), a node's host memory
+(``--host-memory``) and disk (``--nvme``) where given; offload is weighed to host memory and to NVMe. The node size is
 ``--gpus-per-node``, else 8 GPUs (a DGX/HGX node) or all of them when fewer, said in the output.
 """
 
@@ -59,7 +60,8 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
                   headroom: float, shape: dict, vocab: Optional[int], checkpointing: bool, gpu: str,
                   gpu_tflops: Optional[float], intra: str, inter: str, intra_gbps: Optional[float],
                   inter_gbps: Optional[float], nics_per_node: Optional[int],
-                  global_batch: Optional[int]) -> EstimateTime:
+                  global_batch: Optional[int], host_memory_bytes: Optional[float] = None,
+                  nvme_bytes: Optional[float] = None) -> EstimateTime:
     """The ranking (see the module docstring); options are checked here, each refusal one sentence."""
     if shape["layers"] is None:
         raise ConfigError("--time needs the model's shape: give --layers, --hidden, --heads, --seq and "
@@ -100,14 +102,15 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
                             lay.activation_checkpointing)
         return layout_option(params, lay.dp, lay.tp, lay.stage, memory_bytes, precision, acts, headroom,
                              activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
-                             ranks_per_node=node)
+                             ranks_per_node=node, host_memory_bytes=host_memory_bytes, nvme=lay.nvme,
+                             nvme_bytes=nvme_bytes)
 
     offered = []
     for t in tps:
         dp = gpus // t
         fixed = None if global_batch is not None else _gcd_micro(shape["micro_batch"], batch, dp)
         offered += layouts(nodes, node, precision, [t], (0, 1, 2, 3), (True,) if checkpointing else (False, True),
-                           (False, True), batch, fixed)
+                           (False, True, "nvme"), batch, fixed)
     if not offered:
         raise ConfigError(f"--global-batch {batch} does not split over the DP degrees of these layouts "
                           f"({', '.join(str(gpus // t) for t in tps)}); use a multiple of them.")

@@ -49,13 +49,14 @@ class Choice:
     accumulation: int = 1
     activation_checkpointing: bool = False
     offload: bool = False
+    nvme: bool = False  # with offload: the optimizer states on each node's disk (cluster.nvme_path)
 
     def describe(self) -> str:
         parts = [f"stage {self.stage}"]
         if self.activation_checkpointing:
             parts.append("activation checkpointing")
         if self.offload:
-            parts.append("optimizer offload")
+            parts.append("optimizer offload to NVMe" if self.nvme else "optimizer offload")
         if self.accumulation > 1:
             parts.append(f"micro-batch {self.micro_batch} x {self.accumulation} accumulation steps")
         return parts[0] + (" with " + ", ".join(parts[1:]) if len(parts) > 1 else "")
@@ -64,7 +65,8 @@ class Choice:
         """``base`` with this choice applied (fields the settings lack are left out)."""
         fields = {f.name for f in dataclasses.fields(JobSettings)}
         values = {"stage": self.stage, "micro_batch": self.micro_batch,
-                  "gradient_accumulation_steps": self.accumulation, "offload": self.offload,
+                  "gradient_accumulation_steps": self.accumulation,
+                  "offload": "nvme" if self.offload and self.nvme else self.offload,
                   "activation_checkpointing": self.activation_checkpointing}
         return dataclasses.replace(base, **{k: x for k, x in values.items() if k in fields})
 
@@ -88,7 +90,7 @@ class Overshoot:
 def planned_choice(lp) -> Choice:
     """The planner's choice as it stands (``hybrid.plan.planner``: model states and activations)."""
     return Choice(lp.stage, lp.micro_batch or lp.spec.job.micro_batch, lp.accumulation,
-                  lp.plan.activation_checkpointing, lp.plan.offload)
+                  lp.plan.activation_checkpointing, lp.plan.offload, lp.plan.nvme)
 
 
 def initial_choice(lp) -> Choice:
@@ -194,14 +196,9 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     precision, tp, dp = lp.spec.parallel.precision, lp.layout.tp, lp.layout.dp
     device, reserve = device_of(lp), runtime_reserve(lp)
     zero = zero_config(lp, choice.stage)
-    if lp.model is None and lp.module is not None:  # your own model, built on meta: its real units
-        units = model_units(lp.module, tp, zero.stage3_unit)
-        activations = 0  # no estimate for a model whose forward we do not know; the ranks measure them
-    elif lp.model is None:  # a bare parameter count: one flat module, no activation estimate
-        units = ModelUnits.from_lists([[-(-lp.params // tp)]])
-        activations = 0
-    else:
-        units = _gpt_units(tuple(sorted(lp.model.items())), tp, zero.stage3_unit)
+    units = units_of(lp, zero)
+    activations = 0  # no estimate for a model whose forward we do not know (or a bare count); the ranks measure
+    if lp.model is not None:
         m = lp.model
         activations = gpt_activation_bytes(m["seq_len"], choice.micro_batch, m["hidden"], m["n_heads"],
                                            m["n_layers"], m["vocab_size"], tp=tp, precision=precision,
@@ -212,6 +209,17 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     if choice.offload:  # master weights and moments live in host memory
         p = dataclasses.replace(p, optimizer=0, optimizer_transient=0)
     return p
+
+
+def units_of(lp, zero) -> ModelUnits:
+    """The trainable parameters of ``lp``'s model as one TP rank holds them, cut into ``zero``'s stage-3 units:
+    the built-in GPT's shape, your own model built on meta, or a bare parameter count as one flat module."""
+    tp = lp.layout.tp
+    if lp.model is None and lp.module is not None:
+        return model_units(lp.module, tp, zero.stage3_unit)
+    if lp.model is None:
+        return ModelUnits.from_lists([[-(-lp.params // tp)]])
+    return _gpt_units(tuple(sorted(lp.model.items())), tp, zero.stage3_unit)
 
 
 def ladder(lp, current: Choice) -> list[Choice]:
@@ -246,7 +254,7 @@ def layout_of(lp, choice: Choice):
 
     c = lp.spec.cluster
     return Layout(c.nodes, c.gpus_per_node, lp.layout.tp, choice.stage, choice.micro_batch, choice.accumulation,
-                  choice.activation_checkpointing, choice.offload, lp.spec.parallel.precision)
+                  choice.activation_checkpointing, choice.offload, lp.spec.parallel.precision, nvme=choice.nvme)
 
 
 def predicted_cost(lp, choice: Choice):

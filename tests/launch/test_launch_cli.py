@@ -31,11 +31,12 @@ HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.ex
 
 
 def cluster_file(tmp_path, steps: int, entrypoint: str = "hybrid.models.gpt:train",
-                 cluster: str = "address: local") -> Path:
+                 cluster: str = "address: local", run_dir: Path | None = None) -> Path:
     path = tmp_path / "cluster.yaml"
+    run = f", run_dir: {run_dir}" if run_dir else ""
     path.write_text(f"""\
 cluster: {{{cluster}, nodes: 2, gpus_per_node: 2, gpu_memory_gb: 80}}
-job: {{entrypoint: "{entrypoint}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}}}
+job: {{entrypoint: "{entrypoint}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}{run}}}
 parallel: {{precision: fp32}}
 """)
     return path
@@ -95,28 +96,40 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
 
 
 def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_path):
-    """``kill PID``. Ctrl-C (SIGINT to the terminal's process group), a group SIGTERM and a hangup are
-    tests/launch/test_group_signal.py's: one signal handler serves all of them.
+    """``kill PID``, and the orderly teardown any interrupt takes: exit 130, the ``interrupted`` line, no
+    process of the embedded cluster left, its temp dir gone, its logs kept in the run dir. Ctrl-C (SIGINT),
+    a group SIGTERM and a hangup take the same teardown: one handler serves all three while the cluster runs
+    (test_launch_ray.py); test_group_signal.py sends a group SIGTERM that also reaches every Ray process.
+    (A group SIGINT had an end-to-end case of its own there, merged into this one and those two: it checked
+    this teardown and that no Ray process shares the launcher's process group, as the group SIGTERM case does.)
 
     About 20 s: an embedded cluster and four rank actors must start before training is under way, and the
     teardown that follows the signal is what the test checks."""
-    proc = start(cluster_file(tmp_path, steps=5000))
+    proc = start(cluster_file(tmp_path, steps=5000, run_dir=tmp_path / "run"))
     watch = NetWatch(proc.pid).start()
-    lines = []
+    lines, marked = [], None
     try:
         for line in proc.stdout:  # wait until training is under way
             lines.append(line)
             if line.startswith("step "):
                 break
+        marked = _marked_dir(proc.pid)
+        ours = marked_pids(marked) if marked else []
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
         watch.stop()
         proc.kill()
-    assert any(l.startswith("step ") for l in lines), "".join(lines)
-    assert proc.returncode == 130, "".join(lines) + out
+    text = "".join(lines) + out
+    assert any(l.startswith("step ") for l in lines), text
+    assert proc.returncode == 130, text
+    assert "interrupted" in [l.strip() for l in out.splitlines()], text
+    assert "Failed to connect to GCS" not in text, text
     assert not watch.violations, (watch.violations, watch.culprits)
     assert wait_gone(proc.pid) == [] and watch.wait_survivors() == []
+    assert marked and ours, "no Ray process of the embedded cluster was seen"
+    assert marked_pids(marked) == [] and not Path(marked).exists()
+    assert (tmp_path / "run" / "ray-logs").is_dir(), "the embedded cluster's logs were not kept"
 
 
 @pytest.mark.skipif(not strace_works(), reason="strace cannot trace here")

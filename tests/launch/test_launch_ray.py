@@ -32,6 +32,7 @@ from hybrid.data.prepare import prepare
 from hybrid.plan.memory import GB
 from hybrid.plan.planner import choose_stage
 from launch.ray import cluster as ray_cluster
+from launch.job import signals
 from launch.job.driver import JobFailed, plan_and_run
 from launch.job.metrics import METRICS_FILE
 from launch.planning.plan import build_plan
@@ -90,6 +91,15 @@ def test_address_auto_of_another_process_would_never_find_this_embedded_cluster(
 
 # Stage 3 from a declared budget; the default choice (stage 1 at 80 GB) trains in the kill test's reference
 # run and in tests/launch/test_launch_cli.py.
+def test_while_the_embedded_cluster_runs_a_hangup_is_the_launchers_interrupt_as_ctrl_c_is(cluster):
+    """Ray's node starts and ``ray.init`` install signal handlers of their own; the launcher takes SIGINT,
+    SIGTERM and SIGHUP back (``launch.job.signals``), so a closed terminal stops the job as Ctrl-C does
+    (test_group_signal.py's INT case: exit 130, everything torn down)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    assert len(set(handlers.values())) == 1, handlers
+    assert handlers[signal.SIGHUP] is signals._raise_interrupt, handlers
+
+
 @pytest.mark.parametrize("gpu_memory_gb, expected_stage", [(0.0025, 3)])
 def test_auto_stage_follows_the_planner_and_training_converges_with_ranks_placed_by_tp_group(
         cluster, gpu_memory_gb, expected_stage):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hybrid.data import MarkovTokens
+from hybrid.config.validate import quote
 from hybrid.errors import ConfigError, PlanError
 from hybrid.plan.memory import GB
 from hybrid.plan.monitor import GpuInfo, NodeProbe
@@ -334,7 +335,7 @@ def test_params_is_an_override_checked_against_the_measured_count(tmp_path):
     assert lp.params == 21_000 and "within 1% of the 20,992 counted" in lp.params_source
     with pytest.raises(ConfigError) as err:
         build_plan(own_spec(tmp_path, shape + "params: 7B\n"))
-    assert str(err.value) == (f"params in '{tmp_path / 'model.yaml'}' is 7,000,000,000, but my_model.build_model "
+    assert str(err.value) == (f"params in {quote(str(tmp_path / 'model.yaml'))} is 7,000,000,000, but my_model.build_model "
                               "builds a model of 20,992 parameters (off by more than 1%); remove params: (the count "
                               "is measured) or correct it.")
     # the built-in GPT's count is measured too

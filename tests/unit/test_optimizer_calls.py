@@ -10,6 +10,10 @@
   count does see the chunking).
 * Offload: the host step runs with the rank's share of its node's cores (``zero.offload_optimizer.threads``
   when set); the host arena is one allocation of the memory model's host figure.
+* Offload to NVMe: the same threads; the host arena holds the gradient copy alone (the master and the moments
+  are the swap file's records), and with the store's record buffers it is the planner's NVMe host figure; the
+  records are the optimizer's batches of the host's step rule (``CONVERT_NUMEL`` with bf16 gradients), so a
+  bf16 model with matrices over that size steps bit for bit as with CPU offload.
 """
 
 from collections import Counter
@@ -141,6 +145,76 @@ def test_the_host_arena_is_the_memory_models_host_figure(stage, precision):
     report = engine.memory_report()
     assert report["host"]["arena"] == arena.nbytes and report["optimizer"] == 0
     assert report["host"]["optimizer"] == 12 * engine.layout.shard_numel
+
+
+def _nvme_engine(path, stage: int, precision: str = "bf16", hidden: int = 256, layers: int = 3, device="nvme",
+                 **zero):
+    torch.manual_seed(0)
+    offload = {"device": "nvme", "path": str(path)} if device == "nvme" else {"device": "cpu"}
+    cfg = {"zero": {"stage": stage, "offload_optimizer": offload, **zero}, "precision": precision}
+    return hybrid.initialize(Blocks(hidden, layers=layers), cfg)
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (3, "bf16"), (2, "fp32")])
+def test_with_nvme_the_host_arena_holds_the_gradient_copy_and_matches_the_planners_host_figure(stage, precision,
+                                                                                               tmp_path):
+    from hybrid.plan.memory import nvme_offload_bytes
+
+    engine = _nvme_engine(tmp_path, stage, precision, sub_group_size=4096)
+    try:
+        shard, arena = engine.layout.shard_numel, engine.state.arena
+        grad_item = engine.state.host_grad.element_size()
+        assert engine.state.master is None and engine.optimizer.buffers == {}
+        assert arena.nbytes == arena.used == layout.host_arena_bytes(shard, grad_item, 2, nvme=True) == grad_item * shard
+        report = engine.memory_report()["host"]
+        assert report["arena"] == report["grads"] == arena.nbytes
+        assert report["optimizer"] == engine.optimizer.swap.host_bytes  # the record buffers
+        planned = nvme_offload_bytes(engine.layout.param_numel, 1, stage, precision=precision, sub_group_size=4096)
+        assert arena.nbytes + engine.optimizer.swap.host_bytes == pytest.approx(planned.host, rel=0.01)
+    finally:
+        engine.close()
+
+
+def test_the_nvme_host_step_runs_with_the_host_threads(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    engine = _nvme_engine(tmp_path, 1)
+    try:
+        assert engine.host_threads == host_optimizer_threads(None, node_cores(), 1)
+        seen, step = [], engine.optimizer.step
+        monkeypatch.setattr(engine.optimizer, "step", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                       step(*a, **k)))
+        engine.backward(engine(torch.randn(4, 256)))
+        engine.step()
+        assert seen == [engine.host_threads]
+    finally:
+        engine.close()
+
+
+def test_nvme_records_are_the_host_step_rules_batches_and_step_as_cpu_offload_does(tmp_path):
+    hidden = 640  # 640 x 2560 = 1.6M elements a matrix: more than CONVERT_NUMEL, so bf16 batches are cut
+    results = {}
+    for device in ("cpu", "nvme"):
+        engine = _nvme_engine(tmp_path, 2, "bf16", hidden=hidden, layers=1, device=device)
+        try:
+            rule = layout.step_rule("cpu", False, engine.config.zero.sub_group_size)
+            numels = [b.numel for b in engine.optimizer.batches]
+            assert engine.optimizer.sub_group_size == rule.batch_numel == layout.CONVERT_NUMEL
+            assert max(numels) <= layout.CONVERT_NUMEL and len(numels) > 1
+            if device == "nvme":
+                assert [r.numel for r in engine.optimizer.swap.layout.records] == numels
+            x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(1))
+            losses = []
+            for _ in range(2):
+                loss = engine(x)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            results[device] = (numels, losses, engine.full_state_dict())
+        finally:
+            engine.close()
+    (numels_cpu, losses_cpu, state_cpu), (numels_nvme, losses_nvme, state_nvme) = results["cpu"], results["nvme"]
+    assert numels_cpu == numels_nvme and losses_cpu == losses_nvme
+    assert all(torch.equal(state_cpu[k], state_nvme[k]) for k in state_cpu)
 
 
 def test_offload_threads_is_a_checked_setting():

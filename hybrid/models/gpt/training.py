@@ -178,6 +178,7 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False),
                              zero=zero_options(ctx.model_config.get("zero")),
-                             accumulation=ctx.settings.gradient_accumulation_steps)
+                             accumulation=ctx.settings.gradient_accumulation_steps,
+                             nvme_path=getattr(ctx.settings, "nvme_path", None))
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)
