@@ -160,7 +160,7 @@ class Hardware:
     host_adam_rate: float   # parameters per second the host steps for one rank (offload)
     overlap: float          # fraction of overlappable traffic hidden behind compute
     sources: tuple = ()     # (figure, where it came from) pairs, for the plan's text
-    nvme: Optional[Disk] = None  # one node's disk (NVMe offload); None: hybrid.plan.hardware's table
+    nvme: Optional[Disk] = None  # one node's disk (NVMe offload); build_hardware fills it from its table
 
     def scaled(self, compute: float = 1.0) -> "Hardware":
         """This hardware with the compute efficiency scaled (calibration)."""
@@ -338,7 +338,7 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
         host = shard / hw.host_adam_rate
         if layout.nvme:  # the swap file read and written once; the node's ranks share the disk
             swapped = NVME_BYTES_PER_PARAM * shard
-            nvme = nvme_seconds(swapped, layout.gpus_per_node, hw.nvme or _table_disk())
+            nvme = nvme_seconds(swapped, layout.gpus_per_node, _node_disk(hw))
         copy_out, copy_in = hw.pcie.time(to_host), hw.pcie.time(to_device)
         offload = copy_out + max(host, nvme) + copy_in
         offload_hidden = _hidden(copy_out, max(0.0, backward_window - (dp_backward - dp_hidden)), hw.overlap)
@@ -359,10 +359,13 @@ def nvme_seconds(nbytes: float, ranks_per_node: int, disk: Disk) -> float:
     return nbytes * ranks_per_node / disk.read + nbytes * ranks_per_node / disk.write
 
 
-def _table_disk() -> Disk:
-    from hybrid.plan.hardware import nvme_disk
-
-    return nvme_disk()
+def _node_disk(hw: Hardware) -> Disk:
+    """The disk an NVMe layout swaps to: ``hw.nvme``, which ``hybrid.plan.hardware.build_hardware`` always fills
+    (this module defines the types the tables are made of, so it does not read the tables itself)."""
+    if hw.nvme is None:
+        raise ValueError("an NVMe-offload layout needs Hardware.nvme (a node's disk); build the hardware with "
+                         "hybrid.plan.hardware.build_hardware or give Hardware(..., nvme=Disk(...)).")
+    return hw.nvme
 
 
 def calibrate(hw: Hardware, predicted: StepCost, measured_step_s: float) -> tuple[Hardware, float]:

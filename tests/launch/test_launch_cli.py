@@ -32,10 +32,12 @@ HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.ex
 
 def cluster_file(tmp_path, steps: int, entrypoint: str = "hybrid.models.gpt:train",
                  cluster: str = "address: local", run_dir: Path | None = None) -> Path:
+    """Two nodes of one rank each: a ZeRO job across nodes with the fewest rank actors (each imports torch).
+    TP inside a node and the 2 x 2 placement are tests/launch/test_launch_ray.py's, on the shared cluster."""
     path = tmp_path / "cluster.yaml"
     run = f", run_dir: {run_dir}" if run_dir else ""
     path.write_text(f"""\
-cluster: {{{cluster}, nodes: 2, gpus_per_node: 2, gpu_memory_gb: 80}}
+cluster: {{{cluster}, nodes: 2, gpus_per_node: 1, gpu_memory_gb: 80}}
 job: {{entrypoint: "{entrypoint}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}{run}}}
 parallel: {{precision: fp32}}
 """)
@@ -76,7 +78,7 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
     """Every socket call of the launcher and all its Ray processes goes through strace where it can.
 
     Over 20 s: a user's `hybrid launch` starts its own embedded cluster (GCS, two raylets and their agents) and
-    four rank actors that import torch, all under strace; the 12 steps themselves take about a second."""
+    two rank actors that import torch, all under strace; the 12 steps themselves take about a second."""
     trace = tmp_path / "network.strace" if strace_works() else None
     proc = start(cluster_file(tmp_path, steps=12), trace_to=trace)
     watch = NetWatch(proc.pid).start()
@@ -103,7 +105,7 @@ def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_p
     (A group SIGINT had an end-to-end case of its own there, merged into this one and those two: it checked
     this teardown and that no Ray process shares the launcher's process group, as the group SIGTERM case does.)
 
-    About 20 s: an embedded cluster and four rank actors must start before training is under way, and the
+    About 20 s: an embedded cluster and two rank actors must start before training is under way, and the
     teardown that follows the signal is what the test checks."""
     proc = start(cluster_file(tmp_path, steps=5000, run_dir=tmp_path / "run"))
     watch = NetWatch(proc.pid).start()
@@ -148,7 +150,7 @@ def test_a_rank_that_raises_exits_1_naming_it(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 1, out
-    assert "error: rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)" in out, out
+    assert "error: rank 1 on node 1 failed (RuntimeError: rank one is broken on purpose)" in out, out
     assert wait_gone(proc.pid) == []
 
 
