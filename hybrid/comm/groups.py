@@ -40,9 +40,9 @@ def group_nodes(group: Optional[dist.ProcessGroup] = None, device=None) -> tuple
         gloo = "gloo" in str(dist.get_backend(group)).lower()
         device = torch.device("cpu") if gloo else torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor([node], dtype=torch.int64, device=device)
-    out = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
-    return tuple(int(n) for n in out.tolist())
+    out = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(out, mine, group=group)
+    return tuple(int(n.item()) for n in out)
 
 
 def global_ranks(group: Optional[dist.ProcessGroup]) -> list:

@@ -178,39 +178,38 @@ class ShardTopology:
     def span(self, group: list) -> Span:
         return Span(len(group), len({self.nodes[r] for r in group}))
 
-    @property
-    def shard_span(self) -> Span:
-        return self.span(self.shard_groups()[0])
+    def spans(self, r: int = 0) -> "Spans":
+        """The spans of DP rank ``r``'s groups (a group of one where it has none)."""
+        def of(groups: list) -> Span:
+            mine = next((g for g in groups if r in g), None)
+            return self.span(mine) if mine is not None else Span(1, 1)
+        return Spans(dp=self.span(list(range(self.size))), shard=of(self.shard_groups()),
+                     replica=of(self.replica_groups()), intra=of(self.intra_groups()),
+                     inter=of(self.inter_groups()), secondary=of(self.secondary_groups()))
 
-    @property
-    def replica_span(self) -> Span:
-        groups = self.replica_groups()
-        return self.span(groups[0]) if groups else Span(1, 1)
-
-    @property
-    def intra_span(self) -> Span:
-        groups = self.intra_groups()
-        return self.span(groups[0]) if groups else Span(1, 1)
-
-    @property
-    def inter_span(self) -> Span:
-        groups = self.inter_groups()
-        return self.span(groups[0]) if groups else Span(1, 1)
-
-    @property
-    def secondary_span(self) -> Span:
-        groups = self.secondary_groups()
-        return self.span(groups[0]) if groups else Span(1, 1)
 
     def describe(self) -> str:
         parts = [f"shard over {self.shard} of {self.size} DP ranks"]
         if self.replicas > 1:
             parts.append(f"{self.replicas} replicas")
         if self.hierarchical:
-            parts.append(f"hierarchical ({self.intra_span.size} in a node x {self.inter_span.size} nodes)")
+            spans = self.spans()
+            parts.append(f"hierarchical ({spans.intra.size} in a node x {spans.inter.size} nodes)")
         if self.secondary > 1:
             parts.append(f"hpZ secondary shard over {self.secondary}")
         return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Spans:
+    """The groups one rank's collectives run on, as the link accounting sees them."""
+
+    dp: Span
+    shard: Span
+    replica: Span
+    intra: Span
+    inter: Span
+    secondary: Span
 
 
 def _ranks_per_node(nodes: tuple) -> Optional[int]:
@@ -297,79 +296,82 @@ def _add(out: dict, op: str, pair: tuple, times: int = 1) -> None:
     out[op] = (intra + times * pair[0], inter + times * pair[1])
 
 
-def gather_bytes(unit: int, item: int, topo: ShardTopology, quantized: bool, block: int) -> dict:
-    """op -> (intra, inter) bytes of one all-gather of a unit of ``unit`` elements from its shards."""
+def gather_bytes(unit: int, item: int, topo: ShardTopology, quantized: bool, block: int, rank: int = 0) -> dict:
+    """op -> (intra, inter) bytes DP rank ``rank`` moves in one all-gather of a unit of ``unit`` elements from its
+    shards."""
     out: dict = {}
-    chunk = unit // topo.shard
+    chunk, spans = unit // topo.shard, topo.spans(rank)
     if topo.hierarchical:
-        across, inside = topo.inter_span, topo.intra_span
+        across, inside = spans.inter, spans.intra
         nbytes = across.size * quantized_bytes(chunk, block) if quantized else unit // inside.size * item
         _add(out, "all_gather", across.split(nbytes))
         _add(out, "all_gather", inside.split(unit * item))
     else:
         nbytes = topo.shard * quantized_bytes(chunk, block) if quantized else unit * item
-        _add(out, "all_gather", topo.shard_span.split(nbytes))
+        _add(out, "all_gather", spans.shard.split(nbytes))
     return out
 
 
-def reduce_bytes(unit: int, grad_item: int, topo: ShardTopology, quantized: bool, block: int) -> dict:
-    """op -> (intra, inter) bytes of one reduce-scatter of a unit's gradients to their shards (quantized: an
-    all-to-all of int8 blocks)."""
+def reduce_bytes(unit: int, grad_item: int, topo: ShardTopology, quantized: bool, block: int,
+                 rank: int = 0) -> dict:
+    """op -> (intra, inter) bytes DP rank ``rank`` moves in one reduce-scatter of a unit's gradients to their
+    shards (quantized: an all-to-all of int8 blocks)."""
     out: dict = {}
-    chunk = unit // topo.shard
+    chunk, spans = unit // topo.shard, topo.spans(rank)
     if topo.hierarchical:
-        across, inside = topo.inter_span, topo.intra_span
+        across, inside = spans.inter, spans.intra
         _add(out, "reduce_scatter", inside.split(unit * grad_item))
         if quantized:
             _add(out, "all_to_all", across.split(across.size * quantized_bytes(chunk, block)))
         else:
             _add(out, "reduce_scatter", across.split(unit // inside.size * grad_item))
     elif quantized:
-        _add(out, "all_to_all", topo.shard_span.split(topo.shard * quantized_bytes(chunk, block)))
+        _add(out, "all_to_all", spans.shard.split(topo.shard * quantized_bytes(chunk, block)))
     else:
-        _add(out, "reduce_scatter", topo.shard_span.split(unit * grad_item))
+        _add(out, "reduce_scatter", spans.shard.split(unit * grad_item))
     return out
 
 
 def step_traffic(units: Sequence[int], persistent: Sequence[int], policy: StagePolicy, topo: ShardTopology,
                  item: int, grad_item: int, accumulation: int = 1, quant: Quantization = Quantization(),
-                 reduce_scatter: bool = True) -> dict:
-    """op -> (intra, inter) bytes one rank moves in one optimizer step of ``accumulation`` micro-steps, for units
-    of ``units`` padded elements (``persistent``: the indices gathered only after the step), as the engine issues
-    them (``hybrid.zero``): stage 0 all-reduces each unit over DP once; stages 1-2 reduce-scatter each unit (at
-    every micro-step where gradients are sharded) and all-gather it after the step; stage 3 gathers every unit
-    but the persistent ones before its forward and its backward (hpZ: backward's inside the secondary group) at
-    every micro-step, reduce-scatters every unit, and gathers the persistent units after the step. With
+                 reduce_scatter: bool = True, rank: int = 0) -> dict:
+    """op -> (intra, inter) bytes DP rank ``rank`` moves in one optimizer step of ``accumulation`` micro-steps, for
+    units of ``units`` padded elements (``persistent``: the indices gathered only after the step), as the engine
+    issues them (``hybrid.zero``): stage 0 all-reduces each unit over DP once; stages 1-2 reduce-scatter each unit
+    (at every micro-step where gradients are sharded) and all-gather it after the step; stage 3 gathers every
+    unit but the persistent ones before its forward and its backward (hpZ: backward's inside the secondary group)
+    at every micro-step, reduce-scatters every unit, and gathers the persistent units after the step. With
     replicas, each unit's gradient shard is all-reduced across them once per step. Leaves out the gradient
     norm's and the unit check's few bytes."""
     out: dict = {}
-    dp_span = topo.span(list(range(topo.size)))
+    spans = topo.spans(rank)
     if policy.grads_all_reduced:
         for u in units:
-            _add(out, "all_reduce", dp_span.split(2 * u * grad_item))
+            _add(out, "all_reduce", spans.dp.split(2 * u * grad_item))
         return _plain(out)
     reductions = accumulation if policy.shard_grads else 1
     for u in units:
         if reduce_scatter:
-            for op, pair in reduce_bytes(u, grad_item, topo, quant.gradients, quant.block).items():
+            for op, pair in reduce_bytes(u, grad_item, topo, quant.gradients, quant.block, rank).items():
                 _add(out, op, pair, reductions)
         else:
-            _add(out, "all_reduce", topo.shard_span.split(2 * u * grad_item), reductions)
+            _add(out, "all_reduce", spans.shard.split(2 * u * grad_item), reductions)
         if topo.replicas > 1:
-            _add(out, "all_reduce", topo.replica_span.split(2 * (u // topo.shard) * grad_item))
+            _add(out, "all_reduce", spans.replica.split(2 * (u // topo.shard) * grad_item))
     gathered = [u for i, u in enumerate(units) if i not in set(persistent)] if policy.shard_params else []
-    refreshed = units if policy.refresh == "all" else [units[i] for i in persistent] if policy.refresh == "persistent" else []
+    refreshed = (units if policy.refresh == "all" else
+                 [units[i] for i in persistent] if policy.refresh == "persistent" else [])
     for u in gathered:
-        forward = gather_bytes(u, item, topo, quant.weights, quant.block)
+        forward = gather_bytes(u, item, topo, quant.weights, quant.block, rank)
         for op, pair in forward.items():
             _add(out, op, pair, accumulation)
         if topo.secondary > 1:
-            _add(out, "all_gather", topo.secondary_span.split(u * item), accumulation)
+            _add(out, "all_gather", spans.secondary.split(u * item), accumulation)
         else:
             for op, pair in forward.items():
                 _add(out, op, pair, accumulation)
     for u in refreshed:
-        for op, pair in gather_bytes(u, item, topo, False, quant.block).items():
+        for op, pair in gather_bytes(u, item, topo, False, quant.block, rank).items():
             _add(out, op, pair)
     return _plain(out)
 

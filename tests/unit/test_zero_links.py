@@ -1,0 +1,132 @@
+"""The link arithmetic (hybrid.plan.links): how a collective's bytes split by link, the groups the ZeRO options
+cut a DP group into, the per-link traffic of a step for each option, the options' keys and their refusals."""
+
+import pytest
+
+from hybrid.config.stage_policy import policy_for
+from hybrid.config.training import TrainConfig
+from hybrid.errors import ConfigError
+from hybrid.plan.links import (Quantization, ShardTopology, inter_fraction, link_totals, quantized_bytes, split,
+                               step_traffic)
+
+TWO_BY_TWO = (0, 0, 1, 1)  # 4 DP ranks, 2 per node
+TWO_BY_THREE = (0, 0, 0, 1, 1, 1)
+
+
+def test_a_ring_crosses_nodes_once_per_node():
+    assert inter_fraction(1, 8) == 0  # inside one node
+    assert inter_fraction(8, 8) == 1  # one rank per node: every byte crosses
+    assert inter_fraction(2, 4) == pytest.approx(0.5)  # 2 of the ring's 4 hops leave a node
+    assert split(1000, 2, 8) == (750, 250)
+    assert quantized_bytes(1000, 256) == 1000 + 4 * 4  # int8 values and one fp32 scale per block
+
+
+def test_shard_groups_replicas_and_positions():
+    topo = ShardTopology.of(TWO_BY_THREE, "node")
+    assert topo.shard == 3 and topo.replicas == 2
+    assert topo.shard_groups() == [[0, 1, 2], [3, 4, 5]]
+    assert topo.replica_groups() == [[0, 3], [1, 4], [2, 5]]
+    assert [topo.position(r) for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert (topo.spans().shard.nodes, topo.spans().replica.nodes) == (1, 2)
+    straddling = ShardTopology.of(TWO_BY_THREE, 2).spans(2)  # rank 2's group [2, 3] spans both nodes
+    assert (straddling.shard.nodes, straddling.replica.nodes) == (2, 2)
+
+    two = ShardTopology.of(TWO_BY_THREE, 2)  # [2, 3] straddles the nodes
+    assert two.shard_groups() == [[0, 1], [2, 3], [4, 5]] and two.replicas == 3
+    assert ShardTopology.of(TWO_BY_THREE, "all").shard == 6
+
+
+def test_hierarchical_positions_let_no_level_permute_data():
+    topo = ShardTopology.of(TWO_BY_THREE, hierarchical=True)
+    assert topo.intra_groups() == [[0, 1, 2], [3, 4, 5]]
+    assert topo.inter_groups() == [[0, 3], [1, 4], [2, 5]]
+    # local index l on node n owns shard l*m + n: node part l (the intra step's) holds the l-th ranks' shards
+    assert [topo.position(r) for r in range(6)] == [0, 2, 4, 1, 3, 5]
+    hpz = ShardTopology.of(TWO_BY_THREE, hierarchical=True, secondary="node")
+    assert hpz.secondary_groups() == [[0, 1, 2], [3, 4, 5]] and hpz.secondary == 3
+
+
+@pytest.mark.parametrize("nodes, kwargs, start", [
+    ((0, 0, 1, 1), dict(shard=3), "zero.shard_group is 3 ranks but that does not divide the DP size 4; choose"),
+    ((0, 1, 2, 3), dict(secondary="node"), "zero.secondary_shard keeps a secondary parameter shard among the DP "
+                                           "ranks of one node (hpZ), but there is one DP rank per node here"),
+    ((0, 1, 2, 3), dict(hierarchical=True), "zero.hierarchical splits collectives into a step inside each node and "
+                                            "one across nodes, but the shard group of 4 DP ranks is one DP rank"),
+    ((0, 0, 1, 1), dict(shard="node", hierarchical=True), "zero.hierarchical splits collectives into a step inside "
+                                                          "each node and one across nodes, but the shard group of 2"),
+    ((0, 0, 1, 1), dict(shard="node", secondary="node"), "zero.secondary_shard saves backward's all-gather across "
+                                                         "nodes, but the shard group of 2 DP ranks is inside one"),
+    ((0, 0, 0, 0, 1, 1, 1, 1), dict(secondary=3), "zero.secondary_shard is 3 ranks but a shard group has 4 DP "
+                                                  "ranks per node"),
+    ((0, 0, 0, 1), dict(shard="node"), "zero.shard_group is node but the DP ranks are spread unevenly"),
+])
+def test_bad_combinations_are_one_sentence(nodes, kwargs, start):
+    with pytest.raises(ConfigError) as err:
+        ShardTopology.of(nodes, **kwargs)
+    assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)
+
+
+UNITS = [1024, 2048, 512]  # padded elements of three units
+
+
+def _totals(stage, topo, accumulation=1, quant=Quantization(), persistent=()):
+    return link_totals(step_traffic(UNITS, persistent, policy_for(stage), topo, 4, 4, accumulation, quant))
+
+
+def test_flat_stages_send_their_bytes_over_k_across_nodes():
+    psi = sum(UNITS) * 4
+    flat = ShardTopology.flat(4, 2)  # 2 DP ranks per node
+    for stage, multiple in ((0, 2), (1, 2), (2, 2), (3, 3)):
+        t = _totals(stage, flat)
+        assert t["total"] == multiple * psi and t["inter"] == multiple * psi / 2, stage
+    one_per_node = ShardTopology.flat(4, 1)
+    assert _totals(3, one_per_node)["inter"] == 3 * psi  # ZeRO's 3Ψ, all of it across nodes
+
+
+def test_the_options_move_less_across_nodes():
+    psi = sum(UNITS) * 4
+    stage2 = _totals(2, ShardTopology.flat(4, 2))["inter"]
+    hier = ShardTopology.of(TWO_BY_TWO, hierarchical=True)
+    assert _totals(3, hier)["inter"] == _totals(3, ShardTopology.flat(4, 2))["inter"]  # the same bytes, k NICs
+    hpz = ShardTopology.of(TWO_BY_TWO, hierarchical=True, secondary="node")
+    assert _totals(3, hpz)["inter"] == stage2 == psi  # backward's gather stays in the node
+    q = Quantization(True, True, 256)
+    # the forward gather and the reduce-scatter of half the units' elements each, one byte each (+ scales)
+    assert _totals(3, hpz, quant=q)["inter"] == pytest.approx(sum(UNITS) * (1 + 4 / 256), rel=0.02)
+    assert _totals(3, hpz, quant=q)["inter"] < _totals(3, ShardTopology.flat(4, 2))["inter"] / 3
+    node = ShardTopology.of(TWO_BY_TWO, "node")  # HSDP: only the gradient shards' all-reduce crosses
+    assert _totals(3, node)["inter"] == psi  # each rank all-reduces its half: 2 x psi/2
+    assert _totals(3, node, accumulation=4)["inter"] == _totals(3, node)["inter"]  # once per optimizer step
+
+
+def test_the_options_keys_and_deepspeeds_names():
+    z = TrainConfig.from_dict({"zero_optimization": {"stage": 3, "mics_shard_size": 8, "zero_hpz_partition_size": 4,
+                                                     "zero_quantized_weights": True,
+                                                     "zero_quantized_gradients": True}}).zero
+    assert (z.shard_group, z.secondary_shard, z.quantized_weights, z.quantized_gradients) == (8, 4, "int8", "int8")
+    z = TrainConfig.from_dict({"zero_optimization": {"stage": 3, "mics_shard_size": -1, "zero_hpz_partition_size": 1,
+                                                     "zero_quantized_weights": False}}).zero
+    assert (z.shard_group, z.secondary_shard, z.quantized_weights) == ("all", "none", "none")
+    z = TrainConfig.from_dict({"zero": {"stage": 2, "shard_group": "node", "hierarchical": True,
+                                        "quantized_gradients": "int8", "quantization_block": 128}}).zero
+    assert (z.shard_group, z.hierarchical, z.quantization_block) == ("node", True, 128)
+
+
+@pytest.mark.parametrize("d, start", [
+    ({"zero": {"stage": 2, "quantized_weights": "int8"}},
+     "zero.quantized_weights quantizes the parameter all-gathers of each unit, which only ZeRO stage 3 does"),
+    ({"zero_optimization": {"stage": 1, "zero_hpz_partition_size": 8}},
+     "zero_optimization.zero_hpz_partition_size keeps a secondary shard of the gathered parameters, which only"),
+    ({"zero": {"stage": 0, "quantized_gradients": "int8"}},
+     "zero.quantized_gradients quantizes the gradients' reduce-scatter, but zero.stage is 0, which all-reduces"),
+    ({"zero": {"stage": 2, "quantized_gradients": "int8", "reduce_scatter": False}},
+     "zero.quantized_gradients quantizes the gradients' reduce-scatter, but zero.reduce_scatter is false"),
+    ({"zero": {"stage": 0, "shard_group": 2}}, "zero.shard_group changes how the sharded states are reduced"),
+    ({"zero": {"stage": 0, "hierarchical": True}}, "zero.hierarchical changes how the sharded states are reduced"),
+    ({"zero": {"stage": 3, "shard_group": "half"}}, "zero.shard_group must be all, node or a number of DP ranks"),
+    ({"zero": {"stage": 3, "quantized_weights": "int4"}}, "zero.quantized_weights must be one of"),
+])
+def test_option_refusals_in_the_config(d, start):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(d)
+    assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)
