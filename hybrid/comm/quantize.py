@@ -51,6 +51,14 @@ def unpack(packed: torch.Tensor, chunk: int, block: int) -> torch.Tensor:
     return q.mul_(scale.unsqueeze(-1)).view(n, blocks * block)[:, :chunk]
 
 
+def relative_error(sums: tuple | None) -> float | None:
+    """sqrt(error^2 / value^2) of ``QuantError.sums()`` (0 for values all zero; None for none)."""
+    if sums is None:
+        return None
+    err, ref = sums
+    return (err / ref) ** 0.5 if ref > 0 else 0.0
+
+
 class QuantError:
     """Squared quantization error and squared norm of the values a rank sent, summed on the device."""
 
@@ -63,12 +71,16 @@ class QuantError:
         sums = torch.stack([(received.reshape(-1).double() - exact).square().sum(), exact.square().sum()])
         self._sums = sums if self._sums is None else self._sums + sums
 
-    def relative(self) -> float | None:
-        """sqrt(sum error^2 / sum value^2) since the last reset; None when nothing was quantized."""
+    def sums(self) -> tuple | None:
+        """``(sum error^2, sum value^2)`` since the last reset (a host sync); None when nothing was quantized."""
         if self._sums is None:
             return None
         err, ref = (float(x) for x in self._sums.tolist())
-        return (err / ref) ** 0.5 if ref > 0 else 0.0
+        return err, ref
+
+    def relative(self) -> float | None:
+        """sqrt(sum error^2 / sum value^2) since the last reset; None when nothing was quantized."""
+        return relative_error(self.sums())
 
     def reset(self) -> None:
         self._sums = None

@@ -114,6 +114,10 @@ class ZeroGroups:
         """The relative error of the values this rank quantized since the last reset (None: none quantized)."""
         return {"weights": self.params.gather_error.relative(), "gradients": self.grads.reduce_error.relative()}
 
+    def quantization_sums(self) -> dict:
+        """``QuantError.sums()`` of the weights' and the gradients' int8 collectives since the last reset."""
+        return {"weights": self.params.gather_error.sums(), "gradients": self.grads.reduce_error.sums()}
+
     def reset_quantization(self) -> None:
         self.params.gather_error.reset()
         self.grads.reduce_error.reset()

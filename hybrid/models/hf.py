@@ -151,7 +151,7 @@ def train(ctx: Context, after_step=()) -> dict:
     """Train the model of the ``hf:`` section for ``ctx.steps`` steps; returns this rank's summary."""
     import hybrid
     from hybrid.data import MarkovTokens, TokenFile
-    from hybrid.models.gpt.training import data_path, train_options, training_config, zero_options
+    from hybrid.models.gpt.training import data_path, planned_zero, train_options, training_config
 
     options = hf_options(ctx.model_config.get("hf"), ctx.model_config_origin)
     train_opts = train_options(ctx.model_config.get("train"))
@@ -164,7 +164,7 @@ def train(ctx: Context, after_step=()) -> dict:
     if ctx.settings.activation_checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine_config = training_config(train_opts, ctx.stage, ctx.settings.precision, ctx.settings.offload,
-                                    zero=zero_options(ctx.model_config.get("zero")),
+                                    zero=planned_zero(ctx),
                                     accumulation=ctx.settings.gradient_accumulation_steps)
     values = (dict(weights=str(ctx.local_path(options["weights"]))) if options["weights"] is not None else
               dict(seed=ctx.settings.seed, init_fn=model._init_weights))

@@ -26,14 +26,15 @@ DP group of k ranks per node sends ``|X|/k`` per rank across nodes, the node's N
 * ``secondary_shard`` h (hpZ): at stage 3 each rank also keeps 1/h of every gathered unit, h ranks of one
   node together holding it whole (``secondary_groups``), so backward's all-gather never leaves the node.
 
-``collective_bytes`` gives the per-link bytes of one unit's collective under these options, ``step_traffic`` a
-whole optimizer step's (what ``tests/dist/test_zero_links.py`` checks the engine's counters against and
-``hybrid.plan.cost`` prices). Quantized collectives (``quantized_bytes``) move int8 values plus one fp32 scale
+``step_collectives`` lists the collectives of an optimizer step under these options, each with its bytes, its
+group's span and when it runs (what ``hybrid.plan.cost`` prices), ``step_traffic`` their bytes per link (what
+``tests/dist/test_zero_links.py`` checks the engine's counters against). Quantized collectives (``quantized_bytes``) move int8 values plus one fp32 scale
 per block of ``block`` elements, per chunk of the collective.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence, Union
@@ -55,15 +56,18 @@ def inter_fraction(nodes: int, size: int) -> Fraction:
 
 
 def split(nbytes: Union[int, float, Fraction], nodes: int, size: int) -> tuple:
-    """``(intra, inter)`` bytes of a collective counted ``nbytes`` over ``size`` ranks on ``nodes`` nodes."""
+    """``(intra, inter)`` bytes of a collective counted ``nbytes`` over ``size`` ranks on ``nodes`` nodes (a group
+    of one moves, and counts, nothing)."""
+    if size <= 1:
+        return Fraction(0), Fraction(0)
     inter = Fraction(nbytes) * inter_fraction(nodes, size)
     return Fraction(nbytes) - inter, inter
 
 
-def quantized_bytes(numel: int, block: int) -> int:
+def quantized_bytes(numel, block: int):
     """Bytes of ``numel`` values quantized to int8 in blocks of ``block`` elements: one byte each plus one fp32
     scale per block (the last block may be shorter)."""
-    return int(numel) + SCALE_BYTES * (-(-int(numel) // int(block)))
+    return numel + SCALE_BYTES * math.ceil(numel / block)
 
 
 # ---------------------------------------------------------------------------------------------- the groups
@@ -232,6 +236,10 @@ def _shard_size(shard: ShardSize, n: int, per_node: Optional[int], path: str) ->
         if per_node is None:
             raise ConfigError(f"{path} is node but the DP ranks are spread unevenly over the nodes; give the shard "
                               f"group as a number of ranks dividing the DP size {n}, or all.")
+        if per_node == 1 and n > 1:
+            raise ConfigError(f"{path} is node but there is one DP rank per node here, so nothing would be sharded "
+                              f"(every rank would hold all the states); use all, or lower tp so DP ranks share a "
+                              f"node.")
         return per_node
     s = int(shard)
     if n % s:
@@ -291,93 +299,110 @@ class Quantization:
     block: int = 256
 
 
-def _add(out: dict, op: str, pair: tuple, times: int = 1) -> None:
-    intra, inter = out.get(op, (Fraction(0), Fraction(0)))
-    out[op] = (intra + times * pair[0], inter + times * pair[1])
+@dataclass(frozen=True)
+class Collective:
+    """``calls`` collectives of kind ``op``, each counted ``nbytes`` per rank (``hybrid.comm``'s logical bytes),
+    over a group of ``span``, in ``phase``: ``forward`` (stage 3's gathers before each unit's forward),
+    ``backward`` (the gradient reduction, and stage 3's gathers before each unit's backward), ``boundary`` (once
+    per step, during the last micro-step's backward: the replicas' all-reduce) or ``after`` (the step's
+    all-gather)."""
+
+    op: str
+    nbytes: float
+    span: Span
+    phase: str
+    calls: float = 1.0
+
+    @property
+    def ring_bytes(self) -> float:
+        """What each rank sends: (n-1)/n of the counted bytes (a ring, or an all-to-all, over n ranks)."""
+        n = self.span.size
+        return self.calls * float(self.nbytes) * (n - 1) / n if n > 1 else 0.0
+
+    def split(self) -> tuple:
+        """``(intra, inter)`` of all its calls (``split``)."""
+        intra, inter = self.span.split(self.nbytes)
+        return self.calls * intra, self.calls * inter
 
 
-def gather_bytes(unit: int, item: int, topo: ShardTopology, quantized: bool, block: int, rank: int = 0) -> dict:
-    """op -> (intra, inter) bytes DP rank ``rank`` moves in one all-gather of a unit of ``unit`` elements from its
-    shards."""
-    out: dict = {}
-    chunk, spans = unit // topo.shard, topo.spans(rank)
-    if topo.hierarchical:
-        across, inside = spans.inter, spans.intra
-        nbytes = across.size * quantized_bytes(chunk, block) if quantized else unit // inside.size * item
-        _add(out, "all_gather", across.split(nbytes))
-        _add(out, "all_gather", inside.split(unit * item))
-    else:
+def _gather(unit, item, topo: ShardTopology, spans: Spans, quantized: bool, block: int, phase: str,
+            calls: float) -> list:
+    """The collectives of ``calls`` all-gathers of a unit of ``unit`` elements from its shards."""
+    chunk = unit / topo.shard
+    if not topo.hierarchical:
         nbytes = topo.shard * quantized_bytes(chunk, block) if quantized else unit * item
-        _add(out, "all_gather", spans.shard.split(nbytes))
-    return out
+        return [Collective("all_gather", nbytes, spans.shard, phase, calls)]
+    across, inside = spans.inter, spans.intra
+    nbytes = across.size * quantized_bytes(chunk, block) if quantized else unit / inside.size * item
+    return [Collective("all_gather", nbytes, across, phase, calls),
+            Collective("all_gather", unit * item, inside, phase, calls)]
 
 
-def reduce_bytes(unit: int, grad_item: int, topo: ShardTopology, quantized: bool, block: int,
-                 rank: int = 0) -> dict:
-    """op -> (intra, inter) bytes DP rank ``rank`` moves in one reduce-scatter of a unit's gradients to their
-    shards (quantized: an all-to-all of int8 blocks)."""
-    out: dict = {}
-    chunk, spans = unit // topo.shard, topo.spans(rank)
-    if topo.hierarchical:
-        across, inside = spans.inter, spans.intra
-        _add(out, "reduce_scatter", inside.split(unit * grad_item))
+def _reduce(unit, grad_item, topo: ShardTopology, spans: Spans, quantized: bool, block: int, calls: float) -> list:
+    """The collectives of ``calls`` reduce-scatters of a unit's gradients to their shards (quantized: an
+    all-to-all of int8 blocks; hierarchical: only the level across nodes)."""
+    chunk = unit / topo.shard
+    if not topo.hierarchical:
         if quantized:
-            _add(out, "all_to_all", across.split(across.size * quantized_bytes(chunk, block)))
-        else:
-            _add(out, "reduce_scatter", across.split(unit // inside.size * grad_item))
-    elif quantized:
-        _add(out, "all_to_all", spans.shard.split(topo.shard * quantized_bytes(chunk, block)))
-    else:
-        _add(out, "reduce_scatter", spans.shard.split(unit * grad_item))
-    return out
+            return [Collective("all_to_all", topo.shard * quantized_bytes(chunk, block), spans.shard, "backward",
+                               calls)]
+        return [Collective("reduce_scatter", unit * grad_item, spans.shard, "backward", calls)]
+    across, inside = spans.inter, spans.intra
+    second = (Collective("all_to_all", across.size * quantized_bytes(chunk, block), across, "backward", calls)
+              if quantized else Collective("reduce_scatter", unit / inside.size * grad_item, across, "backward", calls))
+    return [Collective("reduce_scatter", unit * grad_item, inside, "backward", calls), second]
 
 
-def step_traffic(units: Sequence[int], persistent: Sequence[int], policy: StagePolicy, topo: ShardTopology,
-                 item: int, grad_item: int, accumulation: int = 1, quant: Quantization = Quantization(),
-                 reduce_scatter: bool = True, rank: int = 0) -> dict:
-    """op -> (intra, inter) bytes DP rank ``rank`` moves in one optimizer step of ``accumulation`` micro-steps, for
-    units of ``units`` padded elements (``persistent``: the indices gathered only after the step), as the engine
-    issues them (``hybrid.zero``): stage 0 all-reduces each unit over DP once; stages 1-2 reduce-scatter each unit
-    (at every micro-step where gradients are sharded) and all-gather it after the step; stage 3 gathers every
-    unit but the persistent ones before its forward and its backward (hpZ: backward's inside the secondary group)
-    at every micro-step, reduce-scatters every unit, and gathers the persistent units after the step. With
+def step_collectives(units: Sequence, persistent: Sequence[int], policy: StagePolicy, topo: ShardTopology,
+                     item: int, grad_item: int, accumulation: int = 1, quant: Quantization = Quantization(),
+                     reduce_scatter: bool = True, rank: int = 0) -> list:
+    """The collectives DP rank ``rank`` issues in one optimizer step of ``accumulation`` micro-steps, for units of
+    ``units`` padded elements (``persistent``: the indices gathered only after the step), as the engine issues
+    them (``hybrid.zero``): stage 0 all-reduces each unit over DP once; stages 1-2 reduce-scatter each unit (at
+    every micro-step where gradients are sharded) and all-gather it after the step; stage 3 gathers every unit
+    but the persistent ones before its forward and its backward (hpZ: backward's inside the secondary group) at
+    every micro-step, reduce-scatters every unit, and gathers the persistent units after the step. With
     replicas, each unit's gradient shard is all-reduced across them once per step. Leaves out the gradient
     norm's and the unit check's few bytes."""
-    out: dict = {}
     spans = topo.spans(rank)
     if policy.grads_all_reduced:
-        for u in units:
-            _add(out, "all_reduce", spans.dp.split(2 * u * grad_item))
-        return _plain(out)
+        return [Collective("all_reduce", 2 * u * grad_item, spans.dp, "backward") for u in units]
+    out = []
     reductions = accumulation if policy.shard_grads else 1
     for u in units:
         if reduce_scatter:
-            for op, pair in reduce_bytes(u, grad_item, topo, quant.gradients, quant.block, rank).items():
-                _add(out, op, pair, reductions)
+            out += _reduce(u, grad_item, topo, spans, quant.gradients, quant.block, reductions)
         else:
-            _add(out, "all_reduce", spans.shard.split(2 * u * grad_item), reductions)
+            out.append(Collective("all_reduce", 2 * u * grad_item, spans.shard, "backward", reductions))
         if topo.replicas > 1:
-            _add(out, "all_reduce", spans.replica.split(2 * (u // topo.shard) * grad_item))
-    gathered = [u for i, u in enumerate(units) if i not in set(persistent)] if policy.shard_params else []
-    refreshed = (units if policy.refresh == "all" else
-                 [units[i] for i in persistent] if policy.refresh == "persistent" else [])
-    for u in gathered:
-        forward = gather_bytes(u, item, topo, quant.weights, quant.block, rank)
-        for op, pair in forward.items():
-            _add(out, op, pair, accumulation)
+            out.append(Collective("all_reduce", 2 * u / topo.shard * grad_item, spans.replica, "boundary"))
+    skip = set(persistent)
+    for i, u in enumerate(units):
+        if not policy.shard_params or i in skip:
+            continue
+        out += _gather(u, item, topo, spans, quant.weights, quant.block, "forward", accumulation)
         if topo.secondary > 1:
-            _add(out, "all_gather", spans.secondary.split(u * item), accumulation)
+            out.append(Collective("all_gather", u * item, spans.secondary, "backward", accumulation))
         else:
-            for op, pair in forward.items():
-                _add(out, op, pair, accumulation)
-    for u in refreshed:
-        for op, pair in gather_bytes(u, item, topo, False, quant.block, rank).items():
-            _add(out, op, pair)
-    return _plain(out)
+            out += _gather(u, item, topo, spans, quant.weights, quant.block, "backward", accumulation)
+    refreshed = (range(len(units)) if policy.refresh == "all" else
+                 sorted(skip) if policy.refresh == "persistent" else [])
+    for i in refreshed:
+        out += _gather(units[i], item, topo, spans, False, quant.block, "after", 1)
+    return out
 
 
-def _plain(out: dict) -> dict:
-    return {op: (float(a), float(b)) for op, (a, b) in out.items()}
+def step_traffic(units: Sequence, persistent: Sequence[int], policy: StagePolicy, topo: ShardTopology,
+                 item: int, grad_item: int, accumulation: int = 1, quant: Quantization = Quantization(),
+                 reduce_scatter: bool = True, rank: int = 0) -> dict:
+    """op -> (intra, inter) bytes of ``step_collectives``: what ``engine.comm_report()`` counts in one step."""
+    out: dict = {}
+    for c in step_collectives(units, persistent, policy, topo, item, grad_item, accumulation, quant, reduce_scatter,
+                              rank):
+        intra, inter = c.split()
+        a, b = out.get(c.op, (0.0, 0.0))
+        out[c.op] = (a + float(intra), b + float(inter))
+    return out
 
 
 def link_totals(traffic: dict) -> dict:

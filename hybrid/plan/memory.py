@@ -99,9 +99,10 @@ def model_state_bytes(
     return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
 
 
-def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> dict[int, ModelStateBytes]:
+def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION, *, shard: int | None = None,
+               secondary: int = 1) -> dict[int, ModelStateBytes]:
     """``model_state_bytes`` for every stage, keyed 0..3."""
-    return {s: model_state_bytes(params, dp, s, tp, precision) for s in STAGES}
+    return {s: model_state_bytes(params, dp, s, tp, precision, shard=shard, secondary=secondary) for s in STAGES}
 
 
 def activation_bytes(

@@ -270,12 +270,16 @@ def choose_stage(
     host_memory_bytes: float | None = None,
     ranks_per_node: int = 1,
     node_size_known: bool = True,
+    shard: int | None = None,
+    secondary: int = 1,
 ) -> Plan:
-    """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring."""
+    """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring. ``shard``,
+    ``secondary``: the states sharded over ``shard`` of the dp ranks (``zero.shard_group``), hpZ's secondary
+    shard over ``secondary`` ranks (the time model's choice of link options)."""
     _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed_activation_bytes,
               offload, activation_checkpointing, host_memory_bytes, ranks_per_node, node_size_known)
     offload, ac = check_lever("offload", offload), check_lever("activation_checkpointing", activation_checkpointing)
-    stages = all_stages(params, dp, tp, precision)
+    stages = all_stages(params, dp, tp, precision, shard=shard, secondary=secondary)
     usable = _usable(gpu_memory_bytes, headroom)
     host_usable = None if host_memory_bytes is None else _usable(host_memory_bytes, headroom)
     acts = {False: Fraction(activation_bytes), True: Fraction(activation_bytes)}
@@ -286,7 +290,7 @@ def choose_stage(
 
     def option(stage: int, with_ac: bool, off: bool) -> Option:
         if off:
-            split = offload_bytes(params, dp, stage, tp, precision)
+            split = offload_bytes(params, shard or dp, stage, tp, precision)
             device, host = Fraction(split.device) + acts[with_ac], Fraction(split.host)
             host_fits = None if host_usable is None else host * ranks_per_node <= host_usable
         else:
@@ -400,23 +404,29 @@ def layout_option(params: int, dp: int, tp: int, stage: int, gpu_memory_bytes: f
                   precision: str = DEFAULT_PRECISION, activation_bytes: float = 0.0, headroom: float = 0.1, *,
                   activation_checkpointing: bool = False, offload: bool = False,
                   host_memory_bytes: float | None = None, ranks_per_node: int = 1,
-                  extra_bytes: float = 0.0) -> Option:
+                  extra_bytes: float = 0.0, shard: int | None = None, secondary: int = 1) -> Option:
     """One option with its bytes and whether it fits, by ``choose_stage``'s rule (model states on the GPU plus
     ``activation_bytes``, the estimate of this option's micro-batch and checkpointing, plus ``extra_bytes``
     a run measured beyond its prediction, within ``gpu_memory_bytes · (1 − headroom)``; with offload, a
-    node's host shares within its host memory when known). The time-aware search
+    node's host shares within its host memory when known), sharded over ``shard`` of the ``dp`` ranks (default
+    all; ``zero.shard_group``) with hpZ's secondary shard over ``secondary``. The time-aware search
     (``hybrid.plan.candidates``) asks it for every layout it ranks."""
     from hybrid.plan.memory import model_state_bytes
 
     usable = _usable(gpu_memory_bytes, headroom)
     acts = Fraction(activation_bytes) + Fraction(extra_bytes)
     if offload:
-        split = offload_bytes(params, dp, stage, tp, precision)
+        split = offload_bytes(params, shard or dp, stage, tp, precision)
         device, host = Fraction(split.device) + acts, Fraction(split.host)
+        if secondary > 1 and policy_for(stage).shard_params:
+            device += Fraction(model_state_bytes(params, dp, stage, tp, precision, shard=shard, secondary=secondary)
+                               .params) - Fraction(model_state_bytes(params, dp, stage, tp, precision,
+                                                                     shard=shard).params)
         host_fits = None if host_memory_bytes is None else \
             host * ranks_per_node <= _usable(host_memory_bytes, headroom)
     else:
-        device = Fraction(model_state_bytes(params, dp, stage, tp, precision).total) + acts
+        device = Fraction(model_state_bytes(params, dp, stage, tp, precision, shard=shard,
+                                            secondary=secondary).total) + acts
         host, host_fits = Fraction(0), None
     return Option(stage, activation_checkpointing, offload, float(device), float(host),
                   device <= usable and host_fits is not False, host_fits)

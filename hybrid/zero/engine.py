@@ -589,6 +589,11 @@ class ZeroEngine(DeepSpeedNames):
         rank's own chunk of the gradient reduce-scatters, as it came back); None where nothing was quantized."""
         return self.zero_groups.quantization_report()
 
+    def quantization_sums(self) -> dict:
+        """``quantization_report``'s sums (squared error, squared values: ``hybrid.comm.quantize.QuantError``), so
+        that a caller can take the error of any span of steps from two readings."""
+        return self.zero_groups.quantization_sums()
+
     def gather_report(self) -> dict:
         """Stage 3, since the last ``reset_comm``: all-gathers issued in forward and backward (``gathers``), how
         many of them were prefetches, and how many were on-demand reads outside a unit (zeros below stage 3)."""

@@ -49,6 +49,7 @@ exits 1); the rank's traceback is logged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -70,7 +71,8 @@ from launch.ray import cluster as ray_cluster
 from launch.job import signals
 from launch.job.display import Progress
 from launch.job.log_forwarding import LogActivity
-from launch.job.metrics import MetricsWriter, ray_log_dir, summary_lines, time_record, write_time_record
+from launch.job.metrics import (MetricsWriter, link_line, ray_log_dir, summary_lines, time_record,
+                                write_time_record)
 from launch.planning.model_size import ModelFacts, model_facts
 from launch.planning.plan import LaunchPlan, build_plan, format_plan
 from launch.ray.probe import probe_nodes
@@ -194,7 +196,8 @@ def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> Jo
                            checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
                            offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing,
                            memory_budget_bytes=budget, tp_plan=plan.spec.parallel.tp_plan)
-    return (choice or replan.initial_choice(plan)).settings(settings)
+    settings = (choice or replan.initial_choice(plan)).settings(settings)
+    return dataclasses.replace(settings, zero_links=replan.plan_links(plan, settings.stage))
 
 
 def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
@@ -238,6 +241,9 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 logs = kept_logs_dir(spec) or ray_log_dir()
                 for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
                     print(line, file=stream, flush=True)
+                traffic = link_line(progress.history, *replan.link_theory(plan, loop.choice))
+                if traffic is not None:
+                    print(traffic, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
                                  attempt, wall, failures, progress.resumed_from, loop.lines)
             if outcome.user_error is not None:

@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 
 from hybrid.comm.mesh import MeshLayout
 from hybrid.errors import ConfigError, PlanError
-from hybrid.plan.cost import Layout
+from hybrid.plan.cost import FLAT, Layout, LinkOptions
 from hybrid.plan.memory import GB, gpt_activation_bytes
 from hybrid.plan.planner import Plan, choose_stage, quantity
 from hybrid.config.schema import echo
@@ -78,6 +78,7 @@ class LaunchPlan:
     time: Optional[time_plan.TimeModel] = field(default=None, compare=False, repr=False)
     # choose_stage at the default TP degree and the job's micro-batch: what memory alone picks (None: nothing fits)
     memory_plan: Optional[Plan] = field(default=None, compare=False, repr=False)
+    links: LinkOptions = FLAT  # how ZeRO's collectives use the links (the time model's choice)
 
     @property
     def stage(self) -> int:
@@ -150,9 +151,10 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
         micro, accumulation = chosen.micro_batch, chosen.accumulation
         plan = dataclasses.replace(_memory_plan(spec, facts, layout, micro, memory, host, chosen),
                                    reason=tm.ranking.reason)
+    links = chosen.links if chosen is not None else FLAT
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
                       facts.source, host_note, facts.tensor_parallel, facts.module, micro_batch=micro,
-                      accumulation=accumulation, time=tm, memory_plan=memory_only)
+                      accumulation=accumulation, time=tm, memory_plan=memory_only, links=links)
 
 
 def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_batch: int, memory: float,
@@ -170,13 +172,16 @@ def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_
         activations = gpt_activation_bytes(**shape)
         checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
     stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
+    shard, secondary = None, 1
     if chosen is not None:
         stage, offload, ac = chosen.stage, chosen.offload, chosen.activation_checkpointing
+        topology = chosen.topology()
+        shard, secondary = topology.shard, topology.secondary
     return choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
                         activation_bytes=activations, forced_stage=stage,
                         checkpointed_activation_bytes=checkpointed, offload=offload,
                         activation_checkpointing=ac, host_memory_bytes=host,
-                        ranks_per_node=spec.cluster.gpus_per_node)
+                        ranks_per_node=spec.cluster.gpus_per_node, shard=shard, secondary=secondary)
 
 
 def _slower(tm, tp: int) -> str:

@@ -130,3 +130,86 @@ def test_option_refusals_in_the_config(d, start):
     with pytest.raises(ConfigError) as err:
         TrainConfig.from_dict(d)
     assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------------------ per step, in metrics.jsonl
+class _Counters:
+    """The two readings LinkMeter takes of an engine (``comm_report``, ``quantization_sums``), set by hand."""
+
+    def __init__(self):
+        self.intra = self.inter = 0.0
+        self.sums = {"weights": None, "gradients": None}
+
+    def comm_report(self):
+        return {"intra": self.intra, "inter": self.inter, "total": self.intra + self.inter}
+
+    def quantization_sums(self):
+        return dict(self.sums)
+
+
+def test_each_step_reports_its_own_bytes_per_link_and_int8_error():
+    from hybrid.runtime.link_metrics import LinkMeter
+
+    engine = _Counters()
+    engine.intra, engine.inter = 100.0, 10.0  # the build and the resume
+    meter = LinkMeter(engine)
+    meter.step()
+    engine.intra, engine.inter, engine.sums["gradients"] = 300.0, 60.0, (1.0, 100.0)
+    assert meter.step() == {"dp_intra_bytes": 200.0, "dp_inter_bytes": 50.0, "quant_error_gradients": 0.1}
+    engine.intra, engine.inter, engine.sums["gradients"] = 500.0, 110.0, (5.0, 200.0)
+    assert meter.step() == {"dp_intra_bytes": 200.0, "dp_inter_bytes": 50.0, "quant_error_gradients": 0.2}
+    engine.intra, engine.inter, engine.sums["gradients"] = 20.0, 5.0, (0.04, 1.0)  # reset_comm in between
+    assert meter.step() == {"dp_intra_bytes": 20.0, "dp_inter_bytes": 5.0, "quant_error_gradients": 0.2}
+    assert LinkMeter(object()).step() == {}  # an engine without the reports
+
+
+def test_the_entry_takes_the_busiest_rank_and_the_summary_states_multiples_of_psi():
+    from launch.job.metrics import link_line, step_entry
+
+    records = {r: {"rank": r, "dp_rank": r, "loss": 1.0, "dp_intra_bytes": 100.0 + r, "dp_inter_bytes": 50.0 - r,
+                   "quant_error_weights": 0.001 * (r + 1)} for r in range(2)}
+    entry = step_entry(1, records)
+    assert (entry["dp_intra_bytes"], entry["dp_inter_bytes"], entry["quant_error_weights"]) == (101.0, 50.0, 0.002)
+    assert "quant_error_gradients" not in entry
+    history = [{"step": s, "dp_intra_bytes": 300.0, "dp_inter_bytes": 150.0} for s in range(1, 6)]
+    line = link_line(history, 100.0, {"intra": 300.0, "inter": 150.0}, "2-level+hpZ")
+    assert line == ("ZeRO traffic per GPU and step (median of 2 steps): across nodes 150 B = 1.50 Ψ/t, inside nodes "
+                    "300 B = 3.00 Ψ/t; theory for 2-level+hpZ: 1.50 and 3.00 Ψ/t (Ψ/t = 100 B)")
+    assert link_line([{"step": 1, "loss": 1.0}], 100.0, {}, "flat") is None
+
+
+def test_the_plan_weighs_exact_options_and_shows_int8_without_choosing_it():
+    from hybrid.plan.candidates import LINK_CHOICES, link_options
+    from hybrid.plan.cost import FLAT, Layout
+
+    one_node = Layout(1, 4, 1, 3, 1, 1)
+    assert link_options(one_node) == [FLAT]  # the shard group of the one node is all of it; nothing to split
+    per_node = Layout(2, 2, 2, 3, 1, 1)  # tp 2 on nodes of 2: one DP rank per node
+    assert link_options(per_node) == [FLAT]
+    two_by_two = link_options(Layout(2, 2, 1, 3, 1, 1))
+    assert two_by_two == list(LINK_CHOICES)
+    assert [lk.label for lk in link_options(Layout(2, 2, 1, 2, 1, 1))] == ["", "shard node", "2-level"]
+
+    from launch.planning.plan import build_plan, format_plan
+    from tests.unit.test_time_plan import spec_for
+
+    lp = build_plan(spec_for(nodes=2, gpus=2, zero_stage=3, tp=1))
+    ranking = lp.time.ranking
+    assert ranking.lossy and all(c.layout.links.quantized_weights for c in ranking.lossy)
+    assert not any(c.layout.links.quantized_weights or c.layout.links.quantized_gradients
+                   for c in ranking.candidates)
+    text = format_plan(lp)
+    assert "links   ZeRO traffic per GPU and step of tp 1, stage 3" in text
+    assert "int8: yours to choose, zero.quantized_weights/gradients" in text and "<- " in text
+
+
+def test_the_memory_model_shards_over_the_group_and_counts_hpz():
+    from hybrid.plan.memory import model_state_bytes
+
+    psi, t = 7 * 10**9, 2
+    flat = model_state_bytes(psi, 8, 3, tp=t)
+    group = model_state_bytes(psi, 8, 3, tp=t, shard=4)
+    assert flat.total == 16 * psi / (t * 8) and group.total == 16 * psi / (t * 4)  # 16Ψ/(t·s), bf16
+    hpz = model_state_bytes(psi, 8, 3, tp=t, secondary=2)
+    assert hpz.params == flat.params + 2 * psi / (t * 2)  # the secondary shard: P·Ψ/(t·h)
+    assert model_state_bytes(psi, 8, 2, tp=t, secondary=2) == model_state_bytes(psi, 8, 2, tp=t)  # stage 3 only

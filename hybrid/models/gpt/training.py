@@ -244,6 +244,23 @@ def zero_options(section: Any) -> dict:
     return options
 
 
+LINK_KEYS = ("shard_group", "hierarchical", "secondary_shard", "quantized_weights", "quantized_gradients")
+
+
+def with_plan_links(links: Optional[dict], zero: dict) -> dict:
+    """``zero`` (the model config's checked ``zero:``) with the plan's link options (``links``: zero keys), unless
+    it sets any link option itself: then the user's alone (a mix could cut the DP group in a way neither chose)."""
+    if not links or any(key in zero for key in LINK_KEYS):
+        return dict(zero)
+    return {**links, **zero}
+
+
+def planned_zero(ctx: Context) -> dict:
+    """The engine's ``zero`` keys: the model config's ``zero:`` with the plan's link options
+    (``JobSettings.zero_links``: how ZeRO's collectives use the links, where the time model chose them)."""
+    return with_plan_links(getattr(ctx.settings, "zero_links", None), zero_options(ctx.model_config.get("zero")))
+
+
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage and levers, on the mesh's DP group."""
     # Imported here so that importing hybrid.models.gpt (which re-exports train) stays light.
@@ -253,7 +270,6 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False),
-                             zero=zero_options(ctx.model_config.get("zero")),
-                             accumulation=ctx.settings.gradient_accumulation_steps)
+                             zero=planned_zero(ctx), accumulation=ctx.settings.gradient_accumulation_steps)
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)
