@@ -213,3 +213,17 @@ def test_the_memory_model_shards_over_the_group_and_counts_hpz():
     hpz = model_state_bytes(psi, 8, 3, tp=t, secondary=2)
     assert hpz.params == flat.params + 2 * psi / (t * 2)  # the secondary shard: P·Ψ/(t·h)
     assert model_state_bytes(psi, 8, 2, tp=t, secondary=2) == model_state_bytes(psi, 8, 2, tp=t)  # stage 3 only
+
+
+def test_the_model_configs_zero_takes_the_link_options_and_the_plans_yield_to_them():
+    from hybrid.models.gpt.training import train_options, training_config, with_plan_links, zero_options
+
+    mine = zero_options({"hierarchical": True, "quantized_weights": "int8", "reduce_bucket_size": 1000})
+    assert mine == {"hierarchical": True, "quantized_weights": "int8", "reduce_bucket_size": 1000}
+    assert training_config(train_options(None), 3, "fp32", zero=mine).zero.quantized_weights == "int8"
+    with pytest.raises(ConfigError, match="zero.quantized_weights quantizes the parameter all-gathers"):
+        training_config(train_options(None), 2, "fp32", zero=mine)  # checked against the plan's stage
+    plan = {"shard_group": "node"}
+    assert with_plan_links(plan, {"reduce_bucket_size": 1000}) == {"shard_group": "node", "reduce_bucket_size": 1000}
+    assert with_plan_links(plan, mine) == mine  # the user's link options alone, never a mix
+    assert with_plan_links(None, {}) == {}

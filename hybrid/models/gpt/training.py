@@ -240,7 +240,9 @@ def zero_options(section: Any) -> dict:
                           "and set that instead.")
     names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
     options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
-    ZeroConfig(**options)  # every field checked, named zero.<field>
+    # every field checked, named zero.<field>; at stage 3, which takes every option: the plan's stage is not
+    # known here, and training_config checks the options against it
+    ZeroConfig(**{**options, "stage": 3})
     return options
 
 
