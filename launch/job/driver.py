@@ -241,9 +241,10 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 logs = kept_logs_dir(spec) or ray_log_dir()
                 for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
                     print(line, file=stream, flush=True)
-                traffic = link_line(progress.history, *replan.link_theory(plan, loop.choice))
-                if traffic is not None:
-                    print(traffic, file=stream, flush=True)
+                if any("dp_inter_bytes" in e for e in progress.history):  # run_steps' reports carry them
+                    traffic = link_line(progress.history, *replan.link_theory(plan, loop.choice))
+                    if traffic is not None:
+                        print(traffic, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
                                  attempt, wall, failures, progress.resumed_from, loop.lines)
             if outcome.user_error is not None:

@@ -227,3 +227,14 @@ def test_the_model_configs_zero_takes_the_link_options_and_the_plans_yield_to_th
     assert with_plan_links(plan, {"reduce_bucket_size": 1000}) == {"shard_group": "node", "reduce_bucket_size": 1000}
     assert with_plan_links(plan, mine) == mine  # the user's link options alone, never a mix
     assert with_plan_links(None, {}) == {}
+
+
+def test_the_summarys_theory_is_the_plans_options_on_the_placement():
+    from launch.planning import replan
+    from launch.planning.plan import build_plan
+    from tests.unit.test_time_plan import spec_for
+
+    lp = build_plan(spec_for(nodes=2, gpus=2, zero_stage=3, tp=1))
+    psi, theory, label = replan.link_theory(lp, replan.initial_choice(lp))
+    assert psi == lp.params * 4 and label == "flat"  # fp32; the exact options do not pay on this tiny model
+    assert theory["inter"] == pytest.approx(1.5 * psi) and theory["intra"] == pytest.approx(1.5 * psi)  # 3Ψ/t, half across
