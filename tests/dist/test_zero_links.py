@@ -9,7 +9,7 @@ World 4, 2 nodes x 2 ranks (tp 1), one spawned world:
 * traffic: every run's bytes per link (``engine.comm_report()``: ``intra``, ``inter``) equal
   ``hybrid.plan.links.step_traffic`` for its options (plus the gradient norm's and the unit check's 32 bytes
   a step) within 1 %, int8 cases included;
-* the memory walk: ``WideNet`` for 2 steps at accumulation 1 per option: ``memory_report()``'s parameters,
+* the memory walk: a small ``WideNet`` for 2 steps at accumulation 1 per option: ``memory_report()``'s parameters,
   gradients and optimizer equal ``hybrid.plan.memory.predict_memory`` for the option (hpZ's secondary shard in
   the parameters), the process's live tensors (a ``gc`` walk) within 2 % of the report; and the second step's
   inter-node bytes: stage 3 with hierarchical collectives and hpZ at most stage 2's, with int8 weights and
@@ -163,6 +163,9 @@ WALK = {  # (stage, options), fp32, accumulation 1
 }
 
 
+WALK_NET = dict(vocab=512, dim=128, hidden=384, layers=2)  # ~330K parameters: small, and no unit padded
+
+
 def _walk_config(cfg: dict) -> dict:
     z = dict(cfg["zero_optimization"], reduce_bucket_size=400_000, allgather_bucket_size=400_000,
              stage3_prefetch_bucket_size=200_000, stage3_param_persistence_threshold=0)
@@ -196,11 +199,11 @@ def _walk_tensors(engine) -> int:
 
 def _walk_runs() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = batch(0, 0, vocab=1024, rows=8, seq=16)
+    x, y = batch(0, 0, vocab=WALK_NET["vocab"], rows=8, seq=16)
     x, y = x[rank_rows(rank, world)], y[rank_rows(rank, world)]
     out = {}
     for name, cfg in WALK.items():
-        engine = hybrid.initialize(WideNet(), _walk_config(cfg))
+        engine = hybrid.initialize(WideNet(**WALK_NET), _walk_config(cfg))
         for step in range(2):
             if step == 1:
                 engine.reset_comm()
@@ -213,7 +216,7 @@ def _walk_runs() -> dict:
 
 
 def _check_walk(ranks: list) -> None:
-    units = model_units(WideNet())
+    units = model_units(WideNet(**WALK_NET))
     for rank, res in enumerate(ranks):
         for name, cfg in WALK.items():
             r, case = res[name], f"{name} rank {rank}"
