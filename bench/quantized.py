@@ -111,12 +111,13 @@ def report(res: dict, steps: int, command: str, minutes: float) -> list[str]:
              f"- Command: `{command}` ({minutes:.1f} min in all)",
              f"- Machine: {os.cpu_count()} cores, Python {platform.python_version()}, "
              f"torch {__import__('torch').__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- `configs/gpt-tiny-text.yaml`'s GPT (135K parameters) on the demo corpus (`runs/demo-corpus/corpus.bin`, "
-             f"`make demo`'s), {WORLD} gloo ranks on 2 simulated nodes of {PER_NODE}, fp32, ZeRO stage {STAGE}, "
-             f"micro-batch {MICRO_BATCH} per rank, {steps} steps, the entrypoint `hybrid.models.gpt:train` with the "
-             f"options in its model config's `zero:`; the numbers are the ranks' step reports (metrics.jsonl's).",
-             "- exact: `hierarchical: true, secondary_shard: node, param_persistence_threshold: 0` (every unit gathered); "
-             "int8: the same with `quantized_weights: int8, quantized_gradients: int8` (block 256).",
+             f"- `configs/gpt-tiny-text.yaml`'s GPT (135K parameters) on the demo corpus "
+             f"(`runs/demo-corpus/corpus.bin`, `make demo`'s), {WORLD} gloo ranks on 2 simulated nodes of {PER_NODE}, fp32, ZeRO stage {STAGE}, "
+             f"micro-batch {MICRO_BATCH} per rank, {steps} steps, the entrypoint `hybrid.models.gpt:train` with "
+             f"the options in its model config's `zero:`; the numbers are the ranks' step reports "
+             f"(metrics.jsonl's).",
+             "- exact: `hierarchical: true, secondary_shard: node, param_persistence_threshold: 0` (every unit "
+             "gathered); int8: the same with `quantized_weights: int8, quantized_gradients: int8` (block 256).",
              "",
              f"Loss (nats), mean of each {EVERY} steps:", "",
              "| steps | " + " | ".join(RUNS) + " |", "|---:|" + "---:|" * len(RUNS)]

@@ -16,8 +16,9 @@ time says otherwise -- else the one with the fewest levers (no offload, then no 
 then the fewest link options) and then the least memory per GPU. Candidates with int8 collectives are priced
 but never chosen (``Ranking.lossy``): they change the values every step computes with, so they are the user's
 choice (``zero.quantized_weights`` / ``quantized_gradients``); ``hybrid plan`` shows what they would save. The
-``Ranking`` carries every other candidate, fitting ones first, fastest first, and one reason sentence that names the numbers: what the choice does differently from the
-memory-only choice (``baseline``), or, where they agree, from the runner-up.
+``Ranking`` carries every other candidate, fitting ones first, fastest first, and one reason sentence that
+names the numbers: what the choice does differently from the memory-only choice (``baseline``), or, where they
+agree, from the runner-up.
 """
 
 from __future__ import annotations

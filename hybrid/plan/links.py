@@ -28,8 +28,9 @@ DP group of k ranks per node sends ``|X|/k`` per rank across nodes, the node's N
 
 ``step_collectives`` lists the collectives of an optimizer step under these options, each with its bytes, its
 group's span and when it runs (what ``hybrid.plan.cost`` prices), ``step_traffic`` their bytes per link (what
-``tests/dist/test_zero_links.py`` checks the engine's counters against). Quantized collectives (``quantized_bytes``) move int8 values plus one fp32 scale
-per block of ``block`` elements, per chunk of the collective.
+``tests/dist/test_zero_links.py`` checks the engine's counters against). Quantized collectives
+(``quantized_bytes``) move int8 values plus one fp32 scale per block of ``block`` elements, per chunk of the
+collective.
 """
 
 from __future__ import annotations
