@@ -110,9 +110,11 @@ def report(res: dict, steps: int, command: str, minutes: float) -> list[str]:
     lines = [SECTION, "",
              f"- Command: `{command}` ({minutes:.1f} min in all)",
              f"- Machine: {os.cpu_count()} cores, Python {platform.python_version()}, "
-             f"torch {__import__('torch').__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"torch {__import__('torch').__version__}; "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- `configs/gpt-tiny-text.yaml`'s GPT (135K parameters) on the demo corpus "
-             f"(`runs/demo-corpus/corpus.bin`, `make demo`'s), {WORLD} gloo ranks on 2 simulated nodes of {PER_NODE}, fp32, ZeRO stage {STAGE}, "
+             f"(`runs/demo-corpus/corpus.bin`, `make demo`'s), {WORLD} gloo ranks on 2 simulated nodes of {PER_NODE}, "
+             f"fp32, ZeRO stage {STAGE}, "
              f"micro-batch {MICRO_BATCH} per rank, {steps} steps, the entrypoint `hybrid.models.gpt:train` with "
              f"the options in its model config's `zero:`; the numbers are the ranks' step reports "
              f"(metrics.jsonl's).",
