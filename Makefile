@@ -24,11 +24,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two xdist workers, scheduled by tests/scheduling.py: the suite's processes wait on each other's start-up
+# often enough that a 2-core machine runs two tests at once with time to spare.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=30 tests
 
+# The unit tier: tests/unit less the tests marked slow (those start a process that imports torch or Ray: a gloo
+# world, the CLI, a script), so nothing here spawns a world, starts Ray or runs the CLI in a subprocess.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit
 
 # The demo's corpus: this repository's own docs and sources, byte-level (configs/gpt-tiny-text.yaml reads it).
 DEMO_TEXT := README.md $(wildcard hybrid/*.py hybrid/*/*.py hybrid/*/*/*.py launch/*.py launch/*/*.py)

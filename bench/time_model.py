@@ -106,7 +106,7 @@ def spearman(xs: list, ys: list) -> float:
 
 
 def run(args) -> dict:
-    from launch.ray.probe import PROBE_FILE
+    from launch.planning.probe_figures import PROBE_FILE
 
     nodes, per_node = (2, 2) if args.world == 4 else (1, args.world)
     work = Path(args.work).resolve()

@@ -15,7 +15,10 @@ any current directory; the checkpoint directory must be creatable and writable. 
 unless ``every`` says otherwise (``CheckpointSpec.every``).
 An empty value (YAML null, ``offload:`` with nothing after it) is the field left unset: its default applies,
 for every field. ``parallel.offload`` and ``parallel.activation_checkpointing`` are auto (None: the planner's
-choice), true or false; offload with ``zero_stage: 0`` is refused. ``parallel.tp_plan`` (optional) is a TP
+choice), true or false; ``parallel.offload`` may also be ``nvme`` (the optimizer states in a swap file per rank
+under ``cluster.nvme_path``, an absolute directory on each node's local disk; required with it, and what lets
+auto choose it); offload with ``zero_stage: 0`` is refused. ``cluster.nvme_gb`` (optional) is the space that
+directory has per node, where the probe cannot measure it (its free bytes). ``parallel.tp_plan`` (optional) is a TP
 plan for a model without TP layers (``hybrid.config.tp_plan``: module-name patterns -> styles), checked here
 as text; ``launch.planning.model_size`` checks it against the model. ``cluster.host_memory_gb`` (optional) is a
 node's host memory where the probes cannot measure it. The time model's facts (optional, where ``hybrid
@@ -46,7 +49,7 @@ from hybrid.config.schema import (Check, Section, Where, default_of, optional, p
                                   setting, setting_of, spelled)
 from hybrid.checkpoint import layout
 from hybrid.errors import ConfigError
-from hybrid.plan.planner import check_lever, check_offload_stage
+from hybrid.plan.planner import check_lever, check_offload, check_offload_stage
 from hybrid.config.tp_plan import normalize_plan
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS
 from hybrid.config.yamlfile import load_yaml, not_a_file
@@ -61,6 +64,7 @@ MAX_GPUS_PER_NODE = 1024
 MAX_WORLD_SIZE = 1 << 20  # ranks in all: beyond any cluster built, and the plan lists every rank
 MAX_GPU_MEMORY_GB = 100_000
 MAX_HOST_MEMORY_GB = 1_000_000
+MAX_NVME_GB = 10_000_000
 MAX_STEPS = 10**12
 MAX_MICRO_BATCH = 1 << 20
 MAX_GPU_TFLOPS = 1e6
@@ -92,6 +96,16 @@ def _gpu(path: str, value: Any) -> str:
     return value
 
 
+def _node_dir(path: str, value: Any) -> Path:
+    """A directory on each node's own disk: an absolute path (it names the same place on every node, not one
+    relative to the cluster file)."""
+    directory = path_value(path, value)
+    if not directory.is_absolute():
+        raise ConfigError(f"{path} is {v.quote(str(value))}, a relative path; give the absolute path of a directory "
+                          "on each node's local NVMe disk, e.g. /local_nvme/hybrid.")
+    return directory
+
+
 def _seconds(bounds: tuple) -> Check:
     return partial(v.number, lo=bounds[0], hi=bounds[1], unit="seconds")
 
@@ -114,6 +128,12 @@ class ClusterSpec(Section):
     host_memory_gb: Optional[float] = setting(
         None, partial(v.positive_number, hi=MAX_HOST_MEMORY_GB, unit="GB"),
         help="per node; used where the probe cannot measure, and by `hybrid plan`")
+    nvme_path: Optional[Path] = setting(
+        None, _node_dir, help="a directory on each node's local NVMe disk: the optimizer states offloaded there "
+                              "(parallel.offload: nvme, or auto)")
+    nvme_gb: Optional[float] = setting(
+        None, partial(v.positive_number, hi=MAX_NVME_GB, unit="GB"),
+        help="per node: the space nvme_path has for them, where the probe cannot measure it, and for `hybrid plan`")
     runtime_reserve_gb: Optional[float] = setting(  # checked below, against gpu_memory_gb
         None, help="CUDA context and NCCL buffers per GPU, outside the allocator; unset: hybrid.plan.memory's "
                    "default on GPUs")
@@ -139,6 +159,9 @@ class ClusterSpec(Section):
             raise ConfigError(f"{where('nodes')} x {where('gpus_per_node')} is {nodes} x {gpus} = {nodes * gpus} "
                               f"ranks, above the {MAX_WORLD_SIZE} hybrid plans for; lower {where('nodes')} or "
                               f"{where('gpus_per_node')}.")
+        if self.nvme_gb is not None and self.nvme_path is None:
+            raise ConfigError(f"{where('nvme_gb')} is set but {where('nvme_path')} is not; set {where('nvme_path')} "
+                              f"to the directory on each node's local NVMe disk that {where('nvme_gb')} measures.")
         if self.runtime_reserve_gb is not None:
             need = f"a number from 0 to below {where('gpu_memory_gb')} ({self.gpu_memory_gb:g} GB)"
             self._set("runtime_reserve_gb", v.number(where("runtime_reserve_gb"), self.runtime_reserve_gb, 0,
@@ -234,8 +257,9 @@ class ParallelSpec(Section):
     zero_stage: Optional[int] = setting(None, partial(v.stage, auto=True), auto=True,
                                         help="auto (the planner's choice) or 0-3")
     precision: str = setting(DEFAULT_PRECISION, partial(v.one_of, choices=PRECISIONS), help="bf16 | fp32")
-    offload: Optional[bool] = setting(None, check_lever, auto=True,
-                                      help="optimizer states in host memory: auto (the planner's choice), true, false")
+    offload: Any = setting(None, check_offload, auto=True,
+                           help="optimizer states off the GPU: auto (the planner's choice), true (host memory), nvme "
+                                "(each node's local disk, cluster.nvme_path) or false")
     activation_checkpointing: Optional[bool] = setting(None, check_lever, auto=True,
                                                        help="auto (the planner's choice), true or false")
     tp_plan: Optional[dict] = setting(None, lambda path, value: normalize_plan(value, path),
@@ -256,6 +280,10 @@ class LaunchSpec:
     path: Optional[Path] = None
 
     def __post_init__(self) -> None:
+        if self.parallel.offload == "nvme" and self.cluster.nvme_path is None:
+            raise ConfigError("parallel.offload is nvme but cluster.nvme_path is not set; set it to a directory on "
+                              "each node's local NVMe disk (each rank keeps its swap file there), or use "
+                              "parallel.offload: true for host memory.")
         gpus, tp = self.cluster.gpus_per_node, self.parallel.tp
         if tp is not None and gpus % tp:
             raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {gpus}; TP "

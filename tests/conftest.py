@@ -9,3 +9,12 @@ for _k in ("http_proxy", "HTTP_PROXY"):
     os.environ.setdefault(_k, "http://127.0.0.1:9")
 for _k in ("no_proxy", "NO_PROXY"):
     os.environ.setdefault(_k, "127.0.0.1,localhost,::1")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n N`` (``make test``), the suite's own scheduler (``tests/scheduling.py``)."""
+    if config.getvalue("dist") in ("load", "loadscope"):
+        from tests.scheduling import SuiteScheduling
+
+        return SuiteScheduling(config, log)
+    return None

@@ -66,7 +66,7 @@ def train(ctx):
     # job's gradient accumulation (a re-plan may raise it: the engine must step once per accumulated step)
     config = training_config({"lr": opt["lr"], "weight_decay": 0.0, "gradient_clipping": 1.0}, ctx.stage,
                              ctx.settings.precision, offload=ctx.settings.offload,
-                             accumulation=ctx.settings.gradient_accumulation_steps)
+                             accumulation=ctx.settings.gradient_accumulation_steps, nvme_path=ctx.settings.nvme_path)
     engine = hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                                seed=ctx.settings.seed, device=ctx.device)
     data = MarkovTokens(m["vocab_size"], m["seq_len"], seed=ctx.settings.seed)

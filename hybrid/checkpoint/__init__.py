@@ -16,14 +16,17 @@ checkpoints that are all damaged, or a file that cannot be read, stop it (``Chec
 let a fresh start overwrite them.
 
 Offline (one process, no process group): ``consolidate(path)`` → the single-process fp32 state dict (a
-damaged checkpoint or a non-finite tensor is refused); ``describe(run_dir)`` → every checkpoint with its
+damaged checkpoint or a non-finite tensor is refused); ``consolidate_hf(path, out_dir, max_shard_size=...)``
+→ the same weights as a Hugging Face ``save_pretrained`` directory (sharded safetensors, their index, the
+model's config.json), streamed a tensor at a time; ``describe(run_dir)`` → every checkpoint with its
 status (verified), step, layout and size. Errors a user can fix (not a checkpoint, a damaged one, another
 model, another TP degree) are ``hybrid.errors.CheckpointError``.
 
 Modules: ``layout`` (directories, atomic publish, pruning), ``lock`` (one job per directory), ``manifest`` (hybrid.json and the same-model
 check), ``integrity`` (checksums, the marker's seal, verification), ``agreement`` (the ranks' collective
 checksums and choice of checkpoint), ``flat_planner`` (DCP planners for ZeRO's flat pieces), ``sharded``
-(save/load on the engine), ``offline`` (consolidate/describe), ``rng`` (per-rank RNG states).
+(save/load on the engine), ``offline`` (consolidate/describe), ``hf_export`` (consolidate_hf), ``rng``
+(per-rank RNG states).
 """
 
 import importlib
@@ -31,7 +34,7 @@ import importlib
 # Imported on first use (PEP 562): ``torch.distributed.checkpoint`` (DTensor, sympy) costs ~0.75 s and ~50 MB
 # of RSS per process, which a rank that never saves or loads should not pay.
 _WHERE = {"CheckpointDamaged": "integrity", "Problem": "integrity", "latest": "layout", "consolidate": "offline",
-          "describe": "offline", "exclusive": "sharded", "Resumed": "sharded", "load": "sharded", "maybe_save": "sharded",
+          "consolidate_hf": "hf_export", "describe": "offline", "exclusive": "sharded", "Resumed": "sharded", "load": "sharded", "maybe_save": "sharded",
           "resume_if_available": "sharded", "save": "sharded"}
 
 __all__ = sorted(_WHERE)

@@ -16,13 +16,18 @@ non-overlapping layout) describe it directly. These planners teach the stock DCP
   DCP reads exactly the overlap of ``[offset, offset + n)`` with every saved piece, so any new layout
   (another DP size, another stage) loads from any saved one.
 
+Both take ``swapped``: keys whose piece lives elsewhere (an NVMe swap file: ``hybrid.zero.optimizer.SwappedRange``)
+and stands in the state dict as a ``placeholder`` of its length; saving reads it when the writer gets to its
+item (``read()``), loading reads into a buffer of each read item's length and stores it (``write(offset,
+values)``), so neither holds more than one piece.
+
 Every other state-dict value (plain tensors, picklable objects) goes through the stock behaviour.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -46,10 +51,17 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape)
 
 
+def placeholder(numel: int) -> torch.Tensor:
+    """An fp32 1-D tensor of ``numel`` elements holding one value (no memory): stands in the state dict for a
+    piece whose values come from elsewhere (``swapped``)."""
+    return torch.zeros(1, dtype=torch.float32).expand(int(numel))
+
+
 class FlatSavePlanner(DefaultSavePlanner):
-    def __init__(self, pieces: Mapping[str, tuple[int, int]]):
+    def __init__(self, pieces: Mapping[str, tuple[int, int]], swapped: Optional[Mapping[str, Any]] = None):
         super().__init__()
         self.pieces = dict(pieces)
+        self.swapped = dict(swapped or {})
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -71,15 +83,18 @@ class FlatSavePlanner(DefaultSavePlanner):
         return self.final_plan
 
     def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.swapped:  # read when the writer gets to it: one piece in memory at a time
+            return self.swapped[index.fqn].read()
         if index.fqn in self.pieces:
             return exact_storage(self.state_dict[index.fqn])
         return super().lookup_object(index)
 
 
 class FlatLoadPlanner(DefaultLoadPlanner):
-    def __init__(self, offsets: Mapping[str, int]):
+    def __init__(self, offsets: Mapping[str, int], swapped: Optional[Mapping[str, Any]] = None):
         super().__init__()
         self.offsets = dict(offsets)
+        self.swapped = dict(swapped or {})
 
     def create_local_plan(self) -> LoadPlan:
         others = {k: v for k, v in self.state_dict.items() if k not in self.offsets}
@@ -95,6 +110,18 @@ class FlatLoadPlanner(DefaultLoadPlanner):
                                  f"tensor of {saved.size.numel()} elements")
             items += create_read_items_for_chunk_list(key, saved, [_piece_chunk(offset, local)])
         return LoadPlan(items)
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        if read_item.dest_index.fqn in self.swapped:  # a buffer of this read's length, stored by commit_tensor
+            return torch.empty(tuple(read_item.lengths), dtype=torch.float32)
+        return super().resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        swapped = self.swapped.get(read_item.dest_index.fqn)
+        if swapped is not None:
+            swapped.write(int(read_item.dest_offsets[0]), tensor)
+            return
+        super().commit_tensor(read_item, tensor)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         if index.fqn in self.offsets:

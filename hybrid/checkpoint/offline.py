@@ -9,6 +9,11 @@ recorded in the manifest (replicated tensors come from TP rank 0). ``torch.save`
 Both verify the checkpoint's files first (``integrity``): consolidation refuses a damaged checkpoint and
 a non-finite result, naming the file or tensor. ``describe(run_dir)`` lists a run's checkpoints, each
 verified, for ``hybrid checkpoint inspect``.
+
+The pieces ``consolidate`` is made of serve an export that streams (``hybrid.checkpoint.hf_export``):
+``verified(path)`` (the checkpoint and its verified inventory), ``saved_tensors`` (what it holds, tensor by
+tensor, with sizes, reading no data) and ``read_tensors`` (some of them, read and checked).
+``inside_checkpoint(path)`` tells whether an output path would land inside a checkpoint.
 """
 
 from __future__ import annotations
@@ -50,54 +55,135 @@ def consolidate(path: layout.PathLike) -> tuple[dict[str, torch.Tensor], Path, d
     Refuses (``CheckpointError``, one sentence) a checkpoint with a missing, truncated, corrupt or
     unreadable file, and a result with a non-finite value, naming the file or the tensor.
     """
+    ckpt, inv = verified(path)
+    doc = inv.manifest
+    reader = FileSystemReader(ckpt)
+    state = read_tensors(ckpt, reader, saved_tensors(ckpt, reader, doc))
+    for alias, name in doc["aliases"].items():
+        state[alias] = state[name]
+    return state, ckpt, doc
+
+
+@_unreadable_said
+def verified(path: layout.PathLike) -> tuple[Path, integrity.Inventory]:
+    """The checkpoint ``path`` names (``consolidate`` says which) and its inventory, every file verified."""
     path = Path(path)
     if layout.is_checkpoint_dir(path):
         ckpt = layout.resolve(path)
         inv, problems = integrity.verify(ckpt)
         if problems:
             raise integrity.refusal(ckpt, problems[0])
-    else:
-        ckpt, inv = newest_good(path)
-    doc = inv.manifest
-    tp = doc["world"]["tp"]
-    reader = FileSystemReader(ckpt)
-    # (manifest section, DCP key kind) for every tensor of the single-process state dict
-    sections = [("params", "master")] + list(manifest.PLAIN_KINDS.items())
-    parts, buffers = {}, {}  # (name, tp rank) -> DCP key, DCP key -> tensor to fill
-    empty = {}  # DCP key -> a zero-element parameter's tensor: no rank holds a piece of it, so none is saved
+        return ckpt, inv
+    return newest_good(path)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor of the single-process state dict as a checkpoint holds it: its DCP key on each TP rank that
+    holds a piece (one key when it is replicated), the TP-local shape and the dtype it is read in."""
+
+    name: str
+    keys: tuple
+    shape: tuple  # TP-local
+    tp_dim: Optional[int]
+    dtype: torch.dtype  # as saved (masters: fp32)
+    flat: bool  # saved flattened (a master: written in pieces by the DP ranks that own them)
+    empty: bool = False  # a zero-element parameter: no rank saved a piece of it
+
+    @property
+    def full_shape(self) -> tuple:
+        shape = list(self.shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] *= len(self.keys)
+        return tuple(shape)
+
+    @property
+    def exported_dtype(self) -> torch.dtype:
+        """The dtype ``consolidate`` gives it (``exported``)."""
+        return torch.promote_types(self.dtype, torch.float32) if self.dtype.is_floating_point else self.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Its bytes in the consolidated state dict."""
+        return math.prod(self.full_shape) * self.exported_dtype.itemsize
+
+
+def saved_tensors(ckpt: Path, reader: FileSystemReader, doc: dict) -> list[SavedTensor]:
+    """Every tensor of the single-process state dict (each tied tensor once, under its first name), in the
+    manifest's order: trainable parameters from their fp32 masters, then frozen parameters and buffers."""
     try:
         saved = reader.read_metadata().state_dict_metadata
-        for section, kind in sections:
+        tp = doc["world"]["tp"]
+        out = []
+        # (manifest section, DCP key kind) for every tensor of the single-process state dict
+        for section, kind in [("params", "master")] + list(manifest.PLAIN_KINDS.items()):
             for name, spec in doc[section].items():
-                for r in range(tp) if spec["tp_dim"] is not None else range(1):
-                    key = manifest.tensor_key(kind, r, name)
-                    parts[name, r] = key
-                    if kind == "master" and key not in saved and math.prod(spec["shape"]) == 0:
-                        empty[key] = torch.empty(spec["shape"], dtype=torch.float32)
-                        continue
-                    dtype = torch.float32 if kind == "master" else saved[key].properties.dtype
-                    buffers[key] = torch.empty(saved[key].size, dtype=dtype)
+                keys = tuple(manifest.tensor_key(kind, r, name)
+                             for r in (range(tp) if spec["tp_dim"] is not None else range(1)))
+                empty = kind == "master" and keys[0] not in saved and math.prod(spec["shape"]) == 0
+                dtype = torch.float32 if kind == "master" else saved[keys[0]].properties.dtype
+                out.append(SavedTensor(name, keys, tuple(spec["shape"]), spec["tp_dim"], dtype, kind == "master",
+                                       empty))
+        return out
+    except Exception as exc:  # unreadable DCP metadata, a key the manifest names and DCP does not hold
+        raise _damaged(ckpt, exc) from exc
+
+
+def read_tensors(ckpt: Path, reader: FileSystemReader, tensors: list[SavedTensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` of checkpoint ``ckpt`` read (one DCP load for all of them), TP slices concatenated, as
+    ``consolidate`` gives them; a non-finite value is one ``CheckpointError`` naming the tensor."""
+    buffers = {}  # DCP key -> tensor to fill
+    for t in tensors:
+        if not t.empty:
+            for key in t.keys:
+                buffers[key] = torch.empty(math.prod(t.shape) if t.flat else t.shape, dtype=t.dtype)
+    try:
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(buffers, storage_reader=reader, no_dist=True)
-        buffers.update(empty)
     except Exception as exc:  # a truncated or missing data file: say which checkpoint, not DCP's internals
-        raise CheckpointError(f"{ckpt} is damaged and cannot be read ({type(exc).__name__}: {first_line(exc)}); "
-                              f"use an older checkpoint.") from exc
+        raise _damaged(ckpt, exc) from exc
     state = {}
-    for section, _ in sections:
-        for name, spec in doc[section].items():
-            slices = [buffers[parts[name, r]].view(spec["shape"]) for r in range(tp) if (name, r) in parts]
-            full = slices[0] if len(slices) == 1 else torch.cat(slices, dim=spec["tp_dim"])
-            state[name] = exported(full)
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{ckpt} holds non-finite values (NaN or inf) in {name!r}, so it is not "
+    for t in tensors:
+        if t.empty:
+            state[t.name] = torch.empty(t.shape, dtype=torch.float32)
+            continue
+        slices = [buffers.pop(key).view(t.shape) for key in t.keys]
+        full = exported(slices[0] if len(slices) == 1 else torch.cat(slices, dim=t.tp_dim))
+        if full.is_floating_point() and not _all_finite(full):
+            raise CheckpointError(f"{ckpt} holds non-finite values (NaN or inf) in {t.name!r}, so it is not "
                                   f"consolidated; consolidate an older checkpoint (hybrid checkpoint inspect "
                                   f"lists them).")
-    for alias, name in doc["aliases"].items():
-        state[alias] = state[name]
-    return state, ckpt, doc
+        state[t.name] = full
+    return state
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """No NaN or inf in ``tensor``, checked a chunk at a time (``isfinite`` of the whole tensor would hold
+    temporaries as large as it: its ``abs()`` and a bool mask)."""
+    return all(bool(torch.isfinite(part).all()) for part in tensor.reshape(-1).split(chunk))
+
+
+def _damaged(ckpt: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{ckpt} is damaged and cannot be read ({type(exc).__name__}: {first_line(exc)}); "
+                           f"use an older checkpoint.")
+
+
+def inside_checkpoint(path: layout.PathLike) -> Optional[Path]:
+    """The checkpoint directory, or run's ``checkpoints/`` directory, that ``path`` lies in (symlinks followed),
+    None when it lies outside every one: writing there would overwrite a checkpoint's file, or add one that
+    makes it fail verification."""
+    where = Path(path).resolve()
+    for parent in (where, *where.parents):
+        if layout.is_checkpoint_dir(parent) or _holds_checkpoints(parent):
+            return parent
+    return None
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    """A run's ``checkpoints/`` directory (not any directory of that name): it holds checkpoints or ``latest``."""
+    return path.name == layout.CHECKPOINTS and path.is_dir() and bool(
+        layout.scan(path.parent) or (path / layout.POINTER).exists())
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 What is saved, per parameter and TP rank: the fp32 master weights and the optimizer's per-element state
 (both Adam moments, SGD's momentum buffer, ...: ``ShardView.states``), as flat tensors of the parameter's
-TP-local numel (``manifest.tensor_key``); where they live (device or host memory, with optimizer offload)
-does not matter, so a checkpoint saved with offload resumes without it and back. The manifest records the
+TP-local numel (``manifest.tensor_key``); where they live (device or host memory, with optimizer offload, or an
+NVMe swap file, read and filled a parameter piece at a time) does not matter, so a checkpoint saved with
+offload resumes without it, on another offload device, and back. The manifest records the
 optimizer class and its state keys (``optimizer``) and the learning-rate schedule (``scheduler``: its type,
 parameters and the steps taken); a resume under another optimizer is refused in one sentence. Each DP
 rank contributes the piece ``[start, end)`` it owns (``engine.shard_views()``); pieces that several DP
@@ -50,7 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
-from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner
+from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner, placeholder
 from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError, CheckpointWriteError, UsageError, first_line
 from hybrid.weights.attrs import tensor_parallel_dim
@@ -135,18 +136,23 @@ class _PlainState:
                 for name, tensor in getattr(self, section).items()}
 
 
-def _pieces(views: Mapping[str, Any], tp_rank: int) -> tuple[dict, dict]:
-    """``(state, where)``: this rank's non-empty pieces by DCP key, and ``(start, param numel)`` of each."""
-    state, where = {}, {}
+def _pieces(views: Mapping[str, Any], tp_rank: int) -> tuple[dict, dict, dict]:
+    """``(state, where, swapped)``: this rank's non-empty pieces by DCP key, ``(start, param numel)`` of each, and
+    the pieces kept in an NVMe swap file (``SwappedRange``, read and filled on demand by the planners; ``state``
+    holds a placeholder of their length for them)."""
+    state, where, swapped = {}, {}, {}
     for name in sorted(views):
         view = views[name]
         if view.end <= view.start:
             continue
         for kind, tensor in (("master", view.master), *view.states.items()):
             key = manifest.tensor_key(kind, tp_rank, name)
+            if not isinstance(tensor, torch.Tensor):  # a SwappedRange
+                swapped[key] = tensor
+                tensor = placeholder(tensor.numel())
             state[key] = tensor
             where[key] = (int(view.start), int(view.numel))
-    return state, where
+    return state, where, swapped
 
 
 def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = None,
@@ -183,11 +189,11 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
             failure = str(_write_failed(step, tmp, _os_cause(err) + " on rank 0", _fix(err),
                                         run_dir=run_dir, wrote=False))
     _fail_together(failure, everyone, engine.device)  # also the barrier before anyone writes
-    state, pieces = _pieces(views, world.tp_rank)
+    state, pieces, swapped = _pieces(views, world.tp_rank)
     if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
         state.update(plain.dcp_state(world.tp_rank))
     state[manifest.rng_key(world.rank)] = rng.capture()
-    planner = FlatSavePlanner(pieces)
+    planner = FlatSavePlanner(pieces, swapped)
     try:
         metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
     except dcp.api.CheckpointException as exc:  # raised on every rank, after every rank's write returned
@@ -346,7 +352,7 @@ def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str
                               frozen=plain.specs("frozen"), buffers=plain.specs("buffers"))
     manifest.check_same_optimizer(doc, _optimizer_doc(engine), ckpt)
 
-    state, pieces = _pieces(views, world.tp_rank)
+    state, pieces, swapped = _pieces(views, world.tp_rank)
     state.update(plain.dcp_state(world.tp_rank))
     saved = doc["world"]
     same_world = all(saved.get(k) == v for k, v in (("world_size", world.world_size), ("dp", world.dp),
@@ -356,7 +362,7 @@ def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str
         state[rng_key] = b""
     offsets = {key: start for key, (start, _) in pieces.items()}
     try:
-        dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner(offsets))
+        dcp.load(state, storage_reader=FileSystemReader(ckpt), planner=FlatLoadPlanner(offsets, swapped))
     except dcp.api.CheckpointException as exc:  # collective: every rank gets the same one
         raise _unreadable_data(ckpt, exc) from None
     if same_world:

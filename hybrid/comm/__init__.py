@@ -10,6 +10,7 @@
 - ``buffer_pool``: reusable flat buffers for the collectives.
 - ``heartbeat``: how many collectives this process has entered (what a hang report names).
 - ``mesh``: the 2D mesh, dp (across nodes) x tp (inside a node), and its process groups.
+- ``device``: the rank's device, bound on every thread that does its work.
 """
 
 from hybrid.comm.collectives import SHM_MIN_BYTES, Comm, exchange_numel

@@ -20,9 +20,13 @@ launcher can tell which rank its peers were waiting for when they time out. Both
 ``Comm._carrying``, the same whichever transport carries the bytes.
 
 A group of size 1 moves nothing: the call is a no-op (all-gather / reduce-scatter become copies) and
-nothing is counted. Async ops return a handle with ``.wait()`` in every case, so callers never branch on
-the group size. Callers that want a mean pass ``average=True`` (NCCL averages in the collective; on gloo the
-sum is divided by the group size).
+nothing is counted (``Comm.solo``). With ``HYBRID_FORCE_COLLECTIVES=1`` (``collectives_forced``, read when a
+``Comm`` is made) a group of one issues every collective for real instead, through torch.distributed on the
+group, and counts it: a sum over one rank is the identity, so results do not change, and one GPU then runs
+NCCL's all-gather, reduce-scatter and all-reduce on every path a multi-GPU job takes. Callers that skip work
+which only exists to communicate ask ``comm.solo``, never the size. Async ops return a handle with
+``.wait()`` in every case, so callers never branch on the group size. Callers that want a mean pass
+``average=True`` (NCCL averages in the collective; on gloo the sum is divided by the group size).
 
 The bytes move by transports (``hybrid.comm.transport``), chosen once, when the ``Comm`` is made, for its
 group (`GroupTransports`):
@@ -42,6 +46,7 @@ once ``destroy_process_group`` has removed the group (``hybrid.comm.shm_transpor
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +64,7 @@ from hybrid.plan import layout as _layout
 from hybrid.plan.links import inter_fraction
 from hybrid.plan.layout import EXCHANGE_MIN_NUMEL, EXCHANGE_NUMEL, EXCHANGE_SLICES, SHM_MIN_BYTES
 from hybrid.plan.layout import exchange_numel  # noqa: F401  (hybrid.comm's name for the memory model's figure)
+from hybrid.errors import ConfigError
 
 
 # broadcast_many packs tensors below this many elements into one buffer per dtype (a copy in and out);
@@ -68,6 +74,19 @@ COALESCE_MAX_NUMEL = 1 << 20
 
 # The thresholds and buffer sizes are layout arithmetic (hybrid.plan.layout: the memory model counts the same
 # buffers); a Comm reads them from this module when it chooses its transports, so a test may set them here.
+
+
+FORCE_COLLECTIVES_ENV = "HYBRID_FORCE_COLLECTIVES"
+
+
+def collectives_forced() -> bool:
+    """Whether ``HYBRID_FORCE_COLLECTIVES`` asks groups of one rank to issue their collectives for real ("1";
+    unset, empty or "0": no). The one place the switch is read."""
+    value = os.environ.get(FORCE_COLLECTIVES_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{FORCE_COLLECTIVES_ENV} is {value!r}; set it to 1 (groups of one rank issue their "
+                          "collectives for real) or 0 (they skip them), or unset it.")
+    return value == "1"
 
 
 def _exchange_shape(numel: int, size: int) -> tuple:
@@ -101,10 +120,13 @@ class GroupTransports:
 
 def _choose_transports(group, name: str) -> GroupTransports:
     """The transports of ``group`` (``None``: the default group), from its backend and size and the
-    thresholds as they are now."""
+    thresholds as they are now. A group of one (forced to communicate: ``collectives_forced``) gets
+    torch.distributed on the group for every tensor, the transport a GPU tensor takes in any group."""
     backend, rank, size = str(dist.get_backend(group)).lower(), dist.get_rank(group), dist.get_world_size(group)
     own = ProcessGroupTransport(group, backend, size)
     cpu: Transport = own
+    if size == 1:
+        return GroupTransports(cpu=own, own=own)
     if "gloo" in backend:
         cpu = ExchangeTransport(cpu, group, rank, size, cap_numel=exchange_cap_numel(size), shape=_exchange_shape,
                                 all_reduce_min_numel=EXCHANGE_MIN_NUMEL)
@@ -121,7 +143,8 @@ class Comm:
                  nodes: Optional[Sequence[int]] = None):
         self.name = name
         self.group = group
-        if dist.is_available() and dist.is_initialized():
+        initialized = dist.is_available() and dist.is_initialized()
+        if initialized:
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
         else:
@@ -130,12 +153,15 @@ class Comm:
             raise ValueError(f"Comm {name!r}: nodes names {len(nodes)} ranks, the group has {self.size}")
         self.nodes = tuple(nodes) if nodes is not None else (0,) * self.size
         self._inter = float(inter_fraction(len(set(self.nodes)), self.size))
+        # True: this Comm moves nothing (a group of one not forced to communicate); what exists only to
+        # communicate may be skipped. Decided once, here, with the transports.
+        self.solo = self.size == 1 and not (initialized and collectives_forced())
         self.bytes: Counter = Counter()
         self.inter_bytes: Counter = Counter()
         self.calls: Counter = Counter()
         # Chosen once, here; a collective only takes ``cpu`` or ``own`` by where its tensor is.
         solo = Solo()
-        self.transports = _choose_transports(group, name) if self.size > 1 else GroupTransports(cpu=solo, own=solo)
+        self.transports = GroupTransports(cpu=solo, own=solo) if self.solo else _choose_transports(group, name)
 
     def close(self) -> None:
         """Release what this Comm's transports keep between calls: the exchange's buffers, and its hold on the
@@ -155,9 +181,9 @@ class Comm:
     @contextmanager
     def _carrying(self, op: str, nbytes: Optional[int]) -> Iterator[None]:
         """Around every collective, whichever transport carries it: ``op`` and its logical ``nbytes`` counted
-        (``None``: a barrier, not counted) and the heartbeat inside it until the transport returns. A group of
-        one moves nothing and records nothing."""
-        if self.size == 1:
+        (``None``: a barrier, not counted) and the heartbeat inside it until the transport returns. A solo
+        Comm moves nothing and records nothing."""
+        if self.solo:
             yield
             return
         if nbytes is not None:
@@ -219,7 +245,7 @@ class Comm:
         ``COALESCE_MAX_NUMEL`` elements packed into one broadcast per dtype and device (a model's hundreds of
         BatchNorm statistics are one collective, not hundreds), larger ones broadcast as they are; a tensor
         listed twice moves once. Counted as one broadcast per collective issued, of the bytes it moves."""
-        if self.size == 1:
+        if self.solo:
             return
         packs, works, seen = {}, [], set()
         for t in tensors:
@@ -254,7 +280,7 @@ class Comm:
         """(elementwise max, elementwise min) of ``values`` (a 1-D float tensor, the same length on every rank)
         over the group, from one MAX all-reduce of ``values`` and ``-values``: equal when every rank holds
         the same values."""
-        if self.size == 1:
+        if self.solo:
             return values, values
         both = torch.cat([values, -values])
         self.all_reduce(both, op=dist.ReduceOp.MAX)

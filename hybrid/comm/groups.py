@@ -1,7 +1,7 @@
 """Where a group's ranks run, and the sub-groups of a group (node-local, across nodes, shard and replica groups).
 
 ``group_nodes(group, device)`` is the node of each rank of ``group`` (in group rank order), as each rank's
-environment states it (``hybrid.comm.mesh.placement_from_env``: torchrun's and the Ray launcher's ``GROUP_RANK``
+environment states it (``placement_from_env``, pure: torchrun's and the Ray launcher's ``GROUP_RANK``
 / ``NODE_RANK`` / ``LOCAL_WORLD_SIZE``; simulated nodes on one host count as nodes), exchanged once over the
 group: a collective (one all-gather of an integer, on ``device``: the CPU where the group's backend has gloo,
 else the current CUDA device), so every rank of ``group`` calls it.
@@ -17,7 +17,7 @@ create its sub-groups in the same order (``hybrid.zero.sharding`` creates them k
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,27 @@ import torch.distributed as dist
 _GROUPS: dict = {}  # (id of the default group, ranks) -> process group
 
 
+def placement_from_env(env: Mapping[str, str], rank: int) -> tuple[int, int]:
+    """``(node_index, local_rank)`` of ``rank`` from torchrun-style variables.
+
+    ``LOCAL_RANK`` is the rank's index on its node; the node is ``GROUP_RANK`` (torchrun) or ``NODE_RANK``,
+    else derived from ``LOCAL_WORLD_SIZE`` (ranks per node, consecutive ranks per node). Without any of
+    them the job is taken to be one node: ``(0, rank)``.
+    """
+    if "LOCAL_RANK" not in env:
+        return 0, rank
+    local_rank = int(env["LOCAL_RANK"])
+    for key in ("GROUP_RANK", "NODE_RANK"):
+        if key in env:
+            return int(env[key]), local_rank
+    if "LOCAL_WORLD_SIZE" in env:
+        return (rank - local_rank) // int(env["LOCAL_WORLD_SIZE"]), local_rank
+    return 0, local_rank
+
+
 def group_nodes(group: Optional[dist.ProcessGroup] = None, device=None) -> tuple:
     """The node index of every rank of ``group`` (``None``: the default group), in group rank order
     (collective over ``group``; ``device``: where the exchanged integer lives, see the module docstring)."""
-    from hybrid.comm.mesh import placement_from_env
-
     if not (dist.is_available() and dist.is_initialized()):
         return (0,)
     node, _ = placement_from_env(os.environ, dist.get_rank())

@@ -25,8 +25,8 @@ keep working beside NCCL on GPU tensors.
 all-reduces of every layer then cross the inter-node network. ``hybrid launch`` refuses such a plan.
 
 ``MeshLayout`` (the one definition of which ranks form each group, also what ``hybrid plan`` prints),
-``mesh_degrees``, ``placement_from_env`` and ``tp_groups_across_nodes`` are pure, usable before any process
-exists.
+``mesh_degrees``, ``placement_from_env`` (defined in ``hybrid.comm.groups``, which ``group_nodes`` reads it
+from) and ``tp_groups_across_nodes`` are pure, usable before any process exists.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.comm.collectives import Comm
-from hybrid.comm.groups import group_nodes
+from hybrid.comm.groups import group_nodes, placement_from_env  # noqa: F401  (this module's name for it too)
 from hybrid.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,14 @@ class MeshLayout:
     ranks_per_node: int
     tp: int
     dp: int
+
+    @classmethod
+    def of(cls, nodes: int, ranks_per_node: int, tp: int) -> "MeshLayout":
+        """The layout of ``nodes`` x ``ranks_per_node`` ranks in TP groups of ``tp`` (a divisor of the node)."""
+        if ranks_per_node % tp:
+            raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {ranks_per_node}; "
+                              "use a divisor of gpus_per_node.")
+        return cls(nodes, ranks_per_node, tp, nodes * ranks_per_node // tp)
 
     @property
     def node_ranks(self) -> list[list[int]]:
@@ -104,24 +112,6 @@ def mesh_degrees(world_size: int, tp: int, dp: Optional[int] = None) -> tuple[in
         raise ConfigError(f"tp={tp} × dp={dp} = {tp * dp} ranks but the world size is {world_size}; "
                           f"choose tp and dp whose product is {world_size}.")
     return dp, tp
-
-
-def placement_from_env(env: Mapping[str, str], rank: int) -> tuple[int, int]:
-    """``(node_index, local_rank)`` of ``rank`` from torchrun-style variables.
-
-    ``LOCAL_RANK`` is the rank's index on its node; the node is ``GROUP_RANK`` (torchrun) or ``NODE_RANK``,
-    else derived from ``LOCAL_WORLD_SIZE`` (ranks per node, consecutive ranks per node). Without any of
-    them the job is taken to be one node: ``(0, rank)``.
-    """
-    if "LOCAL_RANK" not in env:
-        return 0, rank
-    local_rank = int(env["LOCAL_RANK"])
-    for key in ("GROUP_RANK", "NODE_RANK"):
-        if key in env:
-            return int(env[key]), local_rank
-    if "LOCAL_WORLD_SIZE" in env:
-        return (rank - local_rank) // int(env["LOCAL_WORLD_SIZE"]), local_rank
-    return 0, local_rank
 
 
 def tp_groups_across_nodes(node_of_rank: list, tp: int) -> list:

@@ -5,7 +5,8 @@ the bytes and records the heartbeat of every call itself; a transport only moves
 ``ProcessGroupTransport`` (torch.distributed on the group: NCCL or gloo), ``ExchangeTransport`` (faster gloo
 algorithms for CPU tensors) and ``SharedMemoryTransport`` (CPU tensors between the ranks of one host); the
 last two are `Relay`s: each carries the calls it is made for and hands every other one, unchanged, to the
-transport below it. `Solo` is a group of one.
+transport below it. `Solo` is a group of one that moves nothing (a ``Comm`` forced to communicate,
+``HYBRID_FORCE_COLLECTIVES=1``, gives its group of one ``ProcessGroupTransport`` instead).
 
 Contract of every transport:
 

@@ -47,7 +47,7 @@ DEEPSPEED_KNOBS = {
         "zero_optimization.allgather_partitions",  # false: broadcasts instead of an all-gather, the same values
         "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
         "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
-        "zero_optimization.offload_optimizer.nvme_path")},
+        "aio")},  # the swap store always pipelines its reads and writes, with its own threads and buffers
     "zero_optimization.offload_optimizer.ratio": _Knob(_only(1.0), "other than 1.0 (offloading part of the "
                                                        "optimizer) is not supported; remove it: all of it is offloaded"),
     "zero_optimization.offload_param": _Knob(_no_param_offload, "(ZeRO-Infinity parameter offload) is not "

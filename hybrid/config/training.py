@@ -34,7 +34,10 @@ against the class. Beside them (ours): ``no_decay`` (``auto``: no weight decay o
 biases, norms -- and embedding weights; ``none``; or a list of name patterns), ``param_groups`` (a list
 of ``{names: [patterns], weight_decay: x, lr_scale: y}``, first match wins) and ``implementation``
 (``auto`` | ``fused`` | ``foreach`` | ``for-loop``). ``zero_optimization.offload_optimizer: {device: cpu,
-pin_memory: true}`` keeps the fp32 master and the optimizer state in host memory (stages 1-3).
+pin_memory: true}`` keeps the fp32 master and the optimizer state in host memory (stages 1-3);
+``{device: nvme, path: /local/nvme}`` (DeepSpeed's ``nvme_path``; an absolute path) keeps them in a swap file
+per rank on that local disk (ZeRO-Infinity's optimizer offload; ``hybrid.zero.nvme``), the gradient shard the
+optimizer steps from in host memory. DeepSpeed's ``nvme_path`` beside another device is not read, as there.
 
 Unknown keys are an error that names every unknown key of the section (whole) and lists the accepted ones. Sizes are in
 elements, as in DeepSpeed, and may be written as floats (``5e8``) when they are whole numbers.
@@ -48,14 +51,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Optional
 
 from hybrid.config import validate as v
 from hybrid.config.deepspeed import DEEPSPEED_KNOBS, drop_deepspeed_knobs
 from hybrid.config.optimizers import (NOT_ELEMENTWISE, default_weight_decay, optimizer_kwargs_allowed,
                                       torch_optimizer_class)
-from hybrid.config.schema import (Section, Where, deepspeed_defaults, default_of, section_check, setting, setting_of,
-                                  spelled)
+from hybrid.config.schema import (Section, Where, deepspeed_defaults, default_of, path_value, section_check, setting,
+                                  setting_of, spelled)
 from hybrid.config.validate import PRECISIONS
 from hybrid.errors import ConfigError
 
@@ -75,30 +79,55 @@ _NON_NEGATIVE = partial(v.number, lo=0.0)
 
 
 # -- zero.offload_optimizer --------------------------------------------------------------------------------
-OFFLOAD_DEVICES = ("none", "cpu")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 def _offload_device(path: str, value: Any) -> str:
-    if isinstance(value, str) and value == "nvme":
-        raise ConfigError(f"{path} nvme is not supported (only host memory is); use device: cpu, or device: none "
-                          f"to keep the optimizer state on the GPU.")
     return v.one_of(path, "none" if value is None else value, OFFLOAD_DEVICES)
+
+
+def _nvme_path(path: str, value: Any) -> Path:
+    directory = path_value(path, value)
+    if not directory.is_absolute():
+        raise ConfigError(f"{path} is {v.quote(str(value))}, a relative path; give the absolute path of a directory "
+                          f"on the node's local NVMe disk (each rank keeps its swap file there).")
+    return directory
 
 
 @dataclass(frozen=True)
 class OffloadConfig(Section):
-    """Where the fp32 master weights and optimizer state live: ``none`` (the device) or ``cpu`` (host memory,
-    pinned when ``pin_memory`` and the device is CUDA)."""
+    """Where the fp32 master weights and optimizer state live: ``none`` (the device), ``cpu`` (host memory,
+    pinned when ``pin_memory`` and the device is CUDA) or ``nvme`` (a swap file per rank under ``path``, a
+    directory on the node's local disk, read and written a sub-group at a time: ``hybrid.zero.nvme``)."""
 
     SECTION = "zero.offload_optimizer"
     SORTED_KEYS = True
 
-    device: str = setting("none", _offload_device, help="none (the device) or cpu (host memory)")
+    device: str = setting("none", _offload_device, help="none (the device), cpu (host memory) or nvme (a local "
+                                                        "disk, under path)")
     pin_memory: bool = setting(False, v.boolean, help="pinned host buffers (with CUDA)")
+    path: Optional[Path] = setting(None, _nvme_path, deepspeed="nvme_path",
+                                   help="device nvme: a directory on the node's local NVMe disk")
+
+    def _check_together(self, where: Where) -> None:
+        device, path = where("device"), where("path")
+        if self.device == "nvme" and self.path is None:
+            raise ConfigError(f"{device} is nvme but {path} is not set; set it to a directory on the node's local "
+                              f"NVMe disk (each rank keeps its swap file there).")
+        if self.device != "nvme" and self.path is not None:
+            if path.endswith("nvme_path"):  # DeepSpeed's form: read only with device nvme, as DeepSpeed does
+                self._set("path", None)
+                return
+            raise ConfigError(f"{path} is set but {device} is {self.device}; set {device} to nvme to keep the "
+                              f"optimizer states on that disk, or remove {path}.")
 
     @property
     def enabled(self) -> bool:
         return self.device != "none"
+
+    @property
+    def nvme(self) -> bool:
+        return self.device == "nvme"
 
 
 # -- zero / zero_optimization ------------------------------------------------------------------------------
@@ -160,7 +189,8 @@ class ZeroConfig(Section):
     contiguous_gradients: bool = setting(True, v.boolean,
                                          help="accepted for DeepSpeed configs; gradients are always flat")
     offload_optimizer: OffloadConfig = setting(factory=OffloadConfig, check=section_check(OffloadConfig),
-                                               help="stages 1-3: {device: cpu} keeps the optimizer in host memory")
+                                               help="stages 1-3: {device: cpu} keeps the optimizer in host memory, "
+                                                    "{device: nvme, path: DIR} on a local disk")
     stage3_unit: Any = setting("auto", _stage3_unit, help="stage 3: auto | module | callable(name, module) -> bool")
     reduce_dtype: Optional[str] = setting(None, partial(v.one_of, choices=PRECISIONS),
                                           help="gradients summed and accumulated in: fp32 | bf16; unset: the model's")

@@ -5,7 +5,7 @@ the built-in GPT's ``model:`` shape, the model of an ``hf:`` section::
 
     hf:
       config: tiny-llama/config.json     # a transformers config.json (or the directory holding one)
-      weights: tiny-llama/model.safetensors   # optional: start from these weights (a consolidated .safetensors / .pt)
+      weights: tiny-llama   # optional: start from these weights (a save_pretrained directory, or one .safetensors / .pt)
       seq_len: 128                       # tokens per row
     data: corpus.bin                     # optional: a token file (else the synthetic chain over the vocabulary)
     train: {lr: 0.001}                   # as the built-in GPT's (optimizer, scheduler, clipping, ...)
@@ -27,11 +27,14 @@ checkpointing is the model's own (``gradient_checkpointing_enable``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from hybrid.weights.files import INDEX, SINGLE
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
+from hybrid.models.sections import data_path, planned_zero, train_options, training_config, zero_options
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
 HF_KEYS = ("config", "weights", "seq_len")
@@ -69,9 +72,10 @@ def hf_options(section: Any, model_config_path: Optional[str] = None) -> dict:
     weights = section.get("weights")
     if weights is not None:
         weights = _path(weights, "hf.weights", base)
-        if not weights.is_file():
-            raise ConfigError(f"hf.weights is {v.quote(str(weights))}, which is not a file; give a consolidated "
-                              ".safetensors or .pt file, or leave hf.weights out to start from random weights.")
+        if not weights.is_file() and not any((weights / name).is_file() for name in (INDEX, SINGLE)):
+            raise ConfigError(f"hf.weights is {v.quote(str(weights))}, which is neither a file nor a save_pretrained "
+                              f"directory (with {INDEX} or {SINGLE}); give a consolidated .safetensors or .pt file "
+                              "or such a directory, or leave hf.weights out to start from random weights.")
     seq_len = v.positive_int("hf.seq_len", v.required(section, "hf", "seq_len", "tokens per row, e.g. 128"))
     return {"config": config, "weights": weights, "seq_len": seq_len}
 
@@ -127,7 +131,6 @@ def build_model(model_config: Mapping, tp_comm=None):
 def check_model_config(doc: Mapping, path: Path) -> None:
     """What the launcher checks before any rank starts: the ``hf:`` section, the ``train:`` options, and
     a ``data:`` token file's vocabulary against the model's."""
-    from hybrid.models.gpt.training import data_path, train_options, zero_options
     from hybrid.data import TokenFile
 
     options = hf_options(doc.get("hf"), path)
@@ -151,11 +154,12 @@ def train(ctx: Context, after_step=()) -> dict:
     """Train the model of the ``hf:`` section for ``ctx.steps`` steps; returns this rank's summary."""
     import hybrid
     from hybrid.data import MarkovTokens, TokenFile
-    from hybrid.models.gpt.training import data_path, planned_zero, train_options, training_config
 
     options = hf_options(ctx.model_config.get("hf"), ctx.model_config_origin)
     train_opts = train_options(ctx.model_config.get("train"))
     config = load_config(ctx.local_path(options["config"]))
+    # checkpoints record the architecture itself, so `consolidate --hf` writes its config.json with no path to find
+    ctx.model_config = {**ctx.model_config, "hf": {**ctx.model_config["hf"], "config": json.loads(config.to_json_string())}}
     seq_len = options["seq_len"]
     check_seq_len(config, seq_len)
     with hybrid.empty_init():
@@ -165,7 +169,8 @@ def train(ctx: Context, after_step=()) -> dict:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine_config = training_config(train_opts, ctx.stage, ctx.settings.precision, ctx.settings.offload,
                                     zero=planned_zero(ctx),
-                                    accumulation=ctx.settings.gradient_accumulation_steps)
+                                    accumulation=ctx.settings.gradient_accumulation_steps,
+                                    nvme_path=ctx.settings.nvme_path)
     values = (dict(weights=str(ctx.local_path(options["weights"]))) if options["weights"] is not None else
               dict(seed=ctx.settings.seed, init_fn=model._init_weights))
     engine = hybrid.initialize(model, engine_config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,

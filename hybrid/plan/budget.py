@@ -5,8 +5,12 @@
 ``measure()`` returns one plain dict:
 
 * on CUDA: ``torch.cuda.max_memory_allocated`` (``peak_bytes``) and ``max_memory_reserved``
-  (``reserved_bytes``) of the rank's device since the last ``measure()``, and NVML's used and total memory
-  of that GPU (``nvml_used_bytes``, ``nvml_total_bytes``; absent where NVML is not available);
+  (``reserved_bytes``) of the rank's device since the last ``measure()``, and from NVML what this process
+  holds on that GPU (``nvml_used_bytes``: its record in NVML's running processes; absent where NVML cannot
+  attribute memory to it, e.g. in a PID namespace), the GPU's used memory over every process
+  (``nvml_device_used_bytes``, for display only: other processes' memory is not this rank's) and its total
+  (``nvml_total_bytes``); the NVML figures are absent where NVML is not available. NVML is initialised once
+  per process (``hybrid.plan.monitor.session``) and the GPU looked up once, when the meter is made;
 * on CPU -- the stand-in that makes the closed loop testable without a GPU -- the process's peak RSS
   growth since the baseline (``peak_bytes``): Linux's ``VmHWM`` reset to the current RSS through
   ``/proc/self/clear_refs`` at the baseline, else ``ru_maxrss``, which cannot be reset (so the figure is
@@ -20,7 +24,7 @@
 
 ``budget_bytes`` is the rank's memory budget: the GPU's total on CUDA (NVML's, else the device's), and
 on CPU the declared ``cluster.gpu_memory_gb`` the driver passes. ``used_bytes`` is what is held against it
-(NVML's used memory where known, else the peak) and ``fraction`` their ratio. ``check(measured)`` raises
+(this process's memory by NVML where known, else the peak) and ``fraction`` their ratio. ``check(measured)`` raises
 ``torch.OutOfMemoryError`` when the peak exceeds the budget, the same class CUDA raises, so the driver
 handles both alike; ``NEAR_OOM`` is the fraction above which the driver warns.
 """
@@ -99,25 +103,44 @@ class MemoryMeter:
             self._hwm = _reset_peak_rss()
             self.baseline = _status_bytes("VmRSS") if self._hwm else _maxrss_bytes()
             self._file_baseline = _status_bytes("RssFile")
+        self._gpu = self._nvml_gpu()  # (NVML module, handle, total bytes) of this rank's GPU, or None
         self.budget_bytes = float(budget_bytes) if budget_bytes else self._device_total()
 
     # -- reading --------------------------------------------------------------------------------------
-    def _nvml_gpu(self) -> Optional[tuple[int, int]]:
-        """(used, total) bytes of this rank's GPU from NVML, or None where NVML cannot tell."""
+    def _nvml_gpu(self) -> Optional[tuple]:
+        """``(module, handle, total bytes)`` of this rank's GPU in NVML (initialised once per process), or
+        None where NVML cannot tell."""
         if not self.cuda and self.nvml is None:
             return None
         from hybrid.plan import monitor
 
-        probe = monitor.probe(self.nvml)
-        if not probe.available or not probe.gpus:
+        try:
+            module = monitor.session(self.nvml)
+            gpu = nvml_gpu(monitor.read_gpus(module), self._visible)
+            return None if gpu is None else (module, module.nvmlDeviceGetHandleByIndex(gpu.index), gpu.total_bytes)
+        except Exception:  # NVML missing, or a query the driver refused: the meter goes without it
             return None
-        gpu = nvml_gpu(probe.gpus, self._visible)
-        return None if gpu is None else (gpu.used_bytes, gpu.total_bytes)
+
+    def _nvml_figures(self) -> dict:
+        """NVML's figures of this rank's GPU now (see the module docstring); {} where NVML cannot tell."""
+        if self._gpu is None:
+            return {}
+        from hybrid.plan import monitor
+
+        module, handle, total = self._gpu
+        try:
+            device_used = int(module.nvmlDeviceGetMemoryInfo(handle).used)
+        except Exception:  # the GPU fell off the bus, the driver went away: no figures this time
+            return {}
+        out = {"nvml_device_used_bytes": device_used, "nvml_total_bytes": int(total)}
+        own = monitor.process_bytes(module, handle)
+        if own is not None:
+            out["nvml_used_bytes"] = own
+        return out
 
     def _device_total(self) -> Optional[float]:
-        nvml = self._nvml_gpu()
-        if nvml is not None:
-            return float(nvml[1])
+        if self._gpu is not None:
+            return float(self._gpu[2])
         if self.cuda:
             return float(torch.cuda.get_device_properties(self.device).total_memory)
         return None
@@ -145,9 +168,7 @@ class MemoryMeter:
             peak = _status_bytes("VmHWM") if self._hwm else _maxrss_bytes()
             out["peak_bytes"] = max(0, int(peak or 0) - self.baseline - self._code_pages_mapped())
             out["source"] = "peak RSS growth since the engine was built (CPU stand-in)"
-        nvml = self._nvml_gpu()
-        if nvml is not None:
-            out["nvml_used_bytes"], out["nvml_total_bytes"] = nvml
+        out.update(self._nvml_figures())
         used = out.get("nvml_used_bytes", out["peak_bytes"])
         out["used_bytes"] = int(used)
         if self.budget_bytes:
@@ -157,7 +178,8 @@ class MemoryMeter:
 
     # -- the budget -----------------------------------------------------------------------------------
     def check(self, measured: dict) -> None:
-        """Raise ``OutOfMemoryError`` when the measured peak (or NVML's used memory) exceeds the budget."""
+        """Raise ``OutOfMemoryError`` when the measured peak (or this process's memory by NVML) exceeds the
+        budget."""
         budget = measured.get("budget_bytes")
         if not budget:
             return

@@ -1,24 +1,24 @@
 """The time-aware choice: every layout the job could run, those that fit memory, ranked by predicted tokens/s.
 
 ``layouts(...)`` lists the candidates: each TP degree offered, ZeRO stage, activation checkpointing and
-offload setting, and each split of a DP rank's rows into micro-batch × accumulation that keeps the global
-batch (``global_batch`` sequences per step in every candidate; a TP degree whose DP degree does not divide
-it is left out), each with every way its ZeRO collectives may use the links (``LINK_CHOICES``: flat, the
-shard group of a node, two-level collectives, hpZ, int8; those the stage or the placement cannot take are
-left out, ``link_options``). A user's fixed choices are the only values offered for their field; offload is
-never paired with stage 0 (nothing sharded to move).
+offload setting (False, True: host memory, ``"nvme"``: the node's disk), and each split of a DP rank's rows
+into micro-batch × accumulation that keeps the global batch (``global_batch`` sequences per step in every
+candidate; a TP degree whose DP degree does not divide it is left out), each with every way its ZeRO
+collectives may use the links (``LINK_CHOICES``: flat, the shard group of a node, two-level collectives, hpZ,
+int8; those the stage or the placement cannot take are left out, ``link_options``). A user's fixed choices
+are the only values offered for their field; offload is never paired with stage 0 (nothing sharded to move).
 
 ``rank(model, layouts, hw, memory)`` costs each (``hybrid.plan.cost.step_cost``) and sizes it
 (``memory(layout) -> hybrid.plan.planner.Option``, the planner's own rule); only layouts that fit are ever
 chosen: the fastest by tokens/s; where others are within ``TIE`` of it (the same speed, as far as the model
 can tell), the memory-only choice (``baseline``) when it is one of them -- the guide's choice stands unless
-time says otherwise -- else the one with the fewest levers (no offload, then no activation checkpointing,
-then the fewest link options) and then the least memory per GPU. Candidates with int8 collectives are priced
-but never chosen (``Ranking.lossy``): they change the values every step computes with, so they are the user's
-choice (``zero.quantized_weights`` / ``quantized_gradients``); ``hybrid plan`` shows what they would save. The
-``Ranking`` carries every other candidate, fitting ones first, fastest first, and one reason sentence that
-names the numbers: what the choice does differently from the memory-only choice (``baseline``), or, where they
-agree, from the runner-up.
+time says otherwise -- else the one with the fewest levers (no offload, not NVMe, then no activation
+checkpointing, then the fewest link options) and then the least memory per GPU. Candidates with int8
+collectives are priced but never chosen (``Ranking.lossy``): they change the values every step computes with,
+so they are the user's choice (``zero.quantized_weights`` / ``quantized_gradients``); ``hybrid plan`` shows
+what they would save. The ``Ranking`` carries every other candidate, fitting ones first, fastest first, and
+one reason sentence that names the numbers: what the choice does differently from the memory-only choice
+(``baseline``), or, where they agree, from the runner-up.
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ class Candidate:
         lay = self.layout
         return {"tp": lay.tp, "dp": lay.dp, "stage": lay.stage, "micro_batch": lay.micro_batch,
                 "accumulation": lay.accumulation, "activation_checkpointing": lay.activation_checkpointing,
-                "offload": lay.offload, "links": lay.links.zero(), "device_bytes": self.device_bytes,
-                "host_bytes": float(self.option.host_bytes), "fits": self.fits, **self.cost.as_dict()}
+                "offload": lay.offload, "nvme": lay.nvme, "links": lay.links.zero(),
+                "device_bytes": self.device_bytes, "host_bytes": float(self.option.host_bytes),
+                "disk_bytes": float(getattr(self.option, "disk_bytes", 0.0)), "fits": self.fits,
+                **self.cost.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,13 @@ def layouts(nodes: int, gpus_per_node: int, precision: str, tps: Iterable[int], 
     for tp in tps:
         dp = nodes * gpus_per_node // tp
         for b, k in batch_splits(global_batch, dp, micro_batch):
-            for stage in stages:
+            for s in stages:
                 for ac in checkpointing:
                     for off in offloads:
-                        if off and not policy_for(stage).shard_optimizer:  # nothing sharded to move
+                        if off and not policy_for(s).shard_optimizer:  # nothing sharded to move
                             continue
-                        lay = Layout(nodes, gpus_per_node, tp, stage, b, k, ac, off, precision)
+                        lay = Layout(nodes, gpus_per_node, tp, s, b, k, ac, bool(off), precision,
+                                     nvme=off == "nvme")
                         out += [Layout(**{**lay.__dict__, "links": lk}) for lk in link_options(lay, links)]
     return out
 
@@ -160,7 +163,7 @@ def rank(model: ModelShape, candidates: Sequence[Layout], hw: Hardware, memory: 
     if base is not None and base in ties:
         chosen = base
     else:
-        chosen = min(ties, key=lambda c: (c.layout.offload, c.layout.activation_checkpointing,
+        chosen = min(ties, key=lambda c: (c.layout.offload, c.layout.nvme, c.layout.activation_checkpointing,
                                           _link_levers(c.layout), c.device_bytes, ties.index(c)))
     return Ranking(ordered, chosen, base, global_batch, reason(chosen, base, fitting), lossy)
 
@@ -220,9 +223,14 @@ def differences(a: Candidate, b: Candidate) -> str:
         recompute = ca.recompute_s if la.activation_checkpointing else cb.recompute_s
         parts.append(("with" if la.activation_checkpointing else "without") +
                      f" activation checkpointing ({_ms(recompute)} of recompute)")
-    if la.offload != lb.offload:
-        cost = ca.offload_s if la.offload else cb.offload_s
-        parts.append(("with" if la.offload else "without") + f" optimizer offload ({_ms(cost)} of PCIe and host)")
+    if (la.offload, la.nvme) != (lb.offload, lb.nvme):
+        on, c = (la, ca) if la.offload else (lb, cb)
+        what = (f"NVMe optimizer offload ({_ms(c.offload_s)} of PCIe, host and disk)" if on.nvme else
+                f"optimizer offload ({_ms(c.offload_s)} of PCIe and host)")
+        if la.offload and lb.offload:
+            parts.append(f"with {what} instead of " + ("host memory" if la.nvme else "NVMe"))
+        else:
+            parts.append(("with " if la.offload else "without ") + what)
     if la.links != lb.links:
         parts.append(f"ZeRO collectives {lb.links.label or 'flat'} -> {la.links.label or 'flat'}: across nodes "
                      f"{human_bytes(cb.terms['dp_inter_bytes'])} -> {human_bytes(ca.terms['dp_inter_bytes'])} per GPU "
@@ -231,7 +239,8 @@ def differences(a: Candidate, b: Candidate) -> str:
 
 
 def describe(lay: Layout) -> str:
-    levers = [text for on, text in ((lay.activation_checkpointing, "AC"), (lay.offload, "offload"),
+    levers = [text for on, text in ((lay.activation_checkpointing, "AC"),
+                                    (lay.offload, "NVMe offload" if lay.nvme else "offload"),
                                     (bool(lay.links.label), lay.links.label)) if on]
     acc = f" x {lay.accumulation}" if lay.accumulation > 1 else ""
     return f"tp {lay.tp}, stage {lay.stage}, micro-batch {lay.micro_batch}{acc}" + \

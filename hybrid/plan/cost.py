@@ -30,7 +30,10 @@ t = TP degree, N = DP degree, Ψ = parameters):
   never hidden.
 * **offload**: the gradient shard to the host and the updated parameter shard back over PCIe, and the host
   optimizer stepping the shard at the host's Adam rate (shared by the node's ranks); the gradient copy
-  hides under backward like the reduction.
+  hides under backward like the reduction. With the states on NVMe (``Layout.nvme``) the step also reads
+  and writes the rank's swap file once, 12 B per parameter of the shard each way, on the node's disk
+  (``Hardware.nvme``, shared by the node's ranks; the read and the write take turns on it); the swap store
+  pipelines them with the host's step, so the slower of the two counts: ``max(host step, disk)``.
 * **optimizer**: the device optimizer over the rank's shard (all of Ψ/t where the optimizer is not
   sharded) at the device's Adam rate (memory bound).
 
@@ -49,6 +52,7 @@ from hybrid.config.stage_policy import StagePolicy, policy_for
 from hybrid.plan.links import Quantization, ShardTopology, Span, step_collectives
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+NVME_BYTES_PER_PARAM = 12  # hybrid.plan.memory's: fp32 master and both moments in the swap file
 DEFAULT_BUCKET_NUMEL = 500_000_000  # hybrid.config.training.ZeroConfig.reduce_bucket_size
 LOSS_CALLS = 3  # the vocab-parallel cross-entropy's all-reduces: max, sum of exponentials, target logit
 
@@ -147,6 +151,7 @@ class Layout:
     offload: bool = False
     precision: str = "bf16"
     links: LinkOptions = FLAT
+    nvme: bool = False  # with offload: the optimizer states on the node's disk, not in host memory
 
     @property
     def world(self) -> int:
@@ -186,8 +191,8 @@ class Layout:
     @property
     def label(self) -> str:
         batch = f"mb {self.micro_batch}" + (f"x{self.accumulation}" if self.accumulation > 1 else "")
-        levers = "".join(text for on, text in ((self.activation_checkpointing, " AC"), (self.offload, " off"))
-                         if on)
+        levers = "".join(text for on, text in ((self.activation_checkpointing, " AC"),
+                                               (self.offload, " nvme" if self.nvme else " off")) if on)
         links = f" {self.links.label}" if self.links.label else ""
         return f"tp{self.tp} z{self.stage} {batch}{levers}{links}"
 
@@ -206,6 +211,15 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Disk:
+    """A node's local disk for NVMe offload's swap files: sequential bytes/s of all its drives together."""
+
+    read: float
+    write: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class Hardware:
     """What the cost model knows of the machines, each figure with where it came from."""
 
@@ -219,6 +233,7 @@ class Hardware:
     host_adam_rate: float   # parameters per second the host steps for one rank (offload)
     overlap: float          # fraction of overlappable traffic hidden behind compute
     sources: tuple = ()     # (figure, where it came from) pairs, for the plan's text
+    nvme: Optional[Disk] = None  # one node's disk (NVMe offload); build_hardware fills it from its table
 
     def scaled(self, compute: float = 1.0) -> "Hardware":
         """This hardware with the compute efficiency scaled (calibration)."""
@@ -243,6 +258,9 @@ class StepCost:
     tokens: int             # the job's tokens per step
     peak_flops: float
     terms: dict = field(default_factory=dict)  # the sub-terms, for tests and --json
+    nvme_s: float = 0.0     # NVMe offload: the disk's time for the swap file's read and write (in offload_s)
+    nvme_read_bytes: float = 0.0   # per GPU per step: its swap file read once
+    nvme_write_bytes: float = 0.0  # and written once
 
     @property
     def exposed_s(self) -> float:
@@ -270,6 +288,8 @@ class StepCost:
                 "dp_hidden_s": self.dp_hidden_s, "offload_s": self.offload_s,
                 "offload_hidden_s": self.offload_hidden_s, "exposed_s": self.exposed_s, "step_s": self.step_s,
                 "tp_bytes": self.tp_bytes, "dp_bytes": self.dp_bytes, "pcie_bytes": self.pcie_bytes,
+                "nvme_s": self.nvme_s, "nvme_read_bytes": self.nvme_read_bytes,
+                "nvme_write_bytes": self.nvme_write_bytes,
                 "model_flops": self.model_flops, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, **self.terms}
 
@@ -432,14 +452,17 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
                  + _hidden(dp_boundary, max(0.0, last_micro - dp_backward), hw.overlap))
 
     shard = model.params / layout.tp / (layout.topology().shard if layout.policy.shard_optimizer else 1)
-    optimizer = offload = offload_hidden = pcie_bytes = 0.0
+    optimizer = offload = offload_hidden = pcie_bytes = nvme = swapped = 0.0
     if layout.offload:
         item = DTYPE_BYTES[layout.precision]
         to_host, to_device = shard * item, shard * item  # the gradient shard out, the updated parameters in
         pcie_bytes = to_host + to_device
         host = shard / hw.host_adam_rate
+        if layout.nvme:  # the swap file read and written once; the node's ranks share the disk
+            swapped = NVME_BYTES_PER_PARAM * shard
+            nvme = nvme_seconds(swapped, layout.gpus_per_node, _node_disk(hw))
         copy_out, copy_in = hw.pcie.time(to_host), hw.pcie.time(to_device)
-        offload = copy_out + host + copy_in
+        offload = copy_out + max(host, nvme) + copy_in
         offload_hidden = _hidden(copy_out, max(0.0, backward_window - (dp_backward - dp_hidden)), hw.overlap)
     else:
         optimizer = shard / hw.optimizer_rate
@@ -451,7 +474,22 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
     return StepCost(layout, compute, recompute, optimizer, tp, dp_forward + dp_backward + dp_boundary + dp_after,
                     dp_hidden,
                     offload, offload_hidden, tp_bytes, d.total, pcie_bytes, flops,
-                    layout.global_batch * model.seq, hw.peak_flops, terms)
+                    layout.global_batch * model.seq, hw.peak_flops, terms, nvme, swapped, swapped)
+
+
+def nvme_seconds(nbytes: float, ranks_per_node: int, disk: Disk) -> float:
+    """Seconds a rank's ``nbytes`` swap file takes to be read and then written back on a disk its node's
+    ``ranks_per_node`` ranks share."""
+    return nbytes * ranks_per_node / disk.read + nbytes * ranks_per_node / disk.write
+
+
+def _node_disk(hw: Hardware) -> Disk:
+    """The disk an NVMe layout swaps to: ``hw.nvme``, which ``hybrid.plan.hardware.build_hardware`` always fills
+    (this module defines the types the tables are made of, so it does not read the tables itself)."""
+    if hw.nvme is None:
+        raise ValueError("an NVMe-offload layout needs Hardware.nvme (a node's disk); build the hardware with "
+                         "hybrid.plan.hardware.build_hardware or give Hardware(..., nvme=Disk(...)).")
+    return hw.nvme
 
 
 def calibrate(hw: Hardware, predicted: StepCost, measured_step_s: float) -> tuple[Hardware, float]:

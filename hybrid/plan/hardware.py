@@ -10,6 +10,8 @@ Three tables and a few factors:
   ``infiniband``, ``roce``, ``ethernet``, ``loopback``): bandwidth per direction of one port (one GPU's
   NVLink or PCIe, one NIC), the latency of a collective on it, and how many ports a node has by default.
 * ``EFFICIENCY``: what fraction of a peak real training reaches, and how much traffic hides behind compute.
+* ``NVME``: a node's local NVMe disk, where NVMe offload keeps the optimizer states (sequential read and write
+  rates of one drive, the drives a node has).
 
 Bandwidths are bytes per second in one direction (datasheets often quote both directions added: NVLink 4's
 "900 GB/s" is 450 GB/s each way); 1 Gb/s = 0.125 GB/s; GB = 10^9. Measured figures (``hybrid probe``)
@@ -177,6 +179,35 @@ ADAM_BYTES_PER_PARAM = 28
 # Host cores per GPU stepping an offloaded optimizer: a DGX H100 has 112 cores for 8 GPUs (DGX H100 datasheet).
 HOST_CORES_PER_GPU = 14
 
+
+@dataclass(frozen=True)
+class DiskSpec:
+    name: str
+    read: float    # one drive, sequential, bytes/s
+    write: float   # one drive, sequential, bytes/s
+    drives: int    # drives per node, striped together (RAID-0)
+    source: str
+
+
+# The DGX H100 datasheet lists 8 x 3.84 TB NVMe U.2 data drives (plus two M.2 boot drives), which DGX OS
+# stripes into one RAID-0 array (/raid); a PCIe Gen4 U.2 data-centre drive of that size reads ~7.0 GB/s and
+# writes ~3.8 GB/s sequentially (Samsung PM1733 3.84 TB datasheet). No measurement here: `hybrid probe`
+# measures the disk's free space, not its speed.
+NVME = DiskSpec("nvme", 7.0 * GB, 3.8 * GB, 8, "8 x PCIe Gen4 U.2 drives in RAID-0 (DGX H100 datasheet), 7.0 GB/s "
+                "read and 3.8 GB/s write each (Samsung PM1733 3.84 TB datasheet)")
+# Of the drives' sequential rates, what the swap store's large aligned O_DIRECT transfers through a filesystem
+# and a RAID layer are taken to reach: a margin, not a measurement (as LINK_EFFICIENCY is for links).
+DISK_EFFICIENCY = 0.8
+
+
+def nvme_disk():
+    """A node's NVMe disk as the time model sees it (``hybrid.plan.cost.Disk``): the table's drives at
+    ``DISK_EFFICIENCY``."""
+    from hybrid.plan.cost import Disk
+
+    return Disk(NVME.read * NVME.drives * DISK_EFFICIENCY, NVME.write * NVME.drives * DISK_EFFICIENCY,
+                f"{NVME.source}, at {DISK_EFFICIENCY:g} of them")
+
 # A CPU rank (no GPU: ranks on cores, gloo): one core's fp32 matmul rate, AVX-512 FMA at ~2.5 GHz
 # (2 x 16 fp32 FMA lanes x 2 FLOP x 2.5 GHz = 160 GFLOP/s), memory ~10 GB/s per core. Only a placeholder
 # until `hybrid probe` measures the real ones.
@@ -195,7 +226,7 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
                    intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
                    probe: Optional[dict] = None):
     """The ``hybrid.plan.cost.Hardware`` for a cluster: the probe's figures (``probe.json``, see
-    ``launch.ray.probe``) where it measured them, else the declared ones (``gpu_tflops``: peak TFLOP/s per
+    ``launch.planning.probe_figures``) where it measured them, else the declared ones (``gpu_tflops``: peak TFLOP/s per
     GPU; ``*_gbps``: line rate of one port in Gb/s, one direction; ``nics_per_node``), else the tables.
     ``device``: the GPU's NVML name, ``cpu`` for CPU ranks, None when not known (the table's default GPU,
     an H100 SXM, said in the sources). ``intra`` / ``inter``: cluster.yaml's link names."""
@@ -246,8 +277,11 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
         host_rate = optimizer_rate = EFFICIENCY.host_adam if not probe or not probe.get("optimizer_rate") \
             else optimizer_rate
     overlap = EFFICIENCY.overlap_cpu if device == "cpu" else EFFICIENCY.overlap
+    disk = nvme_disk()
+    sources.append(("nvme", f"{disk.read / GB:.3g} GB/s read, {disk.write / GB:.3g} GB/s write per node: "
+                            f"{disk.source}"))
     return Hardware(device or gpu.name, peak, efficiency, optimizer_rate, intra_link, inter_link, pcie, host_rate,
-                    overlap, tuple(sources))
+                    overlap, tuple(sources), disk)
 
 
 def _probed(probe: dict, precision: str, peak, efficiency, optimizer_rate, intra, inter, peak_declared: bool):

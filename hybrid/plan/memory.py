@@ -28,10 +28,12 @@ bytes per transformer layer for sequence length s, micro-batch b, hidden size h,
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+from typing import Optional
 
 from hybrid.config import validate as v
 from hybrid.config.stage_policy import policy_for
@@ -76,18 +78,28 @@ def _check_precision(precision: str) -> tuple[int, int, int]:
     return BYTES_PER_PARAM[v.one_of("precision", precision, PRECISIONS)]
 
 
+def bytes_per_param(precision: str, reduce_dtype: Optional[str] = None) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter: ``BYTES_PER_PARAM[precision]``, with the
+    gradients in ``reduce_dtype`` (``zero.reduce_dtype``: fp32 gradients of a bf16 model) when given."""
+    p_bytes, g_bytes, o_bytes = _check_precision(precision)
+    if reduce_dtype is not None:
+        g_bytes = DTYPE_BYTES[v.one_of("zero.reduce_dtype", reduce_dtype, PRECISIONS)]
+    return p_bytes, g_bytes, o_bytes
+
+
 def model_state_bytes(
-    params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION, *,
-    shard: int | None = None, secondary: int = 1
+    params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+    reduce_dtype: Optional[str] = None, *, shard: int | None = None, secondary: int = 1
 ) -> ModelStateBytes:
-    """Per-GPU bytes of parameters, gradients and optimizer states at ZeRO ``stage``, sharded over ``shard`` of the
-    ``dp`` ranks (default all) and, at stage 3, with hpZ's secondary shard over ``secondary`` ranks (1: none)."""
+    """Per-GPU bytes of parameters, gradients (in ``reduce_dtype``, default the model's) and optimizer states
+    at ZeRO ``stage``, sharded over ``shard`` of the ``dp`` ranks (default all) and, at stage 3, with hpZ's
+    secondary shard over ``secondary`` ranks (1: none)."""
     params = _positive_int(params, "params")
     dp = _positive_int(dp, "dp")
     tp = _positive_int(tp, "tp")
     s = dp if shard is None else _positive_int(shard, "shard")
     policy = policy_for(v.stage("stage", stage))
-    p_bytes, g_bytes, o_bytes = _check_precision(precision)
+    p_bytes, g_bytes, o_bytes = bytes_per_param(precision, reduce_dtype)
 
     local = Fraction(params, tp)  # what one GPU holds before ZeRO
     part = local / s
@@ -99,10 +111,12 @@ def model_state_bytes(
     return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
 
 
-def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION, *, shard: int | None = None,
+def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+               reduce_dtype: Optional[str] = None, *, shard: int | None = None,
                secondary: int = 1) -> dict[int, ModelStateBytes]:
     """``model_state_bytes`` for every stage, keyed 0..3."""
-    return {s: model_state_bytes(params, dp, s, tp, precision, shard=shard, secondary=secondary) for s in STAGES}
+    return {s: model_state_bytes(params, dp, s, tp, precision, reduce_dtype, shard=shard, secondary=secondary)
+            for s in STAGES}
 
 
 def activation_bytes(
@@ -188,9 +202,9 @@ def parse_count(text, field: str = "params") -> int:
 # gradient bytes, 2 in bf16, 4 in fp32), as in ZeRO-Offload.
 # The device keeps the parameters and gradients of its stage: 2Ψ/(t·N) + 2Ψ/(t·N) at stage 3 in bf16.
 # Transients of the copies (one unit's gradient shard in flight) are left to the prediction model.
-def host_bytes_per_param(precision: str) -> int:
+def host_bytes_per_param(precision: str, reduce_dtype: Optional[str] = None) -> int:
     """Host bytes per parameter of a rank's shard with the optimizer offloaded: master, moments, gradient."""
-    return 12 + _check_precision(precision)[1]
+    return 12 + bytes_per_param(precision, reduce_dtype)[1]
 
 
 @dataclass(frozen=True)
@@ -201,15 +215,52 @@ class OffloadBytes:
     host: int | float
 
 
-def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION) -> OffloadBytes:
+def offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+                  reduce_dtype: Optional[str] = None) -> OffloadBytes:
     """Device and host bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states in host memory."""
-    states = model_state_bytes(params, dp, stage, tp, precision)
+    states = model_state_bytes(params, dp, stage, tp, precision, reduce_dtype)
     if not policy_for(stage).shard_optimizer:
         raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 does not shard the optimizer "
                           "states); choose a stage from 1 to 3")
     device = Fraction(states.params) + Fraction(states.grads)
-    host = Fraction(host_bytes_per_param(precision) * params, tp * dp)
+    host = Fraction(host_bytes_per_param(precision, reduce_dtype) * params, tp * dp)
     return OffloadBytes(_number(device), _number(host))
+
+
+# ------------------------------------------------------------------------ optimizer states on NVMe
+# With the optimizer offloaded to NVMe (DeepSpeed's offload_optimizer: {device: nvme}, ZeRO-Infinity), each
+# rank's fp32 master shard and both Adam moments -- 12 bytes per parameter of its shard in either precision --
+# are a swap file on the node's local disk (``hybrid.zero.nvme``, laid out by ``hybrid.plan.swap_layout``);
+# the host keeps the copy of the reduced gradient shard the optimizer steps from (the gradient bytes, as with
+# CPU offload) and the store's record buffers: ``SWAP_BUFFERS`` sub-groups of at most ``sub_group_size``
+# elements (``CONVERT_NUMEL`` with non-fp32 gradients: the optimizer's batches), 12 bytes each (``swap_buffer_bytes``: a fixed cost per rank, not one that shrinks with DP). The
+# device keeps what it keeps with CPU offload. A step reads and writes the whole file once: 12 bytes per
+# parameter of the shard each way.
+NVME_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class NvmeBytes:
+    """Per-rank bytes with the optimizer states on NVMe: on the device, in host memory and on the disk."""
+
+    device: int | float
+    host: int | float
+    disk: int | float
+
+
+def nvme_offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
+                       reduce_dtype: Optional[str] = None,
+                       sub_group_size: int = ZeroConfig.sub_group_size) -> NvmeBytes:
+    """Device, host and disk bytes per rank at ZeRO ``stage`` (1-3) with the optimizer states on NVMe."""
+    from hybrid.plan.swap_layout import swap_buffer_bytes
+
+    split = offload_bytes(params, dp, stage, tp, precision, reduce_dtype)  # the device's share, and the stage check
+    shard = Fraction(params, tp * dp)
+    grad_item = bytes_per_param(precision, reduce_dtype)[1]
+    grads = grad_item * shard
+    # the engine's records are its optimizer batches: non-fp32 gradients cap them at CONVERT_NUMEL elements
+    buffers = swap_buffer_bytes(math.ceil(shard), batch_numel(sub_group_size, grad_item == FP32))
+    return NvmeBytes(split.device, _number(grads + buffers), _number(NVME_BYTES_PER_PARAM * shard))
 
 
 # ------------------------------------------------------------------------------ the complete prediction

@@ -1,4 +1,6 @@
-"""GPU facts from NVML (nvidia-ml-py): a one-shot ``probe()`` of this node and a background ``Sampler``.
+"""GPU facts from NVML (nvidia-ml-py): a one-shot ``probe()`` of this node, a background ``Sampler``, and
+``session()``, NVML initialised once for the whole process (the rank's memory meter reads it every few
+steps), with ``process_bytes`` reading what one process holds on a GPU.
 
 Neither ever raises because NVML is missing or failing (no driver, no GPU, a query the GPU does not
 support): ``probe()`` then returns ``NodeProbe(available=False, reason=...)`` and the caller falls back to
@@ -6,15 +8,23 @@ the memory declared in cluster.yaml; a ``Sampler`` records nothing and carries t
 
 The NVML module is injectable: pass ``nvml=`` to ``probe``/``Sampler``, or set ``monitor.NVML`` (``None``
 means ``import pynvml``). Utilization is NVML's GPU busy percentage (0-100), ``None`` where unsupported.
+
+A GPU's ``used_bytes`` is device-wide: every process's memory on it, and the driver's. What one process
+holds is its record in ``nvmlDeviceGetComputeRunningProcesses`` (``own_bytes`` picks it from the records);
+NVML cannot say where the record is missing (a PID namespace: NVML lists host PIDs) or the figure is not
+available.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 NVML = None  # the pynvml-compatible module to use; None: import pynvml on first use
+# NVML's "not available" (NVML_VALUE_NOT_AVAILABLE as an unsigned long long), which pynvml turns into None
+NOT_AVAILABLE = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,8 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _read_gpus(nvml) -> list[GpuInfo]:
+def read_gpus(nvml) -> list[GpuInfo]:
+    """Every GPU of this node, from ``nvml`` (initialised)."""
     gpus = []
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -101,6 +112,50 @@ def _read_gpus(nvml) -> list[GpuInfo]:
     return gpus
 
 
+_sessions: dict = {}  # id(module) -> (module, None once initialised, or the NvmlUnavailable it failed with)
+_sessions_lock = threading.Lock()
+
+
+def session(nvml=None):
+    """The NVML module (``nvml``, ``monitor.NVML`` or pynvml), initialised once for this process and kept
+    initialised: later calls return it without initialising again. Raises ``NvmlUnavailable`` where NVML
+    cannot be loaded or initialised (a failed initialisation is not tried again)."""
+    module = _module(nvml)
+    with _sessions_lock:
+        if id(module) not in _sessions:  # the module is kept in the entry, so its id is never reused
+            try:
+                _sessions[id(module)] = (_init(module), None)
+            except NvmlUnavailable as err:
+                _sessions[id(module)] = (module, err)
+        _, error = _sessions[id(module)]
+    if error is not None:
+        raise NvmlUnavailable(str(error))
+    return module
+
+
+def own_bytes(processes, pid: int):
+    """Bytes the process ``pid`` holds according to NVML process records (``nvmlDeviceGetComputeRunningProcesses``'
+    ``pid`` and ``usedGpuMemory``): the sum of its records, or None where it has none or NVML gives no figure
+    for one (None, or NVML's not-available value)."""
+    mine = [p for p in processes if int(p.pid) == pid]
+    if not mine:
+        return None
+    used = [p.usedGpuMemory for p in mine]
+    if any(u is None or int(u) == NOT_AVAILABLE for u in used):
+        return None
+    return sum(int(u) for u in used)
+
+
+def process_bytes(nvml, handle, pid: int = None):
+    """Bytes process ``pid`` (default: this one) holds on the GPU ``handle`` names, or None where NVML cannot
+    tell (see ``own_bytes``; also where the query itself is not supported)."""
+    try:
+        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # not supported (some vGPU and MIG set-ups), no permission, or an older library
+        return None
+    return own_bytes(processes, os.getpid() if pid is None else pid)
+
+
 def _shutdown(nvml) -> None:
     try:
         nvml.nvmlShutdown()
@@ -115,7 +170,7 @@ def probe(nvml=None) -> NodeProbe:
     except NvmlUnavailable as err:
         return NodeProbe(available=False, reason=str(err))
     try:
-        gpus = _read_gpus(module)
+        gpus = read_gpus(module)
         try:
             driver = f", driver {_text(module.nvmlSystemGetDriverVersion())}"
         except Exception:
@@ -177,7 +232,7 @@ class Sampler:
     def _run(self) -> None:
         while True:
             try:
-                gpus = _read_gpus(self._nvml)
+                gpus = read_gpus(self._nvml)
             except Exception as err:
                 self.available, self.reason = False, f"NVML query failed ({err})"
                 return

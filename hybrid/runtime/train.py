@@ -73,7 +73,8 @@ class JobSettings:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     checkpoint_keep_last: int = 2
-    offload: bool = False  # optimizer states in host memory (the plan's choice)
+    offload: Any = False  # optimizer states off the GPU (the plan's choice): False, True (host memory) or "nvme"
+    nvme_path: Optional[str] = None  # offload "nvme": the node-local directory of the swap files (cluster.nvme_path)
     activation_checkpointing: bool = False  # recompute activations in backward (the plan's choice)
     gradient_accumulation_steps: int = 1  # micro-steps per step; each takes micro_batch / this rows
     memory_budget_bytes: Optional[float] = None  # the rank's budget (None: the GPU's total; CPU: none)

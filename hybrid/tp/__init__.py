@@ -14,7 +14,8 @@ from hybrid.tp.loss import vocab_parallel_cross_entropy
 from hybrid.tp.sharding import gather_tp_state_dict, slice_tp_state_dict, tp_slice
 from hybrid.config.tp_plan import STYLES
 from hybrid.tp.plan import apply_plan, check_plan
-from hybrid.tp.hf import hf_plan, largest_tp, parallelize
+from hybrid.tp.hf import hf_plan, parallelize
+from hybrid.tp.hf_config import largest_tp
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",

@@ -1,7 +1,8 @@
 """The four autograd collective pairs of Megatron-style tensor parallelism, each defined once.
 
 Each function takes the TP ``Comm`` (``hybrid.comm``), so TP traffic is counted apart from DP traffic.
-A ``None`` comm or a group of size 1 makes every function the identity.
+A ``None`` comm or one that moves nothing (``Comm.solo``: a group of one, unless ``HYBRID_FORCE_COLLECTIVES=1``
+makes it communicate) makes every function the identity.
 
 =============================  ======================  ======================
 function                       forward                 backward
@@ -31,8 +32,8 @@ from hybrid.comm.collectives import Comm
 from hybrid.tp.sharding import gather_tp_tensor
 
 
-def _size(comm: Optional[Comm]) -> int:
-    return 1 if comm is None else comm.size
+def _solo(comm: Optional[Comm]) -> bool:
+    return comm is None or comm.solo
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -100,7 +101,7 @@ class _GatherFromTP(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
     """Enter the TP region: identity forward, sum the input gradients of all TP ranks backward."""
-    return x if _size(comm) == 1 else _CopyToTP.apply(x, comm)
+    return x if _solo(comm) else _CopyToTP.apply(x, comm)
 
 
 def reduce_from_tp_region(x: torch.Tensor, comm: Optional[Comm], *, consume: bool = False) -> torch.Tensor:
@@ -108,14 +109,14 @@ def reduce_from_tp_region(x: torch.Tensor, comm: Optional[Comm], *, consume: boo
 
     ``consume=True`` (the layers' own matmul outputs, which nothing else holds) all-reduces ``x`` in place
     and returns it; otherwise ``x`` is left as it was and the sum is a new tensor."""
-    return x if _size(comm) == 1 else _ReduceFromTP.apply(x, comm, consume)
+    return x if _solo(comm) else _ReduceFromTP.apply(x, comm, consume)
 
 
 def scatter_to_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-    return x if _size(comm) == 1 else _ScatterToTP.apply(x, comm)
+    return x if _solo(comm) else _ScatterToTP.apply(x, comm)
 
 
 def gather_from_tp_region(x: torch.Tensor, comm: Optional[Comm]) -> torch.Tensor:
     """All-gather the last dim forward; keep this rank's slice of the gradient backward."""
-    return x if _size(comm) == 1 else _GatherFromTP.apply(x, comm)
+    return x if _solo(comm) else _GatherFromTP.apply(x, comm)

@@ -34,8 +34,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, comm, ignore_index, vocab_size):
         rank, tp = tp_rank_size(comm)
+        talk = comm is not None and not comm.solo  # a one-rank group communicates too when forced (Comm.solo)
         local_vocab = logits.shape[-1]
-        if tp > 1:
+        if talk:
             _check_even_split(comm, local_vocab, logits.device)
         if vocab_size is not None and local_vocab * tp != vocab_size:
             raise ValueError(f"vocab_parallel_cross_entropy: logits of {local_vocab} entries on each of {tp} TP "
@@ -47,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         check_vocab_ids(targets.masked_fill(ignored, 0), local_vocab * tp, "target")
 
         logits_max = logits.max(dim=-1).values.float()
-        if tp > 1:
+        if talk:
             comm.all_reduce(logits_max, op=dist.ReduceOp.MAX)
         shifted = logits.float() if logits.dtype != torch.float32 else logits.clone()
         shifted.sub_(logits_max.unsqueeze(-1))
@@ -59,7 +60,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
-        if tp > 1:
+        if talk:
             # One all-reduce for both per-token sums.
             both = torch.stack([target_logit, sum_exp])
             comm.all_reduce(both)

@@ -44,6 +44,7 @@ from torch import nn
 from hybrid.comm.collectives import Comm
 from hybrid.config.tp_plan import normalize_plan, pattern_matches
 from hybrid.errors import ConfigError
+from hybrid.tp.hf_config import heads_refusal
 from hybrid.tp.layers import TensorParallelModule
 from hybrid.tp.sharding import tp_rank_size
 from hybrid.tp.styles import STYLE_CLASSES, SplitModule, split_class
@@ -159,8 +160,6 @@ def _check_ties(model: nn.Module, assignments: list, where: str) -> None:
 
 def _attention_refusal(model: nn.Module, split_names: list, tp: int) -> Optional[str]:
     """A Hugging Face config's heads must split whole when an attention module is split."""
-    from hybrid.tp.hf import heads_refusal
-
     if tp == 1 or not any("attn" in n or "attention" in n for n in split_names):
         return None
     return heads_refusal(getattr(model, "config", None), tp)

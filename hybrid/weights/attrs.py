@@ -49,7 +49,7 @@ def full_shape(param: torch.Tensor, tp: int) -> torch.Size:
 def gather_tp_tensor(local: torch.Tensor, dim: int, comm) -> torch.Tensor:
     """The full tensor from every TP rank's slice ``local`` along ``dim``: an all-gather over ``comm`` (a
     ``hybrid.comm.Comm`` of the TP group; None or a group of one: a copy of ``local``), on every TP rank."""
-    if comm is None or comm.size == 1:
+    if comm is None or comm.solo:
         return local.clone()
     local = local.contiguous()
     flat = torch.empty(comm.size * local.numel(), dtype=local.dtype, device=local.device)

@@ -7,9 +7,9 @@ tensor, answers ``values(entry, lo, hi)``: elements ``[lo, hi)`` of this TP rank
 on the CPU (integer, bool and fp64 tensors in their own dtype: ``value_dtype``). In order of precedence,
 the values are
 
-1. the pretrained tensor of the same name in ``weights`` (``hybrid.weights``; the file holds full,
-   TP-unsharded tensors and the rank reads only its range of its slice; a tied tensor may be held under
-   any one of its names),
+1. the pretrained tensor of the same name in ``weights`` (``hybrid.weights.files``: a file, or a Hugging Face
+   ``save_pretrained`` directory of shards; it holds full, TP-unsharded tensors and the rank reads only its
+   range of its slice; a tied tensor may be held under any one of its names),
 2. the tensor's own values when it is not on ``meta`` (a model built the ordinary way),
 3. the parameter's layout-independent initializer (``hybrid.weights.init``; the built-in layers and GPT
    attach one to every parameter): only the chunks holding ``[lo, hi)`` are drawn,

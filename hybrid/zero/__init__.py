@@ -37,7 +37,8 @@ def initialize(model, config, dp_group=None, tp_group=None, *, seed: int = 0, in
     ``model`` may be built on the meta device: it is then materialized unit by unit straight into this
     rank's shard, with values from ``seed`` and the parameter names (``hybrid.materialize``; ``init_fn``
     for modules without an initializer of their own), or streamed from ``weights`` (a consolidated ``.pt``
-    or ``.safetensors`` file; names and shapes are checked first). ``device``: where the states live
+    or ``.safetensors`` file, or a Hugging Face ``save_pretrained`` directory; names and shapes are checked
+    first). ``device``: where the states live
     (default: the parameters' device; for a meta model the rank's CUDA device under NCCL, else the CPU).
     """
     from hybrid.zero.engine import ZeroEngine

@@ -38,7 +38,7 @@ def global_grad_norm(runs: list, dp_comm: Optional[Comm], tp_comm: Optional[Comm
             sums[k] = torch.stack(_norms(pieces, scratch)).double().square().sum()
     if dp_comm is not None:
         dp_comm.all_reduce(sums)
-    if tp_comm is not None and tp_comm.size > 1:
+    if tp_comm is not None and not tp_comm.solo:
         tp_part = sums[:1] + (sums[1:] - sums[1:])  # + 0 exactly, or NaN when the replicated sum is not finite
         tp_comm.all_reduce(tp_part)
         sums[0] = tp_part[0]

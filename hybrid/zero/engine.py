@@ -56,6 +56,14 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   side stream, non-blocking into pinned memory), the optimizer steps there and the updated values are
   copied back into the device's parameter shard in the model dtype. The result is that of the same stage
   without offload (bit for bit where host and device run the same kernels, as on a CPU-only machine).
+* ``zero.offload_optimizer: {device: nvme, path: DIR}`` (stages 1-3): as with ``cpu``, but the fp32 master and
+  the optimizer state live in one swap file per rank under ``DIR`` (``hybrid.zero.nvme``), one record per
+  optimizer batch (at most ``sub_group_size`` elements): the step reads a record into a host buffer, steps
+  it with the same kernels and writes it back while the next is read (``FlatOptimizer``), so host memory
+  holds the gradient shard's copy and three records, not the states. Bit for bit the result of ``cpu``;
+  checkpoints read and fill the file a parameter piece at a time (so one taken with either resumes with the
+  other); a disk error is ``SwapError`` (a ``JobError``: exit 1; the checkpoints keep their own files).
+  ``engine.close()`` removes the file (so do garbage collection and the process's exit).
 
 Gradients: after ``engine.step()`` every ``param.grad`` is None (as after torch's ``zero_grad()``); after
 ``engine.backward`` they are views of the flat gradient at stage 0 (reduced at an accumulation boundary) and
@@ -75,10 +83,12 @@ at stages 1-3) or ``shard_views()``; ``engine.shapes`` holds the parameters' sha
 
 from __future__ import annotations
 
-from typing import Optional
 from dataclasses import dataclass
+from functools import partial
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -98,7 +108,7 @@ from hybrid.zero.buckets import GradReducer
 from hybrid.zero.clip import NonFiniteGuard, clip_coefficient, global_grad_norm
 from hybrid.zero.construct import materialize, resolve_device
 from hybrid.zero.deepspeed_api import DeepSpeedNames
-from hybrid.zero.optimizer import FlatOptimizer
+from hybrid.zero.optimizer import MASTER, FlatOptimizer, SwappedRange
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
 from hybrid.zero.units import plan_units
@@ -115,7 +125,7 @@ class ShardView:
     numel: int
     start: int
     end: int
-    master: torch.Tensor
+    master: torch.Tensor  # with NVMe offload: a ``SwappedRange`` of the swap file (and so are the states)
     states: dict  # optimizer state key (exp_avg, momentum_buffer, ...) -> writable view
 
     @property
@@ -160,6 +170,7 @@ class ZeroEngine(DeepSpeedNames):
         # Weights are checked (names, shapes) before anything is allocated.
         sources = ValueSources(module, seed=seed, init_fn=init_fn, weights=weights, tp_rank=tp_rank, tp=tp)
         meta = has_meta(module)
+        self.optimizer = None
         try:
             if sources.weights is None:  # a tensor built off meta is taken as it is: DP rank 0's on every rank
                 self._broadcast_from_rank0()
@@ -167,19 +178,27 @@ class ZeroEngine(DeepSpeedNames):
             offload = zero.offload_optimizer
             self.state = FlatState(self.layout, self.policy, self.zero_groups.position, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
-                                   pin_memory=offload.pin_memory, grad_dtype=DTYPES[config.grad_precision])
+                                   pin_memory=offload.pin_memory, grad_dtype=DTYPES[config.grad_precision],
+                                   nvme=offload.nvme)
+            # With NVMe the optimizer comes before the values: its swap file takes the masters as they are
+            # written. Otherwise after them (below), its buffers not on top of a weights file's mapped pages.
+            if offload.nvme:
+                self._build_optimizer(offload)
+                self.state.master_sink = partial(self.optimizer.write_shard, MASTER)
             views, transient = materialize(self.module, self.params, self.shapes, self.state, sources,
                                            self.device)
+        except BaseException:
+            if self.optimizer is not None:
+                self.optimizer.close()  # NVMe: its swap file goes at once
+            raise
         finally:
             sources.close()
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._cast_frozen_and_buffers(model_dtypes)
         # the frozen parameters as they are now (building on meta and casting replace the objects)
         self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in self._index]
-        self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(module), config.optimizer)
-        self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
-                                       self.state.master_device, config.optimizer, zero.sub_group_size, self.groups,
-                                       pin_memory=self.state.pin_memory)
+        if self.optimizer is None:
+            self._build_optimizer(offload)
         self.base_lr = config.optimizer.lr
         self.persistent_units = persistent
         self.gatherer = None
@@ -240,6 +259,33 @@ class ZeroEngine(DeepSpeedNames):
                             align,
                             zero.reduce_bucket_size, zero.param_persistence_threshold)
 
+    def _build_optimizer(self, offload) -> None:
+        """The parameter groups and the optimizer over this rank's pieces (``self.group_of``, ``self.groups``,
+        ``self.optimizer``)."""
+        config = self.config
+        self.group_of, self.groups = assign_groups(self.names, self.shapes, embedding_names(self.module),
+                                                   config.optimizer)
+        self.optimizer = FlatOptimizer(self.state.pieces(self.group_of), self.layout.shard_numel,
+                                       self.state.master_device, config.optimizer, config.zero.sub_group_size,
+                                       self.groups, pin_memory=self.state.pin_memory,
+                                       swap_path=self._swap_path(offload))
+
+    def _swap_path(self, offload):
+        """NVMe offload: this rank's swap file under ``offload.path`` (``hybrid.zero.nvme.rank_swap_file``)."""
+        if not offload.nvme:
+            return None
+        from hybrid.zero.nvme import rank_swap_file
+
+        return rank_swap_file(offload.path, dist.get_rank() if dist.is_initialized() else 0)
+
+    def _unit_master(self, u: int) -> torch.Tensor:
+        """The fp32 master of this rank's part of unit ``u``: its memory, or with NVMe a host copy read from the
+        swap file."""
+        if self.state.nvme:
+            unit = self.layout.units[u]
+            return self.optimizer.read_shard(MASTER, unit.shard_offset, unit.shard_numel)
+        return self.state.unit_master(u)
+
     def _module_units(self, persistent: set) -> dict:
         """Unit root -> the non-persistent units holding the parameters registered in its domain."""
         out = {}
@@ -267,7 +313,7 @@ class ZeroEngine(DeepSpeedNames):
 
     def _grad_norm_runs(self) -> list:
         """``(grad view, is_tensor_parallel)`` covering this rank's gradient shard, split where the flag flips."""
-        tp = self.tp_comm is not None and self.tp_comm.size > 1
+        tp = self.tp_comm is not None and not self.tp_comm.solo
         pieces_by_unit = {}
         for piece in self.layout.owned_pieces(self.state.rank):
             pieces_by_unit.setdefault(piece.unit, []).append(piece)
@@ -396,7 +442,7 @@ class ZeroEngine(DeepSpeedNames):
         """DP rank 0's persistent buffers (BatchNorm running statistics, step counters) to every DP rank at
         each optimizer step, as DDP broadcasts them: every rank's forward updated its own copy from its own
         rows, and rank 0's is the one a checkpoint saves. Non-persistent buffers (caches) stay as they are."""
-        if self.dp_comm.size == 1:
+        if self.dp_comm.solo:
             return
         self.dp_comm.broadcast_many(value for _, kind, value in state_dict_entries(self.module, extra=False)
                                     if kind == BUFFER)
@@ -445,15 +491,20 @@ class ZeroEngine(DeepSpeedNames):
         self.base_lr, self.last_lr = value, None
 
     def shard_views(self) -> dict:
-        """name -> ShardView of the elements this rank owns (possibly none: ``start == end``)."""
+        """name -> ShardView of the elements this rank owns (possibly none: ``start == end``). With NVMe
+        offload the master and the state are ``SwappedRange``s of the swap file (read and written on demand)."""
         out = {}
         for i, name in enumerate(self.names):
             start, end, pos = self.layout.owned_range(i, self.state.rank)
             unit, _ = self.layout.locate(i)
             local, n = pos - unit.shard_offset, end - start
-            master = self.state.unit_master(unit.index)[local:local + n]
-            out[name] = ShardView(self.shapes[i], self.layout.numels[i], start, end, master,
-                                  {key: buf[pos:pos + n] for key, buf in self.optimizer.buffers.items()})
+            if self.state.nvme:
+                master = SwappedRange(self.optimizer, MASTER, pos, n)
+                states = {key: SwappedRange(self.optimizer, key, pos, n) for key in self.optimizer.keys}
+            else:
+                master = self.state.unit_master(unit.index)[local:local + n]
+                states = {key: buf[pos:pos + n] for key, buf in self.optimizer.buffers.items()}
+            out[name] = ShardView(self.shapes[i], self.layout.numels[i], start, end, master, states)
         return out
 
     @torch.no_grad()
@@ -480,7 +531,7 @@ class ZeroEngine(DeepSpeedNames):
         gather = not rank0_only or self.dp_comm.rank == 0  # a TP group shares its DP rank: all or none gather
         full_by_param = {}
         for unit in self.layout.units:
-            master = self.state.unit_master(unit.index)
+            master = self._unit_master(unit.index)
             if self.layout.n_shards == 1:
                 full = master
             else:
@@ -575,7 +626,14 @@ class ZeroEngine(DeepSpeedNames):
         if offloaded:
             report["host"] = {"optimizer": total(kinds["host_optimizer"]), "grads": total(kinds["host_grads"]),
                               "scratch": total(self.optimizer.scratch.tensors(self.state.master_device))}
+            if self.optimizer.swap is not None:  # NVMe: host "optimizer" is the swap records' buffers
+                report["host"]["swap_file"] = self.optimizer.swap.layout.file_bytes
         return report
+
+    def close(self) -> None:
+        """Release what outlives the Python objects: with NVMe offload, the swap file (also removed when the
+        engine is garbage-collected or the process exits). The engine cannot step after it."""
+        self.optimizer.close()
 
     def comm_report(self) -> dict:
         """Logical bytes moved on the DP group (and the groups the options cut it into) since the last reset, per

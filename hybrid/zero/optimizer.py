@@ -26,18 +26,30 @@ With ``state_device`` the CPU while the model is on another device (optimizer of
 buffers live in host memory and each piece's gradient is its view of the host copy of the gradient shard
 (``state.FlatState.copy_grads_to_host`` fills it); the kernels run on the host, and the updated values
 are copied back to the device parameter views (``Piece.out``) in the model dtype.
+
+With ``swap_path`` (optimizer offload to NVMe) there are no masters or buffers in memory: each batch is one
+record of a ``hybrid.zero.nvme.SwapStore`` at that path (fields ``master`` and the state keys), and every
+pass over the batches (``_placed``: the step, ``copy_master_to_params``) sweeps the file -- a batch's views
+and their torch state are bound to its record's host buffer (``_bind``), the same step runs, and the record
+is written back while the next is read. The pieces' ``master`` are then placeholders of the right length;
+``read_shard`` / ``write_shard`` read and store element ranges in shard space (the first values, checkpoints:
+``SwappedRange``). So a step is bit for bit the one of host memory (same batches, same kernels).
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from hybrid.config.training import OptimizerConfig
 from hybrid.errors import ConfigError
 from hybrid.plan.layout import batch_numel, bucket_groups
+
+MASTER = "master"  # the swap records' field of the fp32 master (beside the state keys)
 
 
 class Fp32Scratch:
@@ -132,7 +144,7 @@ def _implementation(cls, implementation: str, device: torch.device) -> list:
 class FlatOptimizer:
     def __init__(self, pieces: Sequence[Piece], shard_numel: int, state_device, config: OptimizerConfig,
                  sub_group_size: int, groups: Sequence = (), pin_memory: bool = False,
-                 scratch: Optional[Fp32Scratch] = None):
+                 scratch: Optional[Fp32Scratch] = None, swap_path=None):
         self.config = config
         self.weight_decays = [g.weight_decay for g in groups] or [config.weight_decay]
         self.cls = config.torch_class
@@ -143,12 +155,24 @@ class FlatOptimizer:
         self.pieces = list(pieces)
         fp32_grads = all(p.grad.dtype == torch.float32 for p in self.pieces)
         self.sub_group_size = batch_numel(sub_group_size, fp32_grads)
-        self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
         self.step_count = 0
         self.batches = self._build_batches()
         self.scratch = scratch or Fp32Scratch()  # fp32 staging of non-fp32 gradients, one batch at a time
-        self._largest_batch = max((sum(hi - lo for _, _, lo, hi in b.views) for b in self.batches), default=0)
-        if self._prefill:
+        self._largest_batch = max((b.numel for b in self.batches), default=0)
+        self.swap = None  # NVMe: the swap store holding the masters and the state, one record per batch
+        if swap_path is not None:
+            from hybrid.zero.nvme import SwapStore
+
+            self.buffers = {}
+            self.swap = SwapStore(swap_path, [b.numel for b in self.batches], (MASTER, *self.keys),
+                                  pin_memory=pin_memory)
+            self._segments = sorted((piece.pos + lo, g, at, hi - lo) for g, b in enumerate(self.batches)
+                                    for at, (_, piece, lo, hi) in zip(b.starts, b.views))
+            self._segment_starts = [s[0] for s in self._segments]
+        else:
+            self.buffers = {key: _zeros(shard_numel, self.state_device, pin_memory) for key in self.keys}
+        self._adopt_all()  # classes that create state at construction (Adagrad)
+        if self._prefill and self.swap is None:
             self._point_state()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -165,10 +189,12 @@ class FlatOptimizer:
         return [self._batch([items[k] for k in group]) for group in groups]
 
     def _batch(self, items: list) -> "_Batch":
-        views, by_group = [], {}
+        views, by_group, starts, at = [], {}, [], 0
         for piece, lo, hi in items:
             view = piece.master[lo:hi]
             views.append((view, piece, lo, hi))
+            starts.append(at)
+            at += hi - lo
             by_group.setdefault(piece.group, []).append(view)
         groups = sorted(by_group)
         def param_groups():
@@ -184,52 +210,112 @@ class FlatOptimizer:
                 errors.append(exc)
         if opt is None:
             raise errors[-1]
-        batch = _Batch(opt, groups, views)
-        self._adopt(batch)  # classes that create state at construction (Adagrad)
-        return batch
+        return _Batch(opt, groups, views, starts, at)
+
+    def _adopt_all(self) -> None:
+        if not any(batch.opt.state for batch in self.batches):
+            return
+        if self.swap is None:
+            for batch in self.batches:
+                self._adopt(batch)
+            return
+        with contextlib.closing(self.swap.sweep(write=True)) as records:
+            for g, record in records:
+                self._adopt(self.batches[g], record)
+
+    # -- where the masters and the state are ----------------------------------------------------------
+    def _placed(self, write: bool = False, read: bool = True) -> Iterator[tuple]:
+        """``(batch, record)`` for every batch in order: ``record`` None where the masters and the state are in
+        memory (the pieces' views and ``buffers``); with NVMe, the batch's record of the swap file (its fields'
+        views, in a host buffer: the batch's views are bound to them first), the next record being read and the
+        previous one written meanwhile; ``write``: the records go back to the file."""
+        if self.swap is None:
+            for batch in self.batches:
+                yield batch, None
+            return
+        with contextlib.closing(self.swap.sweep(read=read, write=write)) as records:
+            for g, record in records:
+                batch = self.batches[g]
+                self._bind(batch, record)
+                yield batch, record
+
+    def _bind(self, batch: "_Batch", record: dict) -> None:
+        """NVMe: point the batch's views and their torch state at its record (``steps_taken`` of them before)."""
+        master = record[MASTER]
+        for at, (view, piece, lo, hi) in zip(batch.starts, batch.views):
+            view.data = master[at:at + hi - lo]
+            state = batch.opt.state.get(view)
+            if not state and not (self._prefill or self.step_count > self._pending):
+                continue  # torch makes the state on this first step (adopted into the record after it)
+            state = batch.opt.state[view]
+            for key in self.keys:
+                state[key] = record[key][at:at + hi - lo]
+            if self._step_dtype is not None and "step" not in state:
+                state["step"] = self._step_tensor(view, self.step_count - self._pending)
+
+    def _slice(self, key: str, batch: "_Batch", k: int, record: Optional[dict]) -> torch.Tensor:
+        """Where the state ``key`` of the batch's ``k``-th view lives: ``buffers`` or its record."""
+        view, piece, lo, hi = batch.views[k]
+        if record is None:
+            return self.buffers[key][piece.pos + lo:piece.pos + hi]
+        return record[key][batch.starts[k]:batch.starts[k] + hi - lo]
+
+    def _step_tensor(self, view: torch.Tensor, steps: int) -> torch.Tensor:
+        where = view.device if self.fused else torch.device("cpu")
+        return torch.tensor(float(steps), dtype=self._step_dtype, device=where)
 
     # -- stepping -------------------------------------------------------------------------------------
+    _pending = 0  # 1 while a step is being taken (step_count already counts it)
+
     @torch.no_grad()
     def step(self, lrs: Sequence[float], grad_scale: Optional[torch.Tensor] = None) -> None:
         """One step of every piece; group ``g`` uses learning rate ``lrs[g]``; ``grad_scale`` (0-dim fp32)
         multiplies the gradients first."""
         self.step_count += 1
+        self._pending = 1
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.state_device)
-        for batch in self.batches:
-            for g, group in zip(batch.groups, batch.opt.param_groups):
-                group["lr"] = lrs[g]
-            at = 0
-            for view, piece, lo, hi in batch.views:
-                grad = piece.grad[lo:hi]
-                if grad.dtype != torch.float32:
-                    grad = self._staging(at, hi - lo).view_as(grad).copy_(grad)
-                    at += hi - lo
-                # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
-                if grad_scale is not None:
-                    grad.mul_(grad_scale)
-                view.grad = grad
-            batch.opt.step()
-            for view, piece, lo, hi in batch.views:
-                view.grad = None
-                if piece.out is not None:
-                    piece.out[lo:hi].copy_(view)
-            self._adopt(batch)
+        try:
+            for batch, record in self._placed(write=True):
+                self._step_batch(batch, record, lrs, grad_scale)
+        finally:
+            self._pending = 0
+
+    def _step_batch(self, batch: "_Batch", record: Optional[dict], lrs: Sequence[float],
+                    grad_scale: Optional[torch.Tensor]) -> None:
+        for g, group in zip(batch.groups, batch.opt.param_groups):
+            group["lr"] = lrs[g]
+        at = 0
+        for view, piece, lo, hi in batch.views:
+            grad = piece.grad[lo:hi]
+            if grad.dtype != torch.float32:
+                grad = self._staging(at, hi - lo).view_as(grad).copy_(grad)
+                at += hi - lo
+            # In place: the reduced gradient is zeroed right after the step, so no copy is needed.
+            if grad_scale is not None:
+                grad.mul_(grad_scale)
+            view.grad = grad
+        batch.opt.step()
+        for view, piece, lo, hi in batch.views:
+            view.grad = None
+            if piece.out is not None:
+                piece.out[lo:hi].copy_(view)
+        self._adopt(batch, record)
 
     def _staging(self, at: int, n: int) -> torch.Tensor:
         """Elements ``[at, at + n)`` of the reused fp32 scratch (one batch long)."""
         return self.scratch.view(self._largest_batch, self.state_device)[at:at + n]
 
-    def _adopt(self, batch: "_Batch") -> None:
-        """Move state torch created for a piece into the flat buffers, and point the piece's state there."""
-        for view, piece, lo, hi in batch.views:
+    def _adopt(self, batch: "_Batch", record: Optional[dict] = None) -> None:
+        """Move state torch created for a piece into the flat buffers (or its record), and point the piece's
+        state there."""
+        for k, (view, piece, lo, hi) in enumerate(batch.views):
             state = batch.opt.state.get(view)
             if not state:
                 continue
-            a = piece.pos + lo
             for key in self.keys:
                 value = state.get(key)
-                flat = self.buffers[key][a:a + hi - lo]
+                flat = self._slice(key, batch, k, record)
                 if value is not None and value.data_ptr() != flat.data_ptr():
                     flat.copy_(value)
                     state[key] = flat
@@ -238,28 +324,85 @@ class FlatOptimizer:
     def restore(self, step_count: int) -> None:
         """After the buffers were loaded: this many steps were taken; point every piece's state at them."""
         self.step_count = int(step_count)
-        if self.step_count or self._prefill:  # else torch makes the state on the first step, as before
+        if self.swap is not None:  # the state is re-pointed at each record as it is stepped
+            for batch in self.batches:
+                batch.opt.state.clear()
+        elif self.step_count or self._prefill:  # else torch makes the state on the first step, as before
             self._point_state()
 
     def _point_state(self) -> None:
         """Every piece's torch state is its views of the flat buffers, at ``step_count``."""
         for batch in self.batches:
-            for view, piece, lo, hi in batch.views:
-                a = piece.pos + lo
-                state = {key: self.buffers[key][a:a + hi - lo] for key in self.keys}
+            for k, (view, piece, lo, hi) in enumerate(batch.views):
+                state = {key: self._slice(key, batch, k, None) for key in self.keys}
                 if self._step_dtype is not None:
-                    where = view.device if self.fused else torch.device("cpu")
-                    state["step"] = torch.tensor(float(self.step_count), dtype=self._step_dtype, device=where)
+                    state["step"] = self._step_tensor(view, self.step_count)
                 batch.opt.state[view] = state
 
     @torch.no_grad()
     def copy_master_to_params(self) -> None:
-        for piece in self.pieces:
-            if piece.out is not None:
-                piece.out.copy_(piece.master)
+        for batch, _ in self._placed():
+            for view, piece, lo, hi in batch.views:
+                if piece.out is not None:
+                    piece.out[lo:hi].copy_(view)
+
+    # -- NVMe: element ranges of the shard (the first values, checkpoints) -----------------------------
+    def _runs(self, pos: int, n: int) -> Iterator[tuple]:
+        """``(record, offset in it, offset in [pos, pos + n), count)`` of the shard's elements
+        ``[pos, pos + n)`` that pieces own (padding has no record)."""
+        k = max(bisect.bisect_right(self._segment_starts, pos) - 1, 0)
+        end = pos + n
+        for lo, g, at, count in self._segments[k:]:
+            if lo >= end:
+                break
+            a, b = max(lo, pos), min(lo + count, end)
+            if a < b:
+                yield g, at + a - lo, a - pos, b - a
+
+    def read_shard(self, key: str, pos: int, n: int) -> torch.Tensor:
+        """NVMe: a host copy of elements ``[pos, pos + n)`` of ``key`` (``master`` or a state key) in shard
+        space, zeros where nothing is stored (padding)."""
+        out = torch.zeros(n, dtype=torch.float32)
+        for g, at, i, count in self._runs(pos, n):
+            self.swap.read_range(g, key, at, out[i:i + count])
+        return out
+
+    def write_shard(self, key: str, pos: int, values: torch.Tensor) -> None:
+        """NVMe: store ``values`` as elements ``[pos, pos + n)`` of ``key`` in shard space (padding dropped)."""
+        values = values.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        for g, at, i, count in self._runs(pos, values.numel()):
+            self.swap.write_range(g, key, at, values[i:i + count])
 
     def tensors(self) -> list:
-        return list(self.buffers.values())
+        """The host (or device) tensors behind the masters and the state: the buffers, or with NVMe the swap
+        store's record buffers (the masters in memory are the pieces', counted by their owner)."""
+        return self.swap.tensors() if self.swap is not None else list(self.buffers.values())
+
+    def close(self) -> None:
+        """Remove the swap file (NVMe); the optimizer cannot step after it."""
+        if self.swap is not None:
+            self.swap.close()
+
+
+@dataclass(frozen=True)
+class SwappedRange:
+    """NVMe: elements ``[pos, pos + n)`` of ``key`` (``master`` or a state key) in shard space, in the swap file:
+    what a checkpoint saves (``read``, a host copy) and fills (``write``) without holding the shard."""
+
+    optimizer: "FlatOptimizer"
+    key: str
+    pos: int
+    n: int
+    dtype = torch.float32
+
+    def numel(self) -> int:
+        return self.n
+
+    def read(self) -> torch.Tensor:
+        return self.optimizer.read_shard(self.key, self.pos, self.n)
+
+    def write(self, lo: int, values: torch.Tensor) -> None:
+        self.optimizer.write_shard(self.key, self.pos + lo, values)
 
 
 @dataclass
@@ -267,6 +410,8 @@ class _Batch:
     opt: torch.optim.Optimizer
     groups: list      # parameter-group index of each of opt.param_groups
     views: list       # (master view, piece, lo, hi)
+    starts: list      # where each view starts in the batch (its offset in the batch's NVMe record)
+    numel: int        # elements of all its views
 
 
 def _zeros(n: int, device: torch.device, pin_memory: bool) -> torch.Tensor:

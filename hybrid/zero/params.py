@@ -251,7 +251,7 @@ class ParamGatherer:
         One small async all-reduce of (h, h^2) per optimizer step: the ranks agree iff (sum h)^2 == N * sum h^2.
         """
         order, self._order = self._order, 0
-        if self.check_comm.size == 1:
+        if self.check_comm.solo:
             return None
         sums = self._order_sums
         sums[0].fill_(order)

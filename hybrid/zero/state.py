@@ -12,7 +12,9 @@ What this rank holds (Ψ trainable elements, N DP ranks, ``dtype`` the model pre
 With ``dtype == float32`` the master *is* the parameter storage (the owned part of the flat buffer, or the
 stage-3 shard), so no copy is kept -- unless the optimizer is offloaded (``host`` given): then the fp32
 master and a copy of the gradient shard (``host_grad``, gradient dtype) live in host memory, pinned when
-``pin_memory`` and the device is CUDA, and the parameter shard on the device receives the updates. The
+``pin_memory`` and the device is CUDA, and the parameter shard on the device receives the updates. With
+``nvme`` (offload to NVMe) only the gradient copy is in host memory: the master is in the optimizer's swap
+file, ``write`` hands its values to ``master_sink`` and ``unit_master`` is a placeholder of the right length. The
 optimizer state lives in ``optimizer.FlatOptimizer`` (on the same device as the master). Gradient
 buffers are in ``grad_dtype`` (``zero.reduce_dtype``: fp32 for a bf16 model that reduces in fp32). Every trainable parameter's
 ``.data`` becomes a view of the full flat buffer (stages 0-2) or of its unit's full buffer (stage 3); its
@@ -40,7 +42,7 @@ from hybrid.config.stage_policy import StagePolicy
 class FlatState:
     def __init__(self, layout: FlatLayout, policy: StagePolicy, rank: int, dtype: torch.dtype, device,
                  persistent: frozenset = frozenset(), host=None, pin_memory: bool = False,
-                 grad_dtype: Optional[torch.dtype] = None):
+                 grad_dtype: Optional[torch.dtype] = None, nvme: bool = False):
         self.layout, self.policy, self.dtype, self.device = layout, policy, dtype, device
         self.grad_dtype = grad_dtype or dtype
         self.rank = rank if layout.n_shards > 1 else 0
@@ -59,8 +61,12 @@ class FlatState:
                               for u in layout.units]
         else:
             self.flat_params = torch.zeros(layout.full_numel, **kw)
+        # NVMe (with ``host``): the master lives in the optimizer's swap file; ``master_sink(pos, values)`` takes
+        # the values written here, and the pieces' master views are placeholders the optimizer binds per record
+        self.nvme = bool(nvme) and self.host is not None
+        self.master_sink: Optional[Callable[[int, torch.Tensor], None]] = None
         self.master = (torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device,
-                                   pin_memory=self.pin_memory) if self.separate_master else None)
+                                   pin_memory=self.pin_memory) if self.separate_master and not self.nvme else None)
         self.host_grad = (torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=self.host,
                                       pin_memory=self.pin_memory)
                           if self.host is not None else None)
@@ -97,6 +103,8 @@ class FlatState:
         if not self.separate_master:
             return self.unit_param_shard(u)
         unit = self.layout.units[u]
+        if self.nvme:  # no values here: a placeholder of the right length (one element, repeated)
+            return torch.zeros(1, dtype=torch.float32, device=self.master_device).expand(unit.shard_numel)
         return self.master[unit.shard_offset:unit.shard_offset + unit.shard_numel]
 
     def unit_grad_shard(self, u: int) -> torch.Tensor:
@@ -168,6 +176,8 @@ class FlatState:
             self.param_shard[at:at + b - a].copy_(values[a - lo:b - lo])
         if self.master is not None:
             self.master[at:at + b - a].copy_(values[a - lo:b - lo])
+        elif self.master_sink is not None:
+            self.master_sink(at, values[a - lo:b - lo])
 
     # -- binding --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -190,7 +200,7 @@ class FlatState:
         """The tensors behind each memory category (deduplicated by storage by the caller)."""
         params = [self.param_shard] if self.policy.shard_params else [self.flat_params]
         grads = [self.grad_shard if self.policy.shard_grads else self.flat_grad]
-        optimizer = [self.master] if self.separate_master else []
+        optimizer = [self.master] if self.master is not None else []
         if self.host is None:
             return {"params": params, "grads": grads, "optimizer": optimizer}
         return {"params": params, "grads": grads, "optimizer": [], "host_optimizer": optimizer,

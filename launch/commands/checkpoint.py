@@ -17,9 +17,15 @@
   storage). Either loads with ``hybrid.initialize(..., weights=PATH)``.
   It refuses a damaged checkpoint and one whose weights are not finite, and checks that ``--out`` can be
   written, and lies outside every checkpoint directory, before it reads anything.
+* ``hybrid checkpoint consolidate PATH --hf OUT_DIR [--config config.json] [--max-shard-size 5GB]``: the same
+  weights as a Hugging Face ``save_pretrained`` directory (``hybrid.checkpoint.consolidate_hf``): sharded
+  safetensors ``model-00001-of-0000N.safetensors``, their ``model.safetensors.index.json`` and the model's
+  ``config.json`` (``--config``, else the checkpoint's model config when it is a transformers one), streamed
+  a tensor at a time; ``from_pretrained(OUT_DIR)`` and ``weights=OUT_DIR`` load it. OUT_DIR must not exist (or
+  be empty) and lie outside every checkpoint directory; it appears complete or not at all.
 
 Both run in one process with no process group. A path that is not a checkpoint, a damaged one, or an
-``--out`` that cannot be written ends with one ``error: ...`` line and exit status 2.
+``--out`` or ``--hf`` that cannot be written ends with one ``error: ...`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -31,15 +37,8 @@ from pathlib import Path
 
 import click
 
-from hybrid.checkpoint import layout
-from hybrid.errors import CheckpointError
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+from hybrid.config.units import human_bytes
+from hybrid.errors import CheckpointError, UsageError
 
 
 def _layout_text(world: dict | None) -> str:
@@ -68,7 +67,7 @@ def inspect_command(run_dir: Path, as_json: bool, sizes_only: bool) -> None:
     rows = [["NAME", "STEP", "STATUS", "LAYOUT", "SIZE"]]
     for row in info["checkpoints"]:
         rows.append([row["name"], "-" if row["step"] is None else str(row["step"]), row["status"], _layout_text(row.get("world")),
-                     _size(row["bytes"])])
+                     human_bytes(row["bytes"])])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     click.echo(f"{info['run_dir']}: {len(info['checkpoints'])} checkpoint director"
                f"{'y' if len(info['checkpoints']) == 1 else 'ies'}")
@@ -83,12 +82,31 @@ def inspect_command(run_dir: Path, as_json: bool, sizes_only: bool) -> None:
 
 @checkpoint_group.command("consolidate")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), required=True,
+@click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Where to write the single-process state dict.")
 @click.option("--format", "fmt", type=click.Choice(["pt", "safetensors"]), default=None,
               help="torch.save (pt) or safetensors; default: from the --out suffix (.safetensors), else pt.")
-def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
-    """Write the single-process state dict (fp32 params, buffers, tied aliases) of PATH's latest (or the given) checkpoint to --out."""
+@click.option("--hf", "hf_dir", type=click.Path(path_type=Path), default=None,
+              help="Write a Hugging Face save_pretrained directory here instead (sharded safetensors, index, "
+                   "config.json).")
+@click.option("--config", "hf_config", type=click.Path(path_type=Path), default=None,
+              help="With --hf: the model's config.json (default: the checkpoint's model config, if a "
+                   "transformers one).")
+@click.option("--max-shard-size", default=None,
+              help="With --hf: the largest shard file, e.g. 500MB (default: 5GB, huggingface_hub's).")
+def consolidate_command(path: Path, out: Path | None, fmt: str | None, hf_dir: Path | None, hf_config: Path | None,
+                        max_shard_size: str | None) -> None:
+    """Write the single-process state dict (fp32 params, buffers, tied aliases) of PATH's latest (or the given) checkpoint to --out, or a Hugging Face directory to --hf."""
+    if (out is None) == (hf_dir is None):
+        raise UsageError("hybrid checkpoint consolidate needs one of --out FILE (a state dict) or --hf DIR (a Hugging "
+                         "Face directory)" + (", not both." if out is not None else "."))
+    if hf_dir is None and (hf_config is not None or max_shard_size is not None):
+        flag = "--config" if hf_config is not None else "--max-shard-size"
+        raise UsageError(f"{flag} is an option of --hf DIR (a Hugging Face directory); give --hf DIR with it, or leave "
+                         f"it out.")
+    if hf_dir is not None:
+        _consolidate_hf(path, hf_dir, hf_config, max_shard_size, fmt)
+        return
     import torch
 
     from hybrid.checkpoint import consolidate
@@ -114,20 +132,32 @@ def consolidate_command(path: Path, out: Path, fmt: str | None) -> None:
                f"(step {doc['step']}, saved at {_layout_text(doc['world'])})")
 
 
+def _consolidate_hf(path: Path, out_dir: Path, config: Path | None, max_shard_size: str | None,
+                    fmt: str | None) -> None:
+    from hybrid.checkpoint import consolidate_hf
+
+    if fmt is not None:
+        raise UsageError("--format chooses the file type of --out; --hf always writes safetensors, so leave it out.")
+    size = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    done = consolidate_hf(path, out_dir, config=config, **size)
+    shards = done.shards[0] if len(done.shards) == 1 else f"{done.shards[0]} .. {done.shards[-1]}"
+    config_text = (f", config.json (from {done.config_from})" if done.config_from else
+                   ", no config.json (the checkpoint names none: --config adds one)")
+    doc = done.manifest
+    click.echo(f"wrote {out_dir}: {shards}, {done.files[len(done.shards)]}{config_text}; {done.tensors} tensors, "
+               f"{done.parameters:,} parameters (fp32, {human_bytes(done.total_size)}) from {done.checkpoint} "
+               f"(step {doc['step']}, saved at {_layout_text(doc['world'])})")
+
+
 def _outside_checkpoints(out: Path) -> None:
     """Refuse an ``--out`` inside a checkpoint directory or a run's ``checkpoints/`` (it would overwrite a
     checkpoint's file, or add one that makes it fail verification), symlinks followed."""
-    where = out.resolve()
-    for parent in (where, *where.parents):
-        if layout.is_checkpoint_dir(parent) or _holds_checkpoints(parent):
-            raise CheckpointError(f"--out {out} lies inside the checkpoint directory {parent}, which writing it "
-                                  f"would damage; write the state dict outside it (e.g. --out model.pt).")
+    from hybrid.checkpoint.offline import inside_checkpoint
 
-
-def _holds_checkpoints(path: Path) -> bool:
-    """A run's ``checkpoints/`` directory (not any directory of that name): it holds checkpoints or ``latest``."""
-    return path.name == layout.CHECKPOINTS and path.is_dir() and bool(
-        layout.scan(path.parent) or (path / layout.POINTER).exists())
+    parent = inside_checkpoint(out)
+    if parent is not None:
+        raise CheckpointError(f"--out {out} lies inside the checkpoint directory {parent}, which writing it "
+                              f"would damage; write the state dict outside it (e.g. --out model.pt).")
 
 
 @contextlib.contextmanager

@@ -20,6 +20,12 @@ and ``--tp`` what ``GPTConfig.check_tp`` splits (the heads, the MLP width and, w
 ``--gpus-per-node`` is the node size: the ranks that share a node's host memory under offload, and the unit of
 the GPU count a no-fit error suggests (whole nodes); without it only the TP group is known to share a node
 (``choose_stage``'s ``ranks_per_node`` is then ``--tp`` and the suggestion is said in GPUs).
+``--host-memory`` (a node's host memory: ``1TB``, ``512GB``, or a number of GB) checks the offloaded states
+against it; where CPU offload does not fit it, the plan takes the guide's next row, the optimizer states
+offloaded to NVMe (``hybrid.plan.planner``), and says the swap files' bytes per node and what a step reads and
+writes; ``--nvme`` (the same units) checks those against a node's disk. With offload the JSON also carries
+``"offload_device"`` (``none`` | ``cpu`` | ``nvme``), ``"host_bytes_per_node"`` and, with NVMe, ``"nvme"``:
+``{"disk_bytes_per_rank", "disk_bytes_per_node", "read_bytes_per_step", "write_bytes_per_step"}`` (per rank).
 ``--time`` (with the whole shape) ranks every layout that fits by predicted tokens/s for a cluster not yet
 booked (``launch.commands.estimate_time``): the GPU (``--gpu``, ``--gpu-tflops``), the links (``--intra``,
 ``--inter``, ``--intra-gbps``, ``--inter-gbps``, ``--nics-per-node``) from ``hybrid.plan.hardware``'s tables,
@@ -32,22 +38,41 @@ Any bad input ends with one ``error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 
 import click
 
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.plan.memory import activation_bytes, gpt_activation_bytes, parse_count
+from hybrid.plan.memory import parse_count
 from hybrid.models.gpt.config import GPTConfig, shape_violation
 from hybrid.plan.planner import MAX_GPUS, Plan, check_headroom, choose_stage, quantity
 from hybrid.config.units import human_bytes
 from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
-from launch.spec import MAX_GPU_MEMORY_GB, MAX_GPUS_PER_NODE
+from launch.commands.estimate_time import activation_estimate
+from launch.spec import MAX_GPU_MEMORY_GB, MAX_GPUS_PER_NODE, MAX_HOST_MEMORY_GB, MAX_NVME_GB
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 # activations_estimate in the JSON -> the label of the table's activation row
 ESTIMATES = {"gpt": "Activations (GPT)", "korthikanti": "Activations (Korthikanti)"}
+
+
+_SIZE_UNITS = {"": 10**9, "GB": 10**9, "TB": 10**12, "G": 10**9, "T": 10**12}
+
+
+def size_option(option: str, text, limit_gb: float) -> int | None:
+    """Bytes from ``1TB``, ``512GB``, ``1.5T`` or a plain number of GB (``--host-memory``, ``--nvme``)."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise v.invalid(option, "a size per node such as 1TB, 512GB or 768 (GB)", text)
+    size = Fraction(match.group(1)) * _SIZE_UNITS[unit]
+    if size > limit_gb * 10**9:
+        raise v.invalid(option, f"a size per node of at most {limit_gb:,.0f} GB", text)
+    return int(size)
 
 
 def _gb(value) -> float:
@@ -108,6 +133,31 @@ def _check_split(shape: dict, tp: int, vocab: int | None) -> None:
                       f"change {option}.")
 
 
+def _offload_json(plan: Plan) -> dict:
+    """Where the optimizer states go and the bytes per node they take there (``hybrid estimate --json``)."""
+    out = {"offload_device": plan.offload_device, "host_bytes_per_node": plan.host_bytes_per_node}
+    if plan.nvme:
+        out["nvme"] = {"disk_bytes_per_rank": plan.disk_bytes, "disk_bytes_per_node": plan.disk_bytes_per_node,
+                       "read_bytes_per_step": plan.disk_bytes, "write_bytes_per_step": plan.disk_bytes}
+    return out
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    """The offload row's bytes, said beside the reason: a node's host and, with NVMe, its disk and traffic."""
+    if not plan.offload:
+        return []
+    n = plan.ranks_per_node
+    lines = [f"Host:    {human_bytes(plan.host_bytes)} per rank x {n:,} = {human_bytes(plan.host_bytes_per_node)} "
+             f"per node" + (" (gradient shards and swap buffers)" if plan.nvme else
+                            " (optimizer states and gradients)")]
+    if plan.nvme:
+        lines.append(f"NVMe:    {human_bytes(plan.disk_bytes)} per rank x {n:,} = "
+                     f"{human_bytes(plan.disk_bytes_per_node)} per node of swap files; each step reads and writes "
+                     f"{human_bytes(plan.disk_bytes)} per rank ({human_bytes(plan.disk_bytes_per_node)} per node) "
+                     "each way")
+    return lines
+
+
 def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | None, kind: str | None) -> dict:
     extra = activations or 0.0
     stages = {
@@ -128,6 +178,8 @@ def _as_json(params: int, gpu_memory: float, plan: Plan, activations: float | No
         {"stages": stages, "recommended_stage": plan.stage, "offload": plan.offload,
          "activation_checkpointing": plan.activation_checkpointing, "reason": plan.reason}
     )
+    if plan.offload:
+        out.update(_offload_json(plan))
     return out
 
 
@@ -159,11 +211,12 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * width for width in widths))
-    levers = [text for on, text in ((plan.offload, "CPU offload of optimizer states"),
+    offload = "NVMe offload of optimizer states" if plan.nvme else "CPU offload of optimizer states"
+    levers = [text for on, text in ((plan.offload, offload),
                                     (plan.activation_checkpointing, "activation checkpointing")) if on]
     with_ = f" with {' and '.join(levers)}" if levers else ""
     lines += ["", f"Recommended: ZeRO stage {plan.stage}{with_}", f"Reason: {plan.reason}"]
-    return "\n".join(lines)
+    return "\n".join(lines + _offload_lines(plan))
 
 
 @click.command("estimate")
@@ -174,6 +227,10 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
               "the ranks sharing a node's host memory with offload, and the unit of a suggested GPU count. "
               "Default: unknown, only the TP group (--tp) is known to share a node.")
 @click.option("--gpu-memory", type=float, default=80.0, show_default=True, help="Memory per GPU in GB (10^9).")
+@click.option("--host-memory", help="A node's host memory (1TB, 512GB, or GB): checks the offloaded optimizer "
+              "states against it; where CPU offload does not fit, the plan offloads them to NVMe. Default: unknown.")
+@click.option("--nvme", "nvme_text", help="A node's local NVMe disk space for NVMe offload's swap files (3.84TB, "
+              "or GB). Default: unknown, not checked.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True)
 @click.option("--headroom", type=float, default=0.1, show_default=True, help="Fraction of memory kept free.")
 @click.option("--layers", type=int, help="Transformer layers (with --hidden --heads --seq --micro-batch).")
@@ -201,26 +258,28 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
 @click.option("--nics-per-node", type=int, help="With --time: NICs per node (default: one per GPU; ethernet 1).")
 @click.option("--global-batch", type=int, help="With --time: sequences per optimizer step, kept by every layout "
               "(the micro-batch is then chosen); default --micro-batch x DP at --tp.")
-def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headroom, layers, hidden, heads, seq, micro_batch,
-             activation_checkpointing, vocab, as_json, with_time, gpu, gpu_tflops, intra, inter, intra_gbps, inter_gbps,
-             nics_per_node, global_batch) -> None:
+def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, host_memory, nvme_text, precision, headroom, layers,
+             hidden, heads, seq, micro_batch, activation_checkpointing, vocab, as_json, with_time, gpu, gpu_tflops, intra,
+             inter, intra_gbps, inter_gbps, nics_per_node, global_batch) -> None:
     """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
     params = parse_count(params_text, field="--params")
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
     _validate(gpus, tp, gpus_per_node, gpu_memory, headroom, shape, vocab)
+    host_bytes = size_option("--host-memory", host_memory, MAX_HOST_MEMORY_GB)
+    nvme_bytes = size_option("--nvme", nvme_text, MAX_NVME_GB)
     timing = None
     if with_time:
         from launch.commands.estimate_time import rank_estimate
 
         timing = rank_estimate(params, gpus, tp, gpus_per_node, gpu_memory, precision, headroom, shape, vocab,
                                activation_checkpointing, gpu, gpu_tflops, intra, inter, intra_gbps, inter_gbps,
-                               nics_per_node, global_batch)
+                               nics_per_node, global_batch, host_bytes, nvme_bytes)
 
     kind = activations = checkpointed = None
     if shape["layers"] is not None:
         kind = "gpt" if vocab is not None else "korthikanti"
-        activations = _activations(kind, shape, vocab, tp, precision, activation_checkpointing)
-        checkpointed = _activations(kind, shape, vocab, tp, precision, checkpointing=True)
+        activations = activation_estimate(kind, shape, vocab, tp, precision, activation_checkpointing)
+        checkpointed = activation_estimate(kind, shape, vocab, tp, precision, checkpointing=True)
 
     prediction = gpt_params = None
     if vocab is not None:
@@ -231,10 +290,13 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
     # PlanError names the fix itself (more GPUs, or for activations the sequence, micro-batch or TP degree).
     # A node's ranks share its host memory (the offloaded states): all --gpus-per-node of them, or, when the
     # node size is not given, at least the TP group, which lies inside one node.
+    # NVMe offload is the guide's next row for a cluster not yet booked: weighed where CPU offload does not fit
+    # the host memory (--host-memory), its disk checked when --nvme says how large it is.
     plan = choose_stage(params, gpus // tp, tp, memory_bytes, precision, activations or 0.0, headroom,
                         checkpointed_activation_bytes=checkpointed,
                         activation_checkpointing=True if activation_checkpointing else None,
-                        ranks_per_node=gpus_per_node or tp, node_size_known=gpus_per_node is not None)
+                        ranks_per_node=gpus_per_node or tp, node_size_known=gpus_per_node is not None,
+                        host_memory_bytes=host_bytes, nvme=True, nvme_bytes=nvme_bytes)
     if as_json:
         out = _as_json(params, gpu_memory, plan, activations, kind)
         if prediction is not None:
@@ -257,17 +319,6 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, precision, headro
         if timing is not None:
             for line in timing.lines():
                 click.echo(line)
-
-
-def _activations(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
-    """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
-    is ``gpt_activation_bytes`` with the arguments ``launch.planning.plan.build_plan`` gives it for the built-in GPT
-    of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
-    s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
-    if kind == "gpt":
-        return gpt_activation_bytes(s, b, h, a, n, vocab, tp=tp, precision=precision, mlp_ratio=GPTConfig.mlp_ratio,
-                                    checkpointing=checkpointing)
-    return activation_bytes(s, b, h, a, n, tp, checkpointing)
 
 
 def _gpt_prediction(vocab: int, shape: dict, dp: int, tp: int, precision: str, activations: float) -> tuple:

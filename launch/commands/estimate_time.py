@@ -6,7 +6,8 @@ the hardware (``hybrid.plan.hardware.build_hardware`` from ``--gpu`` and the lin
 default one the global batch is taken at), the stages and levers (``--activation-checkpointing`` forces it
 on), micro-batch x accumulation keeping ``--global-batch`` (default ``--micro-batch`` x DP at ``--tp``; with
 ``--global-batch`` the micro-batch is chosen), and each layout's memory by the planner's rule with the
-estimate's activation figure (the built-in GPT's with ``--vocab``, Korthikanti's without). The node size is
+estimate's activation figure (the built-in GPT's with ``--vocab``, Korthikanti's without), a node's host memory
+(``--host-memory``) and disk (``--nvme``) where given; offload is weighed to host memory and to NVMe. The node size is
 ``--gpus-per-node``, else 8 GPUs (a DGX/HGX node) or all of them when fewer, said in the output.
 """
 
@@ -18,10 +19,11 @@ from typing import Optional
 
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.models.gpt.config import shape_violation
+from hybrid.models.gpt.config import GPTConfig, shape_violation
 from hybrid.plan.candidates import Ranking, describe, layouts, rank
 from hybrid.plan.cost import Hardware, Layout, ModelShape
 from hybrid.plan.hardware import GPU_ALIASES, build_hardware, gpu_spec
+from hybrid.plan.memory import activation_bytes, gpt_activation_bytes
 from hybrid.plan.planner import layout_option
 from launch.planning.time_plan import ranking_dict, ranking_lines
 
@@ -58,10 +60,9 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
                   headroom: float, shape: dict, vocab: Optional[int], checkpointing: bool, gpu: str,
                   gpu_tflops: Optional[float], intra: str, inter: str, intra_gbps: Optional[float],
                   inter_gbps: Optional[float], nics_per_node: Optional[int],
-                  global_batch: Optional[int]) -> EstimateTime:
+                  global_batch: Optional[int], host_memory_bytes: Optional[float] = None,
+                  nvme_bytes: Optional[float] = None) -> EstimateTime:
     """The ranking (see the module docstring); options are checked here, each refusal one sentence."""
-    from launch.commands.estimate import _activations
-
     if shape["layers"] is None:
         raise ConfigError("--time needs the model's shape: give --layers, --hidden, --heads, --seq and "
                           "--micro-batch (and --vocab for the built-in GPT's activation estimate).")
@@ -97,18 +98,19 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
     kind = "gpt" if vocab is not None else "korthikanti"
 
     def memory(lay: Layout):
-        acts = _activations(kind, {**shape, "micro_batch": lay.micro_batch}, vocab, lay.tp, precision,
+        acts = activation_estimate(kind, {**shape, "micro_batch": lay.micro_batch}, vocab, lay.tp, precision,
                             lay.activation_checkpointing)
         return layout_option(params, lay.dp, lay.tp, lay.stage, memory_bytes, precision, acts, headroom,
                              activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
-                             ranks_per_node=node)
+                             ranks_per_node=node, host_memory_bytes=host_memory_bytes, nvme=lay.nvme,
+                             nvme_bytes=nvme_bytes)
 
     offered = []
     for t in tps:
         dp = gpus // t
         fixed = None if global_batch is not None else _gcd_micro(shape["micro_batch"], batch, dp)
         offered += layouts(nodes, node, precision, [t], (0, 1, 2, 3), (True,) if checkpointing else (False, True),
-                           (False, True), batch, fixed)
+                           (False, True, "nvme"), batch, fixed)
     if not offered:
         raise ConfigError(f"--global-batch {batch} does not split over the DP degrees of these layouts "
                           f"({', '.join(str(gpus // t) for t in tps)}); use a multiple of them.")
@@ -119,3 +121,14 @@ def _gcd_micro(micro: int, batch: int, dp: int) -> Optional[int]:
     import math
 
     return math.gcd(micro, batch // dp) if batch % dp == 0 else micro
+
+
+def activation_estimate(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
+    """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
+    is ``gpt_activation_bytes`` with the arguments ``launch.planning.plan.build_plan`` gives it for the built-in GPT
+    of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
+    s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
+    if kind == "gpt":
+        return gpt_activation_bytes(s, b, h, a, n, vocab, tp=tp, precision=precision, mlp_ratio=GPTConfig.mlp_ratio,
+                                    checkpointing=checkpointing)
+    return activation_bytes(s, b, h, a, n, tp, checkpointing)

@@ -87,7 +87,7 @@ def _run_records(spec, run_dir: str) -> dict:
     error, which names memory.json."""
     from launch.job.metrics import TIME_FILE
     from launch.planning.memory_loop import MEMORY_FILE, load
-    from launch.ray.probe import PROBE_FILE, read_probe
+    from launch.planning.probe_figures import PROBE_FILE, read_probe
 
     found, notes = {}, []
     probe = read_probe(run_dir, spec)

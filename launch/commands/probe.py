@@ -1,9 +1,9 @@
 """``hybrid probe cluster.yaml [--json]``: measure what the time model otherwise takes from its tables.
 
 Connects to (or starts) the cluster as ``hybrid launch`` does, starts the job's rank actors and has every rank
-measure at once (``launch.ray.probe.measure_rank``): all-reduce and all-gather at a small and a large size
+measure at once (``hybrid.runtime.probe.measure_rank``): all-reduce and all-gather at a small and a large size
 inside each node and across nodes, through the collectives training uses, and a matmul and a fused AdamW
-step on its device. Writes ``run_dir/probe.json`` (``launch.ray.probe.summarize``), prints the figures and
+step on its device. Writes ``run_dir/probe.json`` (``launch.planning.probe_figures.summarize``), prints the figures and
 the hardware the plan then uses (``hybrid.plan.hardware.build_hardware``). ``hybrid plan --measured
 RUN_DIR`` and ``hybrid launch`` of the same cluster file (whose ``job.run_dir`` holds it) plan from it.
 Takes a few seconds beyond starting the actors. Exit status as ``hybrid launch``'s: 2 for a problem the user
@@ -51,7 +51,9 @@ def probe_cluster(spec, stream) -> tuple[dict, object]:
     from launch.job.driver import kept_logs_dir
     from launch.planning.plan import _memory_from_probes
     from launch.ray import cluster as ray_cluster
-    from launch.ray.probe import probe_nodes, run_probe, write_probe
+    from launch.planning.probe_figures import write_probe
+    from launch.ray.probe import probe_nodes
+    from launch.ray.rank_probe import run_probe
     from launch.ray.runtime_env import client_runtime_env
 
     print(f"probing {spec.cluster.nodes} nodes x {spec.cluster.gpus_per_node} ranks ({spec.cluster.address})",

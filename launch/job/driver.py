@@ -63,7 +63,7 @@ import ray
 
 from hybrid.comm import heartbeat
 from hybrid.checkpoint import layout
-from hybrid.errors import FailureKind, RankFailed, first_line, reworded
+from hybrid.errors import FailureKind, RankFailed, UserError, first_line, reworded
 from hybrid.runtime.train import JobSettings
 from hybrid.config.units import count
 from launch.planning import memory_loop, replan
@@ -74,7 +74,9 @@ from launch.job.log_forwarding import LogActivity
 from launch.job.metrics import (MetricsWriter, link_line, ray_log_dir, summary_lines, time_record,
                                 write_time_record)
 from launch.planning.model_size import ModelFacts, model_facts
+from launch.planning.nvme_space import check_nvme_space
 from launch.planning.plan import LaunchPlan, build_plan, format_plan
+from launch.ray.node_files import remove_swap_files
 from launch.ray.probe import probe_nodes
 from launch.ray.runtime_env import client_runtime_env, runtime_env, ship
 from launch.spec import LaunchSpec
@@ -157,17 +159,19 @@ def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bo
     already measured). The time model takes the links and rates ``hybrid probe`` measured: measured now with
     ``measure_links`` (``hybrid launch --probe``), else ``job.run_dir``'s ``probe.json`` when one was made for
     this cluster's shape and device kind."""
-    reports = probe_nodes()
+    reports = probe_nodes(nvme_path=spec.cluster.nvme_path)
     figures = measured_links(spec, reports, measure_links, stream)
     plan = build_plan(spec, reports, facts, probe=figures)
     print(format_plan(plan), file=stream, flush=True)
+    check_nvme_space(plan, reports)  # the swap files of NVMe offload fit every machine's disk, before any rank
     return run_job(plan, stream, tty=tty)
 
 
 def measured_links(spec: LaunchSpec, reports, measure: bool, stream: TextIO) -> Optional[dict]:
     """``probe.json``'s figures for the plan (see ``plan_and_run``), or None."""
     from launch.planning.plan import _memory_from_probes
-    from launch.ray.probe import read_probe, run_probe, write_probe
+    from launch.planning.probe_figures import read_probe, write_probe
+    from launch.ray.rank_probe import run_probe
 
     if spec.job.run_dir is None:
         return None
@@ -195,7 +199,8 @@ def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> Jo
                            checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,
                            checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
                            offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing,
-                           memory_budget_bytes=budget, tp_plan=plan.spec.parallel.tp_plan)
+                           memory_budget_bytes=budget, tp_plan=plan.spec.parallel.tp_plan,
+                           nvme_path=str(plan.spec.cluster.nvme_path) if plan.spec.cluster.nvme_path else None)
     settings = (choice or replan.initial_choice(plan)).settings(settings)
     return dataclasses.replace(settings, zero_links=replan.plan_links(plan, settings.stage))
 
@@ -362,6 +367,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
     finally:
         logs.close()
         group.shutdown(graceful=graceful)
+        remove_swap_files(spec, plan.job_id)  # a rank killed with its swap file open left it behind
         if shared_dir is not None:
             shutil.rmtree(shared_dir, ignore_errors=True)
 

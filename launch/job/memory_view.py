@@ -5,8 +5,9 @@
 the run summary: per category where the measurement can be split (parameters, gradients, optimizer
 states: the engine's own ``memory_report`` of that rank), then the peak -- CUDA's
 ``max_memory_allocated`` against the predicted allocator peak, or on CPU the peak RSS growth against the
-predicted total (the CPU runtime reserve included) -- and NVML's used memory against the total where NVML
-reads the GPU, each with the deviation in %. ``usage_text`` is the progress line's used/budget of the
+predicted total (the CPU runtime reserve included) -- and the memory NVML attributes to the rank's process
+against the total where NVML reads the GPU, each with the deviation in %; the GPU's used memory over every
+process is shown beside them, not compared. ``usage_text`` is the progress line's used/budget of the
 largest rank; ``near_oom_line`` the warning above ``hybrid.plan.budget.NEAR_OOM``.
 """
 
@@ -63,7 +64,9 @@ def memory_table(predicted: dict, measured: dict, reports: dict, title: str = "m
     label, pred, meas = peak_pair(predicted, m)
     row(label, pred, meas)
     if "nvml_used_bytes" in m:
-        row("NVML used (total)", predicted["total"], m["nvml_used_bytes"])
+        row("NVML used by the rank (total)", predicted["total"], m["nvml_used_bytes"])
+    if "nvml_device_used_bytes" in m:  # every process's memory on the GPU: shown, never held against the rank
+        rows.append(f"  NVML used on the whole GPU: {human_bytes(m['nvml_device_used_bytes'])}")
     if m.get("budget_bytes"):
         rows.append(f"  budget {human_bytes(m['budget_bytes'])} per rank; used {m.get('fraction', 0):.0%}")
     return rows

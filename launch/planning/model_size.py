@@ -58,8 +58,6 @@ class ModelFacts:
     def tp_refusal(self, tp: int) -> Optional[str]:
         """Why the model cannot be split ``tp`` ways, or None when it can (or is not known)."""
         if self.shape is not None:
-            from launch.planning.plan import gpt_tp_refusal
-
             return gpt_tp_refusal(self.shape, tp)
         if self.module is not None:  # the modules a plan split, and a Hugging Face config's heads
             from hybrid.tp.plan import tp_refusal
@@ -206,3 +204,14 @@ def _gpt_shape(model) -> Optional[dict]:
     from hybrid.models.gpt.model import GPT
 
     return model.config.to_dict() if isinstance(model, GPT) else None
+
+
+def gpt_tp_refusal(model: dict, tp: int) -> Optional[str]:
+    """Why the built-in GPT of shape ``model`` cannot be split ``tp`` ways, or None when it can."""
+    from hybrid.models.gpt.model import GPTConfig
+
+    try:
+        GPTConfig.from_dict(model).check_tp(tp)
+    except ConfigError as err:
+        return str(err).rstrip(".")
+    return None

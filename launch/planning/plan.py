@@ -8,9 +8,12 @@ gpus_per_node that splits it, and 1 for one without, said why), DP = nodes·gpus
 from the NVML probes when every node measured its GPUs and otherwise the declared ``gpu_memory_gb``, host
 memory per node from
 the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
-and why), activation estimates for one micro-batch with and without checkpointing, and
+and why), with ``cluster.nvme_path`` a node's disk space for NVMe offload's swap files
+(``launch.planning.nvme_space``: probed, declared ``nvme_gb``, or this machine's for an embedded cluster),
+activation estimates for one micro-batch with and without checkpointing, and
 ``hybrid.plan.planner.choose_stage`` for the ZeRO stage, activation checkpointing and offload
-(``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice). Without
+(``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice, NVMe offload
+among its options where ``cluster.nvme_path`` is set). Without
 ``reports`` nothing touches Ray: that is ``hybrid plan``.
 
 Time beside memory (``launch.planning.time_plan``): for the built-in GPT, every layout the job could run --
@@ -45,14 +48,11 @@ from hybrid.config.schema import echo
 from hybrid.config.units import count, human_bytes
 from launch.planning import time_plan
 from launch.planning.model_size import ModelFacts, model_facts
+from launch.planning.nvme_space import nvme_space
 from launch.spec import LaunchSpec
 
 
-def mesh_layout(nodes: int, ranks_per_node: int, tp: int) -> MeshLayout:
-    if ranks_per_node % tp:
-        raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {ranks_per_node}; "
-                          "use a divisor of gpus_per_node.")
-    return MeshLayout(nodes, ranks_per_node, tp, nodes * ranks_per_node // tp)
+mesh_layout = MeshLayout.of  # the plan's rank layout (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class LaunchPlan:
     # choose_stage at the default TP degree and the job's micro-batch: what memory alone picks (None: nothing fits)
     memory_plan: Optional[Plan] = field(default=None, compare=False, repr=False)
     links: LinkOptions = FLAT  # how ZeRO's collectives use the links (the time model's choice)
+    nvme_note: str = ""  # where a node's NVMe space figure came from ("" without cluster.nvme_path)
 
     @property
     def stage(self) -> int:
@@ -123,11 +124,12 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     else:
         use_gpus, memory, source, note = _memory_from_probes(spec, reports)
     host, host_note = host_memory(spec, reports)
+    disk, nvme_note = nvme_space(spec, reports)
     batch = time_plan.global_batch(spec, layout.dp)
     plan, refusal, micro, accumulation = None, None, None, 1
     try:  # the memory-only choice at the default TP degree: the baseline, and the plan where time is not known
         micro, accumulation = time_plan.split_at(spec, layout.dp, batch)
-        plan = _memory_plan(spec, facts, layout, micro, memory, host)
+        plan = _memory_plan(spec, facts, layout, micro, memory, host, disk=disk)
     except ConfigError as err:  # the global batch does not split at the default TP degree: another may take it
         if facts.shape is None:
             raise
@@ -136,9 +138,10 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
         refusal = err
     baseline = None if plan is None else Layout(
         cluster.nodes, cluster.gpus_per_node, layout.tp, plan.stage, micro, accumulation,
-        plan.activation_checkpointing, plan.offload, parallel.precision)
+        plan.activation_checkpointing, plan.offload, parallel.precision, nvme=plan.nvme)
     tm = time_plan.rank_layouts(spec, facts, tp_options(parallel.tp, cluster.gpus_per_node, facts, tp), baseline,
-                                memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes)
+                                memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes,
+                                nvme_bytes=disk, sub_group_size=_sub_group_size(spec, facts))
     chosen = tm.chosen.layout if tm.chosen is not None else None
     memory_only = plan
     if chosen is None and plan is None:
@@ -149,18 +152,32 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
                          f"{_slower(tm, layout.tp)})")
             layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, chosen.tp)
         micro, accumulation = chosen.micro_batch, chosen.accumulation
-        plan = dataclasses.replace(_memory_plan(spec, facts, layout, micro, memory, host, chosen),
+        plan = dataclasses.replace(_memory_plan(spec, facts, layout, micro, memory, host, chosen, disk),
                                    reason=tm.ranking.reason)
     links = chosen.links if chosen is not None else FLAT
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
                       facts.source, host_note, facts.tensor_parallel, facts.module, micro_batch=micro,
-                      accumulation=accumulation, time=tm, memory_plan=memory_only, links=links)
+                      accumulation=accumulation, time=tm, memory_plan=memory_only, links=links,
+                      nvme_note=nvme_note)
+
+
+def _sub_group_size(spec: LaunchSpec, facts: ModelFacts) -> int:
+    """``zero.sub_group_size`` the ranks will step with (the swap store's records)."""
+    return _zero_sizes(spec, facts).sub_group_size
+
+
+def _zero_sizes(spec: LaunchSpec, facts: ModelFacts):
+    """The ``ZeroConfig`` of the model config's ``zero:`` before a stage is chosen, for its sizes (at stage 3,
+    which takes every ``zero:`` option: the link options of a lower stage would be refused here)."""
+    from launch.planning.replan import zero_config_of  # here: replan brings in torch (hybrid.runtime.train)
+
+    return zero_config_of(spec, facts.shape, 3)
 
 
 def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_batch: int, memory: float,
-                 host: Optional[float], chosen: Optional[Layout] = None) -> Plan:
+                 host: Optional[float], chosen: Optional[Layout] = None, disk: Optional[float] = None) -> Plan:
     """``choose_stage`` on ``layout`` with the GPT's activation estimate at ``micro_batch``: the user's levers,
-    or ``chosen``'s stage and levers where the time model chose them."""
+    or ``chosen``'s stage and levers where the time model chose them; ``disk``: a node's NVMe space."""
     parallel = spec.parallel
     activations, checkpointed = 0.0, None
     if facts.shape is not None:
@@ -174,14 +191,18 @@ def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_
     stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
     shard, secondary = None, 1
     if chosen is not None:
-        stage, offload, ac = chosen.stage, chosen.offload, chosen.activation_checkpointing
+        stage, ac = chosen.stage, chosen.activation_checkpointing
+        offload = "nvme" if chosen.offload and chosen.nvme else chosen.offload
         topology = chosen.topology()
         shard, secondary = topology.shard, topology.secondary
+    zero = _zero_sizes(spec, facts)
     return choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
                         activation_bytes=activations, forced_stage=stage,
                         checkpointed_activation_bytes=checkpointed, offload=offload,
                         activation_checkpointing=ac, host_memory_bytes=host,
-                        ranks_per_node=spec.cluster.gpus_per_node, shard=shard, secondary=secondary)
+                        ranks_per_node=spec.cluster.gpus_per_node, reduce_dtype=zero.reduce_dtype,
+                        nvme=spec.cluster.nvme_path is not None, nvme_bytes=disk,
+                        sub_group_size=zero.sub_group_size, shard=shard, secondary=secondary)
 
 
 def _slower(tm, tp: int) -> str:
@@ -254,17 +275,6 @@ def host_memory(spec: LaunchSpec, reports: Optional[Sequence]) -> tuple[Optional
     return None, "host memory unknown (declare cluster.host_memory_gb to check it when planning offline)"
 
 
-def gpt_tp_refusal(model: dict, tp: int) -> Optional[str]:
-    """Why the built-in GPT of shape ``model`` cannot be split ``tp`` ways, or None when it can."""
-    from hybrid.models.gpt.model import GPTConfig
-
-    try:
-        GPTConfig.from_dict(model).check_tp(tp)
-    except ConfigError as err:
-        return str(err).rstrip(".")
-    return None
-
-
 def _check_tp(facts: ModelFacts, tp: int) -> None:
     refusal = facts.tp_refusal(tp) if tp > 1 else None
     if refusal is not None:
@@ -319,13 +329,16 @@ def plan_dict(lp: LaunchPlan) -> dict:
                    "precision": par.precision, "per_gpu_bytes": p.per_gpu_bytes,
                    "host": {"note": lp.host_note, "host_memory_bytes": p.host_memory_bytes,
                             "per_rank_bytes": p.host_bytes, "per_node_bytes": p.host_bytes_per_node},
+                   "nvme": nvme_dict(lp),
                    "stages": {str(s): {"params": b.params, "grads": b.grads, "optimizer": b.optimizer,
                                        "total": b.total, "with_activations": b.total + p.activation_bytes,
                                        "fits": p.fits[s]} for s, b in sorted(p.stages.items())},
                    "options": [{"stage": o.stage, "activation_checkpointing": o.activation_checkpointing,
-                                "offload": o.offload, "device_bytes": o.device_bytes, "host_bytes": o.host_bytes,
-                                "fits": o.fits} for o in p.options]},
-        "stage": p.stage, "offload": p.offload, "activation_checkpointing": p.activation_checkpointing,
+                                "offload": o.offload, "nvme": o.nvme, "device_bytes": o.device_bytes,
+                                "host_bytes": o.host_bytes, "disk_bytes": o.disk_bytes, "fits": o.fits}
+                               for o in p.options]},
+        "stage": p.stage, "offload": p.offload, "offload_device": p.offload_device,
+        "activation_checkpointing": p.activation_checkpointing,
         "reason": p.reason,
         **{f"requested_{key}": echoed[name] for key, name in (("stage", "zero_stage"), ("offload", "offload"),
                                                                ("activation_checkpointing", "activation_checkpointing"))},
@@ -355,6 +368,8 @@ def format_plan(lp: LaunchPlan) -> str:
     lines.append(f"memory  {lp.memory_note}; {human_bytes(p.usable_bytes)} usable per GPU "
                  f"({p.headroom:.0%} headroom), {activations}")
     lines.append(f"  {lp.host_note}")
+    if lp.nvme_note:
+        lines.append(f"  {lp.nvme_note}")
     header = f"  {'stage':<6}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}{'+activ.':>11}  fits"
     lines.append(header)
     plain = not (p.offload or p.activation_checkpointing)
@@ -365,17 +380,24 @@ def format_plan(lp: LaunchPlan) -> str:
                      f"{'yes' if p.fits[s] else 'no':<4}{mark}")
     levers = [o for o in p.options if o.offload or o.activation_checkpointing]
     if levers:
-        lines.append(f"  {'with levers':<17}{'GPU':>11}{'host/node':>11}  fits")
+        disks = any(o.nvme for o in levers)
+        lines.append(f"  {'with levers':<17}{'GPU':>11}{'host/node':>11}" + (f"{'disk/node':>11}" if disks else "") +
+                     "  fits")
         for o in levers:
-            chosen = (o.stage, o.offload, o.activation_checkpointing) == (p.stage, p.offload, p.activation_checkpointing)
+            chosen = (o.stage, o.offload, o.nvme, o.activation_checkpointing) == \
+                (p.stage, p.offload, p.nvme, p.activation_checkpointing)
             host = human_bytes(o.host_bytes * p.ranks_per_node) if o.offload else "-"
-            lines.append(f"  {o.label:<17}{human_bytes(o.device_bytes):>11}{host:>11}  {'yes' if o.fits else 'no':<4}"
-                         f"{'  <- chosen' if chosen else ''}")
+            disk = (f"{human_bytes(o.disk_bytes * p.ranks_per_node) if o.nvme else '-':>11}" if disks else "")
+            lines.append(f"  {o.label:<17}{human_bytes(o.device_bytes):>11}{host:>11}{disk}  "
+                         f"{'yes' if o.fits else 'no':<4}{'  <- chosen' if chosen else ''}")
     written = {k: str(value).lower() if isinstance(value, bool) else value for k, value in echo(par).items()}
+    offload = "on, to NVMe" if p.nvme else _on(p.offload)
     lines.append(f"levers  activation checkpointing {_on(p.activation_checkpointing)} "
                  f"(parallel.activation_checkpointing: {written['activation_checkpointing']}), optimizer offload "
-                 f"{_on(p.offload)} (parallel.offload: {written['offload']})")
+                 f"{offload} (parallel.offload: {written['offload']})")
     lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
+    if p.nvme:
+        lines.append(f"nvme    {_nvme_line(lp)}")
     lines.append(f"batch   micro-batch {lp.micro_batch} x {lp.accumulation} accumulation per DP rank = global batch "
                  f"{lp.rows * layout.dp} sequences per step" + ("" if par.tp is not None or lp.time is None else
                                                                    "; TP degree, stage, levers and micro-batch "
@@ -386,8 +408,36 @@ def format_plan(lp: LaunchPlan) -> str:
     return "\n".join(lines)
 
 
+def nvme_dict(lp: LaunchPlan) -> Optional[dict]:
+    """``hybrid plan --json``'s ``memory.nvme``: the disk's figures and, with NVMe offload, the swap files' bytes
+    and a step's traffic and disk time (the time model's, where there is one); None without an NVMe path."""
+    p, path = lp.plan, lp.spec.cluster.nvme_path
+    if path is None:
+        return None
+    out = {"path": str(path), "note": lp.nvme_note, "nvme_bytes": p.nvme_bytes}
+    if p.nvme:
+        cost = lp.predicted
+        out.update({"per_rank_bytes": p.disk_bytes, "per_node_bytes": p.disk_bytes_per_node,
+                    "read_bytes_per_step": p.disk_bytes, "write_bytes_per_step": p.disk_bytes,
+                    "disk_s": cost.nvme_s if cost is not None and cost.layout.nvme else None})
+    return out
+
+
+def _nvme_line(lp: LaunchPlan) -> str:
+    """The swap files' bytes per rank and node, what a step reads and writes, and the disk's time for it."""
+    p, n = lp.plan, lp.plan.ranks_per_node
+    room = "" if p.nvme_bytes is None else f" of {human_bytes(p.nvme_bytes * (1 - p.headroom))} usable"
+    line = (f"swap files under {lp.spec.cluster.nvme_path}: {human_bytes(p.disk_bytes)} per rank x {n} = "
+            f"{human_bytes(p.disk_bytes_per_node)} per node{room}; each step reads and writes "
+            f"{human_bytes(p.disk_bytes)} per rank ({human_bytes(p.disk_bytes_per_node)} per node) each way")
+    cost = lp.predicted
+    if cost is not None and cost.layout.nvme:
+        line += f", {cost.nvme_s:.3g} s on the node's disk (the time model's, overlapped with the host's step)"
+    return line
+
+
 def _with_levers(p: Plan) -> str:
-    parts = [text for on, text in ((p.offload, "optimizer states offloaded to CPU"),
+    parts = [text for on, text in ((p.offload, f"optimizer states offloaded to {'NVMe' if p.nvme else 'CPU'}"),
                                    (p.activation_checkpointing, "activation checkpointing")) if on]
     return f" with {' and '.join(parts)}" if parts else ""
 

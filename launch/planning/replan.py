@@ -49,13 +49,14 @@ class Choice:
     accumulation: int = 1
     activation_checkpointing: bool = False
     offload: bool = False
+    nvme: bool = False  # with offload: the optimizer states on each node's disk (cluster.nvme_path)
 
     def describe(self) -> str:
         parts = [f"stage {self.stage}"]
         if self.activation_checkpointing:
             parts.append("activation checkpointing")
         if self.offload:
-            parts.append("optimizer offload")
+            parts.append("optimizer offload to NVMe" if self.nvme else "optimizer offload")
         if self.accumulation > 1:
             parts.append(f"micro-batch {self.micro_batch} x {self.accumulation} accumulation steps")
         return parts[0] + (" with " + ", ".join(parts[1:]) if len(parts) > 1 else "")
@@ -64,7 +65,8 @@ class Choice:
         """``base`` with this choice applied (fields the settings lack are left out)."""
         fields = {f.name for f in dataclasses.fields(JobSettings)}
         values = {"stage": self.stage, "micro_batch": self.micro_batch,
-                  "gradient_accumulation_steps": self.accumulation, "offload": self.offload,
+                  "gradient_accumulation_steps": self.accumulation,
+                  "offload": "nvme" if self.offload and self.nvme else self.offload,
                   "activation_checkpointing": self.activation_checkpointing}
         return dataclasses.replace(base, **{k: x for k, x in values.items() if k in fields})
 
@@ -88,7 +90,7 @@ class Overshoot:
 def planned_choice(lp) -> Choice:
     """The planner's choice as it stands (``hybrid.plan.planner``: model states and activations)."""
     return Choice(lp.stage, lp.micro_batch or lp.spec.job.micro_batch, lp.accumulation,
-                  lp.plan.activation_checkpointing, lp.plan.offload)
+                  lp.plan.activation_checkpointing, lp.plan.offload, lp.plan.nvme)
 
 
 def initial_choice(lp) -> Choice:
@@ -155,10 +157,10 @@ def _gpt_units(shape: tuple, tp: int, stage3_unit) -> ModelUnits:
     return model_units(GPT(GPTConfig(**dict(shape)), device="meta"), tp, stage3_unit)
 
 
-def _model_doc(lp) -> dict:
+def _model_doc(spec) -> dict:
     from hybrid.config.yamlfile import load_yaml
 
-    doc = load_yaml(lp.spec.job.config, "model config")
+    doc = load_yaml(spec.job.config, "model config")
     return doc if isinstance(doc, dict) else {}
 
 
@@ -180,12 +182,20 @@ def plan_links(lp, stage: int) -> dict:
 def zero_config(lp, stage: int):
     """The ZeroConfig the ranks will build: the built-in GPT's ``zero:`` with the plan's link options
     (``plan_links``) unless it sets its own (``with_plan_links``), over the defaults."""
-    from hybrid.config.training import ZeroConfig
-    from hybrid.models.gpt.training import with_plan_links, zero_options
+    return zero_config_of(lp.spec, lp.model, stage, plan_links(lp, stage))
 
-    builtin = lp.spec.job.entrypoint == "hybrid.models.gpt:train" or lp.model is not None
-    return ZeroConfig(stage=stage, **with_plan_links(plan_links(lp, stage),
-                                                     zero_options(_model_doc(lp).get("zero")) if builtin else {}))
+
+def zero_config_of(spec, model: Optional[dict], stage: int, links: Optional[dict] = None):
+    """``zero_config`` before the plan exists: for ``spec`` and its built-in GPT's shape (``model``, None for
+    another model), with the link options ``links`` (``zero`` keys; None: the model config's alone). Stage 3
+    takes every ``zero:`` option (``zero_options`` checks them there): a caller that reads only sizes asks for
+    it."""
+    from hybrid.config.training import ZeroConfig
+    from hybrid.models.sections import with_plan_links, zero_options
+
+    builtin = spec.job.entrypoint == "hybrid.models.gpt:train" or model is not None
+    return ZeroConfig(stage=stage, **with_plan_links(links, zero_options(_model_doc(spec).get("zero"))
+                                                     if builtin else {}))
 
 
 def supports_activation_checkpointing(lp) -> bool:
@@ -205,14 +215,9 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     precision, tp, dp = lp.spec.parallel.precision, lp.layout.tp, lp.layout.dp
     device, reserve = device_of(lp), runtime_reserve(lp)
     zero = zero_config(lp, choice.stage)
-    if lp.model is None and lp.module is not None:  # your own model, built on meta: its real units
-        units = model_units(lp.module, tp, zero.stage3_unit)
-        activations = 0  # no estimate for a model whose forward we do not know; the ranks measure them
-    elif lp.model is None:  # a bare parameter count: one flat module, no activation estimate
-        units = ModelUnits.from_lists([[-(-lp.params // tp)]])
-        activations = 0
-    else:
-        units = _gpt_units(tuple(sorted(lp.model.items())), tp, zero.stage3_unit)
+    units = units_of(lp, zero)
+    activations = 0  # no estimate for a model whose forward we do not know (or a bare count); the ranks measure
+    if lp.model is not None:
         m = lp.model
         activations = gpt_activation_bytes(m["seq_len"], choice.micro_batch, m["hidden"], m["n_heads"],
                                            m["n_layers"], m["vocab_size"], tp=tp, precision=precision,
@@ -223,6 +228,17 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     if choice.offload:  # master weights and moments live in host memory
         p = dataclasses.replace(p, optimizer=0, optimizer_transient=0)
     return p
+
+
+def units_of(lp, zero) -> ModelUnits:
+    """The trainable parameters of ``lp``'s model as one TP rank holds them, cut into ``zero``'s stage-3 units:
+    the built-in GPT's shape, your own model built on meta, or a bare parameter count as one flat module."""
+    tp = lp.layout.tp
+    if lp.model is None and lp.module is not None:
+        return model_units(lp.module, tp, zero.stage3_unit)
+    if lp.model is None:
+        return ModelUnits.from_lists([[-(-lp.params // tp)]])
+    return _gpt_units(tuple(sorted(lp.model.items())), tp, zero.stage3_unit)
 
 
 def ladder(lp, current: Choice) -> list[Choice]:
@@ -258,7 +274,7 @@ def layout_of(lp, choice: Choice):
     c = lp.spec.cluster
     return Layout(c.nodes, c.gpus_per_node, lp.layout.tp, choice.stage, choice.micro_batch, choice.accumulation,
                   choice.activation_checkpointing, choice.offload, lp.spec.parallel.precision,
-                  LinkOptions.from_zero(plan_links(lp, choice.stage)))
+                  LinkOptions.from_zero(plan_links(lp, choice.stage)), nvme=choice.nvme)
 
 
 def link_theory(lp, choice: Choice) -> tuple:
@@ -328,12 +344,12 @@ def nothing_fits(lp, current: Choice, overshoot: Overshoot) -> str:
 
 
 def _nodes_that_fit(lp, choice: Choice, extra: float) -> Optional[int]:
-    from launch.planning.plan import mesh_layout
+    from hybrid.comm.mesh import MeshLayout
 
     cluster = lp.spec.cluster
     usable = usable_bytes(lp)
     for nodes in range(cluster.nodes + 1, MAX_NODES_SEARCHED + 1):
-        layout = mesh_layout(nodes, cluster.gpus_per_node, lp.layout.tp)
+        layout = MeshLayout.of(nodes, cluster.gpus_per_node, lp.layout.tp)
         bigger = dataclasses.replace(lp, layout=layout)
         if predict(bigger, choice).total + extra <= usable:
             return nodes

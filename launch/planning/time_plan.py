@@ -23,7 +23,7 @@ from hybrid.plan.candidates import LINK_CHOICES, Ranking, describe, layouts, ran
 from hybrid.plan.cost import DTYPE_BYTES, FLAT, Hardware, Layout, ModelShape
 from hybrid.plan.hardware import build_hardware
 from hybrid.plan.memory import gpt_activation_bytes
-from hybrid.plan.planner import layout_option
+from hybrid.plan.planner import DEFAULT_SUB_GROUP_SIZE, layout_option
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,12 @@ def _link(name: str) -> Optional[str]:
 
 def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_memory_bytes: float,
                  host_memory_bytes: Optional[float], device: Optional[str], probe: Optional[dict] = None,
-                 calibration: float = 1.0, extra_bytes: float = 0.0, headroom: float = 0.1) -> TimeModel:
+                 calibration: float = 1.0, extra_bytes: float = 0.0, headroom: float = 0.1,
+                 nvme_bytes: Optional[float] = None, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> TimeModel:
     """The time model of ``spec`` over the TP degrees ``tps`` (see the module docstring); ``default_layout``
     is the memory-only choice (the reason compares with it), ``calibration`` a factor on the compute
-    efficiency (``hybrid plan --measured``), ``extra_bytes`` what a run measured beyond its prediction."""
+    efficiency (``hybrid plan --measured``), ``extra_bytes`` what a run measured beyond its prediction;
+    ``nvme_bytes`` a node's disk space for NVMe offload, weighed where ``cluster.nvme_path`` is set."""
     if facts.shape is None:
         return TimeModel(None, None, None, "time not estimated: the model's shape (layers, hidden size, sequence "
                                            "length) is known only for the built-in GPT; the memory-only choice")
@@ -119,7 +121,7 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
     for tp in tps:
         dp = nodes * per_node // tp
         offered += layouts(nodes, per_node, par.precision, [tp], _choices(par.zero_stage, (0, 1, 2, 3)),
-                           _choices(par.activation_checkpointing, (False, True)), _choices(par.offload, (False, True)),
+                           _choices(par.activation_checkpointing, (False, True)), offload_choices(spec),
                            batch, fixed_micro_batch(spec, dp, batch), links=LINK_CHOICES)
     if not offered:
         dps = sorted({nodes * per_node // tp for tp in tps})
@@ -137,6 +139,7 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
         return layout_option(facts.params, lay.dp, lay.tp, lay.stage, gpu_memory_bytes, par.precision, acts,
                              headroom, activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
                              host_memory_bytes=host_memory_bytes, ranks_per_node=per_node, extra_bytes=extra_bytes,
+                             nvme=lay.nvme, nvme_bytes=nvme_bytes, sub_group_size=sub_group_size,
                              shard=topology.shard, secondary=topology.secondary)
 
     ranking = rank(model, offered, hw, memory, default_layout)
@@ -148,6 +151,13 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
 
 def _choices(fixed, every: tuple) -> tuple:
     return every if fixed is None else (fixed,)
+
+
+def offload_choices(spec) -> tuple:
+    """The offload values weighed: ``parallel.offload`` when set, else none, host memory and, where
+    ``cluster.nvme_path`` is set, the node's disk."""
+    every = (False, True) + (("nvme",) if spec.cluster.nvme_path is not None else ())
+    return _choices(spec.parallel.offload, every)
 
 
 # ------------------------------------------------------------------------------------------- rendering

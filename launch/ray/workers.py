@@ -1,4 +1,4 @@
-"""The rank actors: one ``RankWorker`` per rank, placed so every TP group lies inside one node.
+"""The rank actors: one ``RankActor`` (a ``RankWorker``) per rank, placed so every TP group lies inside one node.
 
 ``WorkerGroup.start()`` reserves a placement group with one bundle per node (``STRICT_SPREAD``: no two
 bundles on one Ray node), starts ``ranks_per_node`` actors in each bundle, then asks every actor which
@@ -17,7 +17,7 @@ CUDA_VISIBLE_DEVICES listing all the node's GPUs given to the job and rank LOCAL
 ``isolate_gpus`` each actor keeps only its own GPU (``cuda:0``). The default group is
 ``"cpu:gloo,cuda:nccl"`` on GPUs (``hybrid.comm.mesh.init_default_group``), gloo without.
 
-``probe()`` measures the rank's links and compute for ``hybrid probe`` (``launch.ray.probe``).
+``probe()`` measures the rank's links and compute for ``hybrid probe`` (``hybrid.runtime.probe``).
 ``run()`` calls the entrypoint on every rank with a ``hybrid.runtime.train.Context`` whose reports the actor
 buffers until the driver drains them; what the entrypoint raises reaches the driver as ``hybrid.errors.RankFailed``,
 with the kind of failure the rank decided (``rank_failed``); ``drain()`` also returns the rank's collective heartbeat
@@ -163,8 +163,12 @@ def cuda_devices(p: RankPlacement, node_ranks: list[RankPlacement], isolate: boo
     return ",".join(visible), f"cuda:{visible.index(own)}"
 
 
-@ray.remote(max_concurrency=2, max_restarts=0)  # two threads: run() trains while drain() answers the driver
 class RankWorker:
+    """One rank (the actor ``RankActor`` runs it). Ray calls its methods on two threads, ``run()`` training
+    while ``drain()`` answers the driver, and which thread runs a call is Ray's choice: CUDA's current device
+    is per thread, so ``setup()`` and ``run()``, the calls that do the rank's CUDA work, first bind the rank's
+    device on the thread they run on (``hybrid.comm.device.bind_thread``)."""
+
     def __init__(self):
         self._lock = threading.Lock()
         self._reports: list[dict] = []
@@ -201,9 +205,11 @@ class RankWorker:
         import torch.distributed as dist
 
         from hybrid.comm.mesh import build_mesh, init_default_group
+        from hybrid.comm.device import bind_thread
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self._rank, self._device = rank, device
+        bind_thread(device)
         name_rank_in_logs(rank)
         timeout = timedelta(seconds=timeout_s)
         store = dist.FileStore(rendezvous.store_file, world_size) if rendezvous.store_file else None
@@ -221,10 +227,12 @@ class RankWorker:
         """Run the entrypoint on this rank; returns what it returns (must be picklable)."""
         import yaml
 
+        from hybrid.comm.device import bind_thread
         from hybrid.runtime.train import Context
         from launch.ray.runtime_env import localize_shipped
         from launch.spec import resolve_entrypoint
 
+        bind_thread(self._device)  # maybe not the thread setup() ran on
         here = os.getcwd()  # the copy of the job's working_dir on this node, when one was shipped
         local_path = (lambda path: localize_shipped(path, working_dir, here)) if working_dir else None
         local_config = local_path(model_config_path) if local_path else model_config_path
@@ -259,9 +267,9 @@ class RankWorker:
         self._stop.set()
 
     def probe(self, precision: str) -> dict:
-        """This rank's link and compute figures for ``hybrid probe`` (``launch.ray.probe.measure_rank``); every
+        """This rank's link and compute figures for ``hybrid probe`` (``hybrid.runtime.probe.measure_rank``); every
         rank calls it at once, after ``setup``."""
-        from launch.ray.probe import measure_rank
+        from hybrid.runtime.probe import measure_rank
 
         return measure_rank(self._rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]),
                             self._device, precision)
@@ -279,6 +287,10 @@ class RankWorker:
     def _report(self, record: dict) -> None:
         with self._lock:
             self._reports.append(record)
+
+
+# two threads: run() trains while drain() answers the driver
+RankActor = ray.remote(max_concurrency=2, max_restarts=0)(RankWorker)
 
 
 def rank_failed(err: BaseException) -> RankFailed:
@@ -375,7 +387,7 @@ class WorkerGroup:
         actors = []
         for node in range(self.nodes):
             for _ in range(self.ranks_per_node):
-                actors.append(RankWorker.options(
+                actors.append(RankActor.options(
                     num_cpus=1, num_gpus=1 if self.use_gpus else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
                     runtime_env={"env_vars": self.env, **self.runtime_env},

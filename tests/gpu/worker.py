@@ -6,7 +6,11 @@
 Each rank takes torchrun's variables, uses ``cuda:LOCAL_RANK`` (cpu where CUDA is absent, so the same code
 path can be exercised on a CPU machine with ``--init-method file://...``), joins the default group through
 ``hybrid.comm.mesh.init_default_group`` and runs the cases; rank 0 writes one JSON object to OUT.json with the
-measured errors and bytes, which the tests compare against ``TOLERANCE`` and the memory model.
+measured errors and bytes, which the tests compare against ``TOLERANCE`` and the memory model, again after
+every case, so a crash keeps the cases before it. On one rank a case that raises is left out, its traceback
+under ``errors``, and the rest still run (with several ranks it ends the run: the others would wait in its
+collectives). ``tests.gpu.torchrun`` sets ``HYBRID_FORCE_COLLECTIVES=1``: even groups of one rank issue
+every collective (``parity`` records how many each case issued on its DP and TP groups).
 
 * ``parity``: for every mesh ``TPxDP`` given and ZeRO stages 0–3, fp32 and bf16: the built-in GPT (gpt-tiny)
   trained ``STEPS`` steps by the engine against single-process ``torch.optim.AdamW`` on the same device,
@@ -29,6 +33,8 @@ import functools
 import gc
 import json
 import os
+import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,6 +46,7 @@ import torch.distributed as dist
 
 import hybrid
 from hybrid.config.training import TrainConfig
+from hybrid.comm.collectives import collectives_forced
 from hybrid.comm.mesh import build_mesh, init_default_group
 from hybrid.models.gpt.model import GPT, GPTConfig, count_parameters
 from hybrid.runtime.train import Context, JobSettings, run_steps
@@ -118,7 +125,9 @@ def parity(device, meshes: list[tuple[int, int]], args) -> dict:
                     value = loss.detach().float().clone()
                     mesh.dp_comm.all_reduce(value, average=True)  # the global loss: the mean over DP ranks
                     losses.append(value.item())
-                case = {"loss_err": rel(losses, ref_losses), "losses": losses}
+                case = {"loss_err": rel(losses, ref_losses), "losses": losses,
+                        "dp_collectives": engine.comm_report()["total_calls"],
+                        "tp_collectives": mesh.tp_comm.report()["total_calls"]}
                 weights = engine.full_state_dict()
                 if precision == "fp32":
                     case["weights_err"] = max(rel(weights[n], ref) for n, ref in ref_weights.items())
@@ -289,12 +298,19 @@ def main(argv=None) -> None:
     init_default_group(device, rank, world, timedelta(seconds=300), init_method=args.init_method)
     try:
         torch.manual_seed(SEED)
-        results = {"device": str(device), "world_size": world,
-                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        results = {"device": str(device), "world_size": world, "forced_collectives": collectives_forced(),
+                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   "errors": {}}
         for name in args.cases.split(","):
-            results[name] = CASES[name](device, parse_meshes(args.meshes), args)
-        if rank == 0:
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            try:
+                results[name] = CASES[name](device, parse_meshes(args.meshes), args)
+            except Exception:  # noqa: BLE001 -- the other cases still run and are written
+                if world > 1:
+                    raise
+                results["errors"][name] = traceback.format_exc()[-6000:]
+                print(f"case {name} raised:\n{results['errors'][name]}", file=sys.stderr, flush=True)
+            if rank == 0:  # after every case: a crash in the next one keeps these
+                Path(args.out).write_text(json.dumps(results, indent=1))
     finally:
         dist.destroy_process_group()
 

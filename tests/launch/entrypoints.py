@@ -13,12 +13,24 @@ from hybrid.models.gpt.training import train
 
 
 def where(ctx):
-    """Report this rank's Ray node, its real TP/DP process-group members and their timeouts, its torchrun
-    variables and where its mesh says it runs, and check an all-reduce over DP then TP."""
+    """``placement`` of this rank, reported as the job's one step."""
+    found = placement(ctx)
+    ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
+    return found
+
+
+def train_then_where(ctx):
+    """The built-in GPT training, then ``placement`` of this rank (no report of its own: training reported
+    every step)."""
+    return {"train": train(ctx), "where": placement(ctx)}
+
+
+def placement(ctx):
+    """This rank's Ray node, its real TP/DP process-group members and their timeouts, its torchrun variables
+    and where its mesh says it runs, after an all-reduce over DP then TP (``sum``)."""
     t = torch.ones(1)
     ctx.mesh.dp_comm.all_reduce(t)
     ctx.mesh.tp_comm.all_reduce(t)
-    ctx.report({"loss": 0.0, "step_time_s": 1.0, "tokens": 0})
     return {"rank": dist.get_rank(), "node_id": ray.get_runtime_context().get_node_id(),
             "tp_group": dist.get_process_group_ranks(ctx.mesh.tp_group),
             "dp_group": dist.get_process_group_ranks(ctx.mesh.dp_group),
@@ -38,8 +50,14 @@ def fail_on_rank_1(ctx):
     return {"rank": ctx.rank}
 
 
-def exit_on_rank_1(ctx):
+def fail_then_exit_on_rank_1(ctx):
+    """Rank 1 raises on the job's first attempt and calls sys.exit(3) on every later one (the file named by
+    FAILED_ONCE, in job.env, marks that the first attempt failed)."""
     if ctx.rank == 1:
+        marker = Path(os.environ["FAILED_ONCE"])
+        if not marker.exists():
+            marker.write_text("attempt 1 failed")
+            raise RuntimeError("rank one is broken on purpose")
         sys.exit(3)
     return {"rank": ctx.rank}
 

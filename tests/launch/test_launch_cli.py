@@ -31,11 +31,14 @@ HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.ex
 
 
 def cluster_file(tmp_path, steps: int, entrypoint: str = "hybrid.models.gpt:train",
-                 cluster: str = "address: local") -> Path:
+                 cluster: str = "address: local", run_dir: Path | None = None) -> Path:
+    """Two nodes of one rank each: a ZeRO job across nodes with the fewest rank actors (each imports torch).
+    TP inside a node and the 2 x 2 placement are tests/launch/test_launch_ray.py's, on the shared cluster."""
     path = tmp_path / "cluster.yaml"
+    run = f", run_dir: {run_dir}" if run_dir else ""
     path.write_text(f"""\
-cluster: {{{cluster}, nodes: 2, gpus_per_node: 2, gpu_memory_gb: 80}}
-job: {{entrypoint: "{entrypoint}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}}}
+cluster: {{{cluster}, nodes: 2, gpus_per_node: 1, gpu_memory_gb: 80}}
+job: {{entrypoint: "{entrypoint}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}{run}}}
 parallel: {{precision: fp32}}
 """)
     return path
@@ -72,7 +75,10 @@ def wait_gone(pid: int, timeout_s: float = 20.0) -> list[str]:
 
 
 def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
-    """Every socket call of the launcher and all its Ray processes goes through strace where it can."""
+    """Every socket call of the launcher and all its Ray processes goes through strace where it can.
+
+    Over 20 s: a user's `hybrid launch` starts its own embedded cluster (GCS, two raylets and their agents) and
+    two rank actors that import torch, all under strace; the 12 steps themselves take about a second."""
     trace = tmp_path / "network.strace" if strace_works() else None
     proc = start(cluster_file(tmp_path, steps=12), trace_to=trace)
     watch = NetWatch(proc.pid).start()
@@ -92,25 +98,40 @@ def test_launch_trains_exits_0_and_leaves_nothing(tmp_path):
 
 
 def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_path):
-    """``kill PID``. Ctrl-C (SIGINT to the terminal's process group), a group SIGTERM and a hangup are
-    tests/launch/test_group_signal.py's: one signal handler serves all of them."""
-    proc = start(cluster_file(tmp_path, steps=5000))
+    """``kill PID``, and the orderly teardown any interrupt takes: exit 130, the ``interrupted`` line, no
+    process of the embedded cluster left, its temp dir gone, its logs kept in the run dir. Ctrl-C (SIGINT),
+    a group SIGTERM and a hangup take the same teardown: one handler serves all three while the cluster runs
+    (test_launch_ray.py); test_group_signal.py sends a group SIGTERM that also reaches every Ray process.
+    (A group SIGINT had an end-to-end case of its own there, merged into this one and those two: it checked
+    this teardown and that no Ray process shares the launcher's process group, as the group SIGTERM case does.)
+
+    About 20 s: an embedded cluster and two rank actors must start before training is under way, and the
+    teardown that follows the signal is what the test checks."""
+    proc = start(cluster_file(tmp_path, steps=5000, run_dir=tmp_path / "run"))
     watch = NetWatch(proc.pid).start()
-    lines = []
+    lines, marked = [], None
     try:
         for line in proc.stdout:  # wait until training is under way
             lines.append(line)
             if line.startswith("step "):
                 break
+        marked = _marked_dir(proc.pid)
+        ours = marked_pids(marked) if marked else []
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
         watch.stop()
         proc.kill()
-    assert any(l.startswith("step ") for l in lines), "".join(lines)
-    assert proc.returncode == 130, "".join(lines) + out
+    text = "".join(lines) + out
+    assert any(l.startswith("step ") for l in lines), text
+    assert proc.returncode == 130, text
+    assert "interrupted" in [l.strip() for l in out.splitlines()], text
+    assert "Failed to connect to GCS" not in text, text
     assert not watch.violations, (watch.violations, watch.culprits)
     assert wait_gone(proc.pid) == [] and watch.wait_survivors() == []
+    assert marked and ours, "no Ray process of the embedded cluster was seen"
+    assert marked_pids(marked) == [] and not Path(marked).exists()
+    assert (tmp_path / "run" / "ray-logs").is_dir(), "the embedded cluster's logs were not kept"
 
 
 @pytest.mark.skipif(not strace_works(), reason="strace cannot trace here")
@@ -129,7 +150,7 @@ def test_a_rank_that_raises_exits_1_naming_it(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 1, out
-    assert "error: rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)" in out, out
+    assert "error: rank 1 on node 1 failed (RuntimeError: rank one is broken on purpose)" in out, out
     assert wait_gone(proc.pid) == []
 
 
@@ -189,7 +210,12 @@ def test_sigterm_while_waiting_for_a_remote_cluster_exits_130_at_once(tmp_path):
 
 def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path):
     """`ray start --head` on loopback (in its own temp dir, stopped by its pid): `ray://` (Ray Client) and
-    `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected."""
+    `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected.
+
+    The slowest test: a cluster started as a user starts it (not the embedded kind the other tests use), a
+    Ray Client connection (whose server process the head starts for the driver) and a second driver through
+    `auto`, each placing two rank actors; one cluster serves both addresses, and 2 steps are the least that
+    shows the job ran."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="hy-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     # A token where Ray looks for one (as ~/.ray/auth_token is once any plain ray.init() ran): `ray start`
     # then requires it, and the launcher must send it (it timed out without).

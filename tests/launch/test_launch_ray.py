@@ -32,6 +32,7 @@ from hybrid.data.prepare import prepare
 from hybrid.plan.memory import GB
 from hybrid.plan.planner import choose_stage
 from launch.ray import cluster as ray_cluster
+from launch.job import signals
 from launch.job.driver import JobFailed, plan_and_run
 from launch.job.metrics import METRICS_FILE
 from launch.planning.plan import build_plan
@@ -90,9 +91,22 @@ def test_address_auto_of_another_process_would_never_find_this_embedded_cluster(
 
 # Stage 3 from a declared budget; the default choice (stage 1 at 80 GB) trains in the kill test's reference
 # run and in tests/launch/test_launch_cli.py.
+def test_while_the_embedded_cluster_runs_a_hangup_is_the_launchers_interrupt_as_ctrl_c_is(cluster):
+    """Ray's node starts and ``ray.init`` install signal handlers of their own; the launcher takes SIGINT,
+    SIGTERM and SIGHUP back (``launch.job.signals``), so a closed terminal stops the job as Ctrl-C does
+    (test_group_signal.py's INT case: exit 130, everything torn down)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    assert len(set(handlers.values())) == 1, handlers
+    assert handlers[signal.SIGHUP] is signals._raise_interrupt, handlers
+
+
 @pytest.mark.parametrize("gpu_memory_gb, expected_stage", [(0.0025, 3)])
-def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memory_gb, expected_stage):
-    spec = make_spec(steps=30, gpu_memory_gb=gpu_memory_gb)
+def test_auto_stage_follows_the_planner_and_training_converges_with_ranks_placed_by_tp_group(
+        cluster, gpu_memory_gb, expected_stage):
+    """The training job is also the tp = auto case of placement (``_assert_placed_by_tp_group``): the ranks
+    that trained report, after their last step, where they ran. One job for both: each starts every rank."""
+    spec = make_spec(entrypoint="tests.launch.entrypoints:train_then_where", steps=30, gpu_memory_gb=gpu_memory_gb,
+                     tp="auto")
     offline = build_plan(spec)  # what the planner predicts from the declared facts
     memory_only = offline.memory_plan  # the guide's choice at the default TP degree and micro-batch
     predicted = choose_stage(offline.params, 2, 2, gpu_memory_gb * GB, precision="fp32",
@@ -105,38 +119,40 @@ def test_auto_stage_follows_the_planner_and_training_converges(cluster, gpu_memo
     assert result.plan.stage == stage and result.plan.memory_source == "declared"
     assert (result.plan.layout.tp, result.plan.micro_batch) == (offline.layout.tp, offline.micro_batch)
     assert "no GPUs in the Ray cluster" in out.getvalue() and f"ZeRO-{stage}" in out.getvalue()
-    assert all(r["stage"] == stage for r in result.results.values())
+    assert all(r["train"]["stage"] == stage for r in result.results.values())
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.5, losses
-    # the TP ranks of a group see the same data, so report the same loss
+    tp = result.plan.layout.tp  # auto: the fastest of 1 and 2 for the GPT's TP layers
+    _assert_placed_by_tp_group(result, [result.results[r]["where"] for r in range(4)], tp)
     last = result.last_reports
-    assert last[0]["loss"] == pytest.approx(last[1]["loss"]) and last[2]["loss"] == pytest.approx(last[3]["loss"])
-    # every step's ZeRO bytes per link (hybrid.runtime.link_metrics), and the summary beside the theory
-    assert all(h["dp_inter_bytes"] > 0 and h["dp_intra_bytes"] >= 0 for h in result.history)  # tp 2: DP across
+    if tp == 2:  # the TP ranks of a group see the same data, so report the same loss
+        assert last[0]["loss"] == pytest.approx(last[1]["loss"]) and last[2]["loss"] == pytest.approx(last[3]["loss"])
+    # every step's ZeRO bytes per link (hybrid.runtime.link_metrics), and the summary beside the theory; at
+    # tp 1 or 2 every DP group spans both nodes
+    assert all(h["dp_inter_bytes"] > 0 and h["dp_intra_bytes"] >= 0 for h in result.history)
     assert "ZeRO traffic per GPU and step (median of 27 steps): across nodes " in out.getvalue()
     assert_loopback_only(*cluster)
 
 
-def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_cause(cluster):
+def test_failures_beyond_max_failures_end_in_one_sentence_naming_rank_node_and_cause_and_a_sys_exit_its_code(
+        cluster, tmp_path):
+    """Attempt 1: rank 1 raises, and the job restarts (job.max_failures = 1); attempt 2: rank 1 calls
+    sys.exit(3), which Ray alone would report as 'Worker exits unexpectedly' (and KeyboardInterrupt as a
+    cancelled task), and the job ends naming the code. One job for both: each attempt starts every rank."""
     out = io.StringIO()
     with pytest.raises(JobFailed) as info:
-        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_on_rank_1", max_failures=1), out, tty=False)
-    failure = "rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)"
-    assert f"{failure}; restarting all ranks from step 0 (job.checkpoint is not set) (attempt 2 of 2)" in out.getvalue()
-    assert str(info.value) == f"{failure} on attempt 2 of 2, and job.max_failures (1) allows no more restarts"
+        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:fail_then_exit_on_rank_1", max_failures=1,
+                               env={"FAILED_ONCE": str(tmp_path / "failed-once")}), out, tty=False)
+    raised = "rank 1 on node 0 failed (RuntimeError: rank one is broken on purpose)"
+    assert f"{raised}; restarting all ranks from step 0 (job.checkpoint is not set) (attempt 2 of 2)" in out.getvalue()
+    exited = "rank 1 on node 0 failed (RuntimeError: the entrypoint called sys.exit(3))"
+    assert str(info.value) == f"{exited} on attempt 2 of 2, and job.max_failures (1) allows no more restarts"
     # actors and the placement group are released (asynchronously, so allow Ray a moment)
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU") != NODES * RANKS_PER_NODE and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == NODES * RANKS_PER_NODE
     assert_loopback_only(*cluster)
-
-
-def test_a_rank_calling_sys_exit_is_named_with_its_code(cluster):
-    """Ray turns a SystemExit into 'Worker exits unexpectedly' (and KeyboardInterrupt into a cancelled task)."""
-    with pytest.raises(JobFailed) as info:
-        plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:exit_on_rank_1"), io.StringIO(), tty=False)
-    assert str(info.value).startswith("rank 1 on node 0 failed (RuntimeError: the entrypoint called sys.exit(3))")
 
 
 def test_nodes_held_by_another_job_fail_after_the_placement_timeout_in_one_sentence(cluster):
@@ -147,12 +163,12 @@ def test_nodes_held_by_another_job_fail_after_the_placement_timeout_in_one_sente
     try:
         started = time.monotonic()
         with pytest.raises(JobFailed) as info:
-            plan_and_run(make_spec(steps=1, placement_timeout_s=3), io.StringIO(), tty=False)
+            plan_and_run(make_spec(steps=1, placement_timeout_s=1), io.StringIO(), tty=False)
         assert time.monotonic() - started < 60  # not the 120 s default
         message = str(info.value)
         assert "\n" not in message and re.match(
             rf"the Ray cluster could not reserve {NODES} separate nodes with \{{'CPU': {RANKS_PER_NODE}\}} each "
-            r"within 3 s \(1 of the \d live nodes have that free now, 2 have it at all\).*job\.placement_timeout_s",
+            r"within 1 s \(1 of the \d live nodes have that free now, 2 have it at all\).*job\.placement_timeout_s",
             message), message
     finally:
         remove_placement_group(held)
@@ -191,13 +207,16 @@ def test_a_peer_sleeping_past_the_collective_timeout_is_named_as_the_cause(clust
                         r"job.max_failures is 0, so the job was not restarted", message), message
 
 
-@pytest.mark.parametrize("tp", ["auto", 1])
-def test_ranks_sit_on_nodes_by_tp_group_with_torchruns_environment_and_the_mesh_knows_it(cluster, tp):
-    result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:where", steps=1, tp=tp),
+def test_ranks_sit_on_nodes_by_tp_group_with_torchruns_environment_and_the_mesh_knows_it(cluster):
+    """tp = 1; tp = auto (2: gpus_per_node, for the GPT's TP layers) is the auto-stage training job's."""
+    result = plan_and_run(make_spec(entrypoint="tests.launch.entrypoints:where", steps=1, tp=1),
                           io.StringIO(), tty=False)
-    degree = result.plan.layout.tp if tp == "auto" else tp  # auto: the fastest of 1 and 2 for the GPT's TP layers
-    assert degree in (1, RANKS_PER_NODE)
-    out = [result.results[r] for r in range(4)]
+    _assert_placed_by_tp_group(result, [result.results[r] for r in range(4)], 1)
+    assert_loopback_only(*cluster)
+
+
+def _assert_placed_by_tp_group(result, out: list[dict], degree: int) -> None:
+    """``out``: each rank's ``tests.launch.entrypoints.placement``, in rank order, for a job at TP ``degree``."""
     nodes = list(dict.fromkeys(o["node_id"] for o in out))  # Ray nodes in rank order
     assert len(nodes) == NODES
     assert [p.node_id for p in result.placement] == [o["node_id"] for o in out]
@@ -218,7 +237,6 @@ def test_ranks_sit_on_nodes_by_tp_group_with_torchruns_environment_and_the_mesh_
         assert {out[m]["node_id"] for m in o["tp_group"]} == {o["node_id"]}, "a TP group straddles nodes"
         # job.collective_timeout_s reaches the default group and the mesh's dp and tp groups alike
         assert o["timeouts_s"] == [60.0, 60.0, 60.0]
-    assert_loopback_only(*cluster)
 
 
 def _kill_after_first_checkpoint(run_dir: Path, rank: int, done: threading.Event, killed: dict) -> None:
@@ -248,7 +266,11 @@ def test_a_killed_worker_restarts_all_ranks_from_the_checkpoint_and_ends_bit_ide
     """On a token file: a worker SIGKILLed after the first checkpoint is restarted with every rank from that
     checkpoint; the job ends with fp32 weights bit-identical to an uninterrupted run's (the same plan), every
     step is shown once, and both runs' metrics.jsonl hold every step exactly once with the same losses (the
-    failed attempt's lines after the checkpoint were replaced)."""
+    failed attempt's lines after the checkpoint were replaced).
+
+    Over 20 s: three starts of four rank actors (the reference, the attempt killed after its first checkpoint,
+    the restart); 20 steps with a checkpoint every 5 leave the kill a checkpoint to resume from and steps after
+    it to compare."""
     steps, every = 20, 5
     config = str(_token_file_config(tmp_path))
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"

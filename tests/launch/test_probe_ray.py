@@ -11,7 +11,8 @@ import pytest
 
 from launch.job.driver import plan_and_run
 from launch.planning.plan import build_plan
-from launch.ray.probe import read_probe, run_probe, write_probe
+from launch.planning.probe_figures import read_probe, write_probe
+from launch.ray.rank_probe import run_probe
 from launch.spec import parse_spec
 
 pytestmark = pytest.mark.slow

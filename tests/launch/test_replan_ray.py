@@ -48,6 +48,10 @@ def make_spec(tmp: Path, run: str, env: dict, stage="auto", checkpointing="auto"
 
 
 def test_a_rank_over_budget_is_replanned_to_a_higher_stage_and_continues_the_run(cluster, tmp_path):
+    """Over 20 s: three or four starts of four rank actors (stage 1, the re-plan to 2 and possibly to 3, and
+    the reference forced to the new stage), each importing torch, on a model big enough (27.6M parameters)
+    that the stage-1 and stage-3 footprints lie ~120 MB apart, far outside the heap's noise; fewer steps would
+    leave no checkpoint before the overshoot (step 2) and no steps after it to compare."""
     out = io.StringIO()
     result = plan_and_run(make_spec(tmp_path, "run", {"HOLD_OVER_BUDGET_MB": str(OVER_MB)}), out, tty=False)
     text = out.getvalue()
@@ -77,6 +81,8 @@ def test_a_rank_over_budget_is_replanned_to_a_higher_stage_and_continues_the_run
 
 
 def test_a_budget_nothing_can_meet_ends_in_one_sentence_with_the_checkpoint_intact(cluster, tmp_path):
+    """About 20 s: four rank actors must train the 27.6M-parameter model past its step-2 checkpoint before the
+    600 MB it then holds can overshoot; that checkpoint is what the sentence must leave intact."""
     out = io.StringIO()
     with pytest.raises(JobFailed) as info:
         plan_and_run(make_spec(tmp_path, "run", {"HOLD_EXTRA_MB": "600"}), out, tty=False)

@@ -95,3 +95,8 @@ def test_a_hugging_face_config_trains_with_tp_from_its_own_plan_and_resumes_bit_
     got, got_dir, _ = checkpoint.consolidate(job_dir / "run")
     assert got_dir.name == f"step-{STEPS:06d}"
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # the checkpoint records the architecture: `consolidate --hf` writes a directory from_pretrained loads, with
+    # no config path to give, and the loaded model's weights are the run's
+    exported = checkpoint.consolidate_hf(job_dir / "run", tmp_path / "exported")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want), exported

@@ -461,6 +461,7 @@ def _hybrid(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow  # three CLI processes, each importing torch: not in the fast tier (make test-fast)
 def test_through_a_real_process(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(FILES["seed 2^70"][0])

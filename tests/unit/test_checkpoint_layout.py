@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -110,18 +111,34 @@ def test_a_second_job_is_refused_while_the_first_holds_the_lock(tmp_path):
     """).returncode == 0
 
 
-def test_a_restarted_job_waits_for_its_predecessor_to_exit(tmp_path):
+def _holder(run_dir: Path, **env: str) -> subprocess.Popen:
+    """Another process that takes the directory's lock, says "held" and exits once its stdin is closed
+    (``_exit_soon``): a predecessor whose exit the test times, not a sleep it must outlast."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
+        import sys
         from hybrid.checkpoint import lock
-        lock.acquire({str(tmp_path)!r})
+        lock.acquire({str(run_dir)!r})
         print("held", flush=True)
-        time.sleep(1.5)
-    """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        sys.stdin.read()
+    """)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _exit_soon(holder: subprocess.Popen, after_s: float = 0.6) -> threading.Timer:
+    """Let ``holder`` exit ``after_s`` from now: the acquire the test makes next must wait for it, well past the
+    0.2 s a refusal would take (a timer fires late, never early)."""
+    timer = threading.Timer(after_s, holder.stdin.close)
+    timer.start()
+    return timer
+
+
+def test_a_restarted_job_waits_for_its_predecessor_to_exit(tmp_path):
+    holder = _holder(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(lock.CheckpointLocked):
             lock.acquire(tmp_path, wait_s=0.2)
+        _exit_soon(holder)
         lock.acquire(tmp_path, wait_s=30)               # the holder exits: the OS drops its lock
         lock.release(tmp_path)
     finally:
@@ -130,21 +147,15 @@ def test_a_restarted_job_waits_for_its_predecessor_to_exit(tmp_path):
 
 
 def test_an_earlier_attempt_of_the_same_job_is_waited_for_longer_than_another_job(tmp_path, monkeypatch):
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from hybrid.checkpoint import lock
-        lock.acquire({str(tmp_path)!r})
-        print("held", flush=True)
-        time.sleep(1.5)
-    """)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "HYBRID_JOB_ID": "job-a"})
+    holder = _holder(tmp_path, HYBRID_JOB_ID="job-a")
     monkeypatch.setattr(lock, "WAIT_S", 0.2)
     try:
-        assert holder.stdout.readline().strip() == "held"
         assert lock.holder(tmp_path).endswith(", job job-a")
         monkeypatch.setenv("HYBRID_JOB_ID", "job-b")
         with pytest.raises(lock.CheckpointLocked, match="in use by another job"):
             lock.acquire(tmp_path)                       # another job: refused after WAIT_S
         monkeypatch.setenv("HYBRID_JOB_ID", "job-a")
+        _exit_soon(holder)
         lock.acquire(tmp_path)                           # its own earlier attempt: waited for (it exits)
         lock.release(tmp_path)
     finally:

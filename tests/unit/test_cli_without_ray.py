@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every case runs the CLI in a process: not in the fast tier (make test-fast)
 ROOT = Path(__file__).resolve().parents[2]
 HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.exit(main())"]
 UNAVAILABLE = "ray is deliberately unavailable in this test"

@@ -14,7 +14,8 @@ from hybrid.config import schema
 from hybrid.config.schema import Section
 from hybrid.config.training import OffloadConfig, OptimizerConfig, SchedulerConfig, TrainConfig, ZeroConfig
 from hybrid.errors import ConfigError
-from hybrid.models.gpt.config import GPTConfig, TrainOptions
+from hybrid.models.gpt.config import GPTConfig
+from hybrid.models.sections import TrainOptions
 from launch.spec import CheckpointSpec, ClusterSpec, JobSpec, ParallelSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ def test_a_checkpoint_dir_without_every_saves_every_10_steps_as_the_readme_shows
 
 
 def test_the_model_config_sections_read_from_yaml_and_built_with_nothing_set_agree():
-    from hybrid.models.gpt.training import TRAIN_DEFAULTS, train_options
+    from hybrid.models.sections import TRAIN_DEFAULTS, train_options
 
     doc = from_yaml("model: {vocab_size: 256, seq_len: 32, n_layers: 2, hidden: 64, n_heads: 4}\ntrain: {}\n")
     assert_same(GPTConfig(256, 32, 2, 64, 4), GPTConfig.from_dict(doc["model"]))

@@ -173,6 +173,7 @@ def test_estimate_with_vocab_agrees_with_the_plan_of_the_same_model(capsys, chec
     assert code == 0 and "Activations (GPT)" in out and "Recommended: ZeRO stage 1\n" in out
 
 
+@pytest.mark.slow  # two CLI processes, each importing torch: not in the fast tier (make test-fast)
 def test_console_script_help_and_exit_codes():
     done = subprocess.run([HYBRID, "estimate", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--micro-batch" in done.stdout and "--params" in done.stdout

@@ -128,7 +128,7 @@ def test_zero_offload_in_the_model_config_points_at_the_cluster_files_lever():
 
 
 def test_train_options_are_checked_with_the_shared_vocabulary():
-    from hybrid.models.gpt.training import TRAIN_DEFAULTS, train_options
+    from hybrid.models.sections import TRAIN_DEFAULTS, train_options
 
     assert train_options(None) == TRAIN_DEFAULTS
     from hybrid.models.gpt.training import training_config

@@ -25,6 +25,7 @@ def test_peak_lookup_by_device_name_and_model_flops_per_token():
     assert flops_per_token(params=1000, layers=2, hidden=8, seq_len=16) == 6 * 1000 + 12 * 2 * 8 * 16
 
 
+@pytest.mark.slow  # a process importing everything the GPU machine runs: not in the fast tier
 def test_nothing_the_gpu_machine_runs_imports_ray():
     code = ("import sys, hybrid, hybrid.models.gpt, hybrid.runtime.train, hybrid.comm.mesh, hybrid.runtime.local_launch, "
             "hybrid.plan.monitor, bench.gpu_bench, tests.gpu.worker, tests.gpu.torchrun, launch.cli; "
@@ -34,7 +35,8 @@ def test_nothing_the_gpu_machine_runs_imports_ray():
     assert done.stdout.strip() == "False"
 
 
-TABLE_HEADER = "| implementation | activation checkpointing | tokens/s | step (ms) | MFU | peak memory (GiB) |"
+TABLE_HEADER = ("| implementation | activation checkpointing | tokens/s | step (ms) | model TFLOP/s | MFU "
+                "| peak memory (GiB) | predicted peak (GiB) | collectives/step |")
 
 
 def _table(report: str) -> list:
@@ -72,35 +74,42 @@ def test_the_gpu_check_dry_run_passes_and_writes_its_report_where_told(tmp_path)
     # the model line: gpt-tiny's shape, its parameter count, the dry run's micro-batch
     assert (f"Model: built-in GPT, 134,912 parameters (2 layers, hidden 64, 4 heads, vocab 256), seq 32, "
             f"micro-batch 2, bf16, world 1; {flops_per_token(134_912, 2, 64, 32) / 1e9:.2f} GFLOP per token") in report
-    # one row per implementation and activation checkpointing (the GPT has the field), each a run of the same
-    # steps: tokens/s x the step time = the micro-batch's tokens (2 x 32), to the rounding of the two figures
+    # one row per benchmark row (bench.gpu_rows.rows), each a run of the same steps: tokens/s x the step time =
+    # the micro-batch's tokens (2 x 32), to the rounding of the two figures; hybrid's rows issue collectives
+    # even on one device (forced), FSDP2's are not counted
+    from bench.gpu_rows import rows as bench_rows
+
     rows = _table(report)
-    assert [r[:2] for r in rows] == [["hybrid ZeRO-0", "off"], ["FSDP2 fully_shard", "off"],
-                                     ["hybrid ZeRO-0", "on"], ["FSDP2 fully_shard", "on"]], rows
-    for name, _, tokens_per_s, step_ms, mfu, memory in rows:
+    specs = bench_rows("cpu")
+    assert [r[:2] for r in rows] == [[s.label, "on" if s.checkpointing else "off"] for s in specs], rows
+    for spec, (name, _, tokens_per_s, step_ms, tflops, mfu, memory, predicted, calls) in zip(specs, rows):
         tokens = float(tokens_per_s.replace(",", "")) * float(step_ms) / 1000
         assert tokens == pytest.approx(2 * 32, rel=0.03), (name, tokens_per_s, step_ms)
-        assert (mfu, memory) == ("n/a (peak unknown)", "n/a")  # the CPU: no bf16 peak, no CUDA allocator
+        assert (mfu, memory) == ("n/a", "n/a")  # the CPU: no bf16 peak, no CUDA allocator
+        assert (int(calls) > 0) if spec.impl == "hybrid" else calls == "n/a", (name, calls)
     assert "MFU needs the GPU's bf16 peak, which is not known for this device: tokens/s only." in lines
-    assert "Activation checkpointing: measured (switched on in the model config)." in lines
+    assert f"Rows: {len(specs)} written, 0 with an error." in report
 
 
-def test_the_report_of_a_gpu_run(monkeypatch):
-    """``report`` for an H200 run, from rows whose figures are known: MFU = tokens/s x model FLOPs per token /
-    the dense bf16 peak, peak memory in GiB, an out-of-memory row as such."""
+def test_the_report_of_a_gpu_run():
+    """``report`` for an H200 run, from rows whose figures are known: model TFLOP/s = tokens/s x model FLOPs per
+    token, MFU = that / the dense bf16 peak, peak and predicted memory in GiB, a failed row as such."""
     from bench.gpu_bench import report
     from hybrid.models.gpt.model import GPTConfig
 
     cfg = GPTConfig.from_yaml(ROOT / "configs" / "gpt-tiny.yaml")
     per_token = 6 * 134_912 + 12 * 2 * 64 * 32
-    rows = [{"impl": "hybrid", "checkpointing": False, "params": 134_912, "tokens_per_s": 1e9, "step_s": 0.25,
-             "peak_bytes": 3 * 2**30},
-            {"impl": "fsdp2", "checkpointing": True, "params": 134_912, "error": "out of memory: CUDA out of memory"}]
-    text = report(rows, {"gpu": "NVIDIA H200", "gpus": 1}, cfg, 4, "bash bench/gpu_check.sh", "16 passed", "AC note")
+    model = {"cfg": cfg, "params": 134_912, "micro_batch": 4, "flops_per_token": per_token}
+    rows = [{"label": "hybrid ZeRO-0", "checkpointing": False, "tokens_per_s": 1e9, "step_s": 0.25,
+             "peak_bytes": 3 * 2**30, "predicted_peak_bytes": 2.5 * 2**30, "collectives_per_step": 7},
+            {"label": "FSDP2 fully_shard", "checkpointing": True, "error": "out of memory: CUDA out of memory"}]
+    text = report(rows, {"gpu": "NVIDIA H200", "gpus": 1}, model, "bash bench/gpu_check.sh", "16 passed", "", "")
     assert _table(text) == [
-        ["hybrid ZeRO-0", "off", "1,000,000,000", "250.0", f"{100 * 1e9 * per_token / 989e12:.1f}%", "3.0"],
-        ["FSDP2 fully_shard", "on", "out of memory: CUDA out of memory", "", "", ""]]
+        ["hybrid ZeRO-0", "off", "1,000,000,000", "250.0", f"{1e9 * per_token / 1e12:.2f}",
+         f"{100 * 1e9 * per_token / 989e12:.1f}%", "3.00", "2.50", "7"],
+        ["FSDP2 fully_shard", "on", "failed: out of memory: CUDA out of memory", "", "", "", "", "", ""]]
     assert "tests/gpu: 16 passed" in text and "MFU against the dense bf16 peak of 989 TFLOP/s." in text
+    assert "Rows: 2 written, 1 with an error." in text
 
 
 def test_a_bad_argument_is_exit_status_2():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hybrid.data import MarkovTokens
+from hybrid.config.validate import quote
 from hybrid.errors import ConfigError, PlanError
 from hybrid.plan.memory import GB
 from hybrid.plan.monitor import GpuInfo, NodeProbe
@@ -184,6 +185,7 @@ def test_plan_json_needs_no_ray(monkeypatch, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow  # a CLI process importing torch: not in the fast tier (make test-fast)
 def test_plan_json_cli_subprocess(capsys):
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "plan", "clusters/dgx-h100-8x8.yaml", "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -333,7 +335,7 @@ def test_params_is_an_override_checked_against_the_measured_count(tmp_path):
     assert lp.params == 21_000 and "within 1% of the 20,992 counted" in lp.params_source
     with pytest.raises(ConfigError) as err:
         build_plan(own_spec(tmp_path, shape + "params: 7B\n"))
-    assert str(err.value) == (f"params in '{tmp_path / 'model.yaml'}' is 7,000,000,000, but my_model.build_model "
+    assert str(err.value) == (f"params in {quote(str(tmp_path / 'model.yaml'))} is 7,000,000,000, but my_model.build_model "
                               "builds a model of 20,992 parameters (off by more than 1%); remove params: (the count "
                               "is measured) or correct it.")
     # the built-in GPT's count is measured too
@@ -411,7 +413,8 @@ def test_settings_carry_the_plans_levers():
 
 
 def test_the_built_in_entrypoint_turns_the_levers_into_its_engine_and_model_config():
-    from hybrid.models.gpt.training import TRAIN_DEFAULTS, build_model, training_config, with_levers
+    from hybrid.models.gpt.training import build_model, with_levers
+    from hybrid.models.sections import TRAIN_DEFAULTS, training_config
     from hybrid.models.gpt.config import GPTConfig
 
     assert training_config(TRAIN_DEFAULTS, 3, "fp32").zero.offload_optimizer.device == "none"

@@ -56,6 +56,9 @@ class FakeNvml:
         used = handle["used"] + handle.get("grow", 0) * self.memory_reads
         return SimpleNamespace(total=handle["total"], used=used, free=handle["total"] - used)
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return handle.get("processes", [])
+
     def nvmlDeviceGetUtilizationRates(self, handle):
         if not self.util_supported:
             raise FakeNvmlError("Not Supported")

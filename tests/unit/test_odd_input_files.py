@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import hybrid.config.yamlfile
+from hybrid.config.validate import quote
 from hybrid.errors import ConfigError
 from hybrid.config.yamlfile import load_yaml
 from launch.cli import main
@@ -33,12 +34,12 @@ def _cluster(tmp_path: Path, config=TINY, steps="3") -> Path:
 def test_an_integer_too_long_to_convert_names_the_file_and_line(tmp_path, capsys):
     cluster = _cluster(tmp_path, steps=HUGE_INT)
     err = _refused(["plan", str(cluster)], capsys)
-    assert f"cluster file '{cluster}' line 2: an integer of 5000 digits is too long to read" in err, err
+    assert f"cluster file {quote(str(cluster))} line 2: an integer of 5000 digits is too long to read" in err, err
 
     model = tmp_path / "model.yaml"
     model.write_text(TINY.read_text().replace("hidden: 64", f"hidden: {HUGE_INT}"))
     err = _refused(["plan", str(_cluster(tmp_path, config=model))], capsys)
-    assert f"model config '{model}' line " in err and "5000 digits" in err, err
+    assert f"model config {quote(str(model))} line " in err and "5000 digits" in err, err
 
 
 def test_a_value_python_cannot_convert_is_one_sentence_with_its_line(tmp_path):
@@ -52,9 +53,9 @@ def test_a_value_python_cannot_convert_is_one_sentence_with_its_line(tmp_path):
 def test_a_device_file_is_not_a_config_file(tmp_path, capsys):
     device = "/dev/null"  # /dev/zero takes the same path; without the check it would read until memory ran out
     err = _refused(["plan", device], capsys)
-    assert f"cluster file '{device}' is not a regular file; pass the path of a YAML file." in err, err
+    assert f"cluster file {quote(str(device))} is not a regular file; pass the path of a YAML file." in err, err
     err = _refused(["plan", str(_cluster(tmp_path, config=device))], capsys)
-    assert f"job.config is '{device}', but '{device}' is not a regular file;" in err, err
+    assert f"job.config is {quote(str(device))}, but {quote(str(device))} is not a regular file;" in err, err
 
 
 @pytest.mark.timeout(30)  # the bug was a read that blocked forever, waiting for a writer
@@ -62,9 +63,9 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path, capsys):
     fifo = tmp_path / "pipe.yaml"
     os.mkfifo(fifo)
     err = _refused(["plan", str(fifo)], capsys)
-    assert f"cluster file '{fifo}' is not a regular file" in err, err
+    assert f"cluster file {quote(str(fifo))} is not a regular file" in err, err
     err = _refused(["plan", str(_cluster(tmp_path, config=fifo))], capsys)
-    assert f"'{fifo}' is not a regular file" in err, err
+    assert f"{quote(str(fifo))} is not a regular file" in err, err
     with pytest.raises(ConfigError, match=r"^model config '.*pipe\.yaml' is not a regular file; pass the path"):
         load_yaml(fifo, "model config")
 
@@ -79,7 +80,7 @@ def test_an_oversized_file_is_refused_after_reading_no_more_than_the_cap(tmp_pat
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert f"cluster file '{big}' is larger than 16 MiB" in err, err
+    assert f"cluster file {quote(str(big))} is larger than 16 MiB" in err, err
     assert peak < 32 * 2**20, peak  # the cap and one byte, read once
 
 

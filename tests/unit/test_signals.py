@@ -3,6 +3,8 @@
 import ctypes
 import signal
 
+import pytest
+
 from launch.job import signals
 
 
@@ -24,6 +26,7 @@ def test_reassert_restores_an_ignore_that_a_library_reset_beneath_python():
     assert not _ignored_by_the_kernel(signal.SIGTERM)
 
 
+@pytest.mark.slow  # a CLI process importing torch: not in the fast tier (make test-fast)
 def test_a_command_exits_130_on_sighup_and_a_group_without_its_command_is_one_line(capsys):
     """Before, only SIGTERM was an interrupt at the top: a hangup killed a command with status 129."""
     import os

@@ -15,7 +15,7 @@ from launch.job.display import Progress
 from launch.job.metrics import measured_step_s, time_line, time_record, write_time_record
 from launch.planning import replan
 from launch.planning.plan import build_plan, format_plan, plan_dict
-from launch.ray.probe import PROBE_FILE, fit_line, read_probe, summarize, write_probe
+from launch.planning.probe_figures import PROBE_FILE, fit_line, read_probe, summarize, write_probe
 from launch.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]

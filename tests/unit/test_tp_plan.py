@@ -12,7 +12,8 @@ from torch import nn
 import hybrid
 from hybrid.errors import ConfigError
 from hybrid.tp import ColumnParallelLinear, apply_plan, check_plan
-from hybrid.tp.hf import config_refusal, heads_refusal, hf_plan, largest_tp, parallelize
+from hybrid.tp.hf import hf_plan, parallelize
+from hybrid.tp.hf_config import config_refusal, heads_refusal, largest_tp
 from hybrid.config.tp_plan import normalize_plan, pattern_matches
 from hybrid.tp.plan import largest_degree, tp_refusal
 from hybrid.weights.attrs import tensor_parallel_dim

@@ -75,7 +75,7 @@ def test_our_dict_and_adam_l2_mode():
     ({"optimizer": {"type": "NoSuchOpt"}}, "optimizer.type"),
     ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, "optimizer.params.betas"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
-     "zero_optimization.offload_optimizer.device nvme"),
+     "zero_optimization.offload_optimizer.device is nvme but zero_optimization.offload_optimizer.path is not set"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_countt": 4}}},
      "zero_optimization.offload_optimizer.buffer_countt"),
     ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),

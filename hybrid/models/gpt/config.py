@@ -8,7 +8,7 @@ it::
 ``activation_checkpointing: true`` keeps only each transformer block's input in forward and recomputes
 the block in backward (``torch.utils.checkpoint``, non-reentrant): same results, less activation memory.
 
-``GPTConfig`` and ``TrainOptions`` (the ``train:`` mapping beside it) are schemas (``hybrid.config.schema``):
+``GPTConfig`` is a schema (``hybrid.config.schema``; the ``train:`` mapping beside it, ``hybrid.models.sections``):
 each field's default, check and help is declared once. Every invalid field raises ``ConfigError`` with one
 sentence naming ``model.<field>`` and the fix. ``check_tp(tp)`` says whether a tensor-parallel degree can
 split this model (heads, vocabulary and MLP width must divide evenly; dropout needs tp=1); it is pure, so the
@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from hybrid.config import validate as v
-from hybrid.config.schema import Section, Where, optional, read, setting
+from hybrid.config.schema import Section, Where, read, setting
 from hybrid.errors import ConfigError
 from hybrid.config.yamlfile import load_yaml
 
@@ -110,21 +110,3 @@ class GPTConfig(Section):
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-@dataclass(frozen=True)
-class TrainOptions(Section):
-    """The model config's optional ``train:`` mapping for the built-in entrypoint (``hybrid.models.gpt.training``):
-    ``lr`` and ``weight_decay`` are the optimizer's defaults, ``optimizer`` and ``scheduler`` the sections of
-    ``hybrid.config.TrainConfig.from_dict``, ``branching`` the synthetic chain's successors per token."""
-
-    SECTION = "train"
-
-    lr: float = setting(5e-3, v.positive_number, yaml_number=True,
-                        help="the learning rate (the optimizer's, unless train.optimizer sets one)")
-    weight_decay: float = setting(0.0, partial(v.number, lo=0), yaml_number=True,
-                                  help="the weight decay (the optimizer's, unless train.optimizer sets one)")
-    gradient_clipping: Optional[float] = setting(1.0, optional(partial(v.number, lo=0)), yaml_number=True,
-                                                 help="max global gradient norm; null or 0: no clipping")
-    branching: int = setting(4, v.positive_int, help="successors per token in the synthetic chain")
-    optimizer: Optional[dict] = setting(None, v.mapping, help="{type: SGD, params: {momentum: 0.9}}, no_decay, ...")
-    scheduler: Optional[dict] = setting(None, v.mapping, help="{type: WarmupCosineLR, params: {...}}")

@@ -42,15 +42,17 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from hybrid.config import schema
 from hybrid.config import validate as v
 from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError, DataError
 from hybrid.models.gpt.model import GPT
-from hybrid.models.gpt.config import GPTConfig, TrainOptions
+from hybrid.models.gpt.config import GPTConfig
+# data_path, train_options, training_config, zero_options, with_plan_links: the shared sections, named here too
+# (an own loop's imports, README) as the built-in loop's pieces
+from hybrid.models.sections import (data_path, planned_zero, train_options, training_config,  # noqa: F401
+                                    with_plan_links, zero_options)
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
-TRAIN_DEFAULTS = schema.defaults(TrainOptions)  # the train: section's defaults (declared in TrainOptions)
 # The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
 CONFIG_KEYS = ("model", "hf", "data", "train", "zero", "params")
 
@@ -136,44 +138,6 @@ def check_model_config(doc: Any, path: Path) -> None:
         open_token_file(data, data, model_config, check=False)
 
 
-def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
-    """The ``data:`` entry of the model config as a path (relative ones against the config's directory)."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"data is {value!r} in the model config; give the path of a token file made by "
-                          "`hybrid data prepare`.")
-    path = Path(value).expanduser()
-    if not path.is_absolute() and model_config_path:
-        path = (Path(model_config_path).resolve().parent / path).resolve()
-    return path
-
-
-def train_options(section: Any) -> dict:
-    """The ``train:`` mapping of the model config (``TrainOptions``: its defaults under what is written, each
-    value checked, unknown keys refused) as a dict; the optimizer and scheduler sections checked too."""
-    if section is None:
-        return dict(TRAIN_DEFAULTS)
-    options = schema.read(TrainOptions, section, "train", example="{lr: 0.005}")
-    _one_place_each(section, options.optimizer)
-    options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-    training_config(options, stage=1, precision="fp32")  # every optimizer/scheduler field checked up front
-    return options
-
-
-def _one_place_each(section: Mapping, optimizer: Optional[dict]) -> None:
-    """``train.lr`` / ``train.weight_decay`` are the optimizer's defaults: one the user also wrote under
-    ``train.optimizer`` (or its ``params``) with another value would be silently overridden, so it is refused."""
-    if not optimizer:
-        return
-    inner = optimizer.get("params") if isinstance(optimizer.get("params"), Mapping) else optimizer
-    where = "train.optimizer.params" if inner is not optimizer else "train.optimizer"
-    for key in ("lr", "weight_decay"):
-        if key in section and key in inner and v.yaml_number(section[key]) != v.yaml_number(inner[key]):
-            raise ConfigError(f"train.{key}={v.quote(section[key])} and {where}.{key}={v.quote(inner[key])} "
-                              f"disagree; set {key} in one place (remove one of them).")
-
-
 def build_model(model_config: Mapping, tp_comm=None):
     """The launcher's hook: the GPT of a parsed model config (its ``model:`` mapping), TP-sliced over
     ``tp_comm``, on the current default device (the driver calls it under ``torch.device("meta")``); for an
@@ -205,64 +169,6 @@ def with_levers(model_config: GPTConfig, activation_checkpointing: bool) -> GPTC
     return dataclasses.replace(model_config, activation_checkpointing=True)
 
 
-def training_config(options: dict, stage: int, precision: str, offload: bool = False, zero: Optional[dict] = None,
-                    accumulation: int = 1):
-    """The engine's ``TrainConfig`` from checked ``train:`` options, the job's stage and precision, optimizer
-    offload, ``zero`` sizes (``zero_options``) and gradient accumulation steps."""
-    from hybrid.config.training import TrainConfig
-
-    optimizer = dict(options.get("optimizer") or {})
-    defaults = {"lr": float(options["lr"]), "weight_decay": float(options["weight_decay"])}
-    if "params" in optimizer:
-        optimizer["params"] = {**defaults, **v.mapping("train.optimizer.params", optimizer["params"])}
-    else:
-        optimizer = {**defaults, **optimizer}
-    zero = {**(zero or {}), "stage": stage}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return TrainConfig.from_dict({"zero": zero, "precision": precision, "optimizer": optimizer,
-                                  "scheduler": options.get("scheduler"),
-                                  "gradient_clipping": options["gradient_clipping"],
-                                  "gradient_accumulation_steps": accumulation}, prefix="train.")
-
-
-def zero_options(section: Any) -> dict:
-    """The ``zero:`` mapping of the model config (ZeroConfig fields but ``stage``), each value checked."""
-    import dataclasses
-
-    from hybrid.config.training import ZeroConfig
-
-    if section is None:
-        return {}
-    if isinstance(section, dict) and "offload_optimizer" in section:
-        raise ConfigError("zero.offload_optimizer in the model config is not read: a launched job's optimizer "
-                          "offload is the cluster file's parallel.offload (auto, true or false); remove it here "
-                          "and set that instead.")
-    names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
-    options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
-    # every field checked, named zero.<field>; at stage 3, which takes every option: the plan's stage is not
-    # known here, and training_config checks the options against it
-    ZeroConfig(**{**options, "stage": 3})
-    return options
-
-
-LINK_KEYS = ("shard_group", "hierarchical", "secondary_shard", "quantized_weights", "quantized_gradients")
-
-
-def with_plan_links(links: Optional[dict], zero: dict) -> dict:
-    """``zero`` (the model config's checked ``zero:``) with the plan's link options (``links``: zero keys), unless
-    it sets any link option itself: then the user's alone (a mix could cut the DP group in a way neither chose)."""
-    if not links or any(key in zero for key in LINK_KEYS):
-        return dict(zero)
-    return {**links, **zero}
-
-
-def planned_zero(ctx: Context) -> dict:
-    """The engine's ``zero`` keys: the model config's ``zero:`` with the plan's link options
-    (``JobSettings.zero_links``: how ZeRO's collectives use the links, where the time model chose them)."""
-    return with_plan_links(getattr(ctx.settings, "zero_links", None), zero_options(ctx.model_config.get("zero")))
-
-
 def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     """The TP-sliced GPT wrapped in the ZeRO engine at the planned stage and levers, on the mesh's DP group."""
     # Imported here so that importing hybrid.models.gpt (which re-exports train) stays light.
@@ -272,6 +178,7 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False),
-                             zero=planned_zero(ctx), accumulation=ctx.settings.gradient_accumulation_steps)
+                             zero=planned_zero(ctx), accumulation=ctx.settings.gradient_accumulation_steps,
+                             nvme_path=getattr(ctx.settings, "nvme_path", None))
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)

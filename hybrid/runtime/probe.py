@@ -1,0 +1,127 @@
+"""What a rank measures of its links and compute for the time model (``hybrid probe``): all-reduce and
+all-gather at a small and a large message inside its node and across nodes, a matmul rate and an optimizer
+step's rate on its device (``measure_rank``; every rank of the default group calls it together). The driver
+fits and keeps the figures (``launch.planning.probe_figures``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+SMALL_BYTES = 64 << 10
+LARGE_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+MATMUL_N = {"cpu": 1024, "cuda": 8192}
+OPTIMIZER_NUMEL = 1 << 22
+REPS = 5
+
+
+def _median(values: list) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_collective(comm, op: str, nbytes: int, dtype, device) -> float:
+    """Median seconds of one ``op`` (all_reduce | all_gather) of ``nbytes`` (the all-gather's output)."""
+    import torch
+
+    n = comm.size
+    numel = max(n, nbytes // torch.empty((), dtype=dtype).element_size() // n * n)
+    full = torch.ones(numel, dtype=dtype, device=device)
+    shard = torch.ones(numel // n, dtype=dtype, device=device)
+
+    def once():
+        if op == "all_reduce":
+            comm.all_reduce(full)
+        else:
+            comm.all_gather(full, shard)
+
+    once()  # connects the transport (shared memory, NCCL communicators)
+    times = []
+    for _ in range(REPS):
+        comm.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        once()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _group_figures(comm, dtype, device) -> Optional[dict]:
+    if comm is None or comm.size < 2:
+        return None
+    large = LARGE_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    return {"size": comm.size, **{op: [[b, _time_collective(comm, op, b, dtype, device)] for b in (SMALL_BYTES, large)]
+                                  for op in ("all_reduce", "all_gather")}}
+
+
+def _matmul_rate(dtype, device) -> float:
+    import torch
+
+    n = MATMUL_N["cuda" if device.type == "cuda" else "cpu"]
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    times = []
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / _median(times)
+
+
+def _optimizer_rate(device) -> float:
+    """Parameters per second a fused (else foreach) AdamW steps over fp32 values on ``device``."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(OPTIMIZER_NUMEL, device=device))
+    p.grad = torch.ones_like(p)
+    try:
+        opt = torch.optim.AdamW([p], fused=True)
+        opt.step()
+    except (RuntimeError, ValueError):
+        opt = torch.optim.AdamW([p], foreach=True)
+        opt.step()
+    times = []
+    for _ in range(REPS):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return OPTIMIZER_NUMEL / _median(times)
+
+
+def measure_rank(rank: int, world_size: int, ranks_per_node: int, device: str, precision: str) -> dict:
+    """This rank's figures (see above); every rank of the default group calls it together."""
+    import torch
+    import torch.distributed as dist
+
+    from hybrid.comm.collectives import Comm
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    nodes, g = world_size // ranks_per_node, ranks_per_node
+    node, local = rank // g, rank % g
+    # every rank creates every group, in one order, as torch.distributed requires
+    intra = [dist.new_group(list(range(n * g, (n + 1) * g))) for n in range(nodes)]
+    inter = [dist.new_group([n * g + j for n in range(nodes)]) for j in range(g)]
+    figures = {"rank": rank, "node": node, "local_rank": local,
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    figures["intra"] = _group_figures(Comm(intra[node], "probe-intra") if g > 1 else None, dtype, dev)
+    figures["inter"] = _group_figures(Comm(inter[local], "probe-inter") if nodes > 1 else None, dtype, dev)
+    dist.barrier()
+    figures["matmul_flops"] = _matmul_rate(dtype, dev)
+    dist.barrier()
+    figures["optimizer_rate"] = _optimizer_rate(dev)
+    for group in intra + inter:
+        dist.destroy_process_group(group)
+    return figures

@@ -1,0 +1,105 @@
+"""``probe.json``: the links' and compute's figures ``hybrid probe`` measured, fitted and kept in the run
+directory, and read back by the plan (``hybrid plan``, ``hybrid launch``) instead of the hardware tables.
+
+Every rank measured at once (``hybrid.runtime.probe.measure_rank``) all-reduces and all-gathers through
+``hybrid.comm.Comm`` (the path training takes: gloo, shared memory on one host, NCCL on GPUs) over the intra-node
+groups (a node's ranks) and the inter-node groups (one rank per node, the same local rank), at a small and a large
+size; then a matmul in the training precision and a fused AdamW step. All nodes' groups ran together, as in
+training, so shared links and cores are measured shared. ``summarize`` (pure) turns the ranks' figures into
+``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through the two sizes (bus bytes:
+2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an all-gather, nccl-tests' convention), the
+slowest rank's matmul and optimizer rates.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+PROBE_VERSION = 1
+PROBE_FILE = "probe.json"
+
+
+def fit_line(points: list) -> tuple[float, float]:
+    """``(latency s, bandwidth bytes/s)`` of ``seconds = latency + bus_bytes / bandwidth`` through two
+    ``(bus_bytes, seconds)`` points; a larger message that was not slower gives the large one's rate and
+    no latency."""
+    (b0, t0), (b1, t1) = sorted(points)[:2]
+    if t1 <= t0 or b1 <= b0:
+        return 0.0, b1 / t1
+    bandwidth = (b1 - b0) / (t1 - t0)
+    return max(0.0, t0 - b0 / bandwidth), bandwidth
+
+
+def _bus_bytes(op: str, nbytes: float, n: int) -> float:
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+
+def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, address: str = "") -> dict:
+    """``probe.json``: each group's fitted line, the slowest rank's rates, and every rank's raw figures.
+    Bandwidth is the bus bandwidth per rank, the mean of the all-reduce's and all-gather's fits; latency the
+    all-reduce's (the small all-reduces of TP are what it prices)."""
+    out = {"version": PROBE_VERSION, "made": time.strftime("%Y-%m-%d %H:%M:%S"), "address": address,
+           "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision,
+           "device": ranks[0]["device"] if ranks else "cpu",
+           "matmul_flops": {precision: min(r["matmul_flops"] for r in ranks)},
+           "optimizer_rate": min(r["optimizer_rate"] for r in ranks)}
+    for key, concurrent in (("intra", nodes), ("inter", gpus_per_node)):
+        groups = [r[key] for r in ranks if r.get(key)]
+        if not groups:
+            out[key] = None
+            continue
+        n = groups[0]["size"]
+        fits = {}
+        for op in ("all_reduce", "all_gather"):
+            sizes = [b for b, _ in groups[0][op]]
+            slowest = [(_bus_bytes(op, b, n), max(dict(map(tuple, grp[op]))[b] for grp in groups)) for b in sizes]
+            latency, bandwidth = fit_line(slowest)
+            fits[op] = {"points": [[b, t] for (_, t), b in zip(slowest, sizes)], "latency": latency,
+                        "bandwidth": bandwidth}
+        out[key] = {"group_size": n, "concurrent_groups": concurrent, **fits,
+                    "bandwidth": (fits["all_reduce"]["bandwidth"] + fits["all_gather"]["bandwidth"]) / 2,
+                    "latency": fits["all_reduce"]["latency"]}
+    out["ranks"] = ranks
+    return out
+
+
+def write_probe(run_dir, figures: dict) -> Path:
+    """``run_dir/probe.json``, written atomically; its path."""
+    import json
+
+    path = Path(run_dir) / PROBE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(figures, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def read_probe(run_dir, spec=None) -> Optional[dict]:
+    """``run_dir/probe.json`` when there is one made for this cluster's shape (nodes, ranks per node,
+    precision), else None. A file that cannot be read or parsed is a ``ConfigError`` naming it."""
+    import json
+
+    from hybrid.errors import ConfigError
+    from hybrid.config.yamlfile import read_regular_file
+
+    path = Path(run_dir) / PROBE_FILE
+    if not path.exists():
+        return None
+    text = read_regular_file(path, str(path), "run hybrid probe again")
+    try:
+        figures = json.loads(text)
+        if not isinstance(figures, dict) or figures.get("version") != PROBE_VERSION:
+            raise ValueError(f"not a version-{PROBE_VERSION} probe file")
+        for key in ("matmul_flops", "optimizer_rate", "nodes", "gpus_per_node"):
+            if key not in figures:
+                raise ValueError(f"it has no {key}")
+    except ValueError as err:
+        raise ConfigError(f"{path} is unreadable ({err}); run hybrid probe again.") from None
+    if spec is not None and (figures["nodes"], figures["gpus_per_node"], figures.get("precision")) != \
+            (spec.cluster.nodes, spec.cluster.gpus_per_node, spec.parallel.precision):
+        return None
+    return figures
