@@ -9,11 +9,12 @@ World 4, 2 nodes x 2 ranks (tp 1), one spawned world:
 * traffic: every run's bytes per link (``engine.comm_report()``: ``intra``, ``inter``) equal
   ``hybrid.plan.links.step_traffic`` for its options (plus the gradient norm's and the unit check's 32 bytes
   a step) within 1 %, int8 cases included;
-* the memory walk: a small ``WideNet`` for 2 steps at accumulation 1 per option: ``memory_report()``'s parameters,
-  gradients and optimizer equal ``hybrid.plan.memory.predict_memory`` for the option (hpZ's secondary shard in
-  the parameters), the process's live tensors (a ``gc`` walk) within 2 % of the report; and the second step's
-  inter-node bytes: stage 3 with hierarchical collectives and hpZ at most stage 2's, with int8 weights and
-  gradients as well at most a third of flat stage 3's;
+* the memory walk: a small ``WideNet`` for one step at accumulation 1 per option (its bytes counted from the
+  step, not the materialization): ``memory_report()``'s parameters, gradients and optimizer equal
+  ``hybrid.plan.memory.predict_memory`` for the option (hpZ's secondary shard in the parameters), the process's
+  live tensors (a ``gc`` walk) within 2 % of the report; and the step's inter-node bytes: stage 3 with
+  hierarchical collectives and hpZ at most stage 2's, with int8 weights and gradients as well at most a third
+  of flat stage 3's;
 * resume across group sizes: saved at stage 2 sharded over 2 ranks (2 replicas), loaded at stage 3 over all 4
   (hierarchical, hpZ) and at stage 1 over a node: masters and Adam moments bit-identical to the saved ones, the
   next steps' losses those of the uninterrupted run;
@@ -21,8 +22,9 @@ World 4, 2 nodes x 2 ranks (tp 1), one spawned world:
   that does not divide DP).
 
 World 6, 2 nodes x 3 ranks: parity at stages 1-3 with the shard group of a node (3), a group of 2 that straddles
-the nodes, hierarchical (3 in a node x 2; stages 2 and 3) and hpZ. World 8, 2 nodes x 4 ranks, tp 2 (``build_mesh``, gpt-tiny on
-the meta device): the per-link bytes of each option equal the theory within 1 %, and TP's stay inside the node.
+the nodes, hierarchical (3 in a node x 2; stages 2 and 3) and hpZ. World 8, 2 nodes x 4 ranks, tp 2
+(``build_mesh``, gpt-tiny on the meta device, one step each): the per-link bytes of each option equal the theory
+within 1 %, and TP's stay inside the node.
 """
 
 import gc
@@ -204,14 +206,11 @@ def _walk_runs() -> dict:
     out = {}
     for name, cfg in WALK.items():
         engine = hybrid.initialize(WideNet(**WALK_NET), _walk_config(cfg))
-        for step in range(2):
-            if step == 1:
-                engine.reset_comm()
-            engine.backward(engine(x, y))
-            engine.step()
+        engine.reset_comm()  # the step's bytes alone, not the materialization's
+        engine.backward(engine(x, y))
+        engine.step()
         out[name] = _run_of(engine, memory=engine.memory_report(), live=_live_tensor_bytes(engine))
-        del engine
-        gc.collect()
+        del engine  # collected by the next case's walk (gc.collect first)
     return out
 
 
@@ -371,17 +370,16 @@ def _world8() -> dict:
     cfg = GPTConfig.from_yaml(GPT_CONFIG)
     rows = 8 // mesh.dp
     g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=g)[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
+    seq = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=g)
+    seq = seq[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
     out = {}
     for name, run in GPT_CASES.items():
         model = GPT(cfg, tp_comm=mesh.tp_comm, device="meta")
         engine = hybrid.initialize(model, _gpt_config(run), dp_group=mesh.dp_group, tp_group=mesh.tp_group)
-        for step in range(2):
-            if step == 1:
-                engine.reset_comm()
-                mesh.tp_comm.reset()
-            engine.backward(engine(seq[:, :-1], seq[:, 1:]))
-            engine.step()
+        engine.reset_comm()  # the step's bytes alone, not the materialization's
+        mesh.tp_comm.reset()
+        engine.backward(engine(seq[:, :-1], seq[:, 1:]))
+        engine.step()
         out[name] = _run_of(engine, tp=mesh.tp_comm.report())
     return out
 
