@@ -238,3 +238,35 @@ def test_the_summarys_theory_is_the_plans_options_on_the_placement():
     psi, theory, label = replan.link_theory(lp, replan.initial_choice(lp))
     assert psi == lp.params * 4 and label == "flat"  # fp32; the exact options do not pay on this tiny model
     assert theory["inter"] == pytest.approx(1.5 * psi) and theory["intra"] == pytest.approx(1.5 * psi)  # 3Ψ/t, half across
+
+
+def test_link_options_and_nvme_offload_are_weighed_priced_and_sized_together():
+    """Issue 37 beside issue 38: every offload value (none, host memory, NVMe) meets every link option; the swap
+    file and its disk time follow the shard group's shard, and the link options still cut the bytes across
+    nodes with the states on NVMe."""
+    from dataclasses import replace
+
+    from hybrid.plan.candidates import LINK_CHOICES, layouts
+    from hybrid.plan.cost import FLAT, Layout, LinkOptions, ModelShape, step_cost
+    from hybrid.plan.hardware import build_hardware
+    from hybrid.plan.planner import layout_option
+
+    offered = layouts(2, 2, "bf16", [1], [3], [False], [False, True, "nvme"], 8, links=LINK_CHOICES)
+    kinds = {(lay.offload, lay.nvme, lay.links) for lay in offered}
+    for off, nvme in ((False, False), (True, False), (True, True)):
+        assert {(off, nvme, lk) for lk in LINK_CHOICES} <= kinds, (off, nvme)
+
+    psi = 10**9
+    hw = build_hardware("NVIDIA H100 80GB HBM3", "bf16", "nvlink", "infiniband", 2)
+    model = ModelShape(psi, 24, 2048, 16, 1024, 50_000)
+    node = Layout(2, 2, 1, 3, 1, 1, False, True, "bf16", LinkOptions(shard_group="node"), nvme=True)
+    flat = replace(node, links=FLAT)
+    assert node.label == "tp1 z3 mb 1 nvme shard node"
+    on_node, on_all = step_cost(model, node, hw), step_cost(model, flat, hw)
+    assert on_all.nvme_read_bytes == 12 * psi / 4 and on_node.nvme_read_bytes == 12 * psi / 2  # the group's shard
+    assert on_node.nvme_s > on_all.nvme_s > 0
+    assert on_node.terms["dp_inter_bytes"] < on_all.terms["dp_inter_bytes"]
+
+    sized = layout_option(psi, 4, 1, 3, 80e9, "bf16", offload=True, nvme=True, shard=2, ranks_per_node=2)
+    assert sized.nvme and sized.disk_bytes == 12 * psi / 2
+    assert layout_option(psi, 4, 1, 3, 80e9, "bf16", offload=True, nvme=True).disk_bytes == 12 * psi / 4
