@@ -6,7 +6,13 @@ each collective moves, using the accounting of the ZeRO paper (``shared/seed/zer
 * all-reduce of a tensor X counts ``2·|X|`` (a reduce-scatter plus an all-gather),
 * reduce-scatter counts the full input ``|X|``,
 * all-gather counts the full output ``|X|``,
-* broadcast counts ``|X|``.
+* broadcast counts ``|X|``,
+* all-to-all counts its input ``|X|`` (what a reduce-scatter of it would count).
+
+Each count is also split by link (``hybrid.plan.links.split``): given ``nodes``, the node of each rank of the
+group, the share a ring over the group sends across node boundaries is counted ``inter``, the rest ``intra``
+(``report()["inter"]``, ``["intra"]``, and ``<op>_inter`` per op kind). Without ``nodes`` the group is taken
+to be on one node.
 
 It also counts the collectives themselves, per op kind (``report()["all_gather_calls"]``, ...), and records
 every collective issued in ``hybrid.comm.heartbeat`` (entered, and inside it until it returns), so the
@@ -44,7 +50,7 @@ import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +61,7 @@ from hybrid.comm.process_group import ProcessGroupTransport
 from hybrid.comm.shm_transport import SharedMemoryTransport
 from hybrid.comm.transport import Closed, Solo, Transport
 from hybrid.plan import layout as _layout
+from hybrid.plan.links import inter_fraction
 from hybrid.plan.layout import EXCHANGE_MIN_NUMEL, EXCHANGE_NUMEL, EXCHANGE_SLICES, SHM_MIN_BYTES
 from hybrid.plan.layout import exchange_numel  # noqa: F401  (hybrid.comm's name for the memory model's figure)
 from hybrid.errors import ConfigError
@@ -132,7 +139,8 @@ def _choose_transports(group, name: str) -> GroupTransports:
 class Comm:
     """Collectives over one process group, with byte counters per op kind."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "dp"):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "dp",
+                 nodes: Optional[Sequence[int]] = None):
         self.name = name
         self.group = group
         initialized = dist.is_available() and dist.is_initialized()
@@ -141,10 +149,15 @@ class Comm:
             self.rank = dist.get_rank(group)
         else:
             self.size, self.rank = 1, 0
+        if nodes is not None and len(nodes) != self.size:
+            raise ValueError(f"Comm {name!r}: nodes names {len(nodes)} ranks, the group has {self.size}")
+        self.nodes = tuple(nodes) if nodes is not None else (0,) * self.size
+        self._inter = float(inter_fraction(len(set(self.nodes)), self.size))
         # True: this Comm moves nothing (a group of one not forced to communicate); what exists only to
         # communicate may be skipped. Decided once, here, with the transports.
         self.solo = self.size == 1 and not (initialized and collectives_forced())
         self.bytes: Counter = Counter()
+        self.inter_bytes: Counter = Counter()
         self.calls: Counter = Counter()
         # Chosen once, here; a collective only takes ``cpu`` or ``own`` by where its tensor is.
         solo = Solo()
@@ -175,24 +188,20 @@ class Comm:
             return
         if nbytes is not None:
             self.bytes[op] += int(nbytes)
+            self.inter_bytes[op] += int(nbytes) * self._inter
             self.calls[op] += 1
         with heartbeat.collective(f"{self.name}.{op}"):
             yield
 
     def report(self) -> dict:
-        """Logical bytes per op kind since the last reset, plus ``total``; and how many collectives of each
-        kind were issued (``<op>_calls``), plus ``total_calls``. Every value is a plain number."""
-        ops = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-        out = {op: 0 for op in ops}
-        out.update(self.bytes)
-        out["total"] = sum(self.bytes.values())
-        for op in sorted(set(ops) | set(self.calls)):
-            out[f"{op}_calls"] = self.calls[op]
-        out["total_calls"] = sum(self.calls.values())
-        return out
+        """Logical bytes per op kind since the last reset, plus ``total``; how many collectives of each kind
+        were issued (``<op>_calls``), plus ``total_calls``; and the bytes by link: ``inter`` (across nodes) and
+        ``intra`` in all, ``<op>_inter`` per op kind. Every value is a plain number."""
+        return traffic_report([self])
 
     def reset(self) -> None:
         self.bytes.clear()
+        self.inter_bytes.clear()
         self.calls.clear()
 
     # -- collectives ------------------------------------------------------------------------------
@@ -218,6 +227,14 @@ class Comm:
                              f"{input.numel()} x {self.size}")
         with self._carrying("all_gather", _nbytes(output)):
             return self.transports.for_tensor(output).all_gather(output, input, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False):
+        """``output.view(-1).tensor_split(N)[q]`` receives part ``rank`` of rank q's ``input`` (equal parts)."""
+        if input.numel() != output.numel() or input.numel() % self.size:
+            raise ValueError(f"all_to_all: input has {input.numel()} elements and output {output.numel()}; both "
+                             f"must be the same multiple of {self.size}")
+        with self._carrying("all_to_all", _nbytes(input)):
+            return self.transports.for_tensor(input).all_to_all(output, input, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int = 0, *, async_op: bool = False):
         with self._carrying("broadcast", _nbytes(tensor)):
@@ -272,3 +289,27 @@ class Comm:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # always in a report; all_to_all once used
+
+
+def traffic_report(comms) -> dict:
+    """``Comm.report()`` of several comms together (an engine's DP group and the groups its options cut it
+    into): bytes, calls and bytes by link summed per op kind."""
+    nbytes, inter, calls = Counter(), Counter(), Counter()
+    for comm in comms:
+        nbytes.update(comm.bytes)
+        inter.update(comm.inter_bytes)
+        calls.update(comm.calls)
+    out = {op: 0 for op in OPS}
+    out.update(nbytes)
+    out["total"] = sum(nbytes.values())
+    for op in sorted(set(OPS) | set(calls)):
+        out[f"{op}_calls"] = calls[op]
+    out["total_calls"] = sum(calls.values())
+    for op in sorted(set(OPS) | set(inter)):
+        out[f"{op}_inter"] = inter[op]
+    out["inter"] = sum(inter.values())
+    out["intra"] = out["total"] - out["inter"]
+    return out

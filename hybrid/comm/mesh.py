@@ -12,7 +12,9 @@ has no backend. They get the ``timeout`` given, else torch's default. The mesh's
 default group (``cuda`` when it was bound to a
 GPU or has an NCCL backend, else ``cpu``); ``node_index`` and ``local_rank`` are where the rank really
 runs, as torchrun and the Ray launcher state it (``GROUP_RANK``/``NODE_RANK``, ``LOCAL_RANK``), not
-``rank // tp``: with tp smaller than the ranks per node those differ.
+``rank // tp``: with tp smaller than the ranks per node those differ. ``build_mesh`` exchanges every rank's
+``node_index`` once (``hybrid.comm.groups.group_nodes``) so that ``dp_comm`` and ``tp_comm`` count their bytes
+per link (intra- and inter-node, ``hybrid.plan.links``); ``nodes`` holds them, by global rank.
 
 ``init_default_group(device, ...)`` is the one place a rank joins the default group: on CUDA it binds the
 device and uses ``"cpu:gloo,cuda:nccl"``, so collectives on CPU tensors (metrics, ``full_state_dict()``)
@@ -23,8 +25,8 @@ keep working beside NCCL on GPU tensors.
 all-reduces of every layer then cross the inter-node network. ``hybrid launch`` refuses such a plan.
 
 ``MeshLayout`` (the one definition of which ranks form each group, also what ``hybrid plan`` prints),
-``mesh_degrees``, ``placement_from_env`` and ``tp_groups_across_nodes`` are pure, usable before any process
-exists.
+``mesh_degrees``, ``placement_from_env`` (defined in ``hybrid.comm.groups``, which ``group_nodes`` reads it
+from) and ``tp_groups_across_nodes`` are pure, usable before any process exists.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.comm.collectives import Comm
+from hybrid.comm.groups import group_nodes, placement_from_env  # noqa: F401  (this module's name for it too)
 from hybrid.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,7 @@ class HybridMesh:
     tp: int
     node_index: int   # the node this rank runs on (GROUP_RANK / NODE_RANK)
     local_rank: int   # the rank's index among this job's ranks on its node (LOCAL_RANK)
+    nodes: tuple = ()  # the node of every global rank
 
 
 def mesh_degrees(world_size: int, tp: int, dp: Optional[int] = None) -> tuple[int, int]:
@@ -108,24 +112,6 @@ def mesh_degrees(world_size: int, tp: int, dp: Optional[int] = None) -> tuple[in
         raise ConfigError(f"tp={tp} × dp={dp} = {tp * dp} ranks but the world size is {world_size}; "
                           f"choose tp and dp whose product is {world_size}.")
     return dp, tp
-
-
-def placement_from_env(env: Mapping[str, str], rank: int) -> tuple[int, int]:
-    """``(node_index, local_rank)`` of ``rank`` from torchrun-style variables.
-
-    ``LOCAL_RANK`` is the rank's index on its node; the node is ``GROUP_RANK`` (torchrun) or ``NODE_RANK``,
-    else derived from ``LOCAL_WORLD_SIZE`` (ranks per node, consecutive ranks per node). Without any of
-    them the job is taken to be one node: ``(0, rank)``.
-    """
-    if "LOCAL_RANK" not in env:
-        return 0, rank
-    local_rank = int(env["LOCAL_RANK"])
-    for key in ("GROUP_RANK", "NODE_RANK"):
-        if key in env:
-            return int(env[key]), local_rank
-    if "LOCAL_WORLD_SIZE" in env:
-        return (rank - local_rank) // int(env["LOCAL_WORLD_SIZE"]), local_rank
-    return 0, local_rank
 
 
 def tp_groups_across_nodes(node_of_rank: list, tp: int) -> list:
@@ -213,16 +199,18 @@ def build_mesh(tp: int, dp: Optional[int] = None, device_type: Optional[str] = N
     grid = torch.tensor(MeshLayout(1, world, tp, dp).tp_groups, dtype=torch.int)  # dp x tp: rows TP, columns DP
     dp_group, tp_group = _mesh_groups(grid, timeout)
     device_mesh = DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
+    nodes = group_nodes(None)  # where every rank runs, so each comm counts its bytes per link
     return HybridMesh(
         device_mesh=device_mesh,
         dp_group=dp_group,
         tp_group=tp_group,
-        dp_comm=Comm(dp_group, name="dp"),
-        tp_comm=Comm(tp_group, name="tp"),
+        dp_comm=Comm(dp_group, name="dp", nodes=[nodes[r] for r in dist.get_process_group_ranks(dp_group)]),
+        tp_comm=Comm(tp_group, name="tp", nodes=[nodes[r] for r in dist.get_process_group_ranks(tp_group)]),
         dp_rank=device_mesh.get_local_rank("dp"),
         tp_rank=device_mesh.get_local_rank("tp"),
         dp=dp,
         tp=tp,
         node_index=node_index,
         local_rank=local_rank,
+        nodes=nodes,
     )

@@ -36,6 +36,10 @@ class ProcessGroupTransport(Transport):
         work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
         return work if async_op else DONE
 
+    def all_to_all(self, output, input, *, async_op=False):
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        return work if async_op else DONE
+
     def broadcast(self, tensor, src, *, async_op=False):
         src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)

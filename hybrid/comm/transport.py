@@ -22,6 +22,8 @@ Contract of every transport:
   it), the other parts of ``input`` may be left holding anything: callers never read them.
 * ``all_gather(output, input)``: ``output.view(-1).tensor_split(N)[q]`` receives rank q's ``input``.
 * ``broadcast(tensor, src)``: ``src`` is a rank in the group.
+* ``all_to_all(output, input)``: ``output.view(-1).tensor_split(N)[q]`` receives part ``rank`` of rank q's
+  ``input`` (torch.distributed's, on the group, unless a transport carries it otherwise).
 * ``buffer_tensors()``: what the transport keeps between calls (for memory reports); ``close()`` releases
   it, and the transport is not used again.
 """
@@ -116,6 +118,10 @@ class Transport(ABC):
     def barrier(self) -> None:
         ...
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False):
+        """``output.view(-1).tensor_split(N)[q]`` receives part ``rank`` of rank q's ``input``."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
     def buffer_tensors(self) -> list:
         return []
 
@@ -145,6 +151,9 @@ class Relay(Transport):
     def barrier(self) -> None:
         self.fallback.barrier()
 
+    def all_to_all(self, output, input, *, async_op=False):
+        return self.fallback.all_to_all(output, input, async_op=async_op)
+
     def buffer_tensors(self) -> list:
         return self.fallback.buffer_tensors()
 
@@ -170,6 +179,10 @@ class Solo(Transport):
     def broadcast(self, tensor, src, *, async_op=False):
         return DONE
 
+    def all_to_all(self, output, input, *, async_op=False):
+        output.copy_(input)
+        return DONE
+
     def barrier(self) -> None:
         pass
 
@@ -183,4 +196,4 @@ class Closed(Transport):
     def _refuse(self, *args, **kwargs):
         raise RuntimeError(f"a collective on the closed Comm {self._name!r}")
 
-    all_reduce = reduce_scatter = all_gather = broadcast = barrier = _refuse
+    all_reduce = reduce_scatter = all_gather = broadcast = barrier = all_to_all = _refuse

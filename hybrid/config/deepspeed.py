@@ -52,14 +52,14 @@ DEEPSPEED_KNOBS = {
                                                        "optimizer) is not supported; remove it: all of it is offloaded"),
     "zero_optimization.offload_param": _Knob(_no_param_offload, "(ZeRO-Infinity parameter offload) is not "
                                              "supported; remove it (offload_optimizer: {device: cpu} is supported)"),
-    "zero_optimization.zero_quantized_weights": _Knob(_only(False), "(ZeRO++ quantized weight gathers) would "
-                                                      "change the weights each step computes with; remove it"),
+    # zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size and mics_shard_size are
+    # ZeroConfig fields (quantized_weights, quantized_gradients, secondary_shard, shard_group)
     "zero_optimization.zero_quantized_nontrainable_weights": _Knob(_only(False), "(ZeRO++ quantized frozen "
                                                                    "weights) would change them; remove it"),
-    "zero_optimization.zero_quantized_gradients": _Knob(_only(False), "(ZeRO++ quantized gradient reduction) "
-                                                        "would change the gradients; remove it"),
-    "zero_optimization.zero_hpz_partition_size": _Knob(_only(1), "(ZeRO++ hierarchical partitioning) is not "
-                                                       "supported; remove it"),
+    "zero_optimization.mics_hierarchical_params_gather": _Knob(
+        lambda value: isinstance(value, bool) and not value,
+        "is MiCS's two-level parameter all-gather; use zero_optimization.hierarchical: true (both the gradient "
+        "reduce-scatter and the parameter all-gather, in two levels)"),
     # either value averages the gradients over DP, as here: the loss pre-divided by the DP size, or AVG in
     # the collective where the backend has it (NCCL); the two orders differ only in rounding
     "prescale_gradients": _Knob(lambda value: isinstance(value, bool), "must be true or false"),

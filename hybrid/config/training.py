@@ -137,6 +137,31 @@ class OffloadConfig(Section):
 
 # -- zero / zero_optimization ------------------------------------------------------------------------------
 STAGE3_UNITS = ("auto", "module")  # hybrid.zero.units: which modules are stage-3 unit roots
+QUANTIZED = ("none", "int8")  # zero.quantized_weights / quantized_gradients
+
+
+def _shard_group(path: str, value: Any) -> Any:
+    """``all`` | ``node`` | a number of ranks (DeepSpeed's ``mics_shard_size``: -1 is MiCS off, i.e. all)."""
+    if isinstance(value, str) and value in ("all", "node"):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == -1:
+        return "all"
+    return v.integer(path, value, 1, whole_floats=True, need="all, node or a number of DP ranks dividing the DP size")
+
+
+def _secondary_shard(path: str, value: Any) -> Any:
+    """``none`` | ``node`` | a number of ranks of one node (DeepSpeed's ``zero_hpz_partition_size``; 1 is none)."""
+    if value is None or isinstance(value, str) and value in ("none", "node"):
+        return value or "none"
+    n = v.integer(path, value, 1, whole_floats=True, need="none, node or a number of DP ranks of one node")
+    return "none" if n == 1 else n
+
+
+def _quantized(path: str, value: Any) -> str:
+    """``none`` | ``int8``; DeepSpeed's switches (``zero_quantized_weights: true``) are int8 and none."""
+    if isinstance(value, bool):
+        return "int8" if value else "none"
+    return v.one_of(path, "none" if value is None else value, QUANTIZED)
 
 
 def _stage3_unit(path: str, unit: Any) -> Any:
@@ -174,15 +199,49 @@ class ZeroConfig(Section):
     stage3_unit: Any = setting("auto", _stage3_unit, help="stage 3: auto | module | callable(name, module) -> bool")
     reduce_dtype: Optional[str] = setting(None, partial(v.one_of, choices=PRECISIONS),
                                           help="gradients summed and accumulated in: fp32 | bf16; unset: the model's")
+    shard_group: Any = setting("all", _shard_group, deepspeed="mics_shard_size",
+                               help="stages 1-3: shard over all DP ranks, the ranks of a node, or N ranks; "
+                                    "replicated across such groups (MiCS / HSDP)")
+    hierarchical: bool = setting(False, v.boolean,
+                                 help="stages 1-3: reduce-scatter and all-gather inside the node, then across nodes")
+    secondary_shard: Any = setting("none", _secondary_shard, deepspeed="zero_hpz_partition_size",
+                                   help="stage 3: none, or a secondary parameter shard over the node's ranks (node) "
+                                        "or N of them, for backward's all-gather (ZeRO++ hpZ)")
+    quantized_weights: str = setting("none", _quantized, deepspeed="zero_quantized_weights",
+                                     help="stage 3: none | int8 parameter all-gathers (ZeRO++ qwZ)")
+    quantized_gradients: str = setting("none", _quantized, deepspeed="zero_quantized_gradients",
+                                       help="stages 1-3: none | int8 gradient reduce-scatter (ZeRO++ qgZ)")
+    quantization_block: int = setting(256, _size(1), help="elements per scale of the int8 collectives")
 
     def _check_together(self, where: Where) -> None:
         from hybrid.config.stage_policy import policy_for  # pure table; imported here to keep config import-light
 
-        if self.offload_optimizer.enabled and not policy_for(self.stage).shard_optimizer:
-            offload, stage = where("offload_optimizer"), where("stage")
+        policy, stage = policy_for(self.stage), where("stage")
+        if self.offload_optimizer.enabled and not policy.shard_optimizer:
+            offload = where("offload_optimizer")
             raise ConfigError(f"{offload} needs ZeRO stage 1, 2 or 3, but {stage} is {self.stage}: stage 0 keeps a "
                               f"full optimizer copy on every rank, so offloading it would move N times the bytes; "
                               f"set {stage} to 1 or more, or offload_optimizer.device: none.")
+        if not policy.shard_optimizer:
+            for name, off in (("shard_group", "all"), ("hierarchical", False)):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"{where(name)} changes how the sharded states are reduced and gathered, but "
+                                      f"{stage} is {self.stage}, which shards nothing; set {stage} to 1 or more, or "
+                                      f"remove {where(name)}.")
+        if not policy.shard_params:
+            for name, off, what in (("quantized_weights", "none", "quantizes the parameter all-gathers of each unit"),
+                                    ("secondary_shard", "none", "keeps a secondary shard of the gathered parameters")):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"{where(name)} {what}, which only ZeRO stage 3 does (it shards the "
+                                      f"parameters), but {stage} is {self.stage}; set {stage} to 3, or remove "
+                                      f"{where(name)}.")
+        if self.quantized_gradients != "none" and (policy.grads_all_reduced or not self.reduce_scatter):
+            path = where("quantized_gradients")
+            raise ConfigError(f"{path} quantizes the gradients' reduce-scatter, but "
+                              + (f"{stage} is {self.stage}, which all-reduces them; set {stage} to 1 or more"
+                                 if policy.grads_all_reduced else
+                                 f"{where('reduce_scatter')} is false (they are all-reduced); set it to true")
+                              + f", or remove {path}.")
 
 
 # -- optimizer ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional
 from hybrid.weights.files import INDEX, SINGLE
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.models.sections import data_path, train_options, training_config, zero_options
+from hybrid.models.sections import data_path, planned_zero, train_options, training_config, zero_options
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
 HF_KEYS = ("config", "weights", "seq_len")
@@ -168,7 +168,7 @@ def train(ctx: Context, after_step=()) -> dict:
     if ctx.settings.activation_checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine_config = training_config(train_opts, ctx.stage, ctx.settings.precision, ctx.settings.offload,
-                                    zero=zero_options(ctx.model_config.get("zero")),
+                                    zero=planned_zero(ctx),
                                     accumulation=ctx.settings.gradient_accumulation_steps,
                                     nvme_path=ctx.settings.nvme_path)
     values = (dict(weights=str(ctx.local_path(options["weights"]))) if options["weights"] is not None else

@@ -2,7 +2,7 @@
 transformers model's ``hybrid.models.hf``): ``train:`` (``TrainOptions``: learning rate, weight decay, clipping, the
 optimizer and scheduler sections), ``zero:`` (ZeroConfig sizes but the stage, which is the plan's) and ``data:``
 (a token file, relative to the model config), and the engine's ``TrainConfig`` they make with the plan's stage,
-precision and levers (``training_config``)."""
+precision and levers (``training_config``) and ``zero`` keys with the plan's link options (``planned_zero``)."""
 
 from __future__ import annotations
 
@@ -120,5 +120,25 @@ def zero_options(section: Any) -> dict:
                           "and set that instead.")
     names = [f.name for f in dataclasses.fields(ZeroConfig) if f.name not in ("stage", "offload_optimizer")]
     options = dict(v.mapping("zero", section, names, example="{reduce_bucket_size: 1000000}"))
-    ZeroConfig(**options)  # every field checked, named zero.<field>
+    # every field checked, named zero.<field>; at stage 3, which takes every option: the plan's stage is not
+    # known here, and training_config checks the options against it
+    ZeroConfig(**{**options, "stage": 3})
     return options
+
+
+LINK_KEYS = ("shard_group", "hierarchical", "secondary_shard", "quantized_weights", "quantized_gradients")
+
+
+def with_plan_links(links: Optional[dict], zero: dict) -> dict:
+    """``zero`` (the model config's checked ``zero:``) with the plan's link options (``links``: zero keys), unless
+    it sets any link option itself: then the user's alone (a mix could cut the DP group in a way neither chose)."""
+    if not links or any(key in zero for key in LINK_KEYS):
+        return dict(zero)
+    return {**links, **zero}
+
+
+def planned_zero(ctx: Any) -> dict:
+    """The engine's ``zero`` keys for a rank's ``hybrid.runtime.train.Context``: the model config's ``zero:`` with
+    the plan's link options (``JobSettings.zero_links``: how ZeRO's collectives use the links, where the time
+    model chose them)."""
+    return with_plan_links(getattr(ctx.settings, "zero_links", None), zero_options(ctx.model_config.get("zero")))

@@ -3,17 +3,22 @@
 ``layouts(...)`` lists the candidates: each TP degree offered, ZeRO stage, activation checkpointing and
 offload setting (False, True: host memory, ``"nvme"``: the node's disk), and each split of a DP rank's rows
 into micro-batch × accumulation that keeps the global batch (``global_batch`` sequences per step in every
-candidate; a TP degree whose DP degree does not divide it is left out). A user's fixed choices are the only
-values offered for their field; offload is never paired with stage 0 (nothing sharded to move).
+candidate; a TP degree whose DP degree does not divide it is left out), each with every way its ZeRO
+collectives may use the links (``LINK_CHOICES``: flat, the shard group of a node, two-level collectives, hpZ,
+int8; those the stage or the placement cannot take are left out, ``link_options``). A user's fixed choices
+are the only values offered for their field; offload is never paired with stage 0 (nothing sharded to move).
 
 ``rank(model, layouts, hw, memory)`` costs each (``hybrid.plan.cost.step_cost``) and sizes it
 (``memory(layout) -> hybrid.plan.planner.Option``, the planner's own rule); only layouts that fit are ever
 chosen: the fastest by tokens/s; where others are within ``TIE`` of it (the same speed, as far as the model
 can tell), the memory-only choice (``baseline``) when it is one of them -- the guide's choice stands unless
 time says otherwise -- else the one with the fewest levers (no offload, not NVMe, then no activation
-checkpointing) and then the least memory per GPU. The ``Ranking`` carries every candidate, fitting ones first,
-fastest first, and one reason sentence that names the numbers: what the choice does differently from the
-memory-only choice (``baseline``), or, where they agree, from the runner-up.
+checkpointing, then the fewest link options) and then the least memory per GPU. Candidates with int8
+collectives are priced but never chosen (``Ranking.lossy``): they change the values every step computes with,
+so they are the user's choice (``zero.quantized_weights`` / ``quantized_gradients``); ``hybrid plan`` shows
+what they would save. The ``Ranking`` carries every other candidate, fitting ones first, fastest first, and
+one reason sentence that names the numbers: what the choice does differently from the memory-only choice
+(``baseline``), or, where they agree, from the runner-up.
 """
 
 from __future__ import annotations
@@ -23,10 +28,40 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from hybrid.config.stage_policy import policy_for
 from hybrid.config.units import human_bytes
-from hybrid.plan.cost import DEFAULT_BUCKET_NUMEL, Hardware, Layout, ModelShape, StepCost, step_cost
+from hybrid.errors import ConfigError
+from hybrid.plan.cost import DEFAULT_BUCKET_NUMEL, FLAT, Hardware, Layout, LinkOptions, ModelShape, StepCost, step_cost
 
 TIE = 0.01  # tokens/s within 1% of the fastest: the same speed, within what the model can tell apart
 TOP = 8     # candidates a plan shows
+# How ZeRO's collectives may use the links: flat; sharded inside a node, replicated across (HSDP); two-level;
+# two-level with hpZ's secondary shard; and that with int8 weights and gradients (ZeRO++).
+LINK_CHOICES = (
+    FLAT,
+    LinkOptions(shard_group="node"),
+    LinkOptions(hierarchical=True),
+    LinkOptions(hierarchical=True, secondary_shard="node"),
+    LinkOptions(hierarchical=True, secondary_shard="node", quantized_weights=True, quantized_gradients=True),
+)
+
+
+def link_options(lay: Layout, choices=LINK_CHOICES) -> list:
+    """The ``choices`` the layout's stage and placement can take (``ZeroConfig``'s and ``ShardTopology``'s own
+    rules), flat always among them; of choices that cut the DP group alike (on one node, the shard group of a
+    node is all of it) only the first."""
+    from hybrid.config.training import ZeroConfig
+
+    out, seen = [], set()
+    for links in (FLAT, *choices):
+        try:
+            ZeroConfig(stage=lay.stage, **links.zero())
+            topology = Layout(**{**lay.__dict__, "links": links}).topology()
+        except ConfigError:
+            continue
+        key = (topology, links.quantized_weights, links.quantized_gradients)
+        if key not in seen:
+            seen.add(key)
+            out.append(links)
+    return out
 
 
 @dataclass(frozen=True)
@@ -50,8 +85,8 @@ class Candidate:
         lay = self.layout
         return {"tp": lay.tp, "dp": lay.dp, "stage": lay.stage, "micro_batch": lay.micro_batch,
                 "accumulation": lay.accumulation, "activation_checkpointing": lay.activation_checkpointing,
-                "offload": lay.offload, "nvme": lay.nvme, "device_bytes": self.device_bytes,
-                "host_bytes": float(self.option.host_bytes),
+                "offload": lay.offload, "nvme": lay.nvme, "links": lay.links.zero(),
+                "device_bytes": self.device_bytes, "host_bytes": float(self.option.host_bytes),
                 "disk_bytes": float(getattr(self.option, "disk_bytes", 0.0)), "fits": self.fits,
                 **self.cost.as_dict()}
 
@@ -63,6 +98,7 @@ class Ranking:
     baseline: Optional[Candidate]  # the memory-only choice, where it is among the candidates
     global_batch: int
     reason: str
+    lossy: tuple = ()       # the int8 candidates: priced, never chosen (see the module docstring)
 
     @property
     def fitting(self) -> list:
@@ -91,8 +127,9 @@ def batch_splits(global_batch: int, dp: int, micro_batch: Optional[int] = None) 
 
 def layouts(nodes: int, gpus_per_node: int, precision: str, tps: Iterable[int], stages: Iterable[int],
             checkpointing: Iterable[bool], offloads: Iterable[bool], global_batch: int,
-            micro_batch: Optional[int] = None) -> list[Layout]:
-    """Every candidate layout (see the module docstring)."""
+            micro_batch: Optional[int] = None, links=(FLAT,)) -> list[Layout]:
+    """Every candidate layout (see the module docstring); ``links``: the link options to weigh
+    (``LINK_CHOICES`` for all of them), each where the layout can take it."""
     out = []
     for tp in tps:
         dp = nodes * gpus_per_node // tp
@@ -102,8 +139,9 @@ def layouts(nodes: int, gpus_per_node: int, precision: str, tps: Iterable[int], 
                     for off in offloads:
                         if off and not policy_for(s).shard_optimizer:  # nothing sharded to move
                             continue
-                        out.append(Layout(nodes, gpus_per_node, tp, s, b, k, ac, bool(off), precision,
-                                          nvme=off == "nvme"))
+                        lay = Layout(nodes, gpus_per_node, tp, s, b, k, ac, bool(off), precision,
+                                     nvme=off == "nvme")
+                        out += [Layout(**{**lay.__dict__, "links": lk}) for lk in link_options(lay, links)]
     return out
 
 
@@ -111,21 +149,31 @@ def rank(model: ModelShape, candidates: Sequence[Layout], hw: Hardware, memory: 
          baseline: Optional[Layout] = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Ranking:
     """Cost and size every layout and choose (see the module docstring)."""
     costed = [Candidate(memory(lay), step_cost(model, lay, hw, bucket_numel)) for lay in candidates]
+    lossy = tuple(sorted((c for c in costed if _lossy(c.layout)), key=lambda c: -c.cost.tokens_per_s))
+    costed = [c for c in costed if not _lossy(c.layout)]
     by_speed = sorted(costed, key=lambda c: -c.cost.tokens_per_s)
     ordered = tuple([c for c in by_speed if c.fits] + [c for c in by_speed if not c.fits])
     fitting = [c for c in ordered if c.fits]
     base = next((c for c in costed if c.layout == baseline), None)
     global_batch = candidates[0].global_batch if candidates else 0
     if not fitting:
-        return Ranking(ordered, None, base, global_batch, "no layout fits the memory")
+        return Ranking(ordered, None, base, global_batch, "no layout fits the memory", lossy)
     fastest = fitting[0].cost.tokens_per_s
     ties = [c for c in fitting if c.cost.tokens_per_s >= fastest * (1 - TIE)]
     if base is not None and base in ties:
         chosen = base
     else:
         chosen = min(ties, key=lambda c: (c.layout.offload, c.layout.nvme, c.layout.activation_checkpointing,
-                                          c.device_bytes, ties.index(c)))
-    return Ranking(ordered, chosen, base, global_batch, reason(chosen, base, fitting))
+                                          _link_levers(c.layout), c.device_bytes, ties.index(c)))
+    return Ranking(ordered, chosen, base, global_batch, reason(chosen, base, fitting), lossy)
+
+
+def _lossy(lay: Layout) -> bool:
+    return lay.links.quantized_weights or lay.links.quantized_gradients
+
+
+def _link_levers(lay: Layout) -> int:
+    return len(lay.links.zero())
 
 
 # ------------------------------------------------------------------------------------------------ why
@@ -183,12 +231,17 @@ def differences(a: Candidate, b: Candidate) -> str:
             parts.append(f"with {what} instead of " + ("host memory" if la.nvme else "NVMe"))
         else:
             parts.append(("with " if la.offload else "without ") + what)
+    if la.links != lb.links:
+        parts.append(f"ZeRO collectives {lb.links.label or 'flat'} -> {la.links.label or 'flat'}: across nodes "
+                     f"{human_bytes(cb.terms['dp_inter_bytes'])} -> {human_bytes(ca.terms['dp_inter_bytes'])} per GPU "
+                     f"and step, DP {_ms(cb.dp_s)} -> {_ms(ca.dp_s)}")
     return ", ".join(parts) or "the same layout"
 
 
 def describe(lay: Layout) -> str:
     levers = [text for on, text in ((lay.activation_checkpointing, "AC"),
-                                    (lay.offload, "NVMe offload" if lay.nvme else "offload")) if on]
+                                    (lay.offload, "NVMe offload" if lay.nvme else "offload"),
+                                    (bool(lay.links.label), lay.links.label)) if on]
     acc = f" x {lay.accumulation}" if lay.accumulation > 1 else ""
     return f"tp {lay.tp}, stage {lay.stage}, micro-batch {lay.micro_batch}{acc}" + \
         (f", {' + '.join(levers)}" if levers else "")

@@ -17,8 +17,13 @@ t = TP degree, N = DP degree, Ψ = parameters):
   or, where gradients are sharded, at every micro-step; where parameters are sharded, an all-gather of
   Ψ/t before each unit's forward and again before its backward, at every micro-step; after the step the
   all-gather its ``refresh`` names (``all``: Ψ/t). Stages 0-2 move 2Ψ/t, stage 3 3Ψ/t per micro-step.
-  Across nodes the node's NICs carry one crossing of each of its t DP rings (``Hardware.inter`` is the
-  node's bandwidth); inside one node each rank's own link carries its ring.
+  The collectives are ``hybrid.plan.links.step_collectives`` for the layout's ``links`` options (shard
+  groups, two-level collectives, hpZ, int8; ``LinkOptions``), each priced on its group: a group inside one
+  node on the rank's own link; a ring across nodes on the node's NICs (``Hardware.inter`` is the node's
+  bandwidth), which carry one crossing per ring of the node's ranks on it -- ``ring bytes x gpus_per_node x
+  nodes / ranks`` -- while its hops inside a node run at the same time (the slower of the two). The two
+  levels of a hierarchical collective run one after the other. Quantization's own kernels (packing,
+  unpacking: elementwise, memory bound) are not priced.
 * **overlap**: the gradient reduction runs bucketed in backward, the stage-3 gathers are prefetched in
   forward and backward; ``hw.overlap`` of what fits under that compute is hidden. Stages whose reduction
   waits for the last micro-step hide it only under that micro-step's backward; the after-step gather is
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from hybrid.config.stage_policy import StagePolicy, policy_for
+from hybrid.plan.links import Quantization, ShardTopology, Span, step_collectives
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NVME_BYTES_PER_PARAM = 12  # hybrid.plan.memory's: fp32 master and both moments in the swap file
@@ -81,8 +87,59 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class LinkOptions:
+    """How ZeRO's collectives use the links (``hybrid.config.training.ZeroConfig``'s keys of the same names)."""
+
+    shard_group: object = "all"        # "all" | "node" | a number of DP ranks
+    hierarchical: bool = False
+    secondary_shard: object = "none"   # "none" | "node" | a number of DP ranks
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    block: int = 256
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.shard_group != "all":
+            parts.append(f"shard {self.shard_group}")
+        if self.hierarchical:
+            parts.append("2-level")
+        if self.secondary_shard != "none":
+            parts.append("hpZ")
+        q = "w" * self.quantized_weights + "g" * self.quantized_gradients
+        if q:
+            parts.append(f"int8 {q}")
+        return "+".join(parts)
+
+    def zero(self) -> dict:
+        """These options as ``zero`` keys (the defaults left out)."""
+        out = {}
+        for key, off in (("shard_group", "all"), ("hierarchical", False), ("secondary_shard", "none")):
+            if getattr(self, key) != off:
+                out[key] = getattr(self, key)
+        for key in ("quantized_weights", "quantized_gradients"):
+            if getattr(self, key):
+                out[key] = "int8"
+        return out
+
+    def quantization(self) -> Quantization:
+        return Quantization(self.quantized_weights, self.quantized_gradients, self.block)
+
+    @classmethod
+    def from_zero(cls, zero: dict) -> "LinkOptions":
+        """The options of ``zero`` keys (``zero()``'s form; a ``ZeroConfig``'s values)."""
+        return cls(zero.get("shard_group", "all"), bool(zero.get("hierarchical", False)),
+                   zero.get("secondary_shard", "none"), zero.get("quantized_weights", "none") != "none",
+                   zero.get("quantized_gradients", "none") != "none", zero.get("quantization_block", 256))
+
+
+FLAT = LinkOptions()
+
+
+@dataclass(frozen=True)
 class Layout:
-    """One way to run the job: mesh, ZeRO stage, levers, micro-batch and accumulation."""
+    """One way to run the job: mesh, ZeRO stage, levers, micro-batch and accumulation, and how ZeRO's collectives
+    use the links."""
 
     nodes: int
     gpus_per_node: int
@@ -93,6 +150,7 @@ class Layout:
     activation_checkpointing: bool = False
     offload: bool = False
     precision: str = "bf16"
+    links: LinkOptions = FLAT
     nvme: bool = False  # with offload: the optimizer states on the node's disk, not in host memory
 
     @property
@@ -117,11 +175,26 @@ class Layout:
         return policy_for(self.stage)
 
     @property
+    def dp_per_node(self) -> int:
+        """DP ranks of one DP group on each node (TP groups inside a node)."""
+        return max(1, self.gpus_per_node // self.tp)
+
+    def topology(self) -> ShardTopology:
+        """How ``links`` cut the DP group (``hybrid.plan.links``; ``ConfigError`` where they cannot)."""
+        nodes = [r // self.dp_per_node for r in range(self.dp)]
+        if not self.policy.shard_optimizer:
+            return ShardTopology.of(nodes)
+        lk = self.links
+        return ShardTopology.of(nodes, lk.shard_group, lk.hierarchical,
+                                lk.secondary_shard if self.policy.shard_params else "none")
+
+    @property
     def label(self) -> str:
         batch = f"mb {self.micro_batch}" + (f"x{self.accumulation}" if self.accumulation > 1 else "")
         levers = "".join(text for on, text in ((self.activation_checkpointing, " AC"),
                                                (self.offload, " nvme" if self.nvme else " off")) if on)
-        return f"tp{self.tp} z{self.stage} {batch}{levers}"
+        links = f" {self.links.label}" if self.links.label else ""
+        return f"tp{self.tp} z{self.stage} {batch}{levers}{links}"
 
 
 @dataclass(frozen=True)
@@ -249,62 +322,108 @@ def tp_traffic(model: ModelShape, layout: Layout) -> tuple[float, float]:
     return per_micro * layout.accumulation, float((big + LOSS_CALLS) * layout.accumulation)
 
 
+PHASES = ("forward", "backward", "boundary", "after")
+
+
 @dataclass(frozen=True)
 class DpTraffic:
-    """ZeRO's bytes per rank (ring-normalized) and calls per step, by when they can overlap compute."""
+    """ZeRO's collectives per step (``hybrid.plan.links.Collective``), and their bytes per rank (ring-normalized)
+    and calls by when they can overlap compute: ``forward`` (stage-3 gathers, prefetched), ``backward``
+    (gradient reduction, stage-3 gathers in backward), ``boundary`` (the replicas' all-reduce, under the last
+    micro-step's backward), ``after`` (the after-step all-gather, never hidden)."""
 
-    forward: float = 0.0       # stage-3 gathers in forward (prefetched)
-    backward: float = 0.0      # gradient reduction and stage-3 gathers in backward
-    after: float = 0.0         # the after-step all-gather (never hidden)
-    calls_forward: float = 0.0
-    calls_backward: float = 0.0
-    calls_after: float = 0.0
+    collectives: tuple = ()
     last_micro_only: bool = False  # the backward traffic waits for the last micro-step (unsharded gradients)
+
+    def _phase(self, phase: str) -> list:
+        return [c for c in self.collectives if c.phase == phase]
+
+    def bytes_in(self, phase: str) -> float:
+        return sum(c.ring_bytes for c in self._phase(phase))
+
+    def calls_in(self, phase: str) -> float:
+        return sum(c.calls for c in self._phase(phase))
+
+    @property
+    def forward(self) -> float:
+        return self.bytes_in("forward")
+
+    @property
+    def backward(self) -> float:
+        return self.bytes_in("backward")
+
+    @property
+    def after(self) -> float:
+        return self.bytes_in("after")
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.after
+        return sum(c.ring_bytes for c in self.collectives)
 
     @property
     def calls(self) -> float:
-        return self.calls_forward + self.calls_backward + self.calls_after
+        return sum(c.calls for c in self.collectives)
+
+    def links(self) -> dict:
+        """``{"intra": bytes, "inter": bytes}`` per rank per step, as ``hybrid.comm`` counts them."""
+        intra = inter = 0.0
+        for c in self.collectives:
+            a, b = c.split()
+            intra, inter = intra + float(a), inter + float(b)
+        return {"intra": intra, "inter": inter}
+
+
+def cost_units(model: ModelShape, layout: Layout, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> list:
+    """The units the cost model prices, in elements per rank: stage 3's module units (the blocks, the
+    embeddings, the head: ``layers + 2`` equal parts of Ψ/t), else gradient buckets of ``bucket_numel``."""
+    local = model.params / layout.tp
+    pieces = model.layers + 2 if layout.policy.module_units else max(1, math.ceil(local / bucket_numel))
+    return [local / pieces] * pieces
 
 
 def dp_traffic(model: ModelShape, layout: Layout, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> DpTraffic:
-    """What the stage's policy moves over the DP group per step (see the module docstring)."""
-    n = layout.dp
-    if n == 1:
+    """What the stage's policy moves over the DP group per step, under the layout's link options (see the
+    module docstring)."""
+    if layout.dp == 1:
         return DpTraffic()
     p = layout.policy
     item = DTYPE_BYTES[layout.precision]
-    local = model.params / layout.tp
-    ring = (n - 1) / n
-    k = layout.accumulation
-    units = model.layers + 2  # stage-3 module units: the blocks, the embeddings, the head
-    buckets = max(1, math.ceil(local / bucket_numel))
-    pieces = units if p.module_units else buckets
-    reduce_volume = (2 if p.grad_mode == "all_reduce" else 1) * local * item * ring
-    reductions = k if p.shard_grads else 1
-    gathers = k if p.shard_params else 0  # each a forward and a backward gather of every unit
-    refresh = {"all": local * item * ring, "persistent": 0.0, "none": 0.0}[p.refresh]
-    return DpTraffic(forward=gathers * local * item * ring,
-                     backward=reductions * reduce_volume + gathers * local * item * ring,
-                     after=refresh, calls_forward=gathers * pieces, calls_backward=(reductions + gathers) * pieces,
-                     calls_after=buckets if refresh else 0.0, last_micro_only=not p.shard_grads)
+    collectives = step_collectives(cost_units(model, layout, bucket_numel), (), p, layout.topology(), item, item,
+                                   layout.accumulation, layout.links.quantization())
+    return DpTraffic(tuple(collectives), last_micro_only=not p.shard_grads)
 
 
-def dp_seconds(nbytes: float, calls: float, layout: Layout, hw: Hardware) -> float:
-    """Seconds of ``nbytes`` (per rank, ring-normalized) of DP collectives in ``calls`` calls: inside one node
-    on the rank's own link; across nodes the node's NICs carry one crossing of each of the node's t rings,
-    and where a ring has several ranks on a node their intra-node hops run at the same time."""
-    if nbytes == 0 and calls == 0:
+def collective_seconds(c, layout: Layout, hw: Hardware) -> float:
+    """Seconds of the collectives ``c`` (a ``Collective``, all its calls, or ``_Priced``): inside one node on the rank's
+    own link; across nodes the node's NICs carry one crossing per ring of the node's ranks on it, and where a
+    ring has several ranks on a node their intra-node hops run at the same time."""
+    ring, span = c.ring_bytes, c.span
+    if ring == 0:
         return 0.0
-    if layout.nodes == 1:
-        return hw.intra.time(nbytes, calls)
-    across = hw.inter.time(nbytes * layout.tp, calls)
-    per_node = layout.gpus_per_node // layout.tp  # ranks of one DP ring on one node
-    inside = hw.intra.time(nbytes, calls) if per_node > 1 else 0.0
+    if span.nodes <= 1:
+        return hw.intra.time(ring, c.calls)
+    across = hw.inter.time(ring * layout.gpus_per_node * span.nodes / span.size, c.calls)
+    inside = hw.intra.time(ring, c.calls) if span.size > span.nodes else 0.0
     return max(across, inside)
+
+
+def dp_seconds(traffic: DpTraffic, phase: str, layout: Layout, hw: Hardware) -> float:
+    """Seconds of a phase's collectives: those on groups of the same span priced as one ring (their bytes and
+    calls together), the groups one after the other."""
+    by_span: dict = {}
+    for c in traffic._phase(phase):
+        nbytes, calls = by_span.get(c.span, (0.0, 0.0))
+        by_span[c.span] = (nbytes + c.ring_bytes, calls + c.calls)
+    return sum(collective_seconds(_Priced(b, calls, span), layout, hw) for span, (b, calls) in by_span.items())
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """Ring bytes and calls of one span's collectives, as ``collective_seconds`` prices them."""
+
+    ring_bytes: float
+    calls: float
+    span: Span
 
 
 def _hidden(traffic: float, window: float, overlap: float) -> float:
@@ -323,13 +442,16 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
     tp = hw.intra.time(tp_bytes, tp_calls) if layout.tp > 1 else 0.0
 
     d = dp_traffic(model, layout, bucket_numel)
-    dp_forward = dp_seconds(d.forward, d.calls_forward, layout, hw)
-    dp_backward = dp_seconds(d.backward, d.calls_backward, layout, hw)
-    dp_after = dp_seconds(d.after, d.calls_after, layout, hw)
-    backward_window = backward / layout.accumulation if d.last_micro_only else backward
-    dp_hidden = _hidden(dp_forward, forward, hw.overlap) + _hidden(dp_backward, backward_window, hw.overlap)
+    dp_forward = dp_seconds(d, "forward", layout, hw)
+    dp_backward = dp_seconds(d, "backward", layout, hw)
+    dp_boundary = dp_seconds(d, "boundary", layout, hw)
+    dp_after = dp_seconds(d, "after", layout, hw)
+    last_micro = backward / layout.accumulation
+    backward_window = last_micro if d.last_micro_only else backward
+    dp_hidden = (_hidden(dp_forward, forward, hw.overlap) + _hidden(dp_backward, backward_window, hw.overlap)
+                 + _hidden(dp_boundary, max(0.0, last_micro - dp_backward), hw.overlap))
 
-    shard = model.params / layout.tp / (layout.dp if layout.policy.shard_optimizer else 1)
+    shard = model.params / layout.tp / (layout.topology().shard if layout.policy.shard_optimizer else 1)
     optimizer = offload = offload_hidden = pcie_bytes = nvme = swapped = 0.0
     if layout.offload:
         item = DTYPE_BYTES[layout.precision]
@@ -345,10 +467,12 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
     else:
         optimizer = shard / hw.optimizer_rate
 
+    links = d.links()
     terms = {"forward_s": forward, "backward_s": backward, "tp_calls": tp_calls, "dp_forward_s": dp_forward,
-             "dp_backward_s": dp_backward, "dp_after_s": dp_after, "dp_calls": d.calls,
-             "optimizer_params": shard}
-    return StepCost(layout, compute, recompute, optimizer, tp, dp_forward + dp_backward + dp_after, dp_hidden,
+             "dp_backward_s": dp_backward, "dp_boundary_s": dp_boundary, "dp_after_s": dp_after, "dp_calls": d.calls,
+             "optimizer_params": shard, "dp_intra_bytes": links["intra"], "dp_inter_bytes": links["inter"]}
+    return StepCost(layout, compute, recompute, optimizer, tp, dp_forward + dp_backward + dp_boundary + dp_after,
+                    dp_hidden,
                     offload, offload_hidden, tp_bytes, d.total, pcie_bytes, flops,
                     layout.global_batch * model.seq, hw.peak_flops, terms, nvme, swapped, swapped)
 

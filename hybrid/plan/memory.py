@@ -11,6 +11,10 @@ degree N, every GPU holds Ψ/t parameters before ZeRO; ZeRO then divides, per st
 where (P, G, O) bytes per parameter are (2, 2, 12) for bf16 mixed precision (bf16 params and grads; fp32
 master weights, momentum and variance) and (4, 4, 8) for plain fp32 (the fp32 params are the master copy).
 
+With a shard group of s ranks (``zero.shard_group``, MiCS / HSDP: sharded within the group, replicated across the
+N/s groups) every N above is s: 16Ψ/(t·s) per GPU at stage 3 in bf16. hpZ's secondary shard
+(``zero.secondary_shard`` h) adds P·Ψ/(t·h): each rank keeps 1/h of the gathered parameters for backward.
+
 The arithmetic is exact (fractions), so the seed's tables come out to the digit: 7B on 8 GPUs gives
 112 / 38.5 / 26.25 / 14 GB. Each byte count is returned as an ``int`` when it is a whole number and as the
 correctly rounded ``float`` otherwise. GB here means 10^9 bytes, as in the seed.
@@ -38,6 +42,7 @@ from hybrid.config.validate import DEFAULT_PRECISION, PRECISIONS, STAGES
 from hybrid.errors import ConfigError
 from hybrid.plan.layout import (SHM_MIN_BYTES, ModelUnits, align_elements, batch_numel, exchange_numel,
                                 host_arena_bytes, kept_bucket_numel, resident_bytes, stage_layout, step_rule)
+from hybrid.plan.links import ShardTopology
 
 # Bytes per parameter: (parameters, gradients, optimizer states).
 BYTES_PER_PARAM = {
@@ -84,28 +89,34 @@ def bytes_per_param(precision: str, reduce_dtype: Optional[str] = None) -> tuple
 
 def model_state_bytes(
     params: int, dp: int, stage: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
-    reduce_dtype: Optional[str] = None,
+    reduce_dtype: Optional[str] = None, *, shard: int | None = None, secondary: int = 1
 ) -> ModelStateBytes:
     """Per-GPU bytes of parameters, gradients (in ``reduce_dtype``, default the model's) and optimizer states
-    at ZeRO ``stage``."""
+    at ZeRO ``stage``, sharded over ``shard`` of the ``dp`` ranks (default all) and, at stage 3, with hpZ's
+    secondary shard over ``secondary`` ranks (1: none)."""
     params = _positive_int(params, "params")
     dp = _positive_int(dp, "dp")
     tp = _positive_int(tp, "tp")
+    s = dp if shard is None else _positive_int(shard, "shard")
     policy = policy_for(v.stage("stage", stage))
     p_bytes, g_bytes, o_bytes = bytes_per_param(precision, reduce_dtype)
 
     local = Fraction(params, tp)  # what one GPU holds before ZeRO
-    shard = local / dp
-    p = p_bytes * (shard if policy.shard_params else local)
-    g = g_bytes * (shard if policy.shard_grads else local)
-    o = o_bytes * (shard if policy.shard_optimizer else local)
+    part = local / s
+    p = p_bytes * (part if policy.shard_params else local)
+    if policy.shard_params and _positive_int(secondary, "secondary") > 1:
+        p += p_bytes * local / secondary
+    g = g_bytes * (part if policy.shard_grads else local)
+    o = o_bytes * (part if policy.shard_optimizer else local)
     return ModelStateBytes(_number(p), _number(g), _number(o), _number(p + g + o))
 
 
 def all_stages(params: int, dp: int, tp: int = 1, precision: str = DEFAULT_PRECISION,
-               reduce_dtype: Optional[str] = None) -> dict[int, ModelStateBytes]:
+               reduce_dtype: Optional[str] = None, *, shard: int | None = None,
+               secondary: int = 1) -> dict[int, ModelStateBytes]:
     """``model_state_bytes`` for every stage, keyed 0..3."""
-    return {s: model_state_bytes(params, dp, s, tp, precision, reduce_dtype) for s in STAGES}
+    return {s: model_state_bytes(params, dp, s, tp, precision, reduce_dtype, shard=shard, secondary=secondary)
+            for s in STAGES}
 
 
 def activation_bytes(
@@ -316,6 +327,7 @@ class MemoryPrediction:
     activations: int       # layers, logits and loss, at their peak (start of backward)
     runtime_reserve: int
     comm_buffers: int = 0  # CPU: the gloo exchange's receive buffers and stage 2-3 buckets, kept
+    quantize_staging: int = 0  # int8 collectives: the packed and unpacked copies of the largest unit's, at once
 
     @property
     def model_states(self) -> int:
@@ -328,7 +340,8 @@ class MemoryPrediction:
     @property
     def backward_peak(self) -> int:
         """Activations, gathered units and buckets at the worst point of backward (see the notes above)."""
-        return max(self.gathered + self.activations + self.first_bucket, self.buckets + self.running_unit)
+        return self.quantize_staging + max(self.gathered + self.activations + self.first_bucket,
+                                           self.buckets + self.running_unit)
 
     @property
     def peak(self) -> int:
@@ -344,8 +357,8 @@ class MemoryPrediction:
                 "model_states": self.model_states, "inflight": self.inflight, "gathered": self.gathered,
                 "running_unit": self.running_unit, "buckets": self.buckets, "first_bucket": self.first_bucket,
                 "optimizer_transient": self.optimizer_transient, "activations": self.activations,
-                "runtime_reserve": self.runtime_reserve, "comm_buffers": self.comm_buffers, "peak": self.peak,
-                "total": self.total}
+                "runtime_reserve": self.runtime_reserve, "comm_buffers": self.comm_buffers,
+                "quantize_staging": self.quantize_staging, "peak": self.peak, "total": self.total}
 
 
 def _as_units(units) -> ModelUnits:
@@ -365,19 +378,35 @@ def unit_layout(units, stage: int, dp: int, precision: str = DEFAULT_PRECISION,
     return layout, persistent
 
 
+def shard_topology(dp: int, stage: int, zero=None, dp_per_node: int | None = None) -> ShardTopology:
+    """How ``zero``'s options cut a DP group of ``dp`` ranks, ``dp_per_node`` of them on each node (default: one
+    node), as the engine cuts it (``hybrid.plan.links.ShardTopology``; one sentence where they cannot)."""
+    zero = zero or ZeroConfig()
+    dp = _positive_int(dp, "dp")
+    per = dp if dp_per_node is None else _positive_int(dp_per_node, "dp_per_node")
+    nodes = [r // per for r in range(dp)]
+    policy = policy_for(v.stage("stage", stage))
+    if not policy.shard_optimizer:
+        return ShardTopology.of(nodes)
+    return ShardTopology.of(nodes, zero.shard_group, zero.hierarchical,
+                            zero.secondary_shard if policy.shard_params else "none")
+
+
 def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISION, *,
                    activations: float = 0, zero=None,
-                   runtime_reserve: float = 0, device: str = "cuda") -> MemoryPrediction:
-    """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks for a model whose trainable
-    parameters are ``units`` (``hybrid.zero.units.model_units``, made with the ``stage3_unit`` of ``zero``);
-    ``zero`` is a ``hybrid.config.ZeroConfig`` (default sizes when None), ``activations`` the bytes of
+                   runtime_reserve: float = 0, device: str = "cuda", dp_per_node: int | None = None) -> MemoryPrediction:
+    """Predicted per-rank bytes of the engine at ``stage`` on ``dp`` ranks (``dp_per_node`` of them on each node;
+    default one node, which only ``zero.shard_group: node`` and the other link options read) for a model whose
+    trainable parameters are ``units`` (``hybrid.zero.units.model_units``, made with the ``stage3_unit`` of
+    ``zero``); ``zero`` is a ``hybrid.config.ZeroConfig`` (default sizes when None), ``activations`` the bytes of
     ``gpt_activation_bytes``; ``device`` "cpu" predicts the peak RSS growth instead of the CUDA allocator's
     peak."""
     zero = zero or ZeroConfig()
     policy = policy_for(v.stage("stage", stage))
     dp = _positive_int(dp, "dp")
+    topo = shard_topology(dp, stage, zero, dp_per_node)
     param_numels = _as_units(units).numels
-    layout, persistent = unit_layout(units, stage, dp, precision, zero.reduce_bucket_size,
+    layout, persistent = unit_layout(units, stage, topo.shard, precision, zero.reduce_bucket_size,
                                      zero.param_persistence_threshold)
     item = DTYPE_BYTES[precision]
     grad_item = DTYPE_BYTES[zero.reduce_dtype or precision]  # gradients and their buckets
@@ -385,6 +414,8 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
     units = [u.numel for u in layout.units]
     if policy.kept_gathered == "persistent":  # the shard, and the persistent unit gathered
         params = (shard + sum(units[u] for u in persistent)) * item
+        if topo.secondary > 1:  # hpZ: 1/h of every unit gathered in forward and backward
+            params += sum(n // topo.secondary for u, n in enumerate(units) if u not in persistent) * item
     else:
         params = full * item
     grads = (shard if policy.shard_grads else full) * grad_item
@@ -410,10 +441,24 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
     transient = piece * FP32 if grad_item != FP32 else 0  # the fp32 scratch of non-fp32 gradients
     comm_buffers = 0
     if device == "cpu":
-        comm_buffers = _cpu_comm_bytes(units, dp, stage, item, grad_item) + kept_bucket_numel(units, stage) * grad_item
+        comm_buffers = (_cpu_comm_bytes(units, topo.shard, stage, item, grad_item)
+                        + kept_bucket_numel(units, stage) * grad_item)
     return MemoryPrediction(int(params), int(grads), int(optimizer), int(gathered), int(running_unit), int(buckets),
                             int(first_bucket),
-                            int(transient), int(activations), int(runtime_reserve), int(comm_buffers))
+                            int(transient), int(activations), int(runtime_reserve), int(comm_buffers),
+                            int(_quantize_staging(max(units), topo, zero)))
+
+
+def _quantize_staging(unit: int, topo: ShardTopology, zero) -> int:
+    """Bytes the int8 collectives of a unit of ``unit`` elements hold at once (``hybrid.comm.sharded``): a gather
+    receives every packed shard (one byte each and the scales) and unpacks them in fp32; a reduce-scatter packs
+    its input (an fp32 copy, int8, the packed bytes) and receives as many, unpacked in fp32. Hierarchical: the
+    level across nodes only, over the node's 1/k of the unit."""
+    if topo.hierarchical:
+        unit //= topo.spans().intra.size
+    weights = unit * (1 + FP32) if zero.quantized_weights != "none" else 0
+    grads = unit * (FP32 + 1 + 1 + 1 + FP32) if zero.quantized_gradients != "none" else 0
+    return max(weights, grads)
 
 
 def _cpu_comm_bytes(units: list, dp: int, stage: int, item: int, grad_item: int) -> int:

@@ -362,19 +362,24 @@ def choose_stage(
     nvme: bool = False,
     nvme_bytes: float | None = None,
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    shard: int | None = None,
+    secondary: int = 1,
 ) -> Plan:
     """Pick the ZeRO stage and levers for Ψ=``params`` on a dp × tp mesh; see the module docstring.
     ``reduce_dtype``: the gradients' dtype (``zero.reduce_dtype``), default the model's ``precision``.
     ``nvme``: NVMe offload is an option under ``offload`` auto (a disk is declared; ``offload="nvme"`` forces
     it); ``nvme_bytes``: a node's disk space for the swap files (None: unknown, not checked);
-    ``sub_group_size``: ``zero.sub_group_size``, the swap store's records (its host buffers)."""
+    ``sub_group_size``: ``zero.sub_group_size``, the swap store's records (its host buffers). ``shard``,
+    ``secondary``: the states sharded over ``shard`` of the dp ranks (``zero.shard_group``), hpZ's secondary
+    shard over ``secondary`` ranks (the time model's choice of link options)."""
     _validate(dp, tp, gpu_memory_bytes, activation_bytes, headroom, forced_stage, checkpointed_activation_bytes,
               offload, activation_checkpointing, host_memory_bytes, ranks_per_node, node_size_known, nvme_bytes,
               sub_group_size)
     offload = check_offload("offload", offload)
     ac = check_lever("activation_checkpointing", activation_checkpointing)
     v.boolean("nvme", nvme)
-    stages = all_stages(params, dp, tp, precision, reduce_dtype)
+    stages = all_stages(params, dp, tp, precision, reduce_dtype, shard=shard, secondary=secondary)
+    group = shard or dp  # the DP ranks the states are split over
     usable = _usable(gpu_memory_bytes, headroom)
     host_usable = None if host_memory_bytes is None else _usable(host_memory_bytes, headroom)
     disk_usable = None if nvme_bytes is None else _usable(nvme_bytes, headroom)
@@ -389,12 +394,12 @@ def choose_stage(
     def option(stage: int, with_ac: bool, off) -> Option:
         disk, disk_fits = Fraction(0), None
         if off == OFFLOAD_NVME:
-            split = nvme_offload_bytes(params, dp, stage, tp, precision, reduce_dtype, sub_group_size)
+            split = nvme_offload_bytes(params, group, stage, tp, precision, reduce_dtype, sub_group_size)
             device, host, disk = Fraction(split.device) + acts[with_ac], Fraction(split.host), Fraction(split.disk)
             host_fits = None if host_usable is None else host * ranks_per_node <= host_usable
             disk_fits = None if disk_usable is None else disk * ranks_per_node <= disk_usable
         elif off:
-            split = offload_bytes(params, dp, stage, tp, precision, reduce_dtype)
+            split = offload_bytes(params, group, stage, tp, precision, reduce_dtype)
             device, host = Fraction(split.device) + acts[with_ac], Fraction(split.host)
             host_fits = None if host_usable is None else host * ranks_per_node <= host_usable
         else:
@@ -578,31 +583,38 @@ def layout_option(params: int, dp: int, tp: int, stage: int, gpu_memory_bytes: f
                   activation_checkpointing: bool = False, offload: bool = False,
                   host_memory_bytes: float | None = None, ranks_per_node: int = 1,
                   extra_bytes: float = 0.0, nvme: bool = False, nvme_bytes: float | None = None,
-                  sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> Option:
+                  sub_group_size: int = DEFAULT_SUB_GROUP_SIZE, shard: int | None = None,
+                  secondary: int = 1) -> Option:
     """One option with its bytes and whether it fits, by ``choose_stage``'s rule (model states on the GPU plus
     ``activation_bytes``, the estimate of this option's micro-batch and checkpointing, plus ``extra_bytes``
     a run measured beyond its prediction, within ``gpu_memory_bytes · (1 − headroom)``; with offload, a
     node's host shares within its host memory when known; with ``nvme`` (offload to NVMe), also a node's swap
-    files within ``nvme_bytes`` when known). The time-aware search (``hybrid.plan.candidates``) asks it for
-    every layout it ranks."""
+    files within ``nvme_bytes`` when known), sharded over ``shard`` of the ``dp`` ranks (default all;
+    ``zero.shard_group``) with hpZ's secondary shard over ``secondary``. The time-aware search
+    (``hybrid.plan.candidates``) asks it for every layout it ranks."""
     from hybrid.plan.memory import model_state_bytes
 
     usable = _usable(gpu_memory_bytes, headroom)
     acts = Fraction(activation_bytes) + Fraction(extra_bytes)
     disk, disk_fits = Fraction(0), None
+    group = shard or dp  # the DP ranks the states are split over
     if offload and nvme:
-        split = nvme_offload_bytes(params, dp, stage, tp, precision, sub_group_size=sub_group_size)
-        device, host, disk = Fraction(split.device) + acts, Fraction(split.host), Fraction(split.disk)
-        host_fits = None if host_memory_bytes is None else \
-            host * ranks_per_node <= _usable(host_memory_bytes, headroom)
+        split = nvme_offload_bytes(params, group, stage, tp, precision, sub_group_size=sub_group_size)
+        disk = Fraction(split.disk)
         disk_fits = None if nvme_bytes is None else disk * ranks_per_node <= _usable(nvme_bytes, headroom)
     elif offload:
-        split = offload_bytes(params, dp, stage, tp, precision)
+        split = offload_bytes(params, group, stage, tp, precision)
+    if offload:
         device, host = Fraction(split.device) + acts, Fraction(split.host)
+        if secondary > 1 and policy_for(stage).shard_params:
+            device += Fraction(model_state_bytes(params, dp, stage, tp, precision, shard=shard, secondary=secondary)
+                               .params) - Fraction(model_state_bytes(params, dp, stage, tp, precision,
+                                                                     shard=shard).params)
         host_fits = None if host_memory_bytes is None else \
             host * ranks_per_node <= _usable(host_memory_bytes, headroom)
     else:
-        device = Fraction(model_state_bytes(params, dp, stage, tp, precision).total) + acts
+        device = Fraction(model_state_bytes(params, dp, stage, tp, precision, shard=shard,
+                                            secondary=secondary).total) + acts
         host, host_fits = Fraction(0), None
     return Option(stage, activation_checkpointing, offload, float(device), float(host),
                   device <= usable and host_fits is not False and disk_fits is not False, host_fits,

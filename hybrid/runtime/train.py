@@ -10,7 +10,8 @@ just as well.
 
 The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step;
 the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging Face style model),
-``step_metrics`` (what a step reports), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
+``step_metrics`` (what a step reports; ``run_steps`` adds the step's ZeRO bytes per link and the error of its
+int8 collectives, ``hybrid.runtime.link_metrics``), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
 job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step).
 
 Checkpoints: when the job has a checkpoint directory, ``run_steps`` holds its lock for the whole run (rank 0;
@@ -45,6 +46,7 @@ from hybrid import checkpoint
 from hybrid.comm import heartbeat
 from hybrid.errors import ConfigError, UserError
 from hybrid.plan.budget import MemoryMeter, should_measure
+from hybrid.runtime.link_metrics import LinkMeter
 from hybrid.config.validate import DEFAULT_PRECISION
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class JobSettings:
     memory_budget_bytes: Optional[float] = None  # the rank's budget (None: the GPU's total; CPU: none)
     measure_every: int = 10  # memory measured after each of the first steps, then every this many
     tp_plan: Optional[dict] = None  # parallel.tp_plan: module-name pattern -> TP style (Context.parallelize)
+    zero_links: Optional[dict] = None  # the plan's ZeRO link options as zero keys (shard_group, hierarchical, ...)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -414,6 +417,8 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
         log.warning("step %d reached already (the checkpoint resumed from), at or past steps = %d: nothing left to "
                     "train; raise the steps to continue", start_step, ctx.steps)
     started = time.perf_counter()
+    links = LinkMeter(engine)
+    links.step()  # the baseline: what the build and the resume moved is not a step's
     for step in range(start_step, ctx.steps):
         if ctx.should_stop():
             log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)
@@ -427,7 +432,7 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
             count, unit = tokens_per_step, "tokens"
         else:
             count, unit = samples_per_step or batch_rows(args, kwargs) * getattr(ctx.mesh, "dp", 1), "samples"
-        metrics = step_metrics(engine, loss, seconds, count, unit)
+        metrics = {**step_metrics(engine, loss, seconds, count, unit), **links.step()}
         metrics["job_loss"] = dp_mean(ctx, loss)
         measured = None
         if should_measure(ctx.step - start_step, ctx.settings.measure_every):

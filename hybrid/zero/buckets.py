@@ -20,6 +20,10 @@ A unit of the layout (``hybrid.plan.layout``) is one bucket. Three modes, one pe
   kept; ``hybrid.plan.layout.kept_bucket_numel`` bounds it). This runs at every micro-step, so only the
   shard (plus buckets in flight and kept) is ever held.
 
+With replicas (``replicas``: ``zero.shard_group`` smaller than the DP group), the reduce-scatter runs inside the
+shard group and, at the step's last micro-step, each unit's reduced shard is then all-reduced (averaged) across
+the replicas as soon as its reduce-scatter is waited, before ``on_unit_reduced`` hears of it.
+
 When the gradient buffers are in another dtype than the parameters (``zero.reduce_dtype: fp32`` for a bf16
 model), autograd cannot accumulate into them: in the first two modes the post-accumulate hook adds each
 ``param.grad`` into its view of the flat buffer (at every micro-step) and drops it; buckets are in the
@@ -60,7 +64,7 @@ class GradReducer:
                  flat_grad: Optional[torch.Tensor] = None, grad_shard: Optional[torch.Tensor] = None,
                  use_reduce_scatter: bool = True, overlap: bool = True, max_inflight_numel: int = 0,
                  on_unit_done: Optional[Callable[[int], None]] = None,
-                 on_unit_reduced: Optional[Callable[[int], None]] = None):
+                 on_unit_reduced: Optional[Callable[[int], None]] = None, replicas: Optional[Comm] = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.comm, self.layout, self.params, self.mode, self.order = comm, layout, params, mode, list(order)
@@ -69,6 +73,8 @@ class GradReducer:
         self.max_inflight_numel = max_inflight_numel
         self.on_unit_done = on_unit_done
         self.on_unit_reduced = on_unit_reduced  # a unit's reduced gradient is in place (optimizer offload)
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        self._boundary = False        # this backward is the step's last micro-step
         self.rank = comm.rank if layout.n_shards > 1 else 0
         storage = flat_grad if flat_grad is not None else grad_shard
         # Gradients land in another dtype than autograd's: the hook adds them in (stages 0-1).
@@ -137,6 +143,7 @@ class GradReducer:
     def begin(self, reduce: bool) -> None:
         """Start a backward pass; ``reduce`` says whether this micro-step communicates gradients."""
         self._run_user_hooks_first()
+        self._boundary = reduce
         self._active = reduce or self.mode == "scatter_shard"
         self._pending = [len(u.slots) for u in self.layout.units]
         self._launched = [False] * len(self.layout.units)
@@ -251,12 +258,16 @@ class GradReducer:
             raise RuntimeError(f"ZeRO: the gradient reduction of unit {u} did not complete "
                                f"({first_line(err, limit=200)}): a DP rank died or hung, or the ranks ran "
                                f"different modules; {SAME_MODULES}") from err
+        unit = self.layout.units[u]
+        lo, hi = unit.shard_range(self.rank)
+        shard = data[lo:hi]
         if self.mode == "scatter_shard":
-            unit = self.layout.units[u]
-            lo, hi = unit.shard_range(self.rank)
-            self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel].add_(data[lo:hi])
+            shard = self.grad_shard[unit.shard_offset:unit.shard_offset + unit.shard_numel]
+            shard.add_(data[lo:hi])
             # Kept on CPU only: CUDA's caching allocator already reuses freed blocks without faulting them in.
             self.bucket_pool.give(data, keep=data.device.type == "cpu")
+        if self.replicas is not None and self._boundary:
+            self.replicas.all_reduce(shard, average=True)
         if self.on_unit_reduced is not None:
             self.on_unit_reduced(u)
 

@@ -99,6 +99,7 @@ from torch.utils._pytree import tree_map
 
 from hybrid.config import validate as v
 from hybrid.comm.collectives import Comm
+from hybrid.comm.zero_groups import ZeroGroups
 from hybrid.errors import ConfigError, UsageError
 from hybrid.config.training import TrainConfig
 from hybrid.config.schedule import lr_at
@@ -150,13 +151,16 @@ class ZeroEngine(DeepSpeedNames):
         zero = config.zero
         self.stage = zero.stage
         self.policy = policy_for(self.stage)
-        self.dp_comm = Comm(dp_group, "dp")
-        self.tp_comm = Comm(tp_group, "tp") if tp_group is not None else None
-        self.config = config = config.check_batch(self.dp_comm.size)  # derives accumulation not given
-        self.dtype = DTYPES[config.precision]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("the model has no trainable parameters (requires_grad=True)")
+        self.device = resolve_device([p for _, p in named], device)
+        # the DP group, the shard groups the options cut it into, and their collectives (hybrid.comm.zero_groups)
+        self.zero_groups = ZeroGroups.build(dp_group, zero, self.policy, self.device)
+        self.dp_comm = self.zero_groups.dp
+        self.tp_comm = Comm(tp_group, "tp") if tp_group is not None else None
+        self.config = config = config.check_batch(self.dp_comm.size)  # derives accumulation not given
+        self.dtype = DTYPES[config.precision]
         checks.refuse_complex(named)
         checks.note_cast(module, self.dtype)
         model_dtypes = {p.dtype for _, p in named if p.is_floating_point()}
@@ -168,7 +172,6 @@ class ZeroEngine(DeepSpeedNames):
         self.params = [p for _, p in named]
         self.shapes = [tuple(p.shape) for p in self.params]  # stage 3 empties released parameters
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.device = resolve_device(self.params, device)
         checks.note_slow_bf16(self.device, self.dtype)
         tp_rank, tp = (self.tp_comm.rank, self.tp_comm.size) if self.tp_comm is not None else (0, 1)
         # Weights are checked (names, shapes) before anything is allocated.
@@ -182,7 +185,7 @@ class ZeroEngine(DeepSpeedNames):
             offload = zero.offload_optimizer
             grad_dtype = DTYPES[config.grad_precision]
             arena = self._host_arena(grad_dtype) if offload.enabled else None
-            self.state = FlatState(self.layout, self.policy, self.dp_comm.rank, self.dtype, self.device,
+            self.state = FlatState(self.layout, self.policy, self.zero_groups.position, self.dtype, self.device,
                                    frozenset(persistent), host="cpu" if offload.enabled else None,
                                    pin_memory=offload.pin_memory, grad_dtype=grad_dtype, arena=arena,
                                    nvme=offload.nvme)
@@ -212,12 +215,14 @@ class ZeroEngine(DeepSpeedNames):
         self.persistent_units = persistent
         self.gatherer = None
         if self.policy.shard_params:
-            self.gatherer = ParamGatherer(self.dp_comm, self.layout, self.state.unit_full,
+            self.gatherer = ParamGatherer(self.zero_groups.params, self.layout, self.state.unit_full,
                                           self.state.unit_param_shard, persistent, self._module_units(persistent),
                                           zero.prefetch_bucket_size, views,
-                                          names={id(p): n for p, n in zip(self.params, self.names)}, owner=self)
+                                          names={id(p): n for p, n in zip(self.params, self.names)}, owner=self,
+                                          check_comm=self.dp_comm, secondary=self.zero_groups.secondary)
         self.reducer = GradReducer(
-            self.dp_comm, self.layout, self.params, self.policy.grad_mode, order, flat_grad=self.state.flat_grad,
+            self.zero_groups.grads, self.layout, self.params, self.policy.grad_mode, order,
+            flat_grad=self.state.flat_grad, replicas=self.zero_groups.replicas,
             grad_shard=self.state.grad_shard, use_reduce_scatter=zero.reduce_scatter, overlap=zero.overlap_comm,
             max_inflight_numel=zero.reduce_bucket_size,
             on_unit_done=self.gatherer.release_after_backward if self.gatherer else None,
@@ -238,7 +243,7 @@ class ZeroEngine(DeepSpeedNames):
         self.global_step = 0
         self.last_grad_norm = None
         self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
-        self.dp_comm.reset()
+        self.reset_comm()
 
     # -- construction ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -281,7 +286,8 @@ class ZeroEngine(DeepSpeedNames):
             self._unit_plans = plan_units(self.module, zero.stage3_unit, self._index)
             unit_params = [plan.params for plan in self._unit_plans]
         align = align_elements(torch.empty((), dtype=self.dtype).element_size())
-        return stage_layout([p.numel() for p in self.params], unit_params, self.policy, self.dp_comm.size, align,
+        return stage_layout([p.numel() for p in self.params], unit_params, self.policy, self.zero_groups.shard_size,
+                            align,
                             zero.reduce_bucket_size, zero.param_persistence_threshold)
 
     def _build_optimizer(self, offload) -> None:
@@ -427,8 +433,8 @@ class ZeroEngine(DeepSpeedNames):
         units_check = self.gatherer.start_units_check() if self.gatherer is not None else None
         self.reducer.fill_if_empty()
         self._sync_buffers()
-        norm = global_grad_norm(self._norm_runs, self.dp_comm if self.policy.norm_over_dp else None, self.tp_comm,
-                                self.config.zero.sub_group_size, scratch=self.optimizer.scratch,
+        norm = global_grad_norm(self._norm_runs, self.zero_groups.exact if self.policy.norm_over_dp else None,
+                                self.tp_comm, self.config.zero.sub_group_size, scratch=self.optimizer.scratch,
                                 convert_numel=self._norm_rule.norm_convert_numel)
         self.last_grad_norm = float(norm)  # the one host sync of the step: the check's result is there too
         if units_check is not None:
@@ -483,7 +489,7 @@ class ZeroEngine(DeepSpeedNames):
             units = sorted(self.persistent_units)
         else:
             return
-        all_gather_units(self.dp_comm, units, self.state.unit_params, self.state.unit_param_shard,
+        all_gather_units(self.zero_groups.exact, units, self.state.unit_params, self.state.unit_param_shard,
                          self.config.zero.allgather_bucket_size)
 
     # -- optimizer state access (checkpoints) ---------------------------------------------------------
@@ -564,7 +570,7 @@ class ZeroEngine(DeepSpeedNames):
                 full = master
             else:
                 full = torch.empty(unit.numel, dtype=torch.float32, device=master.device)
-                self.dp_comm.all_gather(full, master)
+                self.zero_groups.exact.all_gather(full, master)
             if not gather:
                 continue
             for slot in unit.slots:
@@ -632,10 +638,12 @@ class ZeroEngine(DeepSpeedNames):
         kinds["host_optimizer" if offloaded else "optimizer"] += self.optimizer.tensors()
         kinds["params"] += [p for p in self.module.parameters() if not p.requires_grad]
         kinds["buffers"] = self.reducer.transient_tensors() + list(self.module.buffers())
-        kinds["scratch"] = (self.optimizer.scratch.tensors(self.device) + self.dp_comm.buffer_tensors()
+        kinds["scratch"] = (self.optimizer.scratch.tensors(self.device) + self.zero_groups.buffer_tensors()
                             + self.reducer.kept_tensors())
         if self.policy.shard_params:
             kinds["params"] += [self.state.unit_full[u] for u in self.persistent_units]
+            if self.gatherer.secondary is not None:  # hpZ's secondary shards
+                kinds["params"] += self.gatherer.secondary.tensors()
             kinds["buffers"] += [self.state.unit_full[u] for u in self.gatherer.gathered_units()]
         seen, report = set(), {}
         arena = self.state.arena.tensors()[0].data_ptr() if self.state.arena is not None else None
@@ -669,9 +677,21 @@ class ZeroEngine(DeepSpeedNames):
         self.optimizer.close()
 
     def comm_report(self) -> dict:
-        """Logical bytes moved on the DP group since the last reset, per op kind and ``total``, and the number
-        of collectives per op kind (``<op>_calls``, ``total_calls``)."""
-        return self.dp_comm.report()
+        """Logical bytes moved on the DP group (and the groups the options cut it into) since the last reset, per
+        op kind and ``total``, the number of collectives per op kind (``<op>_calls``, ``total_calls``), and the
+        bytes by link (``intra``, ``inter``, ``<op>_inter``: ``hybrid.comm.collectives``)."""
+        return self.zero_groups.report()
+
+    def quantization_report(self) -> dict:
+        """The relative error of the int8 collectives since the last ``reset_comm``: ``weights`` (the values of
+        the shards this rank sent in stage 3's all-gathers, as every rank got them back), ``gradients`` (this
+        rank's own chunk of the gradient reduce-scatters, as it came back); None where nothing was quantized."""
+        return self.zero_groups.quantization_report()
+
+    def quantization_sums(self) -> dict:
+        """``quantization_report``'s sums (squared error, squared values: ``hybrid.comm.quantize.QuantError``), so
+        that a caller can take the error of any span of steps from two readings."""
+        return self.zero_groups.quantization_sums()
 
     def gather_report(self) -> dict:
         """Stage 3, since the last ``reset_comm``: all-gathers issued in forward and backward (``gathers``), how
@@ -680,6 +700,7 @@ class ZeroEngine(DeepSpeedNames):
         return {k: counts.get(k, 0) for k in ("gathers", "prefetches", "on_demand")}
 
     def reset_comm(self) -> None:
-        self.dp_comm.reset()
+        self.zero_groups.reset()
+        self.zero_groups.reset_quantization()
         if self.gatherer is not None:
             self.gatherer.counts.clear()

@@ -46,6 +46,11 @@ IDLE are allowed; any other move is a bug in the engine and raises ``GathererSta
 (``FUNCTION_APPLY``): every ``ParamGatherer`` holds the patch for its owner's life (the engine that made it)
 and ``close()`` lets it go early; the first holder installs it, the last one gone puts back what was there.
 
+hpZ (``secondary``: a ``SecondaryShards``, ``zero.secondary_shard``): every all-gather outside backward is the
+primary one over the shard group (possibly across nodes), and once it has landed this rank keeps its 1/h of the
+unit; in backward (also a recomputation's forward) a unit whose secondary shards are this forward's is gathered
+from them inside the node instead. ``begin_forward`` forgets them (the parameters may have changed since).
+
 ``counts`` holds per-step-resettable tallies: ``gathers`` (all-gathers issued in forward and backward),
 ``prefetches`` (of those, the ones issued ahead of need) and ``on_demand``.
 
@@ -112,11 +117,35 @@ def all_gather_units(comm: Comm, units: list, full_of: Callable, shard_of: Calla
         h.wait()
 
 
+class SecondaryShards:
+    """hpZ: this rank's 1/h of every non-persistent unit (``h = comm.size``, the ranks of one node), kept from
+    the primary all-gather so that backward gathers the unit over ``comm`` alone. Its buffers live as long as
+    the engine (the parameters' bytes over h: ``hybrid.plan.memory`` counts them)."""
+
+    def __init__(self, comm: Comm, layout: FlatLayout, units, dtype, device):
+        self.comm = comm
+        self.buffers = {u: torch.empty(layout.units[u].numel // comm.size, dtype=dtype, device=device)
+                        for u in units}
+        self.valid: set = set()
+
+    def keep(self, u: int, full: torch.Tensor) -> None:
+        self.buffers[u].copy_(full.view(-1).tensor_split(self.comm.size)[self.comm.rank])
+        self.valid.add(u)
+
+    def gather(self, u: int, full: torch.Tensor):
+        return self.comm.all_gather(full, self.buffers[u], async_op=True)
+
+    def tensors(self) -> list:
+        return list(self.buffers.values())
+
+
 class ParamGatherer:
-    def __init__(self, comm: Comm, layout: FlatLayout, full: list, shard_of: Callable, persistent: set,
+    def __init__(self, comm, layout: FlatLayout, full: list, shard_of: Callable, persistent: set,
                  module_units: dict, prefetch_numel: int, views: list, names: dict | None = None,
-                 owner: Optional[object] = None):
+                 owner: Optional[object] = None, check_comm: Optional[Comm] = None,
+                 secondary: Optional[Comm] = None):
         self.comm, self.layout, self.full, self.shard_of = comm, layout, full, shard_of
+        self.check_comm = check_comm or comm  # the unit check's all-reduce: every DP rank
         # Function.apply gathers what a custom autograd Function reads, while ``owner`` (the engine) lives
         self._apply_patch = FUNCTION_APPLY.hold(self if owner is None else owner)
         self.phase = Phase.IDLE
@@ -136,6 +165,11 @@ class ParamGatherer:
                     _GATHERER_OF[id(param)] = weakref.ref(self)
                     param.data = self._empty
                     param.__class__ = _released_class(_own_class(param))
+        self.secondary = (SecondaryShards(secondary, layout, [u for u in range(len(layout.units))
+                                                              if u not in self.persistent],
+                                          self._empty.dtype, self._empty.device)
+                          if secondary is not None else None)
+        self._keep: set = set()           # hpZ: units whose pending gather is a primary one to keep a part of
         self._pending: dict = {}          # unit -> async handle
         self._unit_at: dict = {}          # data_ptr of a gathered unit's buffer -> the unit (saved-tensor hooks)
         self._refs = defaultdict(int)     # forward references
@@ -196,7 +230,12 @@ class ParamGatherer:
         full = self.full[u]
         full.untyped_storage().resize_(self._nbytes(u))
         self._unit_at[full.untyped_storage().data_ptr()] = u
-        self._pending[u] = self.comm.all_gather(full, self.shard_of(u), async_op=True)
+        if self.secondary is not None and self.phase is Phase.BACKWARD and u in self.secondary.valid:
+            self._pending[u] = self.secondary.gather(u, full)  # inside the node
+        else:
+            self._pending[u] = self.comm.all_gather(full, self.shard_of(u), async_op=True)
+            if self.secondary is not None:
+                self._keep.add(u)
         self._order = (self._order * 1_000_003 + u + 1) % ORDER_MODULUS
         for param, view in self._views[u]:
             param.data = view
@@ -212,12 +251,12 @@ class ParamGatherer:
         One small async all-reduce of (h, h^2) per optimizer step: the ranks agree iff (sum h)^2 == N * sum h^2.
         """
         order, self._order = self._order, 0
-        if self.comm.solo:
+        if self.check_comm.solo:
             return None
         sums = self._order_sums
         sums[0].fill_(order)
         sums[1].fill_(order * order)
-        return sums, self.comm.all_reduce(sums, async_op=True)
+        return sums, self.check_comm.all_reduce(sums, async_op=True)
 
     def finish_units_check(self, pending) -> None:
         if pending is None:
@@ -225,7 +264,7 @@ class ParamGatherer:
         sums, work = pending
         work.wait()
         total, squares = (int(x) for x in sums.tolist())
-        if total * total != self.comm.size * squares:
+        if total * total != self.check_comm.size * squares:
             raise UsageError(
                 "the DP ranks gathered different ZeRO stage-3 units in this step (some ran modules the others "
                 f"did not, or in another order), so their forwards mixed the shards of different modules: {SAME_MODULES}")
@@ -240,6 +279,9 @@ class ParamGatherer:
                 raise RuntimeError(f"ZeRO stage 3: the all-gather of the unit holding {name!r} did not complete "
                                    f"({first_line(err, limit=200)}): a DP rank died or hung, or the ranks ran "
                                    f"different modules: {SAME_MODULES}") from err
+            if u in self._keep:
+                self._keep.discard(u)
+                self.secondary.keep(u, self.full[u])
             self._ready.add(u)
 
     def release(self, u: int) -> None:
@@ -285,6 +327,8 @@ class ParamGatherer:
     # -- forward --------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self._move(Phase.IDLE, Phase.FORWARD)
+        if self.secondary is not None:
+            self.secondary.valid.clear()
         self._prev_trace, self._trace, self._returned = self._trace, [], []
 
     def end_forward(self) -> None:

@@ -49,6 +49,7 @@ exits 1); the rank's traceback is logged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -70,7 +71,8 @@ from launch.ray import cluster as ray_cluster
 from launch.job import signals
 from launch.job.display import Progress
 from launch.job.log_forwarding import LogActivity
-from launch.job.metrics import MetricsWriter, ray_log_dir, summary_lines, time_record, write_time_record
+from launch.job.metrics import (MetricsWriter, link_line, ray_log_dir, summary_lines, time_record,
+                                write_time_record)
 from launch.planning.model_size import ModelFacts, model_facts
 from launch.planning.nvme_space import check_nvme_space
 from launch.planning.plan import LaunchPlan, build_plan, format_plan
@@ -199,7 +201,8 @@ def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> Jo
                            offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing,
                            memory_budget_bytes=budget, tp_plan=plan.spec.parallel.tp_plan,
                            nvme_path=str(plan.spec.cluster.nvme_path) if plan.spec.cluster.nvme_path else None)
-    return (choice or replan.initial_choice(plan)).settings(settings)
+    settings = (choice or replan.initial_choice(plan)).settings(settings)
+    return dataclasses.replace(settings, zero_links=replan.plan_links(plan, settings.stage))
 
 
 def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] = None) -> JobResult:
@@ -243,6 +246,10 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 logs = kept_logs_dir(spec) or ray_log_dir()
                 for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
                     print(line, file=stream, flush=True)
+                if any("dp_inter_bytes" in e for e in progress.history):  # run_steps' reports carry them
+                    traffic = link_line(progress.history, *replan.link_theory(plan, loop.choice))
+                    if traffic is not None:
+                        print(traffic, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
                                  attempt, wall, failures, progress.resumed_from, loop.lines)
             if outcome.user_error is not None:

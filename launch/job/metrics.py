@@ -35,6 +35,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from hybrid.config.units import human_bytes
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -66,7 +68,8 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     TP rank 0 first) --, throughput at the slowest rank's pace, each rank's model-state bytes, how many ranks
     reported (a step flushed at a restart may lack the dead rank's report; with none at all the loss is None),
     the non-finite guard where the ranks report it (``nonfinite``: this step's update was skipped for a NaN/inf
-    gradient norm; ``skipped_steps``: how many so far) and the other numbers the entrypoint reported
+    gradient norm; ``skipped_steps``: how many so far), the ZeRO bytes per link and the int8 error where the
+    ranks report them (``LINK_FIELDS``: the largest rank's) and the other numbers the entrypoint reported
     (``_own_numbers``)."""
     if not records:
         return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": None,
@@ -88,6 +91,10 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     own = _own_numbers(dp_records[0])
     job_loss = first.get("job_loss")  # run_steps' ranks report the DP mean itself: exact from any one of them
     loss = job_loss if isinstance(job_loss, (int, float)) else sum(r["loss"] for r in dp_records) / len(dp_records)
+    for key in LINK_FIELDS:  # hybrid.runtime.link_metrics: the busiest rank's bytes, the largest error
+        values = [r[key] for r in records.values() if isinstance(r.get(key), (int, float))]
+        if values:
+            extra[key] = max(values)
     guarded = [r for r in records.values() if isinstance(r.get("skipped_steps"), int)]
     if guarded:  # the engine's non-finite guard (step_metrics): every rank skips a step together
         extra.update(nonfinite=any(bool(r.get("nonfinite")) for r in guarded),
@@ -98,11 +105,15 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
             "model_state_bytes": [m for m in mem if m is not None], "ranks_reported": len(records)}
 
 
+# A step's ZeRO bytes per link and int8 error (``hybrid.runtime.link_metrics``): the entry has each rank's largest.
+LINK_FIELDS = ("dp_intra_bytes", "dp_inter_bytes", "quant_error_weights", "quant_error_gradients")
+
+
 # What a rank's step report carries besides the user's own numbers: its tags (``Context.report``) and what
 # ``hybrid.runtime.train.step_metrics`` and ``run_steps`` fill in (the throughput unit's count and rate are named by it).
 _REPORT_FIELDS = frozenset({"rank", "step", "time", "dp_rank", "tp_rank", "loss", "job_loss", "lr", "grad_norm",
                             "step_time_s", "throughput_unit", "memory", "memory_measured", "nonfinite",
-                            "skipped_steps"})
+                            "skipped_steps", *LINK_FIELDS})
 
 
 # What ``step_entry`` itself puts in an entry.
@@ -254,6 +265,29 @@ def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsW
                      "each step with ctx.report(...) or train through hybrid.runtime.train.run_steps")
     lines.append(f"full rank logs (stdout/stderr of every worker): {logs}")
     return lines
+
+
+def link_line(history: list[dict], psi_bytes: float, theory: dict, label: str) -> Optional[str]:
+    """The summary's sentence on ZeRO's traffic: the median step's bytes per GPU across nodes and inside them
+    (``dp_inter_bytes``, ``dp_intra_bytes``: the busiest rank's), also as multiples of Ψ/t (``psi_bytes``: the
+    GPU's share of the parameters in the model dtype), beside ``theory`` (``{"inter", "intra"}`` bytes per step)
+    for the options run (``label``); None where no step reported them."""
+    steps = [e for e in history if isinstance(e.get("dp_inter_bytes"), (int, float))
+             and isinstance(e.get("dp_intra_bytes"), (int, float))]
+    if not steps or not psi_bytes:
+        return None
+    if len(steps) > WARMUP_STEPS:  # the first steps may gather what later ones keep
+        steps = steps[WARMUP_STEPS:]
+
+    def median(key: str) -> float:
+        values = sorted(e[key] for e in steps)
+        return values[len(values) // 2]
+
+    inter, intra = median("dp_inter_bytes"), median("dp_intra_bytes")
+    return (f"ZeRO traffic per GPU and step (median of {len(steps)} steps): across nodes {human_bytes(round(inter))} "
+            f"= {inter / psi_bytes:.2f} Ψ/t, inside nodes {human_bytes(round(intra))} = {intra / psi_bytes:.2f} Ψ/t; "
+            f"theory for {label}: {theory.get('inter', 0) / psi_bytes:.2f} and {theory.get('intra', 0) / psi_bytes:.2f} "
+            f"Ψ/t (Ψ/t = {human_bytes(round(psi_bytes))})")
 
 
 # ------------------------------------------------------------------------------- predicted vs measured time

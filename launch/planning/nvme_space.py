@@ -78,13 +78,15 @@ def nvme_space(spec, reports: Optional[Sequence]) -> tuple[Optional[float], str]
 def swap_bytes_per_rank(lp) -> int:
     """The bytes of one rank's swap file at the plan's stage: its shard as the engine lays it out, cut into
     ``zero.sub_group_size`` records (``swap_file_bytes``), plus one record boundary's padding per unit (the
-    optimizer's sub-groups may break at a unit's edge)."""
-    from hybrid.plan.memory import unit_layout
+    optimizer's sub-groups may break at a unit's edge). The shard is of the plan's shard group
+    (``zero.shard_group``: all the DP ranks, or fewer)."""
+    from hybrid.plan.memory import shard_topology, unit_layout
     from launch.planning.replan import units_of, zero_config
 
     zero = zero_config(lp, lp.stage)
     units = units_of(lp, zero)
-    layout, _ = unit_layout(units, lp.stage, lp.layout.dp, lp.spec.parallel.precision, zero.reduce_bucket_size,
+    shard = shard_topology(lp.layout.dp, lp.stage, zero, max(1, lp.spec.cluster.gpus_per_node // lp.layout.tp)).shard
+    layout, _ = unit_layout(units, lp.stage, shard, lp.spec.parallel.precision, zero.reduce_bucket_size,
                             zero.param_persistence_threshold)
     return swap_file_bytes(layout.shard_numel, zero.sub_group_size, ADAM_FIELDS) + ALIGN * len(layout.units)
 

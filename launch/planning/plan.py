@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 
 from hybrid.comm.mesh import MeshLayout
 from hybrid.errors import ConfigError, PlanError
-from hybrid.plan.cost import Layout
+from hybrid.plan.cost import FLAT, Layout, LinkOptions
 from hybrid.plan.memory import GB, gpt_activation_bytes
 from hybrid.plan.planner import Plan, choose_stage, quantity
 from hybrid.config.schema import echo
@@ -78,6 +78,7 @@ class LaunchPlan:
     time: Optional[time_plan.TimeModel] = field(default=None, compare=False, repr=False)
     # choose_stage at the default TP degree and the job's micro-batch: what memory alone picks (None: nothing fits)
     memory_plan: Optional[Plan] = field(default=None, compare=False, repr=False)
+    links: LinkOptions = FLAT  # how ZeRO's collectives use the links (the time model's choice)
     nvme_note: str = ""  # where a node's NVMe space figure came from ("" without cluster.nvme_path)
 
     @property
@@ -153,16 +154,24 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
         micro, accumulation = chosen.micro_batch, chosen.accumulation
         plan = dataclasses.replace(_memory_plan(spec, facts, layout, micro, memory, host, chosen, disk),
                                    reason=tm.ranking.reason)
+    links = chosen.links if chosen is not None else FLAT
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
                       facts.source, host_note, facts.tensor_parallel, facts.module, micro_batch=micro,
-                      accumulation=accumulation, time=tm, memory_plan=memory_only, nvme_note=nvme_note)
+                      accumulation=accumulation, time=tm, memory_plan=memory_only, links=links,
+                      nvme_note=nvme_note)
 
 
 def _sub_group_size(spec: LaunchSpec, facts: ModelFacts) -> int:
     """``zero.sub_group_size`` the ranks will step with (the swap store's records)."""
+    return _zero_sizes(spec, facts).sub_group_size
+
+
+def _zero_sizes(spec: LaunchSpec, facts: ModelFacts):
+    """The ``ZeroConfig`` of the model config's ``zero:`` before a stage is chosen, for its sizes (at stage 3,
+    which takes every ``zero:`` option: the link options of a lower stage would be refused here)."""
     from launch.planning.replan import zero_config_of  # here: replan brings in torch (hybrid.runtime.train)
 
-    return zero_config_of(spec, facts.shape, 0).sub_group_size
+    return zero_config_of(spec, facts.shape, 3)
 
 
 def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_batch: int, memory: float,
@@ -180,19 +189,20 @@ def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_
         activations = gpt_activation_bytes(**shape)
         checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
     stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
+    shard, secondary = None, 1
     if chosen is not None:
         stage, ac = chosen.stage, chosen.activation_checkpointing
         offload = "nvme" if chosen.offload and chosen.nvme else chosen.offload
-    from launch.planning.replan import zero_config_of  # here: replan brings in torch (hybrid.runtime.train)
-
-    zero = zero_config_of(spec, facts.shape, 0)
+        topology = chosen.topology()
+        shard, secondary = topology.shard, topology.secondary
+    zero = _zero_sizes(spec, facts)
     return choose_stage(facts.params, layout.dp, layout.tp, memory, precision=parallel.precision,
                         activation_bytes=activations, forced_stage=stage,
                         checkpointed_activation_bytes=checkpointed, offload=offload,
                         activation_checkpointing=ac, host_memory_bytes=host,
                         ranks_per_node=spec.cluster.gpus_per_node, reduce_dtype=zero.reduce_dtype,
                         nvme=spec.cluster.nvme_path is not None, nvme_bytes=disk,
-                        sub_group_size=zero.sub_group_size)
+                        sub_group_size=zero.sub_group_size, shard=shard, secondary=secondary)
 
 
 def _slower(tm, tp: int) -> str:

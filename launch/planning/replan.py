@@ -164,19 +164,38 @@ def _model_doc(spec) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
-def zero_config(lp, stage: int):
-    """The ZeroConfig the ranks will build: the built-in GPT's ``zero:`` sizes over the defaults."""
-    return zero_config_of(lp.spec, lp.model, stage)
-
-
-def zero_config_of(spec, model: Optional[dict], stage: int):
-    """``zero_config`` before the plan exists: for ``spec`` and its built-in GPT's shape (``model``, None for
-    another model)."""
+def plan_links(lp, stage: int) -> dict:
+    """The ``zero`` keys of the plan's link options (``LaunchPlan.links``) where ``stage`` can take them, else
+    none (a re-plan to another stage runs its collectives flat)."""
     from hybrid.config.training import ZeroConfig
-    from hybrid.models.gpt.training import zero_options
+    from hybrid.errors import ConfigError
+
+    links = getattr(lp, "links", None)
+    keys = links.zero() if links is not None else {}
+    try:
+        ZeroConfig(stage=stage, **keys)
+    except ConfigError:
+        return {}
+    return keys
+
+
+def zero_config(lp, stage: int):
+    """The ZeroConfig the ranks will build: the built-in GPT's ``zero:`` with the plan's link options
+    (``plan_links``) unless it sets its own (``with_plan_links``), over the defaults."""
+    return zero_config_of(lp.spec, lp.model, stage, plan_links(lp, stage))
+
+
+def zero_config_of(spec, model: Optional[dict], stage: int, links: Optional[dict] = None):
+    """``zero_config`` before the plan exists: for ``spec`` and its built-in GPT's shape (``model``, None for
+    another model), with the link options ``links`` (``zero`` keys; None: the model config's alone). Stage 3
+    takes every ``zero:`` option (``zero_options`` checks them there): a caller that reads only sizes asks for
+    it."""
+    from hybrid.config.training import ZeroConfig
+    from hybrid.models.sections import with_plan_links, zero_options
 
     builtin = spec.job.entrypoint == "hybrid.models.gpt:train" or model is not None
-    return ZeroConfig(stage=stage, **(zero_options(_model_doc(spec).get("zero")) if builtin else {}))
+    return ZeroConfig(stage=stage, **with_plan_links(links, zero_options(_model_doc(spec).get("zero"))
+                                                     if builtin else {}))
 
 
 def supports_activation_checkpointing(lp) -> bool:
@@ -205,7 +224,7 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
                                            mlp_ratio=m.get("mlp_ratio", 4),
                                            checkpointing=choice.activation_checkpointing)
     p = predict_memory(units, dp, choice.stage, precision, activations=activations, runtime_reserve=reserve,
-                       device=device, zero=zero)
+                       device=device, zero=zero, dp_per_node=max(1, lp.spec.cluster.gpus_per_node // tp))
     if choice.offload:  # master weights and moments live in host memory
         p = dataclasses.replace(p, optimizer=0, optimizer_transient=0)
     return p
@@ -250,11 +269,27 @@ def replan(lp, current: Choice, overshoot: Overshoot) -> tuple[Choice, MemoryPre
 
 def layout_of(lp, choice: Choice):
     """``choice`` on ``lp``'s mesh as a ``hybrid.plan.cost.Layout``."""
-    from hybrid.plan.cost import Layout
+    from hybrid.plan.cost import Layout, LinkOptions
 
     c = lp.spec.cluster
     return Layout(c.nodes, c.gpus_per_node, lp.layout.tp, choice.stage, choice.micro_batch, choice.accumulation,
-                  choice.activation_checkpointing, choice.offload, lp.spec.parallel.precision, nvme=choice.nvme)
+                  choice.activation_checkpointing, choice.offload, lp.spec.parallel.precision,
+                  LinkOptions.from_zero(plan_links(lp, choice.stage)), nvme=choice.nvme)
+
+
+def link_theory(lp, choice: Choice) -> tuple:
+    """``(Ψ/t in bytes, {"intra": bytes, "inter": bytes, "total": bytes}, label)``: what ``hybrid.plan.links`` says
+    ZeRO moves per GPU and step over each link for ``choice`` on ``lp``'s placement (Ψ/t as one unit) with the
+    plan's link options (``plan_links``), and their label (``flat`` without any)."""
+    from hybrid.plan.cost import DTYPE_BYTES
+    from hybrid.plan.links import link_totals, step_traffic
+
+    lay = layout_of(lp, choice)
+    item = DTYPE_BYTES[lay.precision]
+    local = lp.params / lay.tp
+    traffic = (step_traffic([local], (), lay.policy, lay.topology(), item, item, lay.accumulation,
+                            lay.links.quantization()) if lay.dp > 1 else {})
+    return local * item, link_totals(traffic), lay.links.label or "flat"
 
 
 def predicted_cost(lp, choice: Choice):

@@ -12,14 +12,15 @@ reason).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from hybrid.config.units import human_bytes
 from hybrid.errors import ConfigError
-from hybrid.plan.candidates import Ranking, layouts, rank
-from hybrid.plan.cost import Hardware, Layout, ModelShape
+from hybrid.plan.candidates import LINK_CHOICES, Ranking, describe, layouts, rank
+from hybrid.plan.cost import DTYPE_BYTES, FLAT, Hardware, Layout, ModelShape
 from hybrid.plan.hardware import build_hardware
 from hybrid.plan.memory import gpt_activation_bytes
 from hybrid.plan.planner import DEFAULT_SUB_GROUP_SIZE, layout_option
@@ -121,7 +122,7 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
         dp = nodes * per_node // tp
         offered += layouts(nodes, per_node, par.precision, [tp], _choices(par.zero_stage, (0, 1, 2, 3)),
                            _choices(par.activation_checkpointing, (False, True)), offload_choices(spec),
-                           batch, fixed_micro_batch(spec, dp, batch))
+                           batch, fixed_micro_batch(spec, dp, batch), links=LINK_CHOICES)
     if not offered:
         dps = sorted({nodes * per_node // tp for tp in tps})
         raise ConfigError(f"job.global_batch is {batch}, which no layout splits: the DP degrees here are "
@@ -134,10 +135,12 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
                                     shape["n_layers"], shape["vocab_size"], tp=lay.tp, precision=par.precision,
                                     mlp_ratio=shape.get("mlp_ratio", 4),
                                     checkpointing=lay.activation_checkpointing)
+        topology = lay.topology()
         return layout_option(facts.params, lay.dp, lay.tp, lay.stage, gpu_memory_bytes, par.precision, acts,
                              headroom, activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
                              host_memory_bytes=host_memory_bytes, ranks_per_node=per_node, extra_bytes=extra_bytes,
-                             nvme=lay.nvme, nvme_bytes=nvme_bytes, sub_group_size=sub_group_size)
+                             nvme=lay.nvme, nvme_bytes=nvme_bytes, sub_group_size=sub_group_size,
+                             shard=topology.shard, secondary=topology.secondary)
 
     ranking = rank(model, offered, hw, memory, default_layout)
     where = "; ".join(f"{k} {v}" for k, v in hw.sources)
@@ -159,8 +162,12 @@ def offload_choices(spec) -> tuple:
 
 # ------------------------------------------------------------------------------------------- rendering
 
-HEADER = (f"  {'layout':<24}{'mem/GPU':>10}{'compute':>9}{'TP':>8}{'DP':>8}{'offload':>8}{'optim':>8}"
-          f"{'exposed':>9}{'step':>9}{'tokens/s':>12}{'MFU':>6}")
+LABEL = 24  # the layout column's width, wider where a label needs it ("tp2 z3 mb 1x4 AC off 2-level+hpZ")
+
+
+def header(width: int = LABEL) -> str:
+    return (f"  {'layout':<{width}}{'mem/GPU':>10}{'compute':>9}{'TP':>8}{'DP':>8}{'offload':>8}{'optim':>8}"
+            f"{'exposed':>9}{'step':>9}{'tokens/s':>12}{'MFU':>6}")
 
 
 def time_lines(tm: TimeModel, with_reason: bool = True) -> list[str]:
@@ -169,22 +176,51 @@ def time_lines(tm: TimeModel, with_reason: bool = True) -> list[str]:
     if tm.ranking is None:
         return [f"time    {tm.note}"]
     return ranking_lines(tm.ranking, tm.hardware, f"global batch {tm.ranking.global_batch} sequences per step; "
-                                                  f"{tm.note}", with_reason)
+                                                  f"{tm.note}", with_reason) + link_lines(tm.ranking, tm.model)
+
+
+def link_lines(r: Ranking, model: ModelShape) -> list[str]:
+    """How each way of running ZeRO's collectives (``hybrid.plan.candidates.LINK_CHOICES``) loads the links for
+    the chosen layout: per GPU and step, the bytes across nodes and inside them (also as multiples of Ψ/t, the
+    GPU's share of the parameters in the model dtype), the DP time and the tokens/s, flat first."""
+    ref = r.chosen or r.baseline
+    if ref is None:
+        return []
+    base = dataclasses.replace(ref.layout, links=FLAT)
+    same = [c for c in (*r.candidates, *r.lossy) if dataclasses.replace(c.layout, links=FLAT) == base]
+    if len(same) < 2:
+        return []
+    psi = model.params / base.tp * DTYPE_BYTES[base.precision]
+    lines = [f"links   ZeRO traffic per GPU and step of {describe(base)}, by how its collectives use the links "
+             f"(Ψ/t = {human_bytes(psi)}):"]
+    for c in sorted(same, key=lambda c: (c.layout.links != FLAT, c.cost.terms["dp_inter_bytes"])):
+        t, lk = c.cost.terms, c.layout.links
+        marks = [m for on, m in ((c is r.chosen, "chosen"), (lk == FLAT, "default"), (not c.fits, "does not fit"),
+                                 (lk.quantized_weights or lk.quantized_gradients,
+                                  "int8: yours to choose, zero.quantized_weights/gradients"))
+                 if on]
+        lines.append(f"  {lk.label or 'flat':<22} across nodes {human_bytes(t['dp_inter_bytes']):>9} "
+                     f"({t['dp_inter_bytes'] / psi:.2f} Ψ/t)  inside {human_bytes(t['dp_intra_bytes']):>9} "
+                     f"({t['dp_intra_bytes'] / psi:.2f} Ψ/t)  DP {_ms(c.cost.dp_s):>6} ms  "
+                     f"{c.cost.tokens_per_s:>10,.0f} tokens/s" + (f"  <- {', '.join(marks)}" if marks else ""))
+    return lines
 
 
 def ranking_lines(r: Ranking, hw: Hardware, head: str, with_reason: bool = True) -> list[str]:
     """``time_lines`` of a ranking (``hybrid estimate --time`` prints it too)."""
-    lines = [f"time    {head}", HEADER]
-    for cand in r.top():
+    shown = r.top()
+    width = max([LABEL] + [len(c.layout.label) + 1 for c in shown])
+    lines = [f"time    {head}", header(width)]
+    for cand in shown:
         c = cand.cost
         marks = [m for on, m in ((cand is r.chosen, "chosen"), (cand is r.baseline, "memory-only")) if on]
-        lines.append(f"  {cand.layout.label:<24}{human_bytes(cand.device_bytes):>10}{_ms(c.compute_s):>9}"
+        lines.append(f"  {cand.layout.label:<{width}}{human_bytes(cand.device_bytes):>10}{_ms(c.compute_s):>9}"
                      f"{_ms(c.tp_s):>8}{_ms(c.dp_s):>8}{_ms(c.offload_s):>8}{_ms(c.optimizer_s):>8}"
                      f"{_ms(c.exposed_s):>9}{_ms(c.step_s):>9}{c.tokens_per_s:>12,.0f}{c.mfu:>6.0%}"
                      + (f"  <- {', '.join(marks)}" if marks else ""))
     fitting, tried = len(r.fitting), len(r.candidates)
     lines.append(f"  ({fitting} of {tried} layouts fit; layout: TP degree, ZeRO stage, micro-batch x accumulation, "
-                 f"AC, offload; times in ms per step and GPU, MFU of "
+                 f"AC, offload, how ZeRO's collectives use the links; times in ms per step and GPU, MFU of "
                  f"{'the measured matmul rate' if hw.device == 'cpu' else 'the peak'})")
     if r.chosen is not None and with_reason:
         lines.append(f"choice  {r.reason}")

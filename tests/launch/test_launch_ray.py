@@ -127,6 +127,10 @@ def test_auto_stage_follows_the_planner_and_training_converges_with_ranks_placed
     last = result.last_reports
     if tp == 2:  # the TP ranks of a group see the same data, so report the same loss
         assert last[0]["loss"] == pytest.approx(last[1]["loss"]) and last[2]["loss"] == pytest.approx(last[3]["loss"])
+    # every step's ZeRO bytes per link (hybrid.runtime.link_metrics), and the summary beside the theory; at
+    # tp 1 or 2 every DP group spans both nodes
+    assert all(h["dp_inter_bytes"] > 0 and h["dp_intra_bytes"] >= 0 for h in result.history)
+    assert "ZeRO traffic per GPU and step (median of 27 steps): across nodes " in out.getvalue()
     assert_loopback_only(*cluster)
 
 

@@ -191,8 +191,8 @@ def test_every_unknown_key_of_a_section_is_named_whole_in_one_sentence():
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
      "zero_optimization.offload_param (ZeRO-Infinity parameter offload) is not supported; remove it "
      "(offload_optimizer: {device: cpu} is supported)."),
-    ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights (ZeRO++"),
-    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients ("),
+    ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
+     "zero_optimization.zero_quantized_nontrainable_weights (ZeRO++"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio other than 1.0"),
     ({"prescale_gradients": "yes"}, "prescale_gradients must be true or false."),

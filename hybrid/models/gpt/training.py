@@ -47,9 +47,10 @@ from hybrid.data import MarkovTokens, TokenFile
 from hybrid.errors import ConfigError, DataError
 from hybrid.models.gpt.model import GPT
 from hybrid.models.gpt.config import GPTConfig
-# data_path, train_options, training_config, zero_options: the shared sections, named here too (an own loop's
-# imports, README) as the built-in loop's pieces
-from hybrid.models.sections import data_path, train_options, training_config, zero_options  # noqa: F401
+# data_path, train_options, training_config, zero_options, with_plan_links: the shared sections, named here too
+# (an own loop's imports, README) as the built-in loop's pieces
+from hybrid.models.sections import (data_path, planned_zero, train_options, training_config,  # noqa: F401
+                                    with_plan_links, zero_options)
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
 # The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
@@ -177,8 +178,7 @@ def build_engine(ctx: Context, model_config: GPTConfig, options: dict):
     # Built on meta: the engine draws each parameter's values where this rank keeps them (no full copy).
     model = GPT(model_config, tp_comm=ctx.mesh.tp_comm, device="meta")
     config = training_config(options, ctx.stage, ctx.settings.precision, getattr(ctx.settings, "offload", False),
-                             zero=zero_options(ctx.model_config.get("zero")),
-                             accumulation=ctx.settings.gradient_accumulation_steps,
+                             zero=planned_zero(ctx), accumulation=ctx.settings.gradient_accumulation_steps,
                              nvme_path=getattr(ctx.settings, "nvme_path", None))
     return hybrid.initialize(model, config, dp_group=ctx.mesh.dp_group, tp_group=ctx.mesh.tp_group,
                              seed=ctx.settings.seed, device=ctx.device)
