@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+# One intra-op thread in every test process (the pytest workers and what they start), as every rank has: with two
+# xdist workers each running several processes on two cores, a second OpenMP thread per process only spins
+# waiting for a core (measured: 25 % more CPU time for the same tests). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 for _k in ("http_proxy", "HTTP_PROXY"):

@@ -214,7 +214,7 @@ def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path
 
     The slowest test: a cluster started as a user starts it (not the embedded kind the other tests use), a
     Ray Client connection (whose server process the head starts for the driver) and a second driver through
-    `auto`, each placing two rank actors; one cluster serves both addresses, and 2 steps are the least that
+    `auto`, each placing one rank actor; one cluster serves both addresses, and 2 steps are the least that
     shows the job ran."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="hy-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     # A token where Ray looks for one (as ~/.ray/auth_token is once any plain ray.init() ran): `ray start`
@@ -244,7 +244,7 @@ def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path
                                ("auto", f"127.0.0.1:{ports[0]}: 1 node")):
             path = tmp_path / "cluster.yaml"
             path.write_text(f"""\
-cluster: {{address: {address}, nodes: 1, gpus_per_node: 2, gpu_memory_gb: 80, connect_timeout_s: 60}}
+cluster: {{address: {address}, nodes: 1, gpus_per_node: 1, gpu_memory_gb: 80, connect_timeout_s: 60}}
 job: {{entrypoint: "hybrid.models.gpt:train", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: 2}}
 parallel: {{precision: fp32}}
 """)
