@@ -12,7 +12,7 @@ export no_proxy := 127.0.0.1,localhost,::1
 export NO_PROXY := 127.0.0.1,localhost,::1
 export MASTER_ADDR := 127.0.0.1
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-all test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ install: $(STAMP)
 # Two xdist workers, scheduled by tests/scheduling.py: the suite's processes wait on each other's start-up
 # often enough that a 2-core machine runs two tests at once with time to spare.
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not extended" --durations=30 tests
+
+# Everything, the extended cases too (tests marked extended: see pyproject.toml).
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --durations=30 tests
 
 # The unit tier: tests/unit less the tests marked slow (those start a process that imports torch or Ray: a gloo

@@ -58,6 +58,7 @@ def _close(shown: float, recomputed: float) -> bool:
     return abs(shown - recomputed) <= 0.05 * recomputed + 0.01
 
 
+@pytest.mark.extended  # `make test-all`'s: make test's budget goes to the product's own checks
 @pytest.mark.timeout(240)
 def test_quick_benchmark_runs_agrees_and_judges_its_targets_right():
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1")

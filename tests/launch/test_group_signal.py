@@ -72,6 +72,9 @@ def _kill_what_is_left(proc: subprocess.Popen, marked: str | None) -> None:
 # embedded cluster runs (test_launch_ray.py, after Ray's nodes installed handlers of their own), a command exits
 # 130 on SIGHUP (tests/unit/test_signals.py), the orderly teardown after the interrupt is test_launch_cli.py's
 # SIGTERM case, and this case checks that no Ray process shares the launcher's group.
+# `make test-all`'s (marked extended): `make test` keeps the SIGTERM teardown and its process-group check in
+# test_launch_cli.py and the SIGKILL case below.
+@pytest.mark.extended
 @pytest.mark.parametrize("signum, every_process", [(signal.SIGTERM, True)], ids=["TERM-every-process"])
 def test_a_signal_to_the_launchers_process_group_stops_everything_and_exits_130(tmp_path, signum, every_process):
     """15-30 s a case: each is a user's `hybrid launch` (its own embedded cluster, two rank actors), stopped once

@@ -117,6 +117,8 @@ def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_p
                 break
         marked = _marked_dir(proc.pid)
         ours = marked_pids(marked) if marked else []
+        launcher_group = _pgid(proc.pid)
+        in_group = [pid for pid in ours if _pgid(pid) == launcher_group]
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
@@ -130,6 +132,7 @@ def test_sigterm_to_the_launcher_alone_tears_everything_down_and_exits_130(tmp_p
     assert not watch.violations, (watch.violations, watch.culprits)
     assert wait_gone(proc.pid) == [] and watch.wait_survivors() == []
     assert marked and ours, "no Ray process of the embedded cluster was seen"
+    assert in_group == [], f"Ray processes in the launcher's process group: {in_group}"  # a group signal's reach
     assert marked_pids(marked) == [] and not Path(marked).exists()
     assert (tmp_path / "run" / "ray-logs").is_dir(), "the embedded cluster's logs were not kept"
 
@@ -152,6 +155,13 @@ def test_a_rank_that_raises_exits_1_naming_it(tmp_path):
     assert proc.returncode == 1, out
     assert "error: rank 1 on node 1 failed (RuntimeError: rank one is broken on purpose)" in out, out
     assert wait_gone(proc.pid) == []
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _marked_dir(pid: int) -> str | None:
