@@ -218,6 +218,7 @@ def test_sigterm_while_waiting_for_a_remote_cluster_exits_130_at_once(tmp_path):
     assert proc.returncode == 130, out
 
 
+@pytest.mark.extended  # make test-all's (CI time): see the README
 def test_a_cluster_the_user_started_is_joined_by_ray_client_and_by_auto(tmp_path):
     """`ray start --head` on loopback (in its own temp dir, stopped by its pid): `ray://` (Ray Client) and
     `auto` (the address `ray start` recorded) both run the job; the launcher says where it connected.

@@ -262,6 +262,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
 
 
+@pytest.mark.extended  # make test-all's (CI time): see the README
 def test_a_killed_worker_restarts_all_ranks_from_the_checkpoint_and_ends_bit_identical(cluster, tmp_path):
     """On a token file: a worker SIGKILLed after the first checkpoint is restarted with every rank from that
     checkpoint; the job ends with fp32 weights bit-identical to an uninterrupted run's (the same plan), every
