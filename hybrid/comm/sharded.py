@@ -65,7 +65,21 @@ def _finished(handle, async_op: bool):
     return DONE
 
 
-class ShardCollectives:
+class CommSet:
+    """Bookkeeping over a set of ``Comm`` objects (``comms``, each once): their traffic, reset, buffers."""
+
+    def report(self) -> dict:
+        return traffic_report(self.comms)
+
+    def reset(self) -> None:
+        for comm in self.comms:
+            comm.reset()
+
+    def buffer_tensors(self) -> list:
+        return [t for comm in self.comms for t in comm.buffer_tensors()]
+
+
+class ShardCollectives(CommSet):
     def __init__(self, flat: Comm, intra: Optional[Comm] = None, inter: Optional[Comm] = None, *,
                  gather_block: Optional[int] = None, reduce_block: Optional[int] = None):
         if (intra is None) != (inter is None):
@@ -168,16 +182,6 @@ class ShardCollectives:
             output.copy_(total.view_as(output))
         return Then(handle, finish)
 
-    # -- bookkeeping -----------------------------------------------------------------------------------
-    def report(self) -> dict:
-        return traffic_report(self.comms)
-
-    def reset(self) -> None:
-        for comm in self.comms:
-            comm.reset()
-
-    def buffer_tensors(self) -> list:
-        return [t for comm in self.comms for t in comm.buffer_tensors()]
 
 
 def _nothing() -> None:

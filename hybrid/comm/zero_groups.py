@@ -26,14 +26,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hybrid.comm.collectives import Comm, traffic_report
+from hybrid.comm.collectives import Comm
 from hybrid.comm.groups import global_ranks, group_nodes, subgroup
-from hybrid.comm.sharded import ShardCollectives
+from hybrid.comm.sharded import CommSet, ShardCollectives
 from hybrid.plan.links import ShardTopology
 
 
 @dataclass
-class ZeroGroups:
+class ZeroGroups(CommSet):
     topology: ShardTopology
     dp: Comm
     exact: ShardCollectives
@@ -99,16 +99,6 @@ class ZeroGroups:
             if c is not None and all(c is not o for o in out):
                 out.append(c)
         return out
-
-    def report(self) -> dict:
-        return traffic_report(self.comms)
-
-    def reset(self) -> None:
-        for comm in self.comms:
-            comm.reset()
-
-    def buffer_tensors(self) -> list:
-        return [t for comm in self.comms for t in comm.buffer_tensors()]
 
     def quantization_report(self) -> dict:
         """The relative error of the values this rank quantized since the last reset (None: none quantized)."""
