@@ -14,6 +14,17 @@ for _k in ("http_proxy", "HTTP_PROXY"):
 for _k in ("no_proxy", "NO_PROXY"):
     os.environ.setdefault(_k, "127.0.0.1,localhost,::1")
 
+import importlib.util  # noqa: E402
+
+from hybrid.runtime.local_launch import preload  # noqa: E402
+
+# What the dist tests' ranks import beyond the forkserver's default, imported once by it instead of by every
+# rank: torch.distributed.checkpoint (0.5 CPU-s a rank that checkpoints) and the Hugging Face models (3 CPU-s a
+# rank: test_hf_tp, test_hf_model and test_hf_checkpoints took 71 CPU-s without, 32 with).
+preload("torch.distributed.checkpoint")
+if importlib.util.find_spec("transformers") is not None:
+    preload("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+
 
 def pytest_xdist_make_scheduler(config, log):
     """Under ``-n N`` (``make test``), the suite's own scheduler (``tests/scheduling.py``)."""

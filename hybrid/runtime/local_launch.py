@@ -66,6 +66,13 @@ def local_rank_env(rank: int, world_size: int) -> dict:
                 GROUP_RANK="0", NODE_RANK="0")
 
 
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too, once for every later rank (e.g. the transformers models a
+    test suite's ranks build). Effective before the first ``run_local`` of this process, which starts the
+    forkserver; a module that fails to import is left to the ranks."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def _context():
     """A forkserver context preloading torch where the platform has one, else spawn (never fork: the
     caller may hold threads, CUDA, or a gloo group)."""

@@ -7,6 +7,7 @@ none may be left after the teardown. The CLI tests start their own clusters in s
 """
 
 import os
+import signal
 
 import pytest
 
@@ -14,6 +15,8 @@ from launch.ray import cluster as ray_cluster
 from tests.launch.netcheck import LoopbackAudit, NetWatch, session_processes
 
 NODES, RANKS_PER_NODE = 2, 2
+# Whether this test process started with SIGHUP ignored (under nohup): the launcher then leaves it ignored.
+HANGUP_IGNORED_AT_START = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
 @pytest.fixture(scope="package")

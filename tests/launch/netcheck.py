@@ -126,7 +126,7 @@ def _cmdline(pid: int) -> str:
 class NetWatch:
     """Samples the sockets of ``root_pid``'s process tree every ``interval_s`` until ``stop()``."""
 
-    def __init__(self, root_pid: int, interval_s: float = 0.25):
+    def __init__(self, root_pid: int, interval_s: float = 0.5):
         self.root_pid, self.interval_s = root_pid, interval_s
         self.violations: set[tuple[str, str]] = set()  # (protocol, remote host)
         self.culprits: set[str] = set()  # command lines of the processes that held them

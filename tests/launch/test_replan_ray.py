@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = {"model": {"vocab_size": 2048, "seq_len": 32, "n_layers": 8, "hidden": 512, "n_heads": 8},
          "zero": {"reduce_bucket_size": 500_000, "prefetch_bucket_size": 500_000}}
-BUDGET_GB, OVER_MB, STEPS = 0.56, 10, 5
+BUDGET_GB, OVER_MB, STEPS = 0.56, 10, 4
 
 
 def make_spec(tmp: Path, run: str, env: dict, stage="auto", checkpointing="auto"):
@@ -76,7 +76,7 @@ def test_a_rank_over_budget_is_replanned_to_a_higher_stage_and_continues_the_run
     reference = plan_and_run(make_spec(tmp_path, "ref", {"HOLD_OVER_BUDGET_MB": str(OVER_MB)}, stage=new_stage,
                                        checkpointing=checkpointing), io.StringIO(), tty=False)
     after = {e["step"]: e["loss"] for e in result.history if e["step"] > 2}
-    assert sorted(after) == [3, 4, 5]
+    assert sorted(after) == [3, 4]
     assert after == {e["step"]: e["loss"] for e in reference.history if e["step"] > 2}
 
 
