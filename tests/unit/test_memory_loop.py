@@ -175,6 +175,11 @@ def test_measurement_cadence():
 
 # ------------------------------------------------------------------------------------------- re-plan
 
+# The ladder's tests below are sized around a runtime reserve of 75 MB (the CPU default until the meter left
+# torch's lazily imported runtime out and none was left): given as cluster.runtime_reserve_gb.
+RESERVE_GB = 0.075
+
+
 def _plan(tmp_path, gpu_memory_gb, micro_batch=8, model=WIDE, **zero):
     cfg = tmp_path / "model.yaml"
     import yaml
@@ -184,7 +189,7 @@ def _plan(tmp_path, gpu_memory_gb, micro_batch=8, model=WIDE, **zero):
         doc["zero"] = zero
     cfg.write_text(yaml.safe_dump(doc))
     spec = parse_spec({"cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2,
-                                   "gpu_memory_gb": gpu_memory_gb},
+                                   "gpu_memory_gb": gpu_memory_gb, "runtime_reserve_gb": RESERVE_GB},
                        "job": {"entrypoint": "hybrid.models.gpt:train", "config": str(cfg), "steps": 4,
                                "micro_batch": micro_batch},
                        "parallel": {"tp": 1, "precision": "fp32"}}, base_dir=tmp_path)

@@ -97,7 +97,10 @@ class GPT(nn.Module):
         config.check_tp(self.tp)
         self.tok_emb = VocabParallelEmbedding(config.vocab_size, config.hidden, tp_comm=tp_comm,
                                               init_std=config.init_std, seed=None, device=device)
-        self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device)
+        # Given its weight, nn.Embedding draws nothing: reset_parameters below (or hybrid.initialize, on meta)
+        # does. (Its own normal_ on meta imports torch._dynamo and sympy: ~1 CPU-s and ~70 MB per process.)
+        self.pos_emb = nn.Embedding(config.seq_len, config.hidden, device=device,
+                                    _weight=torch.empty(config.seq_len, config.hidden, device=device))
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, tp_comm, device) for _ in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps, bias=config.bias, device=device)
