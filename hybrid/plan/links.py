@@ -137,11 +137,13 @@ class ShardTopology:
 
     def replica_groups(self) -> list:
         """The ranks at the same position of every shard group (one all-reduce group per position)."""
+        if self.replicas <= 1:
+            return []
         by_position: dict = {}
         for group in self.shard_groups():
-            for r in group:
-                by_position.setdefault(self.position(r), []).append(r)
-        return [by_position[p] for p in sorted(by_position)] if self.replicas > 1 else []
+            for r, p in self._positions(group).items():
+                by_position.setdefault(p, []).append(r)
+        return [by_position[p] for p in sorted(by_position)]
 
     def _blocks(self, group: list) -> list:
         """``group``'s ranks by node, in order."""
@@ -169,12 +171,16 @@ class ShardTopology:
 
     def position(self, r: int) -> int:
         """The shard DP rank ``r`` owns in its shard group."""
-        group = self.shard_groups()[r // self.shard]
+        g = r // self.shard
+        return self._positions(list(range(g * self.shard, (g + 1) * self.shard)))[r]
+
+    def _positions(self, group: list) -> dict:
+        """Rank -> the shard it owns, for the ranks of one shard group: its index in the group; hierarchical,
+        the node-major order of the two-level collectives (local index x nodes + node)."""
         if not self.hierarchical:
-            return group.index(r)
+            return {r: i for i, r in enumerate(group)}
         blocks = self._blocks(group)
-        n = next(i for i, b in enumerate(blocks) if r in b)
-        return blocks[n].index(r) * len(blocks) + n
+        return {r: i * len(blocks) + n for n, block in enumerate(blocks) for i, r in enumerate(block)}
 
     def group_of(self, groups: list, r: int) -> list:
         return next(g for g in groups if r in g)
