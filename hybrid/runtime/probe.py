@@ -13,6 +13,10 @@ LARGE_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
 OPTIMIZER_NUMEL = 1 << 22
 REPS = 5
+# Seconds each rank computes back to back for a rate (after a barrier, all ranks at once): on a 2-core host the
+# 4 CPU ranks of a 3-call median measured 81-85 GFLOP/s each, one core's rate, since their ~25 ms calls barely
+# overlapped; a whole step of those 4 ranks then took 1.8x the prediction.
+SUSTAIN_S = 1.0
 
 
 def _median(values: list) -> float:
@@ -62,20 +66,28 @@ def _group_figures(comm, dtype, device) -> Optional[dict]:
                                   for op in ("all_reduce", "all_gather")}}
 
 
+def _sustained_rate(work, amount: float, device) -> float:
+    """``amount`` per second of calling ``work()`` back to back for ``SUSTAIN_S``: every rank of the group does
+    it at the same time (after a barrier), for long enough that ranks sharing a device's cores (CPU ranks,
+    several to a core) are measured at the share each gets while all work, not at a whole core each."""
+    work()  # warm-up: the first call allocates and loads kernels
+    _sync(device)
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        work()
+        calls += 1
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= SUSTAIN_S:
+            return amount * calls / elapsed
+
+
 def _matmul_rate(dtype, device) -> float:
     import torch
 
     n = MATMUL_N["cuda" if device.type == "cuda" else "cpu"]
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    a @ b
-    times = []
-    for _ in range(3):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / _median(times)
+    return _sustained_rate(lambda: a @ b, 2 * n ** 3, device)
 
 
 def _optimizer_rate(device) -> float:
@@ -89,15 +101,7 @@ def _optimizer_rate(device) -> float:
         opt.step()
     except (RuntimeError, ValueError):
         opt = torch.optim.AdamW([p], foreach=True)
-        opt.step()
-    times = []
-    for _ in range(REPS):
-        _sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return OPTIMIZER_NUMEL / _median(times)
+    return _sustained_rate(opt.step, OPTIMIZER_NUMEL, device)
 
 
 def measure_rank(rank: int, world_size: int, ranks_per_node: int, device: str, precision: str) -> dict:
