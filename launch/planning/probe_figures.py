@@ -8,7 +8,9 @@ size; then a matmul in the training precision and a fused AdamW step. All nodes'
 training, so shared links and cores are measured shared. ``summarize`` (pure) turns the ranks' figures into
 ``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through the two sizes (bus bytes:
 2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an all-gather, nccl-tests' convention), the
-slowest rank's matmul and optimizer rates.
+median rank's matmul and optimizer rates (the slowest rank's times of each collective: they wait for it; but a
+rate one rank measured low while a Ray daemon or the driver took its core, 25.6 GFLOP/s beside 48-53 for the
+other three of a 2-core host, is that moment's, not the rank's).
 """
 
 from __future__ import annotations
@@ -37,15 +39,21 @@ def _bus_bytes(op: str, nbytes: float, n: int) -> float:
     return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
 
 
+def _median(values: list) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, address: str = "") -> dict:
-    """``probe.json``: each group's fitted line, the slowest rank's rates, and every rank's raw figures.
+    """``probe.json``: each group's fitted line, the median rank's rates, and every rank's raw figures.
     Bandwidth is the bus bandwidth per rank, the mean of the all-reduce's and all-gather's fits; latency the
     all-reduce's (the small all-reduces of TP are what it prices)."""
     out = {"version": PROBE_VERSION, "made": time.strftime("%Y-%m-%d %H:%M:%S"), "address": address,
            "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision,
            "device": ranks[0]["device"] if ranks else "cpu",
-           "matmul_flops": {precision: min(r["matmul_flops"] for r in ranks)},
-           "optimizer_rate": min(r["optimizer_rate"] for r in ranks)}
+           "matmul_flops": {precision: _median([r["matmul_flops"] for r in ranks])},
+           "optimizer_rate": _median([r["optimizer_rate"] for r in ranks])}
     for key, concurrent in (("intra", nodes), ("inter", gpus_per_node)):
         groups = [r[key] for r in ranks if r.get(key)]
         if not groups:

@@ -107,4 +107,4 @@ def probe_nodes(timeout_s: float = PROBE_TIMEOUT_S, nvme_path=None) -> list[Node
 # run together, as in training, so shared links and cores are measured shared. ``summarize`` (pure) turns the
 # ranks' figures into ``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through
 # the two sizes (bus bytes: 2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an
-# all-gather, nccl-tests' convention), the slowest rank's matmul and optimizer rates.
+# all-gather, nccl-tests' convention), the median rank's matmul and optimizer rates.
