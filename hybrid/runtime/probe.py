@@ -1,10 +1,14 @@
 """What a rank measures of its links and compute for the time model (``hybrid probe``): all-reduce and
 all-gather at a small and a large message inside its node and across nodes, a matmul rate and an optimizer
-step's rate on its device (``measure_rank``; every rank of the default group calls it together). The driver
-fits and keeps the figures (``launch.planning.probe_figures``)."""
+step's rate on its device (``measure_rank``; every rank of the default group calls it together). GPU ranks
+measure their rates all at once, one GPU each; CPU ranks one at a time, each alone on its host, and report
+the host and its cores, since they share them (``launch.planning.probe_figures`` divides). The driver fits and
+keeps the figures (``launch.planning.probe_figures``)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Optional
 
@@ -13,10 +17,10 @@ LARGE_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
 OPTIMIZER_NUMEL = 1 << 22
 REPS = 5
-# Seconds each rank computes back to back for a rate (after a barrier, all ranks at once): on a 2-core host the
-# 4 CPU ranks of a 3-call median measured 81-85 GFLOP/s each, one core's rate, since their ~25 ms calls barely
-# overlapped; a whole step of those 4 ranks then took 1.8x the prediction.
-SUSTAIN_S = 1.0
+# Seconds a rank computes back to back for a rate. Measured at once, 4 CPU ranks on a 2-core host gave anything
+# from 15 to 89 GFLOP/s each (their shares of the cores over one second are the scheduler's), and a 3-call median
+# 81-85 each (one core's: the calls barely overlapped); alone, a core's rate is steady (90-100).
+SUSTAIN_S = 0.5
 
 
 def _median(values: list) -> float:
@@ -67,9 +71,7 @@ def _group_figures(comm, dtype, device) -> Optional[dict]:
 
 
 def _sustained_rate(work, amount: float, device) -> float:
-    """``amount`` per second of calling ``work()`` back to back for ``SUSTAIN_S``: every rank of the group does
-    it at the same time (after a barrier), for long enough that ranks sharing a device's cores (CPU ranks,
-    several to a core) are measured at the share each gets while all work, not at a whole core each."""
+    """``amount`` per second of calling ``work()`` back to back for ``SUSTAIN_S``."""
     work()  # warm-up: the first call allocates and loads kernels
     _sync(device)
     calls, t0 = 0, time.perf_counter()
@@ -104,6 +106,16 @@ def _optimizer_rate(device) -> float:
     return _sustained_rate(opt.step, OPTIMIZER_NUMEL, device)
 
 
+def _host_id() -> str:
+    """What the ranks of one machine have in common (simulated Ray nodes on one host share its cores)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}"
+
+
 def measure_rank(rank: int, world_size: int, ranks_per_node: int, device: str, precision: str) -> dict:
     """This rank's figures (see above); every rank of the default group calls it together."""
     import torch
@@ -122,10 +134,20 @@ def measure_rank(rank: int, world_size: int, ranks_per_node: int, device: str, p
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     figures["intra"] = _group_figures(Comm(intra[node], "probe-intra") if g > 1 else None, dtype, dev)
     figures["inter"] = _group_figures(Comm(inter[local], "probe-inter") if nodes > 1 else None, dtype, dev)
-    dist.barrier()
-    figures["matmul_flops"] = _matmul_rate(dtype, dev)
-    dist.barrier()
-    figures["optimizer_rate"] = _optimizer_rate(dev)
+    if dev.type == "cuda":  # a GPU each: all ranks at once, as they train
+        dist.barrier()
+        figures["matmul_flops"] = _matmul_rate(dtype, dev)
+        dist.barrier()
+        figures["optimizer_rate"] = _optimizer_rate(dev)
+    else:  # CPU ranks share their host's cores: each alone, the others waiting (the sharing is summarize's)
+        for turn in range(world_size):
+            dist.barrier()
+            if turn == rank:
+                figures["matmul_flops"] = _matmul_rate(dtype, dev)
+                figures["optimizer_rate"] = _optimizer_rate(dev)
+        dist.barrier()
+        figures.update(host=_host_id(), cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
     for group in intra + inter:
         dist.destroy_process_group(group)
     return figures

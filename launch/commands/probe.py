@@ -84,5 +84,5 @@ def probe_lines(figures: dict) -> list[str]:
                      f"{g['bandwidth'] / 1e9:.3g} GB/s bus bandwidth per rank, {g['latency'] * 1e6:.0f} us latency")
     rate = next(iter(figures["matmul_flops"].values()))
     lines.append(f"  matmul {rate / 1e9:.4g} GFLOP/s, AdamW {figures['optimizer_rate'] / 1e6:.4g}M parameters/s "
-                 "(the median rank's)")
+                 "(the median rank's; CPU ranks at their share of their host's cores)")
     return lines

@@ -4,19 +4,20 @@ directory, and read back by the plan (``hybrid plan``, ``hybrid launch``) instea
 Every rank measured at once (``hybrid.runtime.probe.measure_rank``) all-reduces and all-gathers through
 ``hybrid.comm.Comm`` (the path training takes: gloo, shared memory on one host, NCCL on GPUs) over the intra-node
 groups (a node's ranks) and the inter-node groups (one rank per node, the same local rank), at a small and a large
-size; then a matmul in the training precision and a fused AdamW step. All nodes' groups ran together, as in
-training, so shared links and cores are measured shared. ``summarize`` (pure) turns the ranks' figures into
+size; then a matmul in the training precision and a fused AdamW step (GPU ranks at once, CPU ranks one at a time).
+All nodes' groups ran together, as in training, so shared links are measured shared. ``summarize`` (pure) turns the ranks' figures into
 ``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through the two sizes (bus bytes:
 2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an all-gather, nccl-tests' convention), the
-median rank's matmul and optimizer rates (the slowest rank's times of each collective: they wait for it; but a
-rate one rank measured low while a Ray daemon or the driver took its core, 25.6 GFLOP/s beside 48-53 for the
-other three of a 2-core host, is that moment's, not the rank's).
+median rank's matmul and optimizer rates (the slowest rank's times of each collective: they wait for it; a rate
+one rank measured low while a daemon took its core is that moment's, not the rank's), CPU ranks' at their share
+of their host's cores (``shared_rates``: they were measured one at a time).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -45,6 +46,15 @@ def _median(values: list) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def shared_rates(ranks: list, key: str) -> list:
+    """Each rank's rate ``key`` as it computes while every rank trains: a CPU rank measured alone (its ``host``
+    and ``cores`` given) gets its share of the host's cores, ``cores / ranks on the host`` of its rate when they
+    are fewer than the ranks; a GPU rank (measured with the others, a GPU each) keeps its rate."""
+    per_host = Counter(r.get("host") for r in ranks)
+    return [r[key] * min(1.0, r["cores"] / per_host[r["host"]]) if r.get("host") and r.get("cores") else r[key]
+            for r in ranks]
+
+
 def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, address: str = "") -> dict:
     """``probe.json``: each group's fitted line, the median rank's rates, and every rank's raw figures.
     Bandwidth is the bus bandwidth per rank, the mean of the all-reduce's and all-gather's fits; latency the
@@ -52,8 +62,8 @@ def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, addre
     out = {"version": PROBE_VERSION, "made": time.strftime("%Y-%m-%d %H:%M:%S"), "address": address,
            "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision,
            "device": ranks[0]["device"] if ranks else "cpu",
-           "matmul_flops": {precision: _median([r["matmul_flops"] for r in ranks])},
-           "optimizer_rate": _median([r["optimizer_rate"] for r in ranks])}
+           "matmul_flops": {precision: _median(shared_rates(ranks, "matmul_flops"))},
+           "optimizer_rate": _median(shared_rates(ranks, "optimizer_rate"))}
     for key, concurrent in (("intra", nodes), ("inter", gpus_per_node)):
         groups = [r[key] for r in ranks if r.get(key)]
         if not groups:

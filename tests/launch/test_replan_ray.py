@@ -80,7 +80,6 @@ def test_a_rank_over_budget_is_replanned_to_a_higher_stage_and_continues_the_run
     assert after == {e["step"]: e["loss"] for e in reference.history if e["step"] > 2}
 
 
-@pytest.mark.extended  # make test-all's (CI time): see the README
 def test_a_budget_nothing_can_meet_ends_in_one_sentence_with_the_checkpoint_intact(cluster, tmp_path):
     """About 20 s: four rank actors must train the 27.6M-parameter model past its step-2 checkpoint before the
     600 MB it then holds can overshoot; that checkpoint is what the sentence must leave intact."""

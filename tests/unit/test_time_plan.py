@@ -15,7 +15,7 @@ from launch.job.display import Progress
 from launch.job.metrics import measured_step_s, time_line, time_record, write_time_record
 from launch.planning import replan
 from launch.planning.plan import build_plan, format_plan, plan_dict
-from launch.planning.probe_figures import PROBE_FILE, fit_line, read_probe, summarize, write_probe
+from launch.planning.probe_figures import PROBE_FILE, fit_line, read_probe, shared_rates, summarize, write_probe
 from launch.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +126,15 @@ def _rank(rank, node, local, slow=1.0):
              "all_gather": [[65536, 1e-4 * slow], [16 << 20, 5e-3 * slow]]}
     return {"rank": rank, "node": node, "local_rank": local, "device": "cpu", "intra": group, "inter": group,
             "matmul_flops": 50e9 / slow, "optimizer_rate": 4e8 / slow}
+
+
+def test_cpu_ranks_measured_alone_get_their_share_of_their_hosts_cores():
+    alone = [dict(_rank(r, r // 2, r % 2), host="a" if r < 3 else "b", cores=2) for r in range(4)]
+    # three ranks on host a's 2 cores get 2/3 of the rate each; host b's one rank keeps all of its own
+    assert shared_rates(alone, "matmul_flops") == pytest.approx([50e9 * 2 / 3] * 3 + [50e9])
+    assert summarize(alone, 2, 2, "fp32")["matmul_flops"] == {"fp32": pytest.approx(50e9 * 2 / 3)}
+    gpus = [_rank(r, r // 2, r % 2) for r in range(4)]  # no host and cores: measured at once, kept as they are
+    assert shared_rates(gpus, "optimizer_rate") == [4e8] * 4
 
 
 def test_probe_json_takes_the_median_rate_and_the_slowest_rank_for_each_group(tmp_path):
