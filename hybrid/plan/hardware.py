@@ -147,6 +147,7 @@ LINK_EFFICIENCY = 0.8
 class Efficiency:
     compute: float         # of the datasheet peak: what a transformer's whole step reaches in matmuls
     compute_measured: float  # of a probed large matmul's rate (the rest: small matmuls, norms, softmax)
+    compute_measured_cpu: float  # the same for CPU ranks, at their share of the host's cores
     overlap: float         # fraction of the overlappable traffic that hides behind compute (GPUs)
     overlap_cpu: float     # the same for CPU ranks
     host_adam: float       # parameters per second one host core steps with fused AdamW (offload)
@@ -161,6 +162,11 @@ EFFICIENCY = Efficiency(
     # loss and Python overhead. The bench's 4M GPT (bench/time_model.py's) did forward + backward at 0.5-0.8 of
     # a 1024^3 fp32 matmul's rate on one core of the 2-core Xeon (micro-batches 2-8, a busy machine): 0.7.
     compute_measured=0.7,
+    # CPU ranks sharing a host's cores (the probe gives each its share: launch.planning.probe_figures): the 24
+    # layouts of bench/time_model.py (4 ranks on 2 cores, 2026-12-04, with the shared rate at 0.7) measured
+    # 1.16-1.73x the prediction, 1.4x typical -- each rank's Python, copies and collectives' own CPU work take
+    # turns with its matmuls on the same cores: 0.5, checked on a second run (bench/RESULTS.md).
+    compute_measured_cpu=0.5,
     # Bucketed reduce-scatter in backward and stage-3 prefetch hide most of their traffic (PyTorch FSDP
     # paper, Zhao et al. 2023, fig. 7: backward prefetch ~ no exposed all-gather); 0.8 leaves a margin
     # for the last bucket and stream contention.
@@ -264,7 +270,8 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
     pcie = Link(gpu.pcie * LINK_EFFICIENCY, LINKS["pcie"].latency, gpu.source)
     if probe:
         peak, efficiency, optimizer_rate, intra_link, inter_link, measured = _probed(
-            probe, precision, peak, efficiency, optimizer_rate, intra_link, inter_link, gpu_tflops is not None)
+            probe, precision, peak, efficiency, optimizer_rate, intra_link, inter_link, gpu_tflops is not None,
+            device == "cpu")
         sources += measured
     sources += [("peak", f"{peak / TFLOPS:g} TFLOP/s {precision} per GPU at {efficiency:g} efficiency: {peak_source}"
                  if not probe else f"{peak / TFLOPS:.3g} TFLOP/s measured matmul at {efficiency:g} efficiency"),
@@ -284,14 +291,15 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
                     overlap, tuple(sources), disk)
 
 
-def _probed(probe: dict, precision: str, peak, efficiency, optimizer_rate, intra, inter, peak_declared: bool):
+def _probed(probe: dict, precision: str, peak, efficiency, optimizer_rate, intra, inter, peak_declared: bool,
+            cpu: bool = False):
     """The figures ``hybrid probe`` measured, over the declared or table ones (see ``build_hardware``)."""
     from hybrid.plan.cost import Link
 
     measured = []
     matmul = (probe.get("matmul_flops") or {}).get(precision)
     if matmul and not peak_declared:
-        peak, efficiency = float(matmul), EFFICIENCY.compute_measured
+        peak, efficiency = float(matmul), EFFICIENCY.compute_measured_cpu if cpu else EFFICIENCY.compute_measured
     if probe.get("optimizer_rate"):
         optimizer_rate = float(probe["optimizer_rate"])
         measured.append(("optimizer", f"{optimizer_rate / 1e6:.3g}M parameters/s measured"))

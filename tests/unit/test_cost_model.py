@@ -185,10 +185,12 @@ def test_probed_figures_replace_the_tables():
              "intra": {"bandwidth": 2e9, "latency": 1e-4, "group_size": 2, "concurrent_groups": 2},
              "inter": {"bandwidth": 1e9, "latency": 2e-4, "group_size": 2, "concurrent_groups": 2}}
     hw = build_hardware("cpu", "fp32", "loopback", "loopback", 2, probe=probe)
-    assert (hw.peak_flops, hw.compute_efficiency, hw.optimizer_rate) == (50e9, EFFICIENCY.compute_measured, 3e8)
+    assert (hw.peak_flops, hw.compute_efficiency, hw.optimizer_rate) == (50e9, EFFICIENCY.compute_measured_cpu, 3e8)
     assert (hw.intra.bandwidth, hw.intra.latency) == (2e9, 1e-4)
     assert hw.inter.bandwidth == 2e9  # per rank x the node's groups that ran at once: the node's
     assert hw.overlap == EFFICIENCY.overlap_cpu
+    gpu = build_hardware("NVIDIA H100 80GB HBM3", "fp32", "nvlink", "infiniband", 8, probe=probe)
+    assert (gpu.peak_flops, gpu.compute_efficiency) == (50e9, EFFICIENCY.compute_measured)  # a probed GPU's
 
 
 def test_calibration_makes_the_runs_layout_predict_what_it_measured():
