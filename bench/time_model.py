@@ -75,7 +75,11 @@ def cluster_text(nodes: int, per_node: int, model: Path, run_dir: Path, steps: i
 
 def hybrid(*argv: str, log: Path) -> None:
     """Run ``hybrid ARGV`` (the real CLI) with its output in ``log``; raise when it fails."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    from launch.ray.cluster import LOOPBACK_ONLY_ENV
+
+    # loopback only, also when this script is run by hand and not from `make`
+    env = {**os.environ, **LOOPBACK_ONLY_ENV,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with open(log, "w") as out:
         code = subprocess.call([sys.executable, "-m", "launch.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
                                cwd=ROOT, env=env)

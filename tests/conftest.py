@@ -7,12 +7,11 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 # xdist workers each running several processes on two cores, a second OpenMP thread per process only spins
 # waiting for a core (measured: 25 % more CPU time for the same tests). Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-for _k in ("http_proxy", "HTTP_PROXY"):
-    os.environ.setdefault(_k, "http://127.0.0.1:9")
-for _k in ("no_proxy", "NO_PROXY"):
-    os.environ.setdefault(_k, "127.0.0.1,localhost,::1")
+
+from launch.ray.cluster import LOOPBACK_ONLY_ENV  # noqa: E402  (imports neither Ray nor torch)
+
+for _k, _v in LOOPBACK_ONLY_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 import importlib.util  # noqa: E402
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from statistics import median
 from pathlib import Path
 from typing import Optional
 
@@ -40,12 +41,6 @@ def _bus_bytes(op: str, nbytes: float, n: int) -> float:
     return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
 
 
-def _median(values: list) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def shared_rates(ranks: list, key: str) -> list:
     """Each rank's rate ``key`` as it computes while every rank trains: a CPU rank measured alone (its ``host``
     and ``cores`` given) gets its share of the host's cores, ``cores / ranks on the host`` of its rate when they
@@ -62,8 +57,8 @@ def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, addre
     out = {"version": PROBE_VERSION, "made": time.strftime("%Y-%m-%d %H:%M:%S"), "address": address,
            "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision,
            "device": ranks[0]["device"] if ranks else "cpu",
-           "matmul_flops": {precision: _median(shared_rates(ranks, "matmul_flops"))},
-           "optimizer_rate": _median(shared_rates(ranks, "optimizer_rate"))}
+           "matmul_flops": {precision: median(shared_rates(ranks, "matmul_flops"))},
+           "optimizer_rate": median(shared_rates(ranks, "optimizer_rate"))}
     for key, concurrent in (("intra", nodes), ("inter", gpus_per_node)):
         groups = [r[key] for r in ranks if r.get(key)]
         if not groups:

@@ -59,6 +59,12 @@ _LOCAL_ENV = {
     # does not have, so they only cost each node a Python start (measured: two of ~0.4 CPU-s each per cluster).
     "RAY_prestart_worker_first_driver": "0",
 }
+# What a process that starts Ray on this machine needs in its environment before it does, so that no Ray process
+# sends a packet off it: _LOCAL_ENV, and the proxy variables pointed at the discard port on loopback (Ray's
+# dashboard asks the cloud-metadata address 169.254.169.254 which cloud it runs on, usage stats off or not).
+# For scripts and tests; the launcher leaves a user's proxy settings alone (their ranks may download).
+LOOPBACK_ONLY_ENV = {**_LOCAL_ENV, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+                     "no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}
 # An embedded node needs little shared memory: only metrics and small results travel through it.
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before the address counts as dead
