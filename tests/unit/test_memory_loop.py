@@ -21,6 +21,7 @@ from launch.planning import replan
 from launch.job.memory_view import memory_table, near_oom_line, usage_text
 from launch.planning.plan import build_plan
 from launch.spec import parse_spec
+from tests.dist.meter_rank import meter_in_a_fresh_process
 from tests.unit.test_monitor import FakeNvml, _two_h100s
 
 GiB = 2**30
@@ -102,29 +103,12 @@ def test_runtime_reserve_is_in_the_total_only():
 
 # ------------------------------------------------------------------------------------------- the meter
 
-def _meter_in_a_fresh_process():
-    """The meter's two checks in a rank of its own: ``(measured, the refusal's message or None)``."""
-    meter = MemoryMeter("cpu", budget_bytes=10**12)
-    hold = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    m = meter.measure()
-    meter.check(m)  # within budget
-    small = MemoryMeter("cpu", budget_bytes=2**20)
-    more = torch.ones(96 * 2**20 // 4)  # above glibc's mmap threshold: fresh pages, whatever the heap holds
-    try:
-        small.check(small.measure())
-        refused = None
-    except OutOfMemoryError as error:
-        refused = str(error)
-    del hold, more
-    return m, refused
-
-
 @pytest.mark.slow  # a rank of its own (forked from the forkserver): not in the fast tier
 def test_cpu_meter_measures_rss_growth_and_refuses_over_budget():
     # In a fresh process, not this one: in a whole-suite run this process has run many tests, and the 64 MiB
     # left no trace in its peak RSS twice (peak growth 0 in all of three tries once), whatever freed memory
     # under the baseline there; a rank starts as the meter expects, with nothing of other tests around.
-    m, refused = run_local(_meter_in_a_fresh_process, 1, timeout_s=120)[0]
+    m, refused = run_local(meter_in_a_fresh_process, 1, timeout_s=120)[0]
     assert m["peak_bytes"] >= 60 * 2**20 and "RSS" in m["source"] and m["fraction"] < 1
     assert refused is not None and "exceeds this rank's memory budget" in refused, refused
 
