@@ -6,15 +6,25 @@ ignored (``nohup``); ``take_back()`` re-installs the interrupt inside a block
 after a library replaced it; ``reassert()`` re-installs whatever Python believes is installed, after a
 library reset it beneath Python. Off the main thread they change nothing (Python allows
 signal handlers only there).
+
+An interrupt raised where Python cannot propagate it is not lost: a signal that lands while an at-fork hook
+runs (Ray starts its processes with ``subprocess``; logging's hook then swallowed the interrupt and the
+launcher went on starting the cluster and trained), in a ``__del__`` or a weakref callback, reaches
+``sys.unraisablehook``; inside an ``as_interrupt`` block that hook has the same signal sent again a moment
+later, so it is raised at the next point that can raise it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 from typing import Iterator
 
 BOTH = (signal.SIGTERM, signal.SIGINT)
+_REDELIVER_AFTER_S = 0.01
 
 
 def with_hangup(signals=BOTH) -> tuple:
@@ -28,8 +38,28 @@ def with_hangup(signals=BOTH) -> tuple:
     return (*signals, hup)
 
 
+class SignalInterrupt(KeyboardInterrupt):
+    """The ``KeyboardInterrupt`` a handled signal raises; ``signum`` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise SignalInterrupt(signum)
+
+
+def _redeliver_swallowed(unraisable, previous) -> None:
+    """``sys.unraisablehook`` inside an ``as_interrupt`` block: an interrupt Python had to swallow is sent
+    again; anything else goes to the hook that was there before."""
+    if isinstance(unraisable.exc_value, SignalInterrupt):
+        # From another thread, a moment later: sent from here, the handler would run (and be swallowed) here.
+        again = threading.Timer(_REDELIVER_AFTER_S, os.kill, (os.getpid(), unraisable.exc_value.signum))
+        again.daemon = True
+        again.start()
+    else:
+        previous(unraisable)
 
 
 def as_interrupt(*signals: int):
@@ -38,7 +68,18 @@ def as_interrupt(*signals: int):
     SIGINT is set explicitly because a launcher started in the background of a non-interactive shell
     inherits it ignored, and then even ``kill -INT`` would leave a cluster running.
     """
-    return _handled(signals or BOTH, _raise_interrupt)
+    return _interrupting(signals or BOTH)
+
+
+@contextlib.contextmanager
+def _interrupting(signals) -> Iterator[None]:
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: _redeliver_swallowed(unraisable, previous_hook)
+    try:
+        with _handled(signals, _raise_interrupt):
+            yield
+    finally:
+        sys.unraisablehook = previous_hook
 
 
 def ignored(*signals: int):

@@ -26,6 +26,32 @@ def test_reassert_restores_an_ignore_that_a_library_reset_beneath_python():
     assert not _ignored_by_the_kernel(signal.SIGTERM)
 
 
+def test_an_interrupt_python_swallows_is_delivered_again():
+    """A clean-clone CI run: SIGTERM landed while logging's at-fork hook ran (Ray starting a node through
+    subprocess); Python printed "Exception ignored in: _releaseLock" and the launcher went on starting the
+    cluster. A ``__del__`` swallows an exception the same way."""
+    import os
+    import time
+
+    class SignalsWhileCollected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs, and raises, inside this __del__
+                pass
+
+    raised_at = None
+    with pytest.raises(KeyboardInterrupt):
+        with signals.as_interrupt(signal.SIGTERM):
+            SignalsWhileCollected()  # collected at once
+            raised_at = "after __del__"
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            raised_at = "never"
+    assert raised_at == "after __del__"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 @pytest.mark.slow  # a CLI process importing torch: not in the fast tier (make test-fast)
 def test_a_command_exits_130_on_sighup_and_a_group_without_its_command_is_one_line(capsys):
     """Before, only SIGTERM was an interrupt at the top: a hangup killed a command with status 129."""
