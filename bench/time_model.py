@@ -191,13 +191,13 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              "measured / predicted (what one run tells `hybrid plan --measured`)",
              *(["- **A short run (`--quick`: 3 layouts, 6 steps) that checks the script, not the model**; the "
                 "acceptance run is the full one (24 layouts, 15 steps) on a quiet machine", ""] if quick else [""]),
-             "| layout | compute ms | TP ms | DP ms | optim ms | predicted ms | measured ms | measured / predicted "
+             "| layout | compute ms | TP ms | DP ms | optim ms | micro ms | predicted ms | measured ms | measured / predicted "
              "| within 30% | calibrated ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r, ok, cal in zip(result["rows"], check["within"], check["calibrated"]):
         t = r["terms"]
         lines.append(f"| {r['layout']} | {t['compute_s'] * 1e3:.2f} | {t['tp_s'] * 1e3:.2f} | {t['dp_s'] * 1e3:.2f} | "
-                     f"{t['optimizer_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{t['optimizer_s'] * 1e3:.2f} | {t.get('micro_s', 0.0) * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
                      f"{r['measured_s'] / r['predicted_s']:.2f} | {'yes' if ok else 'no'} | {cal * 1e3:.2f} |")
     lines += ["", f"Within +-{TOLERANCE:.0%}: {sum(check['within'])} of {len(check['within'])} layouts; Spearman "
                   f"rank correlation of predicted and measured: {check['spearman']:.2f} (target >= {MIN_SPEARMAN}). "

@@ -218,7 +218,7 @@ def differences(a: Candidate, b: Candidate) -> str:
         freed = b.device_bytes - a.device_bytes
         room = f"the freed {human_bytes(freed)} takes" if freed > 0 and la.micro_batch > lb.micro_batch else "with"
         parts.append(f"{room} micro-batch {la.micro_batch} x {la.accumulation} instead of {lb.micro_batch} x "
-                     f"{lb.accumulation}")
+                     f"{lb.accumulation} (per-micro-step cost {_ms(cb.micro_s)} -> {_ms(ca.micro_s)})")
     if la.activation_checkpointing != lb.activation_checkpointing:
         recompute = ca.recompute_s if la.activation_checkpointing else cb.recompute_s
         parts.append(("with" if la.activation_checkpointing else "without") +

@@ -165,8 +165,11 @@ EFFICIENCY = Efficiency(
     # CPU ranks sharing a host's cores (the probe gives each its share: launch.planning.probe_figures): the 24
     # layouts of bench/time_model.py (4 ranks on 2 cores, 2026-12-04, with the shared rate at 0.7) measured
     # 1.16-1.73x the prediction, 1.4x typical -- each rank's Python, copies and collectives' own CPU work take
-    # turns with its matmuls on the same cores: 0.5, checked on a second run (bench/RESULTS.md).
-    compute_measured_cpu=0.5,
+    # turns with its matmuls on the same cores: 0.5, checked on a second run (bench/RESULTS.md). Since the
+    # per-micro-step cost is a term of its own (hybrid.plan.cost: ops and passes over the parameters, which
+    # this factor had absorbed), 0.6: the factor that centres the 18 layouts of the 30-step run (measured /
+    # predicted 0.83-1.24, geometric mean 1.0), checked on a fresh run (bench/RESULTS.md).
+    compute_measured_cpu=0.6,
     # Bucketed reduce-scatter in backward and stage-3 prefetch hide most of their traffic (PyTorch FSDP
     # paper, Zhao et al. 2023, fig. 7: backward prefetch ~ no exposed all-gather); 0.8 leaves a margin
     # for the last bucket and stream contention.
@@ -181,6 +184,13 @@ EFFICIENCY = Efficiency(
 # Bytes one Adam(W) step touches per parameter: read fp32 master, both moments and the gradient (16 B),
 # write master and moments (12 B): 28 B at the device's memory bandwidth (memory bound).
 ADAM_BYTES_PER_PARAM = 28
+
+# Host time per eager op a micro-step dispatches (hybrid.plan.cost's per-micro-step term): PyTorch's dispatcher,
+# autograd's bookkeeping and, on a GPU, the kernel launch (CUDA's launch alone takes ~5 us: NVIDIA's CUDA C++ Best
+# Practices Guide, "kernel launch overhead"; eager PyTorch adds its dispatch on top): 10 us per op on a GPU. A CPU
+# rank: 5.6 us per op of a small layer norm, linear, GELU, linear forward and backward measured on one core of
+# the 2-core Xeon (the probe's own workload, hybrid.runtime.probe). `hybrid probe` measures either.
+OP_OVERHEAD = {"gpu": 10e-6, "cpu": 5.6e-6}
 
 # Host cores per GPU stepping an offloaded optimizer: a DGX H100 has 112 cores for 8 GPUs (DGX H100 datasheet).
 HOST_CORES_PER_GPU = 14
@@ -283,12 +293,34 @@ def build_hardware(device: Optional[str], precision: str, intra: Optional[str], 
     if device == "cpu":  # the host is the device: one core steps the optimizer either way
         host_rate = optimizer_rate = EFFICIENCY.host_adam if not probe or not probe.get("optimizer_rate") \
             else optimizer_rate
+    op_overhead, memory_bandwidth = OP_OVERHEAD["cpu" if device == "cpu" else "gpu"], gpu.memory_bandwidth
+    if probe:
+        op_overhead, memory_bandwidth, measured = _probed_host(probe, op_overhead, memory_bandwidth)
+        sources += measured
+    sources.append(("per micro-step", f"{op_overhead * 1e6:.3g} us per op, {memory_bandwidth / GB:.3g} GB/s memory"
+                    + ("" if probe and probe.get("op_rate") else f": {OP_OVERHEAD_SOURCE}")))
     overlap = EFFICIENCY.overlap_cpu if device == "cpu" else EFFICIENCY.overlap
     disk = nvme_disk()
     sources.append(("nvme", f"{disk.read / GB:.3g} GB/s read, {disk.write / GB:.3g} GB/s write per node: "
                             f"{disk.source}"))
     return Hardware(device or gpu.name, peak, efficiency, optimizer_rate, intra_link, inter_link, pcie, host_rate,
-                    overlap, tuple(sources), disk)
+                    overlap, tuple(sources), disk, op_overhead, memory_bandwidth)
+
+
+OP_OVERHEAD_SOURCE = "hybrid.plan.hardware.OP_OVERHEAD and the GPU's memory bandwidth (run hybrid probe)"
+
+
+def _probed_host(probe: dict, op_overhead: float, memory_bandwidth: float):
+    """The per-micro-step figures ``hybrid probe`` measured (``op_rate``: eager ops per second;
+    ``memory_bandwidth``), over the table's; a probe file written before they were measured has neither."""
+    measured = []
+    if probe.get("op_rate"):
+        op_overhead = 1.0 / float(probe["op_rate"])
+        measured.append(("ops", f"{op_overhead * 1e6:.3g} us per eager op measured"))
+    if probe.get("memory_bandwidth"):
+        memory_bandwidth = float(probe["memory_bandwidth"])
+        measured.append(("memory", f"{memory_bandwidth / GB:.3g} GB/s measured"))
+    return op_overhead, memory_bandwidth, measured
 
 
 def _probed(probe: dict, precision: str, peak, efficiency, optimizer_rate, intra, inter, peak_declared: bool,

@@ -1,6 +1,6 @@
 """What a rank measures of its links and compute for the time model (``hybrid probe``): all-reduce and
-all-gather at a small and a large message inside its node and across nodes, a matmul rate and an optimizer
-step's rate on its device (``measure_rank``; every rank of the default group calls it together). GPU ranks
+all-gather at a small and a large message inside its node and across nodes, a matmul rate, an optimizer
+step's rate, an eager op rate and a copy's memory bandwidth on its device (``measure_rank``; every rank of the default group calls it together). GPU ranks
 measure their rates all at once, one GPU each; CPU ranks one at a time, each alone on its host, and report
 the host and its cores, since they share them (``launch.planning.probe_figures`` divides). The driver fits and
 keeps the figures (``launch.planning.probe_figures``)."""
@@ -16,6 +16,8 @@ SMALL_BYTES = 64 << 10
 LARGE_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 MATMUL_N = {"cpu": 1024, "cuda": 8192}
 OPTIMIZER_NUMEL = 1 << 22
+COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
+OPS_WIDTH = 16  # the small layer the op rate times: launch and dispatch, next to nothing to compute
 REPS = 5
 # Seconds a rank computes back to back for a rate. Measured at once, 4 CPU ranks on a 2-core host gave anything
 # from 15 to 89 GFLOP/s each (their shares of the cores over one second are the scheduler's), and a 3-call median
@@ -92,6 +94,43 @@ def _matmul_rate(dtype, device) -> float:
     return _sustained_rate(lambda: a @ b, 2 * n ** 3, device)
 
 
+def _op_rate(device) -> float:
+    """Eager ops per second, autograd included: forward and backward of a small layer norm, linear, GELU,
+    linear and residual (what a micro-step dispatches, at a size where dispatch is all there is)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    h = OPS_WIDTH
+    layers = [torch.nn.LayerNorm(h), torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h)]
+    block = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(2, 4, h, device=device)
+
+    def once():
+        (x + block(x)).sum().backward()
+
+    once()
+    counter = _Count()
+    with counter:
+        once()
+    return _sustained_rate(once, counter.ops, device)
+
+
+def _memory_bandwidth(device) -> float:
+    """Bytes per second a large copy moves (read and written) on ``device``."""
+    import torch
+
+    n = COPY_BYTES["cuda" if device.type == "cuda" else "cpu"] // 4
+    src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
+    return _sustained_rate(lambda: dst.copy_(src), 2 * 4 * n, device)
+
+
 def _optimizer_rate(device) -> float:
     """Parameters per second a fused (else foreach) AdamW steps over fp32 values on ``device``."""
     import torch
@@ -139,12 +178,15 @@ def measure_rank(rank: int, world_size: int, ranks_per_node: int, device: str, p
         figures["matmul_flops"] = _matmul_rate(dtype, dev)
         dist.barrier()
         figures["optimizer_rate"] = _optimizer_rate(dev)
+        dist.barrier()
+        figures["op_rate"], figures["memory_bandwidth"] = _op_rate(dev), _memory_bandwidth(dev)
     else:  # CPU ranks share their host's cores: each alone, the others waiting (the sharing is summarize's)
         for turn in range(world_size):
             dist.barrier()
             if turn == rank:
                 figures["matmul_flops"] = _matmul_rate(dtype, dev)
                 figures["optimizer_rate"] = _optimizer_rate(dev)
+                figures["op_rate"], figures["memory_bandwidth"] = _op_rate(dev), _memory_bandwidth(dev)
         dist.barrier()
         figures.update(host=_host_id(), cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)

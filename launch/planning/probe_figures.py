@@ -4,11 +4,12 @@ directory, and read back by the plan (``hybrid plan``, ``hybrid launch``) instea
 Every rank measured at once (``hybrid.runtime.probe.measure_rank``) all-reduces and all-gathers through
 ``hybrid.comm.Comm`` (the path training takes: gloo, shared memory on one host, NCCL on GPUs) over the intra-node
 groups (a node's ranks) and the inter-node groups (one rank per node, the same local rank), at a small and a large
-size; then a matmul in the training precision and a fused AdamW step (GPU ranks at once, CPU ranks one at a time).
+size; then a matmul in the training precision, a fused AdamW step, the eager op rate and a copy's memory
+bandwidth (GPU ranks at once, CPU ranks one at a time).
 All nodes' groups ran together, as in training, so shared links are measured shared. ``summarize`` (pure) turns the ranks' figures into
 ``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through the two sizes (bus bytes:
 2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an all-gather, nccl-tests' convention), the
-median rank's matmul and optimizer rates (the slowest rank's times of each collective: they wait for it; a rate
+median rank's matmul, optimizer, op and memory rates (the slowest rank's times of each collective: they wait for it; a rate
 one rank measured low while a daemon took its core is that moment's, not the rank's), CPU ranks' at their share
 of their host's cores (``shared_rates``: they were measured one at a time).
 """
@@ -58,7 +59,9 @@ def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, addre
            "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision,
            "device": ranks[0]["device"] if ranks else "cpu",
            "matmul_flops": {precision: median(shared_rates(ranks, "matmul_flops"))},
-           "optimizer_rate": median(shared_rates(ranks, "optimizer_rate"))}
+           "optimizer_rate": median(shared_rates(ranks, "optimizer_rate")),
+           **{key: median(shared_rates(ranks, key)) for key in ("op_rate", "memory_bandwidth")
+              if ranks and all(r.get(key) for r in ranks)}}
     for key, concurrent in (("intra", nodes), ("inter", gpus_per_node)):
         groups = [r[key] for r in ranks if r.get(key)]
         if not groups:

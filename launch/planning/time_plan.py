@@ -167,7 +167,7 @@ LABEL = 24  # the layout column's width, wider where a label needs it ("tp2 z3 m
 
 def header(width: int = LABEL) -> str:
     return (f"  {'layout':<{width}}{'mem/GPU':>10}{'compute':>9}{'TP':>8}{'DP':>8}{'offload':>8}{'optim':>8}"
-            f"{'exposed':>9}{'step':>9}{'tokens/s':>12}{'MFU':>6}")
+            f"{'micro':>8}{'exposed':>9}{'step':>9}{'tokens/s':>12}{'MFU':>6}")
 
 
 def time_lines(tm: TimeModel, with_reason: bool = True) -> list[str]:
@@ -216,11 +216,12 @@ def ranking_lines(r: Ranking, hw: Hardware, head: str, with_reason: bool = True)
         marks = [m for on, m in ((cand is r.chosen, "chosen"), (cand is r.baseline, "memory-only")) if on]
         lines.append(f"  {cand.layout.label:<{width}}{human_bytes(cand.device_bytes):>10}{_ms(c.compute_s):>9}"
                      f"{_ms(c.tp_s):>8}{_ms(c.dp_s):>8}{_ms(c.offload_s):>8}{_ms(c.optimizer_s):>8}"
-                     f"{_ms(c.exposed_s):>9}{_ms(c.step_s):>9}{c.tokens_per_s:>12,.0f}{c.mfu:>6.0%}"
+                     f"{_ms(c.micro_s):>8}{_ms(c.exposed_s):>9}{_ms(c.step_s):>9}{c.tokens_per_s:>12,.0f}{c.mfu:>6.0%}"
                      + (f"  <- {', '.join(marks)}" if marks else ""))
     fitting, tried = len(r.fitting), len(r.candidates)
     lines.append(f"  ({fitting} of {tried} layouts fit; layout: TP degree, ZeRO stage, micro-batch x accumulation, "
-                 f"AC, offload, how ZeRO's collectives use the links; times in ms per step and GPU, MFU of "
+                 f"AC, offload, how ZeRO's collectives use the links; times in ms per step and GPU (micro: what the "
+                 f"micro-steps cost whatever their size, ops and passes over the parameters), MFU of "
                  f"{'the measured matmul rate' if hw.device == 'cpu' else 'the peak'})")
     if r.chosen is not None and with_reason:
         lines.append(f"choice  {r.reason}")

@@ -110,10 +110,28 @@ def test_overlap_hides_what_fits_under_compute():
     lay = on_16_dgx(tp=1, stage=3, micro_batch=8)
     none = step_cost(GPT13B, lay, dataclasses.replace(H100, overlap=0.0))
     full = step_cost(GPT13B, lay, dataclasses.replace(H100, overlap=1.0))
-    assert none.dp_hidden_s == 0 and none.exposed_s == pytest.approx(none.tp_s + none.dp_s)
+    assert none.dp_hidden_s == 0 and none.exposed_s == pytest.approx(none.tp_s + none.dp_s + none.micro_s)
     assert full.dp_hidden_s == pytest.approx(min(full.terms["dp_forward_s"], full.terms["forward_s"]) +
                                              min(full.terms["dp_backward_s"], full.terms["backward_s"]))
+    assert full.micro_hidden_s == pytest.approx(full.micro_s) and none.micro_hidden_s == 0
     assert full.step_s < none.step_s
+
+
+def test_each_micro_step_costs_its_ops_and_passes_over_the_parameters():
+    """13B (40 layers) on H100 at TP 2: 40 x 122 + 89 = 4,969 ops at 10 us, and 6 passes over Ψ/2 bf16
+    parameters at 3.35 TB/s, per micro-step; 7 passes and 40 x 63 more ops with activation checkpointing."""
+    per_micro = 4969 * 10e-6 + 6 * GPT13B.params / 2 * 2 / 3350e9
+    for acc in (1, 4):
+        cost = step_cost(GPT13B, on_16_dgx(tp=2, micro_batch=8 // acc, accumulation=acc), H100)
+        assert cost.terms["micro_ops"] == 4969 * acc
+        assert cost.micro_s == pytest.approx(per_micro * acc)
+    with_ac = step_cost(GPT13B, on_16_dgx(tp=2, micro_batch=8, ac=True), H100)
+    assert with_ac.micro_s == pytest.approx((4969 + 40 * 63) * 10e-6 + 7 * GPT13B.params / 2 * 2 / 3350e9)
+    # the same tokens in more micro-steps: slower on a host that hides nothing (a CPU rank), by their cost
+    cpu = dataclasses.replace(H100, overlap=0.0)
+    one, four = (step_cost(GPT13B, on_16_dgx(tp=2, micro_batch=8 // k, accumulation=k), cpu) for k in (1, 4))
+    assert four.compute_s == pytest.approx(one.compute_s)
+    assert four.step_s - one.step_s >= 3 * per_micro * 0.999
 
 
 def test_tokens_per_second_and_mfu():

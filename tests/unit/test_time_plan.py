@@ -125,7 +125,8 @@ def _rank(rank, node, local, slow=1.0):
     group = {"size": 2, "all_reduce": [[65536, 1e-4 * slow], [16 << 20, 1e-2 * slow]],
              "all_gather": [[65536, 1e-4 * slow], [16 << 20, 5e-3 * slow]]}
     return {"rank": rank, "node": node, "local_rank": local, "device": "cpu", "intra": group, "inter": group,
-            "matmul_flops": 50e9 / slow, "optimizer_rate": 4e8 / slow}
+            "matmul_flops": 50e9 / slow, "optimizer_rate": 4e8 / slow, "op_rate": 2e5 / slow,
+            "memory_bandwidth": 2e10 / slow}
 
 
 def test_cpu_ranks_measured_alone_get_their_share_of_their_hosts_cores():
@@ -133,6 +134,7 @@ def test_cpu_ranks_measured_alone_get_their_share_of_their_hosts_cores():
     # three ranks on host a's 2 cores get 2/3 of the rate each; host b's one rank keeps all of its own
     assert shared_rates(alone, "matmul_flops") == pytest.approx([50e9 * 2 / 3] * 3 + [50e9])
     assert summarize(alone, 2, 2, "fp32")["matmul_flops"] == {"fp32": pytest.approx(50e9 * 2 / 3)}
+    assert summarize(alone, 2, 2, "fp32")["op_rate"] == pytest.approx(2e5 * 2 / 3)  # dispatch shares the cores too
     gpus = [_rank(r, r // 2, r % 2) for r in range(4)]  # no host and cores: measured at once, kept as they are
     assert shared_rates(gpus, "optimizer_rate") == [4e8] * 4
 
@@ -153,6 +155,11 @@ def test_probe_json_takes_the_median_rate_and_the_slowest_rank_for_each_group(tm
     assert read_probe(tmp_path, spec_for()) is not None and read_probe(tmp_path, spec_for(nodes=4)) is None
     lp = build_plan(spec_for(), probe=figures)
     assert lp.time.hardware.peak_flops == 50e9 and "measured" in lp.time.note
+    # the per-micro-step figures: an op's time is one over the median op rate, the copy's bandwidth as measured
+    assert figures["op_rate"] == 2e5 and figures["memory_bandwidth"] == 2e10
+    assert (lp.time.hardware.op_overhead, lp.time.hardware.memory_bandwidth) == (pytest.approx(5e-6), 2e10)
+    older = {k: v for k, v in figures.items() if k not in ("op_rate", "memory_bandwidth")}  # a probe before them
+    assert build_plan(spec_for(), probe=older).time.hardware.op_overhead == pytest.approx(5.6e-6)
     (tmp_path / PROBE_FILE).write_text("[1]")
     with pytest.raises(ConfigError, match="probe.json is unreadable .*run hybrid probe again"):
         read_probe(tmp_path)
