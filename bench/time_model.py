@@ -88,9 +88,10 @@ def hybrid(*argv: str, log: Path) -> None:
 
 
 def launched(cluster: Path, run_dir: Path, lay: dict, retried: list) -> bool:
-    """``hybrid launch cluster``, once more if a rank's process died at start-up (seen at the 16th launch of
-    two runs: "oneMKL FATAL ERROR: Cannot load libtorch_cpu.so" in a fresh worker; the same file launched
-    alone trained): not the time model's error. False, and the layout left out of the table, if it dies again."""
+    """``hybrid launch cluster``, once more if it fails (a rank's process dying at start-up is not the time
+    model's error). False, and the layout left out of the table, if it fails again. (Every TP-2 launch of three
+    runs died so -- "oneMKL FATAL ERROR: Cannot load libtorch_cpu.so" -- while the working directory, this
+    script's, shipped the Ray logs the earlier launches kept; ``launch.ray.runtime_env`` excludes them now.)"""
     for attempt in (1, 2):
         try:
             hybrid("launch", str(cluster), log=run_dir / "launch.log")

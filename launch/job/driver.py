@@ -150,7 +150,9 @@ def launch(spec: LaunchSpec, stream: Optional[TextIO] = None, measure_links: boo
 def kept_logs_dir(spec: LaunchSpec):
     """Where an embedded cluster's session logs are kept after it is torn down (the run directory), or None
     for a cluster that outlives the job (its own session directory keeps them)."""
-    return spec.job.run_dir / "ray-logs" if spec.cluster.is_local and spec.job.run_dir is not None else None
+    from launch.ray.embedded_processes import KEPT_LOGS
+
+    return spec.job.run_dir / KEPT_LOGS if spec.cluster.is_local and spec.job.run_dir is not None else None
 
 
 def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bool] = None,

@@ -93,6 +93,10 @@ def alive(pid: int) -> bool:
         return False
 
 
+KEPT_LOGS = "ray-logs"  # the run directory's copy of an embedded cluster's session logs
+PREVIOUS_SUFFIX = ".previous"  # the launch before's, beside it
+
+
 def keep_logs(base: str, target: Path) -> None:
     """Move the session logs out of the embedded cluster's temp dir ``base`` to ``target`` before it is removed
     (best effort: a failure to keep logs must not fail the job). The logs already there, the previous
@@ -103,7 +107,7 @@ def keep_logs(base: str, target: Path) -> None:
     try:
         target = Path(target)
         if target.exists():
-            previous = target.with_name(target.name + ".previous")
+            previous = target.with_name(target.name + PREVIOUS_SUFFIX)
             shutil.rmtree(previous, ignore_errors=True)
             target.rename(previous)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """What every rank actor starts with: Ray's ``runtime_env`` for the job (pure functions of the spec).
 
 ``runtime_env(spec)`` ships ``job.working_dir`` (the cluster file's directory by default) to every node, as
-Ray Jobs do: Ray zips it (less ``working_dir_excludes``: virtual environments, git data, caches, and the
-job's run and checkpoint directories when they lie inside it), uploads it through the cluster's GCS once,
+Ray Jobs do: Ray zips it (less ``working_dir_excludes``: virtual environments, git data, caches, the Ray logs
+kept by earlier launches, and the job's run and checkpoint directories when they lie inside it), uploads it through the cluster's GCS once,
 unpacks it on each node and starts the actor there with it as current directory and first on the import
 path, so the user's entrypoint module and files beside it exist on every node. ``env_vars`` are
 ``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH`` (and, on the embedded cluster, which
@@ -30,12 +30,17 @@ from typing import Optional
 
 from hybrid.errors import ConfigError, first_line
 from launch.ray import cluster as ray_cluster
+from launch.ray.embedded_processes import KEPT_LOGS, PREVIOUS_SUFFIX
 from launch.ray.working_dir_check import check_working_dir, ray_default_excludes
 from launch.spec import LaunchSpec
 
 # Never worth shipping: environments, VCS data, caches (gitignore-style patterns, as Ray's excludes take).
+# And the session logs every earlier launch kept in its run directory (``launch.ray.embedded_processes``):
+# a working directory that held 13 earlier runs' (their worker logs, events) made every TP-2 rank of the next
+# launch of the bench (bench/time_model.py) die at start-up ("oneMKL FATAL ERROR: Cannot load
+# libtorch_cpu.so"), reproducibly, and the same launch with them excluded trained.
 ALWAYS_EXCLUDED = (".venv/", "venv/", ".git", "__pycache__/", "*.pyc", ".pytest_cache/", ".hypothesis/",
-                   "*.egg-info/", ".mypy_cache/")
+                   "*.egg-info/", ".mypy_cache/", f"{KEPT_LOGS}/", f"{KEPT_LOGS}{PREVIOUS_SUFFIX}/")
 
 
 # NCCL hygiene on every rank: the flight recorder on and dumped when a collective times out, and the CUDA

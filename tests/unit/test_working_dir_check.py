@@ -224,6 +224,33 @@ def test_what_passes_the_check_rays_own_packing_walk_finishes(tmp_path):
     assert done.returncode == 0 and done.stdout.startswith("gcs://_ray_pkg_"), done.stderr
 
 
+def test_ray_logs_kept_by_earlier_launches_are_not_shipped(tmp_path):
+    """Runs whose run directories sit in the working directory (the bench's, a user's runs/ beside the cluster
+    file) kept their Ray session logs there; shipped to the next launch they made every TP-2 rank die at
+    start-up. Ray's own packing gives the same package with or without them."""
+    w = _tree(tmp_path / "w")
+    script = textwrap.dedent(f"""
+        from ray._private.runtime_env.packaging import get_uri_for_directory
+        print(get_uri_for_directory({str(w)!r}, include_gitignore=True, excludes={list(ALWAYS_EXCLUDED)!r}))
+    """)
+
+    def package() -> str:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    kept_dirs = ("runs/old/ray-logs", "runs/old/ray-logs.previous", "ray-logs")
+    for kept in kept_dirs:
+        (w / kept / "events").mkdir(parents=True)  # Ray hashes the names of directories it skips the files of
+    clean = package()
+    for kept in kept_dirs:
+        (w / kept / "worker-1.err").write_text("a worker's log\n")
+        (w / kept / "events" / "event_RAYLET.log").write_text("{}\n")
+    assert package() == clean
+    (w / "runs" / "old" / "metrics.jsonl").write_text("{}\n")  # the rest of a run directory still ships
+    assert package() != clean
+
+
 def _special_refused(root: Path, shown: str, what: str) -> None:
     with pytest.raises(ConfigError) as err:
         _check(root)
