@@ -182,7 +182,10 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              f"{MODEL}; global batch 16 sequences in every layout; each layout one `hybrid launch` with its choices "
              f"fixed in the cluster file and the probe's probe.json in its run_dir",
              f"- Probe (`hybrid probe`): matmul {next(iter(p['matmul_flops'].values())) / 1e9:.3g} GFLOP/s, AdamW "
-             f"{p['optimizer_rate'] / 1e6:.3g}M parameters/s; intra-node {intra.get('bandwidth', 0) / 1e9:.3g} GB/s, "
+             f"{p['optimizer_rate'] / 1e6:.3g}M parameters/s"
+             + (f", {1e6 / p['op_rate']:.3g} us per eager op" if p.get("op_rate") else "")
+             + (f", copy {p['memory_bandwidth'] / 1e9:.3g} GB/s" if p.get("memory_bandwidth") else "")
+             + f" (each CPU rank's share of its host's cores); intra-node {intra.get('bandwidth', 0) / 1e9:.3g} GB/s, "
              f"{intra.get('latency', 0) * 1e6:.0f} us; inter-node {inter.get('bandwidth', 0) / 1e9:.3g} GB/s, "
              f"{inter.get('latency', 0) * 1e6:.0f} us",
              *([f"- Launches whose rank process died at start-up (`launched`; a layout that failed twice is not "

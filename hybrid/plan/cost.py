@@ -41,8 +41,8 @@ t = TP degree, N = DP degree, Ψ = parameters):
   each) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
   gradients written and accumulated, one more read with activation checkpointing) at ``hw.memory_bandwidth``. This is why
   twice the micro-steps of half the size are slower for the same tokens. A GPU runs it beside its kernels
-  (the host queues ahead; weights stream under the matmuls): ``hw.overlap`` of what fits under the compute
-  that the hidden traffic left is hidden; a CPU rank does it on the cores that compute (``overlap`` 0).
+  (the host queues work ahead while the device computes or waits on a collective; weights stream under the
+  matmuls): ``hw.overlap`` of what fits under the device's time is hidden; a CPU rank does it on the cores that compute (``overlap`` 0).
 
 ``exposed`` is the work not hidden (TP, the rest of DP, offload and the per-micro-step cost); ``step = compute
 + optimizer + exposed``; tokens/s is the job's tokens per step over it, MFU the model FLOPs (no recompute) over the
@@ -496,8 +496,11 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
         optimizer = shard / hw.optimizer_rate
 
     micro, micro_ops, micro_bytes = micro_step_seconds(model, layout, hw)
-    # under the compute the collectives and the offload copies have not already taken (one window, not two)
-    micro_hidden = _hidden(micro, max(0.0, compute - dp_hidden - offload_hidden), hw.overlap)
+    # the host dispatches while the device works: under all of the device's time, exposed traffic included
+    # (step = device + micro - overlap * min(micro, device): never slower for a faster device or link)
+    device = (compute + optimizer + tp + (dp_forward + dp_backward + dp_boundary + dp_after - dp_hidden)
+              + (offload - offload_hidden))
+    micro_hidden = _hidden(micro, device, hw.overlap)
 
     links = d.links()
     terms = {"micro_ops": micro_ops, "micro_param_bytes": micro_bytes, "forward_s": forward, "backward_s": backward, "tp_calls": tp_calls, "dp_forward_s": dp_forward,
