@@ -59,12 +59,17 @@ _LOCAL_ENV = {
     # does not have, so they only cost each node a Python start (measured: two of ~0.4 CPU-s each per cluster).
     "RAY_prestart_worker_first_driver": "0",
 }
+# The proxy variables pointed at the discard port on loopback: Ray's head node starts a dashboard process even
+# without the dashboard (its usage-stats module), and that asks the cloud-metadata address 169.254.169.254 and
+# metadata.google.internal which cloud it runs on, usage stats off or not (strace of a launch). The embedded
+# cluster's head node starts with them (``local_cluster``); the ranks get the user's own back (``PROXY_VARS``,
+# launch.ray.runtime_env: their code may download).
+_HEAD_NODE_ENV = {"http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+                  "no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}
+PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY")
 # What a process that starts Ray on this machine needs in its environment before it does, so that no Ray process
-# sends a packet off it: _LOCAL_ENV, and the proxy variables pointed at the discard port on loopback (Ray's
-# dashboard asks the cloud-metadata address 169.254.169.254 which cloud it runs on, usage stats off or not).
-# For scripts and tests; the launcher leaves a user's proxy settings alone (their ranks may download).
-LOOPBACK_ONLY_ENV = {**_LOCAL_ENV, "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-                     "no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}
+# sends a packet off it: for scripts and tests that start Ray themselves.
+LOOPBACK_ONLY_ENV = {**_LOCAL_ENV, **_HEAD_NODE_ENV}
 # An embedded node needs little shared memory: only metrics and small results travel through it.
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before the address counts as dead
@@ -138,7 +143,8 @@ def local_cluster(nodes: int, ranks_per_node: int, keep_logs: Optional[Path] = N
                 cluster = Cluster(initialize_head=False)
                 with _own_sessions():
                     for i in range(nodes):
-                        cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
+                        with _environment(_HEAD_NODE_ENV if i == 0 else {}):
+                            cluster.add_node(**_node_args(i, ranks_per_node, head=i == 0))
                         signals.take_back(*ours)  # each node's start installed a SIGTERM handler of Ray's own
                 cluster.wait_for_nodes()
                 _watch_gcs(cluster)
@@ -479,6 +485,18 @@ def _short_tmp() -> str:
     the 107 bytes of an AF_UNIX address."""
     tmp = tempfile.gettempdir()
     return tmp if len(tmp) <= 24 or not os.path.isdir("/tmp") else "/tmp"
+
+
+@contextlib.contextmanager
+def _environment(values: dict) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block (the processes it starts inherit them), then as before."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            _restore_env(name, value)
 
 
 def _restore_env(name: str, value: Optional[str]) -> None:

@@ -69,6 +69,9 @@ def rank_env(spec: LaunchSpec, driver_env: Optional[dict] = None) -> dict:
     env.update({k: v for k, v in driver_env.items() if k.startswith(PASSED_THROUGH)})
     if spec.cluster.is_local:
         env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR=ray_cluster.LOOPBACK)
+        # the driver's proxy settings, not the loopback ones the embedded head node's processes start with
+        # (empty: none, as urllib, requests and httpx read an empty one)
+        env.update({name: driver_env.get(name, "") for name in ray_cluster.PROXY_VARS})
     env.update(spec.job.env)
     return env
 

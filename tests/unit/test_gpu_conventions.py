@@ -116,6 +116,17 @@ def test_ranks_get_the_nccl_defaults_the_flight_recorder_dir_and_the_drivers_ncc
     assert plain["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_FR_DUMP_TEMP_FILE" not in plain
 
 
+def test_ranks_of_the_embedded_cluster_get_the_drivers_proxy_settings_back():
+    """The embedded head node starts with proxies on loopback (its dashboard asks cloud-metadata addresses); its
+    raylet's ranks get the driver's own settings, none where it had none, and job.env over all."""
+    mine = _rank_env(_spec(), {"https_proxy": "http://proxy.corp:3128", "no_proxy": ".corp"})
+    assert mine["https_proxy"] == "http://proxy.corp:3128" and mine["no_proxy"] == ".corp"
+    assert mine["http_proxy"] == mine["HTTP_PROXY"] == mine["NO_PROXY"] == ""
+    none = _rank_env(_spec(), {})
+    assert all(none[k] == "" for k in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"))
+    assert _rank_env(_spec(env={"http_proxy": "http://job:1"}), {})["http_proxy"] == "http://job:1"
+
+
 def test_job_isolate_gpus_is_a_boolean_defaulting_to_false():
     assert _spec().job.isolate_gpus is False and _spec(isolate_gpus=True).job.isolate_gpus is True
     with pytest.raises(ConfigError, match=r"^job\.isolate_gpus must be true or false, got 'yes'\.$"):
