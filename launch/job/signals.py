@@ -73,6 +73,9 @@ def as_interrupt(*signals: int):
 
 @contextlib.contextmanager
 def _interrupting(signals) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # no handler there either (``_handled``)
+        yield
+        return
     previous_hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: _redeliver_swallowed(unraisable, previous_hook)
     try:

@@ -51,6 +51,20 @@ def test_an_interrupt_python_swallows_is_delivered_again():
     assert raised_at == "after __del__"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
+    import sys
+    import threading
+
+    hooks = []  # off the main thread nothing is installed: no handler, and no hook another thread could restore
+
+    def off_main():
+        with signals.as_interrupt(signal.SIGTERM):
+            hooks.append(sys.unraisablehook)
+
+    worker = threading.Thread(target=off_main)
+    worker.start()
+    worker.join()
+    assert hooks == [sys.unraisablehook]
+
 
 @pytest.mark.slow  # a CLI process importing torch: not in the fast tier (make test-fast)
 def test_a_command_exits_130_on_sighup_and_a_group_without_its_command_is_one_line(capsys):
