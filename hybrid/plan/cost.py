@@ -39,14 +39,15 @@ t = TP degree, N = DP degree, Ψ = parameters):
 * **per micro-step**: what a micro-step costs whatever its size, k times per step: the host's dispatch of its
   eager ops (``ModelShape.ops_per_micro_step``: the forward, backward and recompute ops at ``hw.op_overhead``
   each) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
-  gradients written and accumulated, one more read with activation checkpointing) at ``hw.memory_bandwidth``. This is why
-  twice the micro-steps of half the size are slower for the same tokens. A GPU runs it beside its kernels
-  (the host queues work ahead while the device computes or waits on a collective; weights stream under the
-  matmuls): ``hw.overlap`` of what fits under the device's time is hidden; a CPU rank does it on the cores that compute (``overlap`` 0).
+  gradients written and accumulated, one more read with activation checkpointing) at
+  ``hw.memory_bandwidth``. This is why twice the micro-steps of half the size are slower for the same tokens.
+  A GPU runs it beside its kernels (the host queues work ahead while the device computes or waits on a
+  collective; weights stream under the matmuls): ``hw.overlap`` of what fits under the device's time is
+  hidden; a CPU rank does it on the cores that compute (``overlap`` 0).
 
-``exposed`` is the work not hidden (TP, the rest of DP, offload and the per-micro-step cost); ``step = compute
-+ optimizer + exposed``; tokens/s is the job's tokens per step over it, MFU the model FLOPs (no recompute) over the
-peak. Collectives cost ``latency + bytes / bandwidth`` each.
+``exposed`` is the work not hidden (TP, the rest of DP, offload and the per-micro-step cost); ``step =
+compute + optimizer + exposed``; tokens/s is the job's tokens per step over it, MFU the model FLOPs (no
+recompute) over the peak. Collectives cost ``latency + bytes / bandwidth`` each.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class StepCost:
     nvme_read_bytes: float = 0.0   # per GPU per step: its swap file read once
     nvme_write_bytes: float = 0.0  # and written once
     micro_s: float = 0.0           # the per-micro-step cost, all k of them (ops and parameter passes)
-    micro_hidden_s: float = 0.0    # of which hidden behind compute
+    micro_hidden_s: float = 0.0    # of which hidden behind the device's work
 
     @property
     def exposed_s(self) -> float:
@@ -503,8 +504,9 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
     micro_hidden = _hidden(micro, device, hw.overlap)
 
     links = d.links()
-    terms = {"micro_ops": micro_ops, "micro_param_bytes": micro_bytes, "forward_s": forward, "backward_s": backward, "tp_calls": tp_calls, "dp_forward_s": dp_forward,
-             "dp_backward_s": dp_backward, "dp_boundary_s": dp_boundary, "dp_after_s": dp_after, "dp_calls": d.calls,
+    terms = {"micro_ops": micro_ops, "micro_param_bytes": micro_bytes, "forward_s": forward,
+             "backward_s": backward, "tp_calls": tp_calls, "dp_forward_s": dp_forward, "dp_backward_s": dp_backward,
+             "dp_boundary_s": dp_boundary, "dp_after_s": dp_after, "dp_calls": d.calls,
              "optimizer_params": shard, "dp_intra_bytes": links["intra"], "dp_inter_bytes": links["inter"]}
     return StepCost(layout, compute, recompute, optimizer, tp, dp_forward + dp_backward + dp_boundary + dp_after,
                     dp_hidden,

@@ -1,9 +1,9 @@
-"""What a rank measures of its links and compute for the time model (``hybrid probe``): all-reduce and
-all-gather at a small and a large message inside its node and across nodes, a matmul rate, an optimizer
-step's rate, an eager op rate and a copy's memory bandwidth on its device (``measure_rank``; every rank of the default group calls it together). GPU ranks
-measure their rates all at once, one GPU each; CPU ranks one at a time, each alone on its host, and report
-the host and its cores, since they share them (``launch.planning.probe_figures`` divides). The driver fits and
-keeps the figures (``launch.planning.probe_figures``)."""
+"""What a rank measures of its links and compute for the time model (``hybrid probe``): all-reduce and all-gather
+at a small and a large message inside its node and across nodes, a matmul rate, an optimizer step's rate, an
+eager op rate and a copy's memory bandwidth on its device (``measure_rank``; every rank of the default group
+calls it together). GPU ranks measure their rates all at once, one GPU each; CPU ranks one at a time, each
+alone on its host, and report the host and its cores, since they share them (``launch.planning.probe_figures``
+divides). The driver fits and keeps the figures (``launch.planning.probe_figures``)."""
 
 from __future__ import annotations
 

@@ -2,16 +2,17 @@
 directory, and read back by the plan (``hybrid plan``, ``hybrid launch``) instead of the hardware tables.
 
 Every rank measured at once (``hybrid.runtime.probe.measure_rank``) all-reduces and all-gathers through
-``hybrid.comm.Comm`` (the path training takes: gloo, shared memory on one host, NCCL on GPUs) over the intra-node
-groups (a node's ranks) and the inter-node groups (one rank per node, the same local rank), at a small and a large
-size; then a matmul in the training precision, a fused AdamW step, the eager op rate and a copy's memory
-bandwidth (GPU ranks at once, CPU ranks one at a time).
-All nodes' groups ran together, as in training, so shared links are measured shared. ``summarize`` (pure) turns the ranks' figures into
-``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through the two sizes (bus bytes:
-2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an all-gather, nccl-tests' convention), the
-median rank's matmul, optimizer, op and memory rates (the slowest rank's times of each collective: they wait for it; a rate
-one rank measured low while a daemon took its core is that moment's, not the rank's), CPU ranks' at their share
-of their host's cores (``shared_rates``: they were measured one at a time).
+``hybrid.comm.Comm`` (the path training takes: gloo, shared memory on one host, NCCL on GPUs) over the
+intra-node groups (a node's ranks) and the inter-node groups (one rank per node, the same local rank), at a
+small and a large size; then a matmul in the training precision, a fused AdamW step, the eager op rate and a
+copy's memory bandwidth (GPU ranks at once, CPU ranks one at a time). All nodes' groups ran together, as in
+training, so shared links are measured shared. ``summarize`` (pure) turns the ranks' figures into
+``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through the two sizes (bus
+bytes: 2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an all-gather, nccl-tests'
+convention), the median rank's matmul, optimizer, op and memory rates (the slowest rank's times of each
+collective: they wait for it; a rate one rank measured low while a daemon took its core is that moment's, not
+the rank's), CPU ranks' at their share of their host's cores (``shared_rates``: they were measured one at a
+time).
 """
 
 from __future__ import annotations

@@ -2,15 +2,16 @@
 
 ``runtime_env(spec)`` ships ``job.working_dir`` (the cluster file's directory by default) to every node, as
 Ray Jobs do: Ray zips it (less ``working_dir_excludes``: virtual environments, git data, caches, the Ray logs
-kept by earlier launches, and the job's run and checkpoint directories when they lie inside it), uploads it through the cluster's GCS once,
-unpacks it on each node and starts the actor there with it as current directory and first on the import
-path, so the user's entrypoint module and files beside it exist on every node. ``env_vars`` are
-``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH`` (and, on the embedded cluster, which
-shares this machine, its current directory, after the working directory), the NCCL defaults (flight
-recorder dumping into the checkpoint directory, expandable segments) under the driver's own ``NCCL_*`` /
-``TORCH_NCCL_*`` / ``TORCH_FR_*`` / ``PYTORCH_CUDA_ALLOC_CONF``, gloo on loopback for the embedded
-cluster, then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy on
-the rank's node.
+kept by earlier launches, and the job's run and checkpoint directories when they lie inside it), uploads it
+through the cluster's GCS once, unpacks it on each node and starts the actor there with it as current
+directory and first on the import path, so the user's entrypoint module and files beside it exist on every
+node. ``env_vars`` are ``rank_env``: one BLAS thread per rank, the driver's ``PYTHONPATH`` (and, on the
+embedded cluster, which shares this machine, its current directory, after the working directory), the NCCL
+defaults (flight recorder dumping into the checkpoint directory, expandable segments) under the driver's own
+``NCCL_*`` / ``TORCH_NCCL_*`` / ``TORCH_FR_*`` / ``PYTORCH_CUDA_ALLOC_CONF``, gloo on loopback and the
+driver's own proxy settings for the embedded cluster (whose head node's processes start with loopback ones),
+then ``job.env``. ``localize`` maps a driver path inside the working directory to its copy
+on the rank's node.
 
 Ray accepts a local ``working_dir`` only in ``ray.init``'s job-wide ``runtime_env``; one launcher driver may
 run several jobs on one connection, so ``ship`` does what ``ray.init`` does -- zip, upload to the GCS
