@@ -185,7 +185,8 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              f"{p['optimizer_rate'] / 1e6:.3g}M parameters/s"
              + (f", {1e6 / p['op_rate']:.3g} us per eager op" if p.get("op_rate") else "")
              + (f", copy {p['memory_bandwidth'] / 1e9:.3g} GB/s" if p.get("memory_bandwidth") else "")
-             + f" (each CPU rank's share of its host's cores); intra-node {intra.get('bandwidth', 0) / 1e9:.3g} GB/s, "
+             + f" (each CPU rank's share of its host's cores); intra-node "
+             f"{intra.get('bandwidth', 0) / 1e9:.3g} GB/s, "
              f"{intra.get('latency', 0) * 1e6:.0f} us; inter-node {inter.get('bandwidth', 0) / 1e9:.3g} GB/s, "
              f"{inter.get('latency', 0) * 1e6:.0f} us",
              *([f"- Launches whose rank process died at start-up (`launched`; a layout that failed twice is not "
@@ -195,13 +196,14 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              "measured / predicted (what one run tells `hybrid plan --measured`)",
              *(["- **A short run (`--quick`: 3 layouts, 6 steps) that checks the script, not the model**; the "
                 "acceptance run is the full one (24 layouts, 15 steps) on a quiet machine", ""] if quick else [""]),
-             "| layout | compute ms | TP ms | DP ms | optim ms | micro ms | predicted ms | measured ms | measured / predicted "
-             "| within 30% | calibrated ms |",
+             "| layout | compute ms | TP ms | DP ms | optim ms | micro ms | predicted ms | measured ms "
+             "| measured / predicted | within 30% | calibrated ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r, ok, cal in zip(result["rows"], check["within"], check["calibrated"]):
         t = r["terms"]
         lines.append(f"| {r['layout']} | {t['compute_s'] * 1e3:.2f} | {t['tp_s'] * 1e3:.2f} | {t['dp_s'] * 1e3:.2f} | "
-                     f"{t['optimizer_s'] * 1e3:.2f} | {t.get('micro_s', 0.0) * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{t['optimizer_s'] * 1e3:.2f} | {t.get('micro_s', 0.0) * 1e3:.2f} | "
+                     f"{r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
                      f"{r['measured_s'] / r['predicted_s']:.2f} | {'yes' if ok else 'no'} | {cal * 1e3:.2f} |")
     lines += ["", f"Within +-{TOLERANCE:.0%}: {sum(check['within'])} of {len(check['within'])} layouts; Spearman "
                   f"rank correlation of predicted and measured: {check['spearman']:.2f} (target >= {MIN_SPEARMAN}). "

@@ -496,11 +496,11 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
     else:
         optimizer = shard / hw.optimizer_rate
 
+    dp = dp_forward + dp_backward + dp_boundary + dp_after
     micro, micro_ops, micro_bytes = micro_step_seconds(model, layout, hw)
     # the host dispatches while the device works: under all of the device's time, exposed traffic included
     # (step = device + micro - overlap * min(micro, device): never slower for a faster device or link)
-    device = (compute + optimizer + tp + (dp_forward + dp_backward + dp_boundary + dp_after - dp_hidden)
-              + (offload - offload_hidden))
+    device = compute + optimizer + tp + (dp - dp_hidden) + (offload - offload_hidden)
     micro_hidden = _hidden(micro, device, hw.overlap)
 
     links = d.links()
@@ -508,8 +508,7 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
              "backward_s": backward, "tp_calls": tp_calls, "dp_forward_s": dp_forward, "dp_backward_s": dp_backward,
              "dp_boundary_s": dp_boundary, "dp_after_s": dp_after, "dp_calls": d.calls,
              "optimizer_params": shard, "dp_intra_bytes": links["intra"], "dp_inter_bytes": links["inter"]}
-    return StepCost(layout, compute, recompute, optimizer, tp, dp_forward + dp_backward + dp_boundary + dp_after,
-                    dp_hidden,
+    return StepCost(layout, compute, recompute, optimizer, tp, dp, dp_hidden,
                     offload, offload_hidden, tp_bytes, d.total, pcie_bytes, flops,
                     layout.global_batch * model.seq, hw.peak_flops, terms, nvme, swapped, swapped, micro,
                     micro_hidden)

@@ -25,6 +25,11 @@ REPS = 5
 SUSTAIN_S = 0.5
 
 
+def _kind(device) -> str:
+    """The size tables' key for ``device``: ``cuda`` or ``cpu``."""
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
 def _median(values: list) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -67,7 +72,7 @@ def _time_collective(comm, op: str, nbytes: int, dtype, device) -> float:
 def _group_figures(comm, dtype, device) -> Optional[dict]:
     if comm is None or comm.size < 2:
         return None
-    large = LARGE_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    large = LARGE_BYTES[_kind(device)]
     return {"size": comm.size, **{op: [[b, _time_collective(comm, op, b, dtype, device)] for b in (SMALL_BYTES, large)]
                                   for op in ("all_reduce", "all_gather")}}
 
@@ -89,7 +94,7 @@ def _sustained_rate(work, amount: float, device) -> float:
 def _matmul_rate(dtype, device) -> float:
     import torch
 
-    n = MATMUL_N["cuda" if device.type == "cuda" else "cpu"]
+    n = MATMUL_N[_kind(device)]
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     return _sustained_rate(lambda: a @ b, 2 * n ** 3, device)
 
@@ -126,7 +131,7 @@ def _memory_bandwidth(device) -> float:
     """Bytes per second a large copy moves (read and written) on ``device``."""
     import torch
 
-    n = COPY_BYTES["cuda" if device.type == "cuda" else "cpu"] // 4
+    n = COPY_BYTES[_kind(device)] // 4
     src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
     return _sustained_rate(lambda: dst.copy_(src), 2 * 4 * n, device)
 
@@ -173,20 +178,17 @@ def measure_rank(rank: int, world_size: int, ranks_per_node: int, device: str, p
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     figures["intra"] = _group_figures(Comm(intra[node], "probe-intra") if g > 1 else None, dtype, dev)
     figures["inter"] = _group_figures(Comm(inter[local], "probe-inter") if nodes > 1 else None, dtype, dev)
-    if dev.type == "cuda":  # a GPU each: all ranks at once, as they train
-        dist.barrier()
-        figures["matmul_flops"] = _matmul_rate(dtype, dev)
-        dist.barrier()
-        figures["optimizer_rate"] = _optimizer_rate(dev)
-        dist.barrier()
-        figures["op_rate"], figures["memory_bandwidth"] = _op_rate(dev), _memory_bandwidth(dev)
+    rates = {"matmul_flops": lambda: _matmul_rate(dtype, dev), "optimizer_rate": lambda: _optimizer_rate(dev),
+             "op_rate": lambda: _op_rate(dev), "memory_bandwidth": lambda: _memory_bandwidth(dev)}
+    if dev.type == "cuda":  # a GPU each: all ranks at once, as they train, each rate started together
+        for key, measure in rates.items():
+            dist.barrier()
+            figures[key] = measure()
     else:  # CPU ranks share their host's cores: each alone, the others waiting (the sharing is summarize's)
         for turn in range(world_size):
             dist.barrier()
             if turn == rank:
-                figures["matmul_flops"] = _matmul_rate(dtype, dev)
-                figures["optimizer_rate"] = _optimizer_rate(dev)
-                figures["op_rate"], figures["memory_bandwidth"] = _op_rate(dev), _memory_bandwidth(dev)
+                figures.update({key: measure() for key, measure in rates.items()})
         dist.barrier()
         figures.update(host=_host_id(), cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)

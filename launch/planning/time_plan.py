@@ -216,7 +216,8 @@ def ranking_lines(r: Ranking, hw: Hardware, head: str, with_reason: bool = True)
         marks = [m for on, m in ((cand is r.chosen, "chosen"), (cand is r.baseline, "memory-only")) if on]
         lines.append(f"  {cand.layout.label:<{width}}{human_bytes(cand.device_bytes):>10}{_ms(c.compute_s):>9}"
                      f"{_ms(c.tp_s):>8}{_ms(c.dp_s):>8}{_ms(c.offload_s):>8}{_ms(c.optimizer_s):>8}"
-                     f"{_ms(c.micro_s):>8}{_ms(c.exposed_s):>9}{_ms(c.step_s):>9}{c.tokens_per_s:>12,.0f}{c.mfu:>6.0%}"
+                     f"{_ms(c.micro_s):>8}{_ms(c.exposed_s):>9}{_ms(c.step_s):>9}"
+                     f"{c.tokens_per_s:>12,.0f}{c.mfu:>6.0%}"
                      + (f"  <- {', '.join(marks)}" if marks else ""))
     fitting, tried = len(r.fitting), len(r.candidates)
     lines.append(f"  ({fitting} of {tried} layouts fit; layout: TP degree, ZeRO stage, micro-batch x accumulation, "

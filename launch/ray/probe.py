@@ -99,12 +99,6 @@ def probe_nodes(timeout_s: float = PROBE_TIMEOUT_S, nvme_path=None) -> list[Node
 
 # ------------------------------------------------------------------------------- links and compute rates
 #
-# ``hybrid probe`` measures what the time model (hybrid.plan.cost) otherwise takes from its tables: on every
-# rank actor at once (``RankWorker.probe`` -> ``measure_rank``), all-reduces and all-gathers through
-# ``hybrid.comm.Comm`` (the path training takes: gloo, shared memory on one host, NCCL on GPUs) over the
-# intra-node groups (a node's ranks) and the inter-node groups (one rank per node, the same local rank), at a
-# small and a large size; then a matmul in the training precision and a fused AdamW step. All nodes' groups
-# run together, as in training, so shared links and cores are measured shared. ``summarize`` (pure) turns the
-# ranks' figures into ``probe.json``: per group a line ``seconds = latency + bus bytes / bandwidth`` through
-# the two sizes (bus bytes: 2(n-1)/n of the message for an all-reduce, (n-1)/n of the output for an
-# all-gather, nccl-tests' convention), the median rank's matmul and optimizer rates.
+# ``hybrid probe``'s links and compute rates are measured on every rank actor (``RankWorker.probe`` ->
+# ``hybrid.runtime.probe.measure_rank``) and fitted into ``probe.json`` by ``launch.planning.probe_figures``,
+# whose docstring says what is measured and how.

@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 
 from launch.ray.embedded_processes import marked_pids
-from launch.ray.cluster import EMBEDDED_PREFIX
+from launch.ray.cluster import EMBEDDED_PREFIX, PROXY_VARS
 from tests.launch.netcheck import STRACE_CALLS, NetWatch, descendants, session_processes, strace_peers
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-USER_PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy")
 STOP_WITHIN_S = 10  # Ctrl-C or SIGTERM during connect or start-up must stop everything within this
 HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.exit(main())"]
 
@@ -49,7 +48,7 @@ def start(path: Path, trace_to: Path | None = None, env: dict | None = None) -> 
     """``hybrid launch path`` in a subprocess; under ``strace`` (network calls only) when ``trace_to``."""
     env = {**{k: v for k, v in os.environ.items()
               if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_ADDRESS")
-              and k.lower() not in USER_PROXY_VARS},  # a user's launch: no proxy pointed at loopback for it
+              and k not in PROXY_VARS},  # a user's launch: no proxy pointed at loopback for it
            **(env or {})}
     tracer = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", STRACE_CALLS, "-o", str(trace_to)] if trace_to else []
     return subprocess.Popen(tracer + HYBRID + ["launch", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
