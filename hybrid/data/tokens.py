@@ -15,6 +15,10 @@ epoch), computed per index, so no permutation table is ever held. Step ``s`` tak
 rank ``r`` takes rows ``r · micro_batch ...``: a batch is a pure function of (seed, step, DP rank and
 size), so a resumed job sees exactly the batches an uninterrupted one would, and the DP ranks of a step
 always read disjoint tokens.
+
+``span=(start, stop)`` opens only tokens ``[start, stop)`` of the file (the whole file is still checked against
+its metadata): every window, offset and count above is then the span's, so a stream over ``(0, cut)`` never
+reads a token at or after ``cut`` -- how a held-out tail is kept out of training (``hybrid.runtime.evaluate``).
 """
 
 from __future__ import annotations
@@ -150,7 +154,8 @@ class TokenFile:
     """A token file opened for training rows of ``seq_len`` tokens (plus one for the targets)."""
 
     def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, *, dtype: Optional[str] = None,
-                 vocab_size: Optional[int] = None, check: bool = True, shown_as: Optional[str | os.PathLike] = None):
+                 vocab_size: Optional[int] = None, check: bool = True, shown_as: Optional[str | os.PathLike] = None,
+                 span: Optional[tuple[int, int]] = None):
         self.path = Path(path)
         self.shown = Path(shown_as) if shown_as is not None else self.path  # how errors name it (the user's path)
         if not self.path.exists():
@@ -169,13 +174,18 @@ class TokenFile:
             raise ValueError(f"TokenFile needs seq_len >= 1, got {seq_len!r}")
         self.seq_len, self.seed = seq_len, seed
         self.tokens = self._token_count()
+        start, stop = span if span is not None else (0, self.tokens)
+        if not 0 <= start < stop <= self.tokens:
+            raise ValueError(f"TokenFile span must lie inside the file's {self.tokens} tokens, got {span!r}")
+        self.span, self.tokens = (start, stop), stop - start
         self.window = seq_len + 1
         self.windows_per_epoch = (self.tokens - self.window + 1) // self.window
         if self.windows_per_epoch < 1:  # each epoch cuts at an offset of up to seq_len tokens
             raise DataError(f"data file {self.shown} holds {self.tokens} tokens, too few for one row of seq_len "
                             f"{seq_len} at every epoch's offset; give it at least {2 * self.window - 1} tokens or "
                             "lower model.seq_len.")
-        self._data = np.memmap(self.path, dtype=DTYPES[self.meta.dtype], mode="r", shape=(self.tokens,))
+        self._data = np.memmap(self.path, dtype=DTYPES[self.meta.dtype], mode="r", shape=(self.tokens,),
+                               offset=start * np.dtype(DTYPES[self.meta.dtype]).itemsize)
         self.origin = (0, 0, 0)  # (step, epoch, position) the counting of steps starts from (``continue_from``)
         if check:
             self._check_ids()
@@ -214,8 +224,9 @@ class TokenFile:
         for start in range(0, self.tokens, SCAN_CHUNK):
             chunk = self._data[start:start + SCAN_CHUNK]
             if int(chunk.max()) >= self.vocab_size:
-                at = start + int(np.argmax(chunk >= self.vocab_size))
-                raise DataError(f"data file {self.shown} holds token id {int(self._data[at])} at position {at}, "
+                i = int(np.argmax(chunk >= self.vocab_size))
+                raise DataError(f"data file {self.shown} holds token id {int(chunk[i])} at position "
+                                f"{self.span[0] + start + i}, "
                                 f"not below its vocab_size {self.vocab_size}; prepare the file again with the "
                                 "tokenizer it is meant for.")
 
