@@ -13,9 +13,18 @@ non-finite value) as transformers' sharded safetensors::
 which ``from_pretrained(OUT_DIR)`` and ``hybrid.initialize(..., weights=OUT_DIR)`` load. Values are the fp32
 masters (frozen parameters and buffers as ``consolidate`` exports them). A tied tensor is written once,
 under its first name (the input embedding's: save_pretrained leaves ``lm_head.weight`` out the same way).
-Tensors are ordered by name with numbers compared as numbers (``layers.2`` before ``layers.10``, roughly the
-model's order) and cut into shards as ``save_pretrained`` cuts them: in order, a new shard when the next
-tensor would pass ``max_shard_size`` (default 5 GB), a larger tensor alone in its own.
+
+Each tensor is written under the key ``save_pretrained`` writes it under (``hybrid.weights.hf_keys``: GPT-NeoX's
+``lm_head.weight`` as ``embed_out.weight``), asked of transformers for the model the config describes, built
+on meta: the first of the config's ``architectures``, ``AutoModelForCausalLM`` (what an ``hf:`` model
+config trains) and ``AutoModel`` whose state-dict names are the checkpoint's (``Exported.names_from`` says
+which). Without such a model (no transformers config, another model's config, no transformers installed)
+the names are the checkpoint's own.
+
+Tensors are ordered by the key they are written under with numbers compared as numbers (``layers.2`` before
+``layers.10``, roughly the model's order) and cut into shards as ``save_pretrained`` cuts them: in order, a
+new shard when the next tensor would pass ``max_shard_size`` (default 5 GB), a larger tensor alone in its
+own.
 
 It streams: the shards are planned from the manifest's shapes and dtypes, so each shard file's safetensors
 header (names, dtypes, shapes, byte offsets) is written first; then each tensor is read from the checkpoint
@@ -51,6 +60,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from hybrid.checkpoint import layout, offline
 from hybrid.errors import CheckpointError, first_line
 from hybrid.weights.files import INDEX
+from hybrid.weights.hf_keys import checkpoint_keys
 
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
 CONFIG = "config.json"
@@ -66,6 +76,18 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 
 
 @dataclass(frozen=True)
+class Written:
+    """One tensor of the checkpoint and the key it is written under."""
+
+    key: str
+    tensor: offline.SavedTensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+
+@dataclass(frozen=True)
 class Exported:
     """What ``consolidate_hf`` wrote."""
 
@@ -77,6 +99,7 @@ class Exported:
     config_from: Optional[str]  # where config.json came from; None: none was written
     checkpoint: Path
     manifest: dict
+    names_from: Optional[str] = None  # the transformers class whose checkpoint keys were written; None: the names
 
     @property
     def files(self) -> tuple:
@@ -167,6 +190,44 @@ def config_of_checkpoint(doc: Mapping) -> tuple[Optional[dict], Optional[str]]:
     return None, None
 
 
+def hf_names(config: Optional[Mapping], doc: Mapping) -> tuple[dict, Optional[str]]:
+    """``(name -> the key save_pretrained writes it under, the transformers class asked)`` for every state-dict
+    name of the checkpoint's manifest ``doc``, of the model ``config`` (a transformers config.json's
+    mapping) describes; ``({}, None)`` (every name its own) without such a model (the module docstring)."""
+    names = {*doc["params"], *doc.get("frozen", {}), *doc.get("buffers", {}), *doc.get("aliases", {})}
+    model = _model_with_names(config, names) if config is not None else None
+    if model is None:
+        return {}, None
+    return checkpoint_keys(model, sorted(names)), type(model).__name__
+
+
+def _model_with_names(config: Mapping, names: set):
+    """The transformers model ``config`` describes, built on meta, whose state-dict names are ``names``: of the
+    config's ``architectures``, ``AutoModelForCausalLM`` and ``AutoModel``, the first that builds with them;
+    None when none does (or transformers is not installed)."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    try:
+        built = transformers.AutoConfig.for_model(config["model_type"])
+        hf_config = type(built).from_dict(dict(config))
+    except Exception:  # a model_type this transformers does not know, or a config it cannot take
+        return None
+    makers = [getattr(transformers, a, None) for a in config.get("architectures") or () if isinstance(a, str)]
+    makers = [m for m in makers if isinstance(m, type)]
+    makers += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
+    for make in makers:
+        try:
+            with torch.device("meta"):
+                model = make(hf_config)
+        except Exception:  # not a model of this config (an encoder has no causal LM head)
+            continue
+        if set(model.state_dict()) == names:
+            return model
+    return None
+
+
 def consolidate_hf(path: layout.PathLike, out_dir: layout.PathLike, *,
                    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
                    config: Optional[Union[str, os.PathLike, Mapping[str, Any]]] = None) -> Exported:
@@ -185,19 +246,21 @@ def consolidate_hf(path: layout.PathLike, out_dir: layout.PathLike, *,
         if hf_config is not None:
             _check_ties(hf_config, doc, config_from)
         reader = FileSystemReader(ckpt)
-        tensors = sorted(offline.saved_tensors(ckpt, reader, doc), key=lambda t: natural_key(t.name))
+        saved = offline.saved_tensors(ckpt, reader, doc)
+        keys, names_from = hf_names(hf_config, doc)
+        tensors = sorted((Written(keys.get(t.name, t.name), t) for t in saved), key=lambda w: natural_key(w.key))
         shards = plan_shards(tensors, limit)
         names = tuple(SHARD.format(i, len(shards)) for i in range(1, len(shards) + 1))
-        unsafe = next((t for t in tensors if t.exported_dtype not in _DTYPES), None)
+        unsafe = next((t for t in saved if t.exported_dtype not in _DTYPES), None)
         if unsafe is not None:
             raise CheckpointError(f"{unsafe.name!r} is a {unsafe.exported_dtype} tensor, which safetensors cannot "
                                   f"hold; consolidate to a torch file instead (--out model.pt).")
         for name, shard in zip(names, shards):
             _write_shard(tmp / name, shard, lambda t: offline.read_tensors(ckpt, reader, [t])[t.name], out_dir)
         counted = set(doc["params"]) | set(doc.get("frozen", {}))
-        parameters = sum(math.prod(t.full_shape) for t in tensors if t.name in counted)
-        total = sum(t.nbytes for t in tensors)
-        where = {t.name: name for name, shard in zip(names, shards) for t in shard}
+        parameters = sum(math.prod(t.full_shape) for t in saved if t.name in counted)
+        total = sum(t.nbytes for t in saved)
+        where = {w.key: name for name, shard in zip(names, shards) for w in shard}
         index = {"metadata": {"total_parameters": parameters, "total_size": total},
                  "weight_map": dict(sorted(where.items()))}
         _write_json(tmp / INDEX, index, out_dir)
@@ -207,7 +270,7 @@ def consolidate_hf(path: layout.PathLike, out_dir: layout.PathLike, *,
     except BaseException:
         layout.remove(tmp)
         raise
-    return Exported(out_dir, names, len(tensors), parameters, total, config_from, ckpt, doc)
+    return Exported(out_dir, names, len(tensors), parameters, total, config_from, ckpt, doc, names_from)
 
 
 def _cannot_write(out_dir: Path, why: str) -> CheckpointError:
@@ -244,14 +307,15 @@ def _temporary_beside(out_dir: Path) -> Path:
 
 
 def shard_header(shard: list) -> bytes:
-    """The safetensors header of a shard file holding ``shard`` (``SavedTensor``s) in order: the 8-byte
-    little-endian length, then the JSON of every tensor's dtype, shape and byte range (padded with spaces to
-    a multiple of 8 bytes, as the safetensors package writes it)."""
+    """The safetensors header of a shard file holding ``shard`` (``Written`` tensors) in order: the 8-byte
+    little-endian length, then the JSON of every tensor's key, dtype, shape and byte range (padded with spaces
+    to a multiple of 8 bytes, as the safetensors package writes it)."""
     doc: dict = {"__metadata__": {"format": "pt"}}  # transformers loads only files that say they are torch's
     offset = 0
-    for t in shard:
-        doc[t.name] = {"dtype": _DTYPES[t.exported_dtype], "shape": list(t.full_shape),
-                       "data_offsets": [offset, offset + t.nbytes]}
+    for w in shard:
+        t = w.tensor
+        doc[w.key] = {"dtype": _DTYPES[t.exported_dtype], "shape": list(t.full_shape),
+                      "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(doc, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -259,11 +323,12 @@ def shard_header(shard: list) -> bytes:
 
 
 def _write_shard(path: Path, shard: list, read, out_dir: Path) -> None:
-    """Write the shard file at ``path``: its header, then each tensor's bytes as ``read(tensor)`` gives it."""
+    """Write the shard file at ``path``: its header, then each tensor's bytes as ``read(tensor)`` gives it
+    (``shard``: ``Written`` tensors, ``read`` of their ``SavedTensor``)."""
     try:
         with open(path, "wb") as f:
             f.write(shard_header(shard))
-            for t in shard:
+            for t in (w.tensor for w in shard):
                 value = read(t).contiguous()
                 if value.dtype != t.exported_dtype or value.numel() != math.prod(t.full_shape):
                     raise CheckpointError(f"{t.name!r} was read as {value.dtype} {list(value.shape)}, not the "

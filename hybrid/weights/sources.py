@@ -9,7 +9,9 @@ the values are
 
 1. the pretrained tensor of the same name in ``weights`` (``hybrid.weights.files``: a file, or a Hugging Face
    ``save_pretrained`` directory of shards; it holds full, TP-unsharded tensors and the rank reads only its
-   range of its slice; a tied tensor may be held under any one of its names),
+   range of its slice; a tied tensor may be held under any one of its names; of a transformers model, the
+   file's keys are its checkpoint keys as transformers loads them, renames included:
+   ``hybrid.weights.hf_keys``),
 2. the tensor's own values when it is not on ``meta`` (a model built the ordinary way),
 3. the parameter's layout-independent initializer (``hybrid.weights.init``; the built-in layers and GPT
    attach one to every parameter): only the chunks holding ``[lo, hi)`` are drawn,
@@ -45,6 +47,7 @@ from hybrid.errors import ConfigError
 from hybrid.weights.attrs import full_shape, tensor_parallel_dim
 from hybrid.weights.init import get_initializer, local_values, read_local_range
 from hybrid.weights.files import WeightsFile, open_weights
+from hybrid.weights.hf_keys import checkpoint_keys, model_names
 
 log = logging.getLogger(__name__)
 
@@ -323,20 +326,35 @@ class ValueSources:
         self._stand_ins: dict = {}   # id(tensor) -> (its meta stand-in, the tensor: keeps the id taken)
         self.tp_rank, self.tp = tp_rank, tp
         self.weights: Optional[WeightsFile] = None
-        self._in_file: dict = {}  # a tied tensor's name -> the other name of it the weights file holds
+        self._in_file: dict = {}  # a tensor's name -> the key the weights file holds it under, where they differ
         if weights is not None:
             self.weights = weights if isinstance(weights, WeightsFile) else open_weights(weights)
-            expected, aliases = self.expected_shapes()
-            for name, others in aliases.items():  # any one name of a tied tensor will do
-                if name not in self.weights.shapes:
-                    present = next((a for a in others if a in self.weights.shapes), None)
-                    if present is not None:
-                        self._in_file[name] = present
-            expected = {self._in_file.get(n, n): shape for n, shape in expected.items()}
-            self.weights.check(expected, {a for others in aliases.values() for a in others})
+            self._check_names()
+
+    def _check_names(self) -> None:
+        """Match the file's keys to the model's names (``hf_keys``: as transformers loads them; a tied tensor
+        under any one of its names) and check them strictly in the file's own keys (``WeightsFile.check``)."""
+        weights = self.weights
+        expected, aliases = self.expected_shapes()
+        loaded = model_names(self.model, weights.shapes, f"{weights.what} {weights.path}")  # file key -> name
+        held = {name: key for key, name in loaded.items()}  # the model's name -> the file's key
+        for name, others in aliases.items():
+            present = name if name in held else next((a for a in others if a in held), None)
+            if present is not None and held[present] != name:
+                self._in_file[name] = held[present]
+        every = [n for name, others in aliases.items() for n in (name, *others)]
+        absent = [n for n in every if n not in held and n not in self._in_file]
+        saved = checkpoint_keys(self.model, absent) if absent else {}  # how a file would name what it lacks
+
+        def key(name: str) -> str:
+            return self._in_file.get(name) or held.get(name) or saved.get(name, name)
+
+        weights.check({key(n): shape for n, shape in expected.items()},
+                      {key(a) for others in aliases.values() for a in others})
 
     def name_in_file(self, name: str) -> str:
-        """The name the weights file holds tensor ``name`` under (itself, or another name of a tied tensor)."""
+        """The key the weights file holds tensor ``name`` under: itself, the key transformers renames to it
+        (``hybrid.weights.hf_keys``), or a key of another name of a tied tensor."""
         return self._in_file.get(name, name)
 
     def slots(self, scope: nn.Module) -> list:
