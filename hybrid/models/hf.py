@@ -10,6 +10,7 @@ the built-in GPT's ``model:`` shape, the model of an ``hf:`` section::
     data: corpus.bin                     # optional: a token file (else the synthetic chain over the vocabulary)
     train: {lr: 0.001}                   # as the built-in GPT's (optimizer, scheduler, clipping, ...)
     zero: {reduce_bucket_size: 50000000} # optional, as the built-in GPT's
+    eval: {fraction: 0.05, every: 20}    # optional: held-out loss, as the built-in GPT's
 
 Relative paths are relative to the model config file. The model is
 ``transformers.AutoModelForCausalLM.from_config(config)``, built under ``hybrid.empty_init()`` (its parameters
@@ -34,7 +35,8 @@ from typing import Any, Mapping, Optional
 from hybrid.weights.files import INDEX, SINGLE
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.models.sections import data_path, planned_zero, train_options, training_config, zero_options
+from hybrid.models.sections import (data_path, eval_options, held_out_stream, planned_zero, train_options,
+                                    training_config, zero_options)
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
 HF_KEYS = ("config", "weights", "seq_len")
@@ -129,18 +131,20 @@ def build_model(model_config: Mapping, tp_comm=None):
 
 
 def check_model_config(doc: Mapping, path: Path) -> None:
-    """What the launcher checks before any rank starts: the ``hf:`` section, the ``train:`` options, and
-    a ``data:`` token file's vocabulary against the model's."""
+    """What the launcher checks before any rank starts: the ``hf:`` section, the ``train:``, ``zero:`` and
+    ``eval:`` options, and the vocabulary of a ``data:`` (or ``eval.data``) token file against the model's."""
     from hybrid.data import TokenFile
 
     options = hf_options(doc.get("hf"), path)
     train_options(doc.get("train"))
     zero_options(doc.get("zero"))
+    evals = eval_options(doc.get("eval"), doc.get("data"))
     config = load_config(options["config"])
     check_seq_len(config, options["seq_len"])
-    data = data_path(doc.get("data"), path)
-    if data is not None and data.exists():
-        _check_vocab(TokenFile(data, options["seq_len"], check=False), config, data)
+    held = data_path(evals.data, path, field="eval.data") if evals is not None else None
+    for data in (data_path(doc.get("data"), path), held):
+        if data is not None and data.exists():
+            _check_vocab(TokenFile(data, options["seq_len"], check=False), config, data)
 
 
 def _check_vocab(tokens, config, path) -> None:
@@ -151,12 +155,15 @@ def _check_vocab(tokens, config, path) -> None:
 
 
 def train(ctx: Context, after_step=()) -> dict:
-    """Train the model of the ``hf:`` section for ``ctx.steps`` steps; returns this rank's summary."""
+    """Train the model of the ``hf:`` section for ``ctx.steps`` steps, evaluating as its ``eval:`` section says;
+    returns this rank's summary."""
     import hybrid
     from hybrid.data import MarkovTokens, TokenFile
+    from hybrid.runtime.evaluate import Evaluation, stream_eval_batches
 
     options = hf_options(ctx.model_config.get("hf"), ctx.model_config_origin)
     train_opts = train_options(ctx.model_config.get("train"))
+    evals = eval_options(ctx.model_config.get("eval"), ctx.model_config.get("data"))
     config = load_config(ctx.local_path(options["config"]))
     # checkpoints record the architecture itself, so `consolidate --hf` writes its config.json with no path to find
     ctx.model_config = {**ctx.model_config, "hf": {**ctx.model_config["hf"], "config": json.loads(config.to_json_string())}}
@@ -183,10 +190,21 @@ def train(ctx: Context, after_step=()) -> dict:
         stream = TokenFile(ctx.local_path(data), seq_len, seed=ctx.settings.seed, shown_as=data)
         _check_vocab(stream, config, data)
         reference = {"name": "unigram entropy of the data", "nats": stream.unigram_entropy}
+
+    def open_held_out(path):
+        held = TokenFile(ctx.local_path(path), seq_len, seed=ctx.settings.seed, shown_as=path)
+        _check_vocab(held, config, path)
+        return held
+
+    stream, held_out = held_out_stream(evals, stream, ctx.model_config_origin, open_held_out)
+    evaluation = None
+    if held_out is not None:
+        held_windows = stream_eval_batches(ctx, held_out, ctx.settings.micro_batch, evals.batches)
+        evaluation = Evaluation(lambda i: causal_lm_batch(*held_windows(i)), evals.batches, evals.every)
     rows = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps
     windows = stream_batches(ctx, stream, rows)
     summary = run_steps(ctx, engine, lambda step: causal_lm_batch(*windows(step)),
-                        tokens_per_step=rows * ctx.mesh.dp * seq_len, after_step=after_step)
+                        tokens_per_step=rows * ctx.mesh.dp * seq_len, after_step=after_step, evaluate=evaluation)
     return {**summary, "reference_loss": reference, "stage": ctx.stage, "tp": ctx.mesh.tp,
             "memory": engine.memory_report()}
 

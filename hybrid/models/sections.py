@@ -1,7 +1,8 @@
 """The model config's sections the built-in loops share (the GPT's ``hybrid.models.gpt.training`` and the
 transformers model's ``hybrid.models.hf``): ``train:`` (``TrainOptions``: learning rate, weight decay, clipping, the
-optimizer and scheduler sections), ``zero:`` (ZeroConfig sizes but the stage, which is the plan's) and ``data:``
-(a token file, relative to the model config), and the engine's ``TrainConfig`` they make with the plan's stage,
+optimizer and scheduler sections), ``zero:`` (ZeroConfig sizes but the stage, which is the plan's), ``data:``
+(a token file, relative to the model config) and ``eval:`` (``EvalOptions``: held-out evaluation, and the held-out
+stream it names: ``held_out_stream``), and the engine's ``TrainConfig`` they make with the plan's stage,
 precision and levers (``training_config``) and ``zero`` keys with the plan's link options (``planned_zero``)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from hybrid.config import schema
 from hybrid.config import validate as v
@@ -40,12 +41,77 @@ class TrainOptions(Section):
 TRAIN_DEFAULTS = schema.defaults(TrainOptions)  # the train: section's defaults (declared in TrainOptions)
 
 
-def data_path(value: Any, model_config_path: Optional[str]) -> Optional[Path]:
-    """The ``data:`` entry of the model config as a path (relative ones against the config's directory)."""
+@dataclass(frozen=True)
+class EvalOptions(Section):
+    """The model config's optional ``eval:`` mapping: the loss on held-out data, without gradients, every ``every``
+    steps and at the last step, over ``batches`` batches of ``job.micro_batch`` rows per DP rank
+    (``hybrid.runtime.evaluate``). The held-out data is ``data`` (a second token file, relative to the model
+    config) or ``fraction`` (the last F of the windows of the training token file, ``data:``, which training then
+    never reads); with neither, training on the synthetic chain is evaluated on chain sequences it never draws."""
+
+    SECTION = "eval"
+
+    every: int = setting(0, partial(v.integer, lo=0), help="evaluate every this many steps (0: only at the "
+                                                           "last step, which is always evaluated)")
+    batches: int = setting(4, v.positive_int, help="held-out batches per evaluation (job.micro_batch rows per rank)")
+    data: Optional[str] = setting(None, partial(v.text, need="the path of a token file"),
+                                  help="a held-out token file (relative to the model config)")
+    fraction: Optional[float] = setting(None, partial(v.number, lo=0, hi=1, lo_open=True, hi_open=True),
+                                        yaml_number=True, help="hold out the last F of data:'s windows")
+
+    def _check_together(self, where) -> None:
+        if self.data is not None and self.fraction is not None:
+            raise ConfigError(f"{where('data')} and {where('fraction')} are both set; keep one (a held-out token "
+                              "file, or the held-out tail of the training data).")
+
+
+EVAL_EXAMPLE = "{fraction: 0.05, every: 20, batches: 4}"
+
+
+def eval_options(section: Any, training_data: Any = None) -> Optional[EvalOptions]:
+    """The ``eval:`` mapping of the model config checked (None: no evaluation); ``training_data`` is the model
+    config's ``data:`` entry (None: the synthetic chain). Training on a token file needs held-out data
+    (``eval.fraction`` or ``eval.data``: its own windows would not be held out), and ``eval.fraction`` needs a
+    training token file to hold out from."""
+    if section is None:
+        return None
+    options = schema.read(EvalOptions, section, "eval", example=EVAL_EXAMPLE)
+    if training_data is not None and options.data is None and options.fraction is None:
+        raise ConfigError("eval has no held-out data while training reads the token file of data:; set "
+                          "eval.fraction (0.05: the last 5 % of its windows, which training then never reads) "
+                          "or eval.data (a second token file).")
+    if training_data is None and options.fraction is not None:
+        raise ConfigError(f"eval.fraction is {options.fraction:g}, but the model config has no data: token file to "
+                          "hold it out from (training reads the synthetic chain); remove eval.fraction (the chain "
+                          "is evaluated on sequences training never draws) or set data:.")
+    return options
+
+
+def held_out_stream(options: Optional[EvalOptions], stream: Any, model_config_path: Optional[str],
+                    open_file: Callable[[Path], Any]) -> tuple[Any, Any]:
+    """``(training stream, held-out stream)`` for ``eval:`` ``options`` (checked by ``eval_options``) and the
+    training ``stream``: the held-out tail of its token file (``eval.fraction``; the training stream returned
+    reads only what is left), the token file ``eval.data`` (``open_file(path)``, path resolved against the model
+    config's directory), or, for the synthetic chain, its sequences training never draws; no held-out stream
+    without ``options``."""
+    from hybrid.runtime import evaluate
+
+    if options is None:
+        return stream, None
+    if options.data is not None:
+        return stream, open_file(data_path(options.data, model_config_path, field="eval.data"))
+    if options.fraction is not None:
+        return evaluate.split_held_out(stream, options.fraction, field="eval.fraction")
+    return stream, evaluate.UnseenSteps(stream)
+
+
+def data_path(value: Any, model_config_path: Optional[str], field: str = "data") -> Optional[Path]:
+    """The ``data:`` entry of the model config (or another ``field`` naming a token file) as a path (relative
+    ones against the config's directory)."""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"data is {value!r} in the model config; give the path of a token file made by "
+        raise ConfigError(f"{field} is {value!r} in the model config; give the path of a token file made by "
                           "`hybrid data prepare`.")
     path = Path(value).expanduser()
     if not path.is_absolute() and model_config_path:

@@ -12,7 +12,9 @@ The loop is split into one function per concern -- ``train_step`` (forward, back
 the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging Face style model),
 ``step_metrics`` (what a step reports; ``run_steps`` adds the step's ZeRO bytes per link and the error of its
 int8 collectives, ``hybrid.runtime.link_metrics``), ``resume`` and ``save_checkpoint`` (``hybrid.checkpoint`` on the
-job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step).
+job's checkpoint directory) and ``run_steps`` (the loop, with a hook after every step). Held-out evaluation is
+``hybrid.runtime.evaluate``'s (``run_steps(..., evaluate=Evaluation(...))``): its ``eval_loss``, ``eval_ppl`` and
+``eval_time_s`` go into the report of the step they follow.
 
 Checkpoints: when the job has a checkpoint directory, ``run_steps`` holds its lock for the whole run (rank 0;
 a second job on the same directory is refused, ``hybrid.checkpoint.lock``), first has every rank load the
@@ -325,17 +327,18 @@ def stream_batches(ctx: Context, stream, rows: int) -> Callable[[int], tuple]:
     return batches
 
 
-def dp_mean(ctx: Context, value: float) -> float:
-    """``value`` averaged over the DP ranks (one 8-byte all-reduce on the DP group): every rank then reports
-    the job's loss of a step, so the driver shows it exactly from any one rank's report -- also for a step
-    whose other reports died with a rank's process before they reached the driver."""
+def dp_mean(ctx: Context, value: float, what: str = "job_loss") -> float:
+    """``value`` averaged over the DP ranks (one 8-byte all-reduce on the DP group, ``what`` names it to the
+    heartbeat): every rank then reports the job's loss of a step, so the driver shows it exactly from any one
+    rank's report -- also for a step whose other reports died with a rank's process before they reached the
+    driver."""
     import torch.distributed as dist
 
     dp, group = getattr(ctx.mesh, "dp", 1), getattr(ctx.mesh, "dp_group", None)
     if dp <= 1 or not dist.is_initialized():
         return value
     total = torch.tensor([value], dtype=torch.float64)  # CPU: gloo in every default group (cpu:gloo,cuda:nccl)
-    with heartbeat.collective("dp.job_loss"):
+    with heartbeat.collective(f"dp.{what}"):
         dist.all_reduce(total, group=group)
     return float(total) / dp
 
@@ -383,9 +386,15 @@ def save_checkpoint(ctx: Context, engine, step: int) -> Optional[str]:
 
 def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int = 0,
               tokens_per_step: int = 0, samples_per_step: int = 0,
-              after_step: Iterable[Callable[[Context, Any, int], None]] = ()) -> dict:
+              after_step: Iterable[Callable[[Context, Any, int], None]] = (), evaluate=None) -> dict:
     """Train from ``start_step`` (or the job's latest checkpoint) to ``ctx.steps``: fetch the step's batch,
-    step, report, save a checkpoint when due, then run each ``after_step(ctx, engine, step)`` hook.
+    step, evaluate when due, report, save a checkpoint when due, then run each ``after_step(ctx, engine, step)``
+    hook.
+
+    ``evaluate``: a ``hybrid.runtime.evaluate.Evaluation`` (held-out batches and their cadence): after every
+    step it is due at (``Evaluation.due``: every ``every`` steps and at step ``ctx.steps``), every rank computes
+    the held-out loss without gradients and the step's report carries ``eval_loss`` (the DP mean), ``eval_ppl``
+    and ``eval_time_s``; the step's ``step_time_s`` and its ZeRO bytes per link leave the evaluation out.
 
     ``batches(step)`` is called with the 0-based step index, which is also the data position a checkpoint
     records; it returns the forward's arguments: ``(inputs, targets)`` (any tuple: positional), or a dict
@@ -396,22 +405,23 @@ def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step:
     Raises ``AccumulationMismatch`` before loading a checkpoint or running a step when
     ``job.gradient_accumulation_steps`` is not the engine's ``config.gradient_accumulation_steps``, and
     ``CheckpointError`` (every rank) when another job holds the checkpoint directory or its checkpoints
-    cannot be used (all damaged, unreadable, another model).
+    cannot be used (all damaged, unreadable, another model). The summary's ``eval_loss`` is the last
+    evaluation's (None without one).
     """
     accumulation = ctx.settings.gradient_accumulation_steps
     check_accumulation(engine, accumulation)
     if not ctx.settings.checkpoint_dir:
-        return _train_loop(ctx, engine, batches, start_step, tokens_per_step, samples_per_step, after_step)
+        return _train_loop(ctx, engine, batches, start_step, tokens_per_step, samples_per_step, after_step, evaluate)
     with checkpoint.exclusive(ctx.settings.checkpoint_dir, engine):  # no other job writes here meanwhile
         start_step = resume(ctx, engine) or start_step
-        return _train_loop(ctx, engine, batches, start_step, tokens_per_step, samples_per_step, after_step)
+        return _train_loop(ctx, engine, batches, start_step, tokens_per_step, samples_per_step, after_step, evaluate)
 
 
 def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int, tokens_per_step: int,
-                samples_per_step: int, after_step: Iterable[Callable[[Context, Any, int], None]]) -> dict:
+                samples_per_step: int, after_step: Iterable[Callable[[Context, Any, int], None]], evaluate) -> dict:
     """``run_steps`` after the resume: steps ``start_step + 1`` to ``ctx.steps``; the run's summary."""
     accumulation = ctx.settings.gradient_accumulation_steps
-    first_loss = last_loss = None
+    first_loss = last_loss = last_eval = None
     ctx.step = start_step
     if start_step >= ctx.steps and ctx.rank == 0:
         log.warning("step %d reached already (the checkpoint resumed from), at or past steps = %d: nothing left to "
@@ -434,6 +444,10 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
             count, unit = samples_per_step or batch_rows(args, kwargs) * getattr(ctx.mesh, "dp", 1), "samples"
         metrics = {**step_metrics(engine, loss, seconds, count, unit), **links.step()}
         metrics["job_loss"] = dp_mean(ctx, loss)
+        if evaluate is not None and evaluate.due(ctx.step, ctx.steps):
+            metrics.update(evaluate.run(ctx, engine))
+            last_eval = metrics["eval_loss"]
+            links.step()  # the evaluation's gathers are no step's traffic
         measured = None
         if should_measure(ctx.step - start_step, ctx.settings.measure_every):
             measured = metrics["memory_measured"] = ctx.memory_meter.measure()
@@ -446,7 +460,7 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
         for hook in after_step:
             hook(ctx, engine, ctx.step)
     return {"rank": ctx.rank, "start_step": start_step, "steps": ctx.step, "first_loss": first_loss,
-            "last_loss": last_loss, "seconds": time.perf_counter() - started}
+            "last_loss": last_loss, "eval_loss": last_eval, "seconds": time.perf_counter() - started}
 
 
 def _plain(value):

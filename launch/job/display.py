@@ -4,7 +4,9 @@
 on a terminal as one line rewritten in place, elsewhere (CI, pipes) as plain lines. A line holds the
 step, the loss (mean over the DP ranks), the job's throughput in the entrypoint's unit (tokens/s,
 samples/s), the per-rank model-state memory, the largest rank's measured memory against its budget,
-and the latest NVML sample of each node where NVML is available. With a ``prediction`` (``new_plan``),
+and the latest NVML sample of each node where NVML is available. A step after which the ranks evaluated on
+held-out data (``eval_loss`` in its entry) is followed by a plain line with that loss and its perplexity,
+whatever the plain-line cadence (a tty's rewritten line would hide it). With a ``prediction`` (``new_plan``),
 the first step every rank measured is followed by the predicted-vs-measured table
 (``launch.job.memory_view``), which the summary repeats; with ``predicted_step_s`` (the time model's step
 time of the running layout) every entry carries it and the summary compares it with the measured median; a rank above 95 % of its budget is warned about once
@@ -37,6 +39,13 @@ from launch.job.memory_view import memory_table, near_oom_line, usage_text
 
 
 from launch.job.metrics import model_state_bytes, step_entry, time_line  # noqa: E402,F401  (re-exported)
+
+
+def eval_text(entry: dict) -> str:
+    """The line of a step's held-out evaluation."""
+    ppl = entry.get("eval_ppl")
+    ppl_text = f"  perplexity {ppl:.2f}" if isinstance(ppl, (int, float)) else ""
+    return f"step {entry['step']}: eval loss {entry['eval_loss']:.4f}{ppl_text}"
 
 
 class Progress:
@@ -178,6 +187,8 @@ class Progress:
         if step > self._printed:
             self._printed = step
             self._print(entry)
+            if isinstance(entry.get("eval_loss"), (int, float)):
+                self.note(eval_text(entry))
         if not self._table_out and self.prediction is not None and len(self.measured) >= self.world_size:
             self._table_out = True
             for line in self.memory_lines(f"memory per rank after step {step}"):

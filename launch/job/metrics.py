@@ -8,6 +8,10 @@ reported. A step some rank never reported -- it died with the reports still buff
 from a checkpoint at or after that step -- is built from the ranks that did: its loss stays exact as long as
 every DP group kept one rank, since the TP ranks of a group agree.
 
+Held-out evaluation (``hybrid.runtime.evaluate``): a step after which the ranks evaluated carries ``EVAL_FIELDS``
+(``eval_loss``, the DP mean every rank reports; ``eval_ppl``; ``eval_time_s``) in its entry; TensorBoard files
+them under ``eval/`` (``eval/loss``, ...), and ``summary_lines`` names the last evaluation.
+
 ``MetricsWriter(run_dir)`` appends each entry to ``run_dir/metrics.jsonl`` as one JSON object per line and,
 when the ``tensorboard`` package is installed, to event files under ``run_dir/tensorboard``. A line for
 step ``s`` replaces every line for steps ``>= s`` already in the file (``lines_before``): a job that
@@ -69,8 +73,8 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     reported (a step flushed at a restart may lack the dead rank's report; with none at all the loss is None),
     the non-finite guard where the ranks report it (``nonfinite``: this step's update was skipped for a NaN/inf
     gradient norm; ``skipped_steps``: how many so far), the ZeRO bytes per link and the int8 error where the
-    ranks report them (``LINK_FIELDS``: the largest rank's) and the other numbers the entrypoint reported
-    (``_own_numbers``)."""
+    ranks report them (``LINK_FIELDS``: the largest rank's), the held-out evaluation after a step the ranks
+    evaluated at (``EVAL_FIELDS``) and the other numbers the entrypoint reported (``_own_numbers``)."""
     if not records:
         return {"step": step, "loss": None, "lr": None, "grad_norm": None, "step_time_s": None, "throughput": None,
                 "throughput_unit": "tokens/s", "model_state_bytes": [], "ranks_reported": 0}
@@ -91,6 +95,10 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
     own = _own_numbers(dp_records[0])
     job_loss = first.get("job_loss")  # run_steps' ranks report the DP mean itself: exact from any one of them
     loss = job_loss if isinstance(job_loss, (int, float)) else sum(r["loss"] for r in dp_records) / len(dp_records)
+    for key in EVAL_FIELDS:  # the held-out loss: the DP mean, the same in every rank's report of the step
+        value = next((r[key] for r in records.values() if isinstance(r.get(key), (int, float))), None)
+        if value is not None:
+            extra[key] = value
     for key in LINK_FIELDS:  # hybrid.runtime.link_metrics: the busiest rank's bytes, the largest error
         values = [r[key] for r in records.values() if isinstance(r.get(key), (int, float))]
         if values:
@@ -109,17 +117,21 @@ def step_entry(step: int, records: dict[int, dict]) -> dict:
 LINK_FIELDS = ("dp_intra_bytes", "dp_inter_bytes", "quant_error_weights", "quant_error_gradients")
 
 
+# A step's held-out evaluation (``hybrid.runtime.evaluate``), where the ranks evaluated after it.
+EVAL_FIELDS = ("eval_loss", "eval_ppl", "eval_time_s")
+
+
 # What a rank's step report carries besides the user's own numbers: its tags (``Context.report``) and what
 # ``hybrid.runtime.train.step_metrics`` and ``run_steps`` fill in (the throughput unit's count and rate are named by it).
 _REPORT_FIELDS = frozenset({"rank", "step", "time", "dp_rank", "tp_rank", "loss", "job_loss", "lr", "grad_norm",
                             "step_time_s", "throughput_unit", "memory", "memory_measured", "nonfinite",
-                            "skipped_steps", *LINK_FIELDS})
+                            "skipped_steps", *LINK_FIELDS, *EVAL_FIELDS})
 
 
 # What ``step_entry`` itself puts in an entry.
 _ENTRY_FIELDS = frozenset({"step", "loss", "lr", "grad_norm", "step_time_s", "throughput", "throughput_unit",
                            "model_state_bytes", "ranks_reported", "memory_measured", "nonfinite", "skipped_steps",
-                           "predicted_step_s"})
+                           "predicted_step_s", *EVAL_FIELDS})
 
 
 def _own_numbers(record: dict) -> dict:
@@ -214,6 +226,9 @@ class MetricsWriter:
         for key in ("loss", "lr", "grad_norm", "step_time_s", "skipped_steps", *own):
             if isinstance(entry.get(key), (int, float)) and not isinstance(entry.get(key), bool):
                 self._tb.add_scalar(f"train/{key}", entry[key], step)
+        for key in EVAL_FIELDS:
+            if isinstance(entry.get(key), (int, float)):
+                self._tb.add_scalar(f"eval/{key[len('eval_'):]}", entry[key], step)
         if entry["throughput"] is not None:
             self._tb.add_scalar(f"train/throughput_{entry['throughput_unit'].replace('/', '_per_')}",
                                 entry["throughput"], step)
@@ -244,8 +259,8 @@ def ray_log_dir() -> str:
 
 
 def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsWriter, logs: str) -> list[str]:
-    """Lines under the run summary: the loss against the reference the entrypoint named, and where the
-    metrics and the full logs are."""
+    """Lines under the run summary: the loss against the reference the entrypoint named, the last held-out
+    evaluation (``eval_line``), and where the metrics and the full logs are."""
     lines = []
     reference = next((r.get("reference_loss") for _, r in sorted(results.items()) if isinstance(r, dict)
                       and isinstance(r.get("reference_loss"), dict)), None)
@@ -255,6 +270,9 @@ def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsW
         verdict = "below" if loss < nats else "not yet below"
         lines.append(f"final loss {loss:.4f} nats (mean of the last {len(last)} steps), {verdict} the "
                      f"{reference['name']} ({nats:.4f} nats)")
+    held_out = eval_line(history)
+    if held_out is not None:
+        lines.append(held_out)
     if history or writer.path.exists():  # a resume with nothing left to train still has its metrics
         where = f"metrics {writer.path}"
         if writer.tensorboard_dir is not None:
@@ -265,6 +283,16 @@ def summary_lines(results: dict[int, Any], history: list[dict], writer: MetricsW
                      "each step with ctx.report(...) or train through hybrid.runtime.train.run_steps")
     lines.append(f"full rank logs (stdout/stderr of every worker): {logs}")
     return lines
+
+
+def eval_line(history: list[dict]) -> Optional[str]:
+    """The summary's sentence on the last held-out evaluation in ``history`` (None without one)."""
+    last = next((e for e in reversed(history) if isinstance(e.get("eval_loss"), (int, float))), None)
+    if last is None:
+        return None
+    ppl = last.get("eval_ppl")
+    ppl_text = f", perplexity {ppl:.2f}" if isinstance(ppl, (int, float)) else ""
+    return f"held-out loss {last['eval_loss']:.4f} nats{ppl_text} (evaluated after step {last['step']})"
 
 
 def link_line(history: list[dict], psi_bytes: float, theory: dict, label: str) -> Optional[str]:

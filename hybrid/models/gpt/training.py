@@ -12,6 +12,12 @@ directory in the job, every rank resumes from its latest checkpoint and saves on
 (``hybrid.runtime.train.run_steps``); the stream yields the same batch for the same step, so the data position
 is the step.
 
+With an ``eval:`` mapping in the model config (``hybrid.models.sections.EvalOptions``: ``fraction`` or ``data``,
+``every``, ``batches``) the loop evaluates the held-out loss every ``every`` steps and at the last
+(``hybrid.runtime.evaluate``): on the last ``fraction`` of the token file's windows, which training then never
+reads, on a second token file (``data``, checked against the model as ``data:`` is), or, on the synthetic chain,
+on its sequences training never draws; ``batches`` batches of ``micro_batch`` rows per rank each time.
+
 The summary names the loss to beat: ``reference_loss`` with the unigram entropy of the token file (a model
 below it learned more than token frequencies) or the synthetic chain's floor.
 
@@ -49,12 +55,13 @@ from hybrid.models.gpt.model import GPT
 from hybrid.models.gpt.config import GPTConfig
 # data_path, train_options, training_config, zero_options, with_plan_links: the shared sections, named here too
 # (an own loop's imports, README) as the built-in loop's pieces
-from hybrid.models.sections import (data_path, planned_zero, train_options, training_config,  # noqa: F401
-                                    with_plan_links, zero_options)
+from hybrid.models.sections import (data_path, eval_options, held_out_stream, planned_zero,  # noqa: F401
+                                    train_options, training_config, with_plan_links, zero_options)
+from hybrid.runtime.evaluate import Evaluation, stream_eval_batches
 from hybrid.runtime.train import Context, run_steps, stream_batches
 
 # The model config's top-level keys for this entrypoint (``params:`` is the launcher's Ψ override).
-CONFIG_KEYS = ("model", "hf", "data", "train", "zero", "params")
+CONFIG_KEYS = ("model", "hf", "data", "train", "zero", "eval", "params")
 
 
 def train(ctx: Context, after_step=()) -> dict:
@@ -68,14 +75,19 @@ def train(ctx: Context, after_step=()) -> dict:
         return hf.train(ctx, after_step)
     model_config = GPTConfig.from_dict(ctx.model_config.get("model", {}))
     options = train_options(ctx.model_config.get("train"))
+    evals = eval_options(ctx.model_config.get("eval"), ctx.model_config.get("data"))
     engine = build_engine(ctx, model_config, options)
     stream, reference = data_source(ctx, model_config, options)
+    stream, held_out = held_out_stream(evals, stream, ctx.model_config_origin, lambda path: open_token_file(
+        path, ctx.local_path(path), model_config, seed=ctx.settings.seed, field="eval.data"))
+    evaluation = None if held_out is None else Evaluation(
+        stream_eval_batches(ctx, held_out, ctx.settings.micro_batch, evals.batches), evals.batches, evals.every)
     # A step takes micro_batch x gradient_accumulation_steps rows per rank, as micro-batches of micro_batch:
     # a re-plan that halves the micro-batch and doubles the accumulation keeps the step's rows.
     rows = ctx.settings.micro_batch * ctx.settings.gradient_accumulation_steps
     tokens_per_step = rows * ctx.mesh.dp * model_config.seq_len
     summary = run_steps(ctx, engine, stream_batches(ctx, stream, rows), tokens_per_step=tokens_per_step,
-                        after_step=after_step)
+                        after_step=after_step, evaluate=evaluation)
     return {**summary, "reference_loss": reference, "stage": ctx.stage, "memory": engine.memory_report()}
 
 
@@ -91,12 +103,13 @@ def data_source(ctx: Context, model_config: GPTConfig, options: dict) -> tuple[A
     return tokens, {"name": "unigram entropy of the data", "nats": tokens.unigram_entropy}
 
 
-def open_token_file(path: Path, local: Path, model_config: GPTConfig, seed: int = 0, check: bool = True) -> TokenFile:
-    """The token file the model config names (``path``, as the user wrote it resolved on the driver) where
-    this process sees it (``local``: the copy shipped with ``job.working_dir``, or ``path`` itself), checked
-    against the model; every error names ``path``, never the rank's copy."""
+def open_token_file(path: Path, local: Path, model_config: GPTConfig, seed: int = 0, check: bool = True,
+                    field: str = "data") -> TokenFile:
+    """The token file the model config names (``path``, as the user wrote it resolved on the driver; ``field``:
+    under which key) where this process sees it (``local``: the copy shipped with ``job.working_dir``, or
+    ``path`` itself), checked against the model; every error names ``path``, never the rank's copy."""
     if not local.exists() and local != path:
-        raise DataError(f"data file {path} (data: in the model config) was not shipped with job.working_dir "
+        raise DataError(f"data file {path} ({field}: in the model config) was not shipped with job.working_dir "
                         "(a .gitignore pattern in job.working_dir leaves it out) and this node does not "
                         "see it at that path; keep data on storage every node mounts, or un-exclude it.")
     tokens = TokenFile(local, model_config.seq_len, seed=seed, check=check, shown_as=path)
@@ -120,22 +133,26 @@ def check_config_keys(doc: Any, path: Optional[Path] = None) -> None:
 
 
 def check_model_config(doc: Any, path: Path) -> None:
-    """What the launcher checks on the driver before any rank starts: the keys, the ``train:`` options and,
-    when ``data:`` names a file that exists, that it opens as a token file the model can train on (its
-    metadata and size; the ranks scan its ids). A file not there yet (``make demo`` prepares its corpus after
-    a plan may be shown) is the ranks' to refuse."""
+    """What the launcher checks on the driver before any rank starts: the keys, the ``train:`` and ``eval:``
+    options and, when ``data:`` (or ``eval.data``) names a file that exists, that it opens as a token file the
+    model can train on (its metadata and size; the ranks scan its ids). A file not there yet (``make demo``
+    prepares its corpus after a plan may be shown) is the ranks' to refuse."""
     check_config_keys(doc, path)
     if is_hf_config(doc):
         from hybrid.models import hf
 
         return hf.check_model_config(doc, path)
     train_options(doc.get("train") if isinstance(doc, Mapping) else None)
-    if not isinstance(doc, Mapping) or not isinstance(doc.get("model"), Mapping):
+    if not isinstance(doc, Mapping):
         return
-    data = data_path(doc.get("data"), path)
-    if data is not None and data.exists():
-        model_config = GPTConfig.from_dict(doc["model"])
-        open_token_file(data, data, model_config, check=False)
+    evals = eval_options(doc.get("eval"), doc.get("data"))
+    if not isinstance(doc.get("model"), Mapping):
+        return
+    model_config = GPTConfig.from_dict(doc["model"])
+    held = data_path(evals.data, path, field="eval.data") if evals is not None else None
+    for field, data in (("data", data_path(doc.get("data"), path)), ("eval.data", held)):
+        if data is not None and data.exists():
+            open_token_file(data, data, model_config, check=False, field=field)
 
 
 def build_model(model_config: Mapping, tp_comm=None):
