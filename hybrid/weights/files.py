@@ -12,11 +12,14 @@ is first read: a rank maps only the shard files holding rows it needs, and at mo
 
 ``WeightsFile.check(expected)`` matches names strictly before anything is trained: a missing, unexpected
 or wrongly shaped tensor is one ``CheckpointError`` naming it (and listing up to five others). Keys that
-``aliases`` names (a tied parameter's other name) may be present or absent. Any file that cannot be read
-(truncated, not a state dict, a pickle of something other than tensors) is one sentence too; ``weights_only``
-is never weakened. Of a directory, an index that is not JSON or has no ``weight_map``, a shard file it names
-that is not there, and a tensor it lists that its shard does not hold are each one sentence, found when the
-directory is opened (every shard's header is read then; no tensor data).
+``aliases`` names (a tied parameter's other name) may be present or absent. The names are the file's
+keys: ``hybrid.weights.sources`` gives the model's names as a file holds them (a transformers model's
+renamed keys: ``hybrid.weights.hf_keys``), so an error names the key as it is, or would be, in the file.
+Any file that cannot be read (truncated, not a state dict, a pickle of something other than tensors) is one
+sentence too; ``weights_only`` is never weakened. Of a directory, an index that is not JSON or has no
+``weight_map``, a shard file it names that is not there, and a tensor it lists that its shard does not hold
+are each one sentence, found when the directory is opened (every shard's header is read then; no tensor
+data).
 """
 
 from __future__ import annotations

@@ -126,13 +126,14 @@ def _ranks(llama_dir: str, gpt_dir: str, run_dir: str):
 
 
 # Consolidation in a fresh process. Reading one small tensor of the checkpoint first pays what any reader
-# pays once (DCP's lazy imports, the checksum buffers); the growth after it is what the model's size costs.
-# (VmHWM, not ru_maxrss: an exec'd child's ru_maxrss starts at its parent's RSS when it forked.)
+# pays once (DCP's lazy imports, the checksum buffers), and so does asking transformers for the model's keys
+# (importing it, the model built on meta: the same for any size); the growth after both is what the model's
+# size costs. (VmHWM, not ru_maxrss: an exec'd child's ru_maxrss starts at its parent's RSS when it forked.)
 _CONSOLIDATE = """
 import json, sys
 from torch.distributed.checkpoint import FileSystemReader
 from hybrid.checkpoint import offline
-from hybrid.checkpoint.hf_export import consolidate_hf
+from hybrid.checkpoint.hf_export import config_of_checkpoint, consolidate_hf, hf_names
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
@@ -140,9 +141,10 @@ ckpt, inv = offline.verified(sys.argv[1])
 reader = FileSystemReader(ckpt)
 smallest = min(offline.saved_tensors(ckpt, reader, inv.manifest), key=lambda t: t.nbytes)
 offline.read_tensors(ckpt, reader, [smallest])
+hf_names(config_of_checkpoint(inv.manifest)[0], inv.manifest)
 before = status("VmRSS")
 done = consolidate_hf(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3])
-print(json.dumps({"shards": len(done.shards), "growth": status("VmHWM") - before}))
+print(json.dumps({"shards": len(done.shards), "growth": status("VmHWM") - before, "names_from": done.names_from}))
 """
 
 
@@ -194,6 +196,7 @@ def test_a_save_pretrained_llama_loads_trains_and_comes_back(tmp_path):
     model_bytes = sum(f.stat().st_size for f in written)
     largest = max(f.stat().st_size for f in written)
     assert measured["shards"] == len(written) >= 9 and model_bytes > 65 * MiB
+    assert measured["names_from"] == "LlamaForCausalLM"  # its keys asked of transformers: its own names
     assert measured["growth"] <= 2 * largest + 4 * MiB < model_bytes / 3, (measured, largest, model_bytes)
     index = json.loads((out_dir / INDEX).read_text())
     assert index["weight_map"].keys() == json.loads((llama_dir / INDEX).read_text())["weight_map"].keys()
