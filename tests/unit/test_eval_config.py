@@ -9,7 +9,8 @@
   small for ``eval.batches`` is refused.
 - ``Evaluation``: the cadence (every ``every`` steps and the last), the loss under ``no_grad`` in eval mode with
   each submodule's mode put back, and ``run_steps`` reporting ``eval_loss`` / ``eval_ppl`` in the step's report
-  on a world-1 engine whose weights and optimizer state an evaluation leaves alone.
+  on a world-1 engine whose weights and optimizer state an evaluation leaves alone; the ``hf:`` loop (a tiny
+  transformers Llama, in this process) evaluates its held-out windows.
 - The driver's side: ``step_entry`` keeps the fields, ``metrics.jsonl`` and TensorBoard (``eval/loss``) get
   them, the progress display prints a line for each evaluation, the summary names the last one.
 """
@@ -259,3 +260,31 @@ def test_step_entry_takes_the_eval_from_any_rank_that_reported_it():
     entry = step_entry(4, {1: _record(1, 4, True)})  # rank 0's report lost with its process
     assert entry["eval_loss"] == 2.46 and entry["ranks_reported"] == 1
     assert "eval_loss" not in step_entry(4, {0: _record(0, 4, False)})
+
+
+@pytest.mark.slow  # imports transformers
+def test_the_hf_loop_evaluates_its_held_out_windows(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from hybrid.models import hf
+
+    transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                             tie_word_embeddings=False).save_pretrained(tmp_path / "tiny")
+    path = tmp_path / "corpus.bin"
+    rng = np.random.default_rng(0)
+    rng.integers(0, 64, 2000).astype("<u2").tofile(path)
+    metadata_path(path).write_text(TokenFileMeta("uint16", 64, 2000).to_json())
+    records, engines = [], []
+    model_config = {"hf": {"config": str(tmp_path / "tiny"), "seq_len": 7}, "data": str(path),
+                    "eval": {"fraction": 0.2, "batches": 2}}
+    mesh = SimpleNamespace(dp=1, dp_rank=0, tp=1, tp_rank=0, dp_group=None, tp_group=None, tp_comm=None)
+    ctx = Context(mesh, model_config, JobSettings(steps=2, micro_batch=2, stage=1, precision="fp32"),
+                  reporter=records.append)
+    summary = hf.train(ctx, after_step=[lambda ctx, engine, step: engines.append(engine)])
+    evaluated = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evaluated] == [2] and summary["eval_loss"] == evaluated[0]["eval_loss"]
+    _, held = split_held_out(TokenFile(path, 7), 0.2)
+    model = engines[-1].module
+    with torch.no_grad():
+        expected = sum(model(**hf.causal_lm_batch(*held.batch(i, 2))).loss.item() for i in range(2)) / 2
+    assert evaluated[0]["eval_loss"] == pytest.approx(expected, rel=1e-6)
