@@ -15,12 +15,15 @@ from typing import Any
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
 
-STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "local_rowwise", "vocab", "all_reduce",
-          "replicate_grad", "replicate")
-# Hugging Face's names (transformers 4.x and 5.x) for the same styles
+STYLES = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "local_rowwise", "vocab", "embedding_col",
+          "all_reduce", "replicate_grad", "mla_kv_a_proj", "replicate")
+# Hugging Face's names (transformers 4.x and 5.x) for the same styles. unit_colwise / unit_rowwise split by
+# whole heads, which colwise / rowwise do here whenever the degree divides the heads (the only case hybrid
+# splits); local_params runs a module on its own parameters' local slices, which every hybrid module does.
 HF_SPELLINGS = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
-                "embedding_rowwise": "vocab", "local_colwise": "colwise", "gather": "all_reduce",
-                "replicated_with_grad_allreduce": "replicate_grad"}
+                "embedding_rowwise": "vocab", "embedding_colwise": "embedding_col", "local_colwise": "colwise",
+                "gather": "all_reduce", "replicated_with_grad_allreduce": "replicate_grad",
+                "unit_colwise": "colwise", "unit_rowwise": "rowwise", "local_params": "replicate"}
 EXAMPLE = "{'layers.*.mlp.up_proj': colwise, 'layers.*.mlp.down_proj': rowwise}"
 
 

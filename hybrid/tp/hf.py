@@ -21,11 +21,16 @@ from torch import nn
 from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
 from hybrid.config.tp_plan import normalize_plan
-from hybrid.tp.plan import apply_plan
+from hybrid.tp.hf_config import text_config
+from hybrid.tp.plan import OwnPlan, apply_plan, forward_goes_through
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def raw_hf_plan(model: nn.Module) -> Optional[dict]:
-    """The model's own plan in transformers' spellings, names from the model (None: it has none)."""
+    """The model's own plan in transformers' spellings, names from the model (None: it has none); its
+    ``notes`` (an ``OwnPlan``) say what hybrid added or left out."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "base_model_tp_plan"):
         return None
@@ -39,17 +44,58 @@ def raw_hf_plan(model: nn.Module) -> Optional[dict]:
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {}) if base is not model else {}
     if not base_plan and not head_plan:
         return None
-    if base_plan and "embed_tokens" not in base_plan and isinstance(getattr(base, "embed_tokens", None),
-                                                                    nn.Embedding):
-        base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
-    return {**{prefix + pattern: style for pattern, style in base_plan.items()}, **head_plan}
+    notes = []
+    embed = getattr(base, "embed_tokens", None)
+    if base_plan and "embed_tokens" not in base_plan and isinstance(embed, nn.Embedding):
+        # hybrid's own addition: split the input embedding by vocabulary, so a head tied to it is split alike
+        if forward_goes_through(embed, nn.Embedding) and embed.max_norm is None and not embed.scale_grad_by_freq:
+            base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
+            if type(embed) is not nn.Embedding:
+                notes.append(f"{prefix}embed_tokens split by vocabulary around its own forward "
+                             f"({type(embed).__name__})")
+        else:
+            notes.append(f"{prefix}embed_tokens left whole ({type(embed).__name__}'s forward does not go through "
+                         "nn.Embedding's)")
+            head_plan = _without_tied_head(model, embed, head_plan, notes)
+    plan = {**{prefix + pattern: style for pattern, style in base_plan.items()}, **head_plan}
+    return OwnPlan(plan, notes)
+
+
+def _without_tied_head(model: nn.Module, embed: nn.Module, head_plan: dict, notes: list) -> dict:
+    """``head_plan`` less the heads that hold the (whole) input embedding's tensor."""
+    out = {}
+    for name, style in head_plan.items():
+        head = model.get_submodule(name) if name in dict(model.named_modules()) else None
+        if head is not None and getattr(head, "weight", None) is embed.weight:
+            notes.append(f"{name} left whole (tied to the whole input embedding)")
+            continue
+        out[name] = style
+    return out
+
+
+def moe_refusal(model: nn.Module) -> Optional[str]:
+    """Why a mixture-of-experts model is not split by TP (it runs at TP 1, its experts sharded by ZeRO), or None."""
+    config = text_config(getattr(model, "config", None))
+    counts = [getattr(config, field, None) for field in EXPERT_COUNTS]
+    count = next((c for c in counts if isinstance(c, int) and not isinstance(c, bool) and c > 1), None)
+    experts = next((name for name, _ in model.named_modules() if name.rpartition(".")[2] == "experts"), None)
+    if count is None and experts is None:
+        return None
+    what = f"{count} experts" if count is not None else f"experts in {experts}"
+    return (f"{type(model).__name__} is a mixture-of-experts model ({what}), which hybrid trains at TP 1 with its "
+            "experts sharded by ZeRO until expert parallelism exists")
 
 
 def hf_plan(model: nn.Module) -> Optional[dict]:
-    """The model's own TP plan in hybrid's styles (``hybrid.tp.plan``), or None for a model without one; a
-    style hybrid does not implement is a ``ConfigError`` naming it."""
+    """The model's own TP plan in hybrid's styles (``hybrid.tp.plan``; an ``OwnPlan``), or None for a model
+    without one; a style hybrid does not implement, or a mixture-of-experts model, is a ``ConfigError``."""
     raw = raw_hf_plan(model)
-    return None if raw is None else normalize_plan(raw, own_plan_name(model))
+    if raw is None:
+        return None
+    refusal = moe_refusal(model)
+    if refusal is not None:
+        raise ConfigError(f"{own_plan_name(model)} is not used: {refusal}.")
+    return OwnPlan(normalize_plan(raw, own_plan_name(model)), raw.notes)
 
 
 def own_plan_name(model: nn.Module) -> str:

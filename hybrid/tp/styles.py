@@ -45,6 +45,7 @@ from torch import nn
 from hybrid.tp.collectives import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    scatter_to_tp_region)
 from hybrid.tp.layers import TensorParallelModule, check_vocab_ids
+from hybrid.tp.regions import ENTERED, SLICE, WHOLE
 
 
 class SplitModule:
@@ -57,6 +58,8 @@ class SplitModule:
     init_full_tensors = True
     torch_layer: Optional[type] = None  # the torch class this style splits (None: any module)
     split_dims: dict = {}  # parameter key -> the dimension it is split along (absent: replicated)
+    split_size = ""  # the attribute holding the full size of the split dimension ("": splits nothing)
+    output_kind: Optional[str] = None  # what the forward returns (hybrid.tp.regions); None: as its input
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
@@ -65,6 +68,7 @@ class SplitModule:
 
 class ColwiseLinear(SplitModule, nn.Linear, TensorParallelModule):
     tp_style, torch_layer, split_dims = "colwise", nn.Linear, {"weight": 0, "bias": 0}
+    split_size, output_kind = "out_features", SLICE
     gather_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,11 +77,12 @@ class ColwiseLinear(SplitModule, nn.Linear, TensorParallelModule):
 
 
 class ColwiseGatheredLinear(ColwiseLinear):
-    tp_style, gather_output = "colwise_rep", True
+    tp_style, gather_output, output_kind = "colwise_rep", True, WHOLE
 
 
 class RowwiseLinear(SplitModule, nn.Linear, TensorParallelModule):
     tp_style, torch_layer, split_dims = "rowwise", nn.Linear, {"weight": 1}
+    split_size, output_kind = "in_features", WHOLE
     input_is_parallel, reduce_output = True, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,11 +100,12 @@ class RowwiseSplitInputLinear(RowwiseLinear):
 
 
 class LocalRowwiseLinear(RowwiseLinear):
-    tp_style, reduce_output = "local_rowwise", False
+    tp_style, reduce_output, output_kind = "local_rowwise", False, SLICE
 
 
 class VocabEmbedding(SplitModule, nn.Embedding, TensorParallelModule):
     tp_style, torch_layer, split_dims = "vocab", nn.Embedding, {"weight": 0}
+    split_size, output_kind = "num_embeddings", WHOLE
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
@@ -119,7 +125,7 @@ class AllReduceOutput(SplitModule):
     the module's own class (its forward runs inside this one); not a ``TensorParallelModule``, whose methods
     would hide the module's own."""
 
-    tp_style = "all_reduce"
+    tp_style, output_kind = "all_reduce", WHOLE
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
@@ -138,9 +144,11 @@ class GradSummedReplica(SplitModule):
     before the module's own class, as ``AllReduceOutput``."""
 
     tp_style = "replicate_grad"
+    summed_keys: Optional[tuple] = None  # which of its own parameters (None: all of them)
 
     def forward(self, *args, **kwargs):
-        own = {key: p for key, p in self._parameters.items() if p is not None}
+        keys = self.summed_keys
+        own = {key: p for key, p in self._parameters.items() if p is not None and (keys is None or key in keys)}
         for key, param in own.items():  # for this call only: the module keeps its parameters
             self._parameters[key] = copy_to_tp_region(param, self.tp_comm)
         try:
@@ -149,9 +157,43 @@ class GradSummedReplica(SplitModule):
             self._parameters.update(own)
 
 
+class ColumnEmbedding(SplitModule, nn.Embedding, TensorParallelModule):
+    """An embedding split along its vectors (transformers' ``embedding_colwise``): each rank looks up its
+    columns of every id, and the columns are all-gathered (their gradient split back)."""
+
+    tp_style, torch_layer, split_dims = "embedding_col", nn.Embedding, {"weight": 1}
+    split_size, output_kind = "embedding_dim", WHOLE
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = F.embedding(ids, self.weight, self.padding_idx)
+        return gather_from_tp_region(local, self.tp_comm)
+
+
+class MlaKvAProjLinear(SplitModule, nn.Linear, TensorParallelModule):
+    """DeepSeek-V2-style attention's ``kv_a_proj_with_mqa``: whole, but its last ``rope_dim`` output features
+    (the rotary key, shared by every head) go straight into this rank's heads, so their gradient is summed over
+    TP; the other features reach the heads through a ``colwise`` layer, which sums its input's gradient itself.
+    ``rope_dim`` is the model config's ``qk_rope_head_dim`` (``apply_plan`` sets it)."""
+
+    tp_style, torch_layer, output_kind = "mla_kv_a_proj", nn.Linear, ENTERED
+    rope_dim = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        kept, rope = y.split([y.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat([kept, copy_to_tp_region(rope, self.tp_comm)], dim=-1)
+
+
+class KeptModule(SplitModule):
+    """``replicate``: the module left as it is (a model's own plan may name a module only to say so)."""
+
+    tp_style = "replicate"
+
+
 STYLE_CLASSES = {cls.tp_style: cls for cls in (ColwiseLinear, ColwiseGatheredLinear, RowwiseLinear,
                                                 RowwiseSplitInputLinear, LocalRowwiseLinear, VocabEmbedding,
-                                                AllReduceOutput, GradSummedReplica)}
+                                                AllReduceOutput, GradSummedReplica, ColumnEmbedding,
+                                                MlaKvAProjLinear, KeptModule)}
 
 _CLASSES: dict = {}
 

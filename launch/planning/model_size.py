@@ -118,8 +118,12 @@ def split_by_plan(model, tp_plan, where: str, own_by_default: bool = True) -> tu
     not used, "" when not tried or used)."""
     from hybrid.config.tp_plan import OWN
     from hybrid.tp.hf import hf_plan, own_plan_name
-    from hybrid.tp.plan import apply_plan
+    from hybrid.tp.plan import apply_plan, plan_notes
     from hybrid.weights.attrs import is_tensor_parallel
+
+    def described(name: str) -> str:  # the plan's name, and what hybrid did beyond its words
+        notes = plan_notes(model)
+        return f"{name} ({'; '.join(notes)})" if notes else name
 
     split_already = any(is_tensor_parallel(p) for p in model.parameters())
     if tp_plan == OWN:
@@ -132,14 +136,14 @@ def split_by_plan(model, tp_plan, where: str, own_by_default: bool = True) -> tu
                               "patterns to styles instead.")
         name = own_plan_name(model)
         apply_plan(model, hf_plan(model), None, name)
-        return name, ""
+        return described(name), ""
     if tp_plan is not None:
         if split_already:
             raise ConfigError(f"parallel.tp_plan is set, but {where} returns a {type(model).__name__} with "
                               "tensor-parallel parameters already (hybrid.tp layers, or a plan it applied); remove "
                               "parallel.tp_plan or build the model without them.")
         apply_plan(model, tp_plan, None, "parallel.tp_plan")
-        return "parallel.tp_plan", ""
+        return described("parallel.tp_plan"), ""
     if split_already:
         return "", ""
     name = own_plan_name(model)
@@ -154,7 +158,7 @@ def split_by_plan(model, tp_plan, where: str, own_by_default: bool = True) -> tu
         apply_plan(model, own, None, name)
     except ConfigError as err:
         return "", str(err).rstrip(".")
-    return name, ""
+    return described(name), ""
 
 
 def find_hook(entrypoint: str, working_dir=None) -> tuple[Optional[Callable], Optional[str]]:

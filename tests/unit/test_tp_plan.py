@@ -141,20 +141,30 @@ def test_a_style_on_the_wrong_kind_of_module_is_refused():
         "the TP plan gives blocks.0.up two styles ('blocks.*.up': colwise; 'blocks.0.up': rowwise)")
 
 
-def test_a_layer_with_its_own_forward_or_already_split_is_refused():
-    class Scaled(nn.Linear):
+def test_a_layer_whose_forward_bypasses_torchs_or_already_split_is_refused():
+    class Scaled(nn.Linear):  # its own forward through torch's: split around it (Gemma's scaled embedding)
         def forward(self, x):
             return super().forward(x) * 2
+
+    class Bypass(nn.Linear):  # its own forward, not through nn.Linear.forward: the split one would not run
+        def forward(self, x):
+            return F.linear(x, self.weight * 2, self.bias)
 
     class Plain(nn.Linear):  # its own class, torch's forward: split as a subclass of itself
         pass
 
     model = Net()
-    model.blocks[0].up = Scaled(8, 12)
+    model.blocks[0].up = Bypass(8, 12)
     model.blocks[1].up = Plain(8, 12)
     msg = _refused({"blocks.0.up": "colwise"}, model)
-    assert msg.startswith("the TP plan: blocks.0.up is a Scaled, whose forward is its own rather than nn.Linear's"), msg
-    apply_plan(model, {"blocks.1.up": "colwise"}, None)
+    assert msg.startswith("the TP plan: blocks.0.up is a Bypass, whose forward is its own rather than nn.Linear's"), msg
+    scaled = Net()
+    scaled.blocks[0].up = Scaled(8, 12)
+    ids = torch.randint(0, 16, (2, 5))
+    expected = scaled(ids)
+    apply_plan(scaled, {"blocks.0.up": "colwise", "blocks.0.down": "rowwise"}, None)
+    assert type(scaled.blocks[0].up).__name__ == "ColwiseLinearScaled" and torch.equal(scaled(ids), expected)
+    apply_plan(model, {"blocks.1.up": "colwise", "blocks.1.down": "rowwise"}, None)
     assert isinstance(model.blocks[1].up, Plain) and type(model.blocks[1].up).__name__ == "ColwiseLinearPlain"
     assert "is split already" in _refused({"blocks.1.up": "colwise"}, model)
     model.head = ColumnParallelLinear(8, 16, bias=False)

@@ -1,0 +1,177 @@
+"""Where whole tensors meet this rank's slice of the features under a TP plan: found from the model itself.
+
+Between a ``colwise`` layer and the ``rowwise`` layer that sums its slices, each TP rank computes only its
+part of the features (its heads, its MLP columns). A parameter left whole that acts on those features -- Qwen3's
+per-head ``q_norm``, Apertus's xIELU activation scalars, a norm or gate of one's own -- gets on each rank the
+gradient of that rank's slice only; the single-process gradient is their sum over TP. Nobody has to list such
+parameters: ``trace_regions`` runs the model's forward once, on the meta device (nothing allocated, no values,
+the unsplit model with every parameter and buffer swapped for a meta stand-in by ``torch.func.functional_call``),
+with a ``TorchFunctionMode`` that follows every tensor:
+
+- a *slice*: the output of a module whose style leaves this rank's features (``colwise``, ``local_rowwise``,
+  ``packed_colwise``, ...), and everything computed from one;
+- *whole*: an activation, computed from the model's input (the residual stream; the output of a ``rowwise`` or
+  a gathering module; an attention mask);
+- *entered*: whole, its gradient already summed over TP where it meets slices (``mla_kv_a_proj``'s output);
+- *from parameters*: computed from parameters alone (``weight.float()``, ``1 + weight``), which remembers
+  which ones.
+
+Parameters the plan splits, or sums the gradient of (``replicate_grad``), are the plan's business and are not
+followed. The result (``RegionTrace``): the parameters that meet slices only (their gradients must be summed
+over TP: ``hybrid.tp.plan`` gives their modules ``replicate_grad``), those that meet slices and whole
+activations both (no sum makes both exact), and the first operation where a whole activation that needs a
+gradient meets a slice (its gradient would be partial, and nothing upstream could tell). A forward that cannot
+run on meta (data-dependent Python, an op without a meta kernel) gives ``error``: what stopped it, one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+SLICE, WHOLE, ENTERED, PARAMS = "slice", "whole", "entered", "params"
+TRACE_TOKENS = 8  # the meta input's sequence length: enough for every position-dependent path
+
+
+@dataclass
+class RegionTrace:
+    partial: dict = field(default_factory=dict)   # parameter name -> the op where it met a slice (and only slices)
+    mixed: dict = field(default_factory=dict)     # parameter name -> the op where it met a slice, having met whole ones
+    activation: Optional[str] = None              # the first op where a whole activation with a gradient met a slice
+    error: Optional[str] = None                   # why the forward did not run on meta (None: it ran)
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    return name.replace("__", "") if name.startswith("__") else name
+
+
+class _Follow(TorchFunctionMode):
+    """Classifies every tensor an op makes from the kinds of its inputs (see the module docstring)."""
+
+    def __init__(self, params: dict, planned: set, trace: RegionTrace):
+        super().__init__()
+        self.params = params  # id(stand-in) -> parameter name, for the parameters the plan leaves to us
+        self.planned = planned  # ids of the stand-ins of parameters the plan takes care of: not followed
+        self.kinds: dict = {}  # id(tensor) -> (kind, frozenset of parameter names)
+        self.alive: list = []  # every classified tensor, so that no id is reused while the trace runs
+        self.whole_use: dict = {}  # parameter name -> first op where it met a whole activation
+        self.trace = trace
+
+    def kind_of(self, t: torch.Tensor):
+        known = self.kinds.get(id(t))
+        if known is not None:
+            return known
+        if id(t) in self.params:
+            return PARAMS, frozenset((self.params[id(t)],))
+        return None, frozenset()  # a constant: a buffer, a parameter the plan takes care of, a new tensor
+
+    def mark(self, t: torch.Tensor, kind: str, names=frozenset()) -> None:
+        self.kinds[id(t)] = (kind, names)
+        self.alive.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not inputs:
+            return out
+        kinds = [self.kind_of(t) for t in inputs]
+        present = {k for k, _ in kinds}
+        named = frozenset().union(*(names for k, names in kinds if k == PARAMS))
+        op = _op_name(func)
+        if SLICE in present:
+            kind = SLICE
+            for name in named:
+                if name in self.whole_use:
+                    self.trace.mixed.setdefault(name, op)
+                else:
+                    self.trace.partial.setdefault(name, op)
+            needs_grad = any(k == WHOLE and t.requires_grad for t, (k, _) in zip(inputs, kinds))
+            if needs_grad and self.trace.activation is None:
+                self.trace.activation = op
+        elif WHOLE in present or ENTERED in present:
+            kind = WHOLE if WHOLE in present else ENTERED
+            for name in named:
+                self.whole_use.setdefault(name, op)
+                if name in self.trace.partial:
+                    self.trace.mixed.setdefault(name, self.trace.partial.pop(name))
+        elif named:
+            kind = PARAMS
+        else:
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.mark(t, kind, named if kind == PARAMS else frozenset())
+        return out
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def token_arguments(model: nn.Module) -> tuple:
+    """Token ids (one row of ``TRACE_TOKENS``, within the model's positions) for each argument its forward
+    requires -- a causal LM's ``input_ids``, a model of one's own ``(ids, targets)`` -- on meta."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    tokens = min(TRACE_TOKENS, limit) if isinstance(limit, int) and limit > 0 else TRACE_TOKENS
+    ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return (ids,)
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (ids,) * max(len(required), 1)
+
+
+def trace_regions(model: nn.Module, outputs: dict, skip: set, example: Optional[tuple] = None) -> RegionTrace:
+    """Run ``model``'s forward on meta and follow its tensors (module docstring). ``outputs``: module -> the kind
+    its output is (``SLICE``, ``WHOLE`` or ``ENTERED``); ``skip``: ids of the parameters the plan takes care of;
+    ``example``: the forward's positional arguments on meta (default: token ids, one row of ``TRACE_TOKENS``,
+    as a causal LM's ``input_ids`` and most models' first argument take them)."""
+    trace = RegionTrace()
+    stand_ins, followed, planned = {}, {}, set()
+    for name, p in model.named_parameters():
+        stand = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+        stand_ins[name] = stand
+        if id(p) in skip or not p.requires_grad:
+            planned.add(id(stand))
+        else:
+            followed[id(stand)] = name
+    for name, b in model.named_buffers():
+        stand_ins[name] = torch.empty_like(b, device="meta")
+    follow = _Follow(followed, planned, trace)
+
+    def set_kind(kind):
+        def hook(module, args, out):
+            t = _first_tensor(out)
+            if t is not None:
+                follow.mark(t, kind)
+        return hook
+
+    handles = [module.register_forward_hook(set_kind(kind)) for module, kind in outputs.items()]
+    if example is None:
+        example = token_arguments(model)
+    for t in tree_leaves(example):
+        if isinstance(t, torch.Tensor):
+            follow.mark(t, WHOLE)
+    try:
+        with follow:
+            torch.func.functional_call(model, stand_ins, args=example, tie_weights=True, strict=False)
+    except Exception as err:  # the model's own code: what stopped it is the answer, in one line
+        text = " ".join(str(err).split())[:200] or "no message"
+        trace.error = f"{type(err).__name__}: {text}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return trace
