@@ -1,103 +1,78 @@
-"""Text → token file: what ``hybrid data prepare`` does, as a library function.
+"""Sources → token file: what ``hybrid data prepare`` does, as a library function.
 
-``prepare(sources, out, tokenizer=None)`` tokenises the text files ``sources`` in order, back to back,
-and writes the token file ``out`` (``uint16`` when the vocabulary fits, else ``uint32``) and its metadata
-``out.json`` (``hybrid.data.tokens``). The default tokenizer is byte-level: every byte is one token of a
-256-token vocabulary, so any file, UTF-8 or not, tokenises and ``decode`` gives its bytes back. With a
-``tokenizer.json`` (the Hugging Face ``tokenizers`` format; the package is the ``data`` extra) the text
-must be UTF-8 and the vocabulary is the tokenizer's.
+``prepare(sources, out, tokenizer=None, *, text_field="text", eot=None, eval_fraction=None, progress=None)``
+reads the documents of ``sources`` (files, directories, globs: plain text, JSON Lines, Parquet;
+``hybrid.data.documents``) in order, streaming -- one batch of documents (about ``BATCH_BYTES`` of text) in
+memory at a time, encoded together and appended to the output -- and writes the token file ``out``
+(``uint16`` when the vocabulary fits, else ``uint32``) and its metadata ``out.json`` (``hybrid.data.tokens``:
+tokens, documents, end-of-text id, unigram entropy, source names). The tokenizer (``hybrid.data.encoders``)
+is byte-level by default (vocabulary 256) or a ``tokenizer.json``.
 
-``--out`` is checked before any text is read: it (or its metadata path) must not be a directory or
+Documents: each JSON Lines line and each Parquet row is one document, and so is each plain text file. A run
+with any JSON Lines or Parquet source, or with ``eot`` (``--eot``), ends every document with the end-of-text
+token: byte-level, the reserved id 256 (the vocabulary becomes 257); a ``tokenizer.json``'s own (``--eot``, or
+found among its added tokens). A run of plain text files alone, without ``--eot``, writes them back to back
+with no separator, exactly as before documents existed. An empty document is left out.
+
+``eval_fraction`` F (0 < F < 1) holds out whole documents into ``eval_path(out)`` (``corpus.bin`` →
+``corpus.eval.bin``, with its own metadata): document ``i`` (counted from 0 over all sources in order) is held
+out when ``floor((i + 1) F) > floor(i F)`` -- every ``1/F``-th document, spread evenly, ``floor(N F)`` of
+``N`` -- so the two files share no document and together hold every token a run without F writes.
+
+Every output is checked before any text is read: it (or its metadata path) must not be a directory or
 another non-regular file, must not be one of the sources, and must lie in a directory that can be made and
-written. Both files are written under temporary names and published when complete -- the metadata first,
-then the token file -- so a failed or interrupted run never leaves a new token file without its metadata
-(the reader, ``hybrid.data.tokens.TokenFile``, needs both): a new ``--out`` gets both files or neither; a
-replaced one whose token file's rename fails keeps its old token file without metadata, which the reader
-refuses with a sentence saying to prepare it again. A
-missing or non-regular source, text without a single token, a tokenizer file that does not load, an
-``--out`` that cannot be written (any ``OSError`` writing it): one ``DataError`` sentence each.
+written. All files are written under temporary names and published when complete, each token file after its
+metadata (the held-out pair first), so a failed or interrupted run never leaves a new token file without its
+metadata (the reader, ``hybrid.data.tokens.TokenFile``, needs both): a new ``--out`` gets both files or
+neither; a replaced one whose token file's rename fails keeps its old token file without metadata, which the
+reader refuses with a sentence saying to prepare it again. Bad input (``hybrid.data.documents``), sources
+without a single token, a tokenizer that does not load or has no end of text where one is needed, an
+``eval_fraction`` outside (0, 1) or holding out no document, an output that cannot be written (any ``OSError``
+writing it): one ``DataError`` sentence each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from hybrid.data.documents import Piece, Source, check_parquet, expand_sources, read
+from hybrid.data.encoders import ByteTokenizer, JsonTokenizer, load_tokenizer  # noqa: F401  (re-exported)
 from hybrid.data.tokens import DTYPES, TokenFileMeta, dtype_for, metadata_path, unigram_entropy
-from hybrid.errors import DataError
+from hybrid.errors import DataError, listing
 
-READ_CHUNK = 1 << 22  # bytes read at a time by the byte-level tokenizer
-
-
-class ByteTokenizer:
-    """Every byte is a token: vocabulary 256, any input."""
-
-    name = "bytes"
-    vocab_size = 256
-    streams = True  # can encode a file chunk by chunk
-
-    def encode(self, data: bytes, source: Path) -> np.ndarray:
-        return np.frombuffer(data, dtype=np.uint8)
-
-    def decode(self, ids) -> bytes:
-        return bytes(int(i) for i in ids)
+BATCH_BYTES = 1 << 18  # about this much document text is encoded at once (a tokenizer's encodings: ~100 B a token)
+BATCH_DOCS = 4096
 
 
-class JsonTokenizer:
-    """A ``tokenizer.json`` loaded with the ``tokenizers`` package; encodes whole UTF-8 files."""
+@dataclass(frozen=True)
+class Progress:
+    """How far a run is: files finished of all, documents and tokens written, source bytes read of all."""
 
-    streams = False
-
-    def __init__(self, path: Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError("--tokenizer needs the tokenizers package; install it with "
-                            "`pip install 'hybrid-parallel[data]'` or leave --tokenizer out for bytes.") from None
-        if not path.is_file():
-            raise DataError(f"tokenizer file {path} does not exist; give the path of a tokenizer.json.")
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises its own Exception type for a malformed file
-            raise DataError(f"tokenizer file {path} does not load as a tokenizer.json ({err}); give a file "
-                            "saved by the tokenizers package.") from None
-        self.name = path.name
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, data: bytes, source: Path) -> np.ndarray:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{source} is not UTF-8 text (byte {err.start}); the tokenizer.json needs UTF-8, so "
-                            "re-encode the file or leave --tokenizer out to tokenise bytes.") from None
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
+    files: int
+    files_total: int
+    documents: int
+    tokens: int
+    bytes_read: int
+    bytes_total: int
 
 
-def load_tokenizer(path: Optional[str | os.PathLike]):
-    return ByteTokenizer() if path is None else JsonTokenizer(Path(path))
+def eval_path(out: str | os.PathLike) -> Path:
+    """Where ``--eval-fraction`` writes the held-out documents of ``out``: ``corpus.bin`` → ``corpus.eval.bin``
+    (``corpus`` → ``corpus.eval``)."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.eval{out.suffix}" if out.suffix else f"{out.name}.eval")
 
 
-def check_sources(sources: Sequence[str | os.PathLike]) -> list[Path]:
-    """The sources as paths, each an existing regular file; raises ``DataError`` for the first that is not."""
-    if not sources:
-        raise DataError("no text given; pass one or more text files to tokenise.")
-    paths = [Path(s) for s in sources]
-    for path in paths:
-        if path.is_dir():
-            raise DataError(f"{path} is a directory; pass the text files in it (e.g. {path}/*.txt).")
-        if path.exists() and not path.is_file():
-            raise DataError(f"text file {path} is not a regular file (a device, FIFO or socket); pass regular "
-                            "text files.")
-        if not path.is_file():
-            raise DataError(f"text file {path} does not exist; pass existing text files.")
-    return paths
+def held_out(index: int, fraction: float) -> bool:
+    """Whether document ``index`` (from 0) goes to the held-out file: ``floor(N F)`` of the first ``N``."""
+    return math.floor((index + 1) * fraction) > math.floor(index * fraction)
 
 
 def temporary_paths(out: Path) -> tuple[Path, Path]:
@@ -134,8 +109,8 @@ def _check_not_a_source(out: Path, targets: dict[Path, str], sources: Sequence[P
     for target, what in targets.items():
         for source in sources:
             if _same_file(target, source):
-                raise DataError(f"--out {out} would overwrite the text file {source}{what}; give --out a path "
-                                "that is not one of the text files.")
+                raise DataError(f"--out {out} would overwrite the source {source}{what}; give --out a path "
+                                "that is not one of the sources.")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -168,52 +143,138 @@ def _write_error(out: Path, err: OSError) -> DataError:
 
 
 def prepare(sources: Sequence[str | os.PathLike], out: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None,
-            progress: Optional[Callable[[int], None]] = None) -> TokenFileMeta:
-    """Tokenise ``sources`` into the token file ``out`` and its metadata; ``progress(n)`` is called with the
-    number of source bytes consumed since its last call. Returns the metadata written. Both output files
-    are opened before any text is read; on any failure neither temporary file is left behind."""
-    paths = check_sources(sources)
+            *, text_field: str = "text", eot: Optional[str] = None, eval_fraction: Optional[float] = None,
+            progress: Optional[Callable[[Progress], None]] = None) -> TokenFileMeta:
+    """Tokenise ``sources`` into the token file ``out`` and its metadata (and the held-out file, with
+    ``eval_fraction``); ``progress(Progress)`` is called after every batch and file. Returns the metadata of
+    ``out``. All output files are opened before any text is read; on any failure no temporary file is left."""
+    if eval_fraction is not None and not 0 < eval_fraction < 1:
+        raise DataError(f"--eval-fraction {eval_fraction} is not between 0 and 1; give the share of documents to "
+                        "hold out, e.g. 0.01.")
+    found = expand_sources(sources)
+    paths = [s.path for s in found]
     out = check_out(out, paths)
-    tok = load_tokenizer(tokenizer)
-    tmp, meta_tmp = temporary_paths(out)
+    targets = [out] + ([check_out(eval_path(out), paths)] if eval_fraction is not None else [])
+    tok = load_tokenizer(tokenizer, eot, need_eot=any(s.records for s in found))
+    check_parquet(found, text_field)
+    outputs = [_Output(path, tok.vocab_size) for path in targets]
     try:
-        with open(tmp, "wb") as sink, open(meta_tmp, "w") as meta_sink:
-            counts, total = _tokenise(paths, tok, sink, progress)
-            meta = TokenFileMeta(dtype=dtype_for(tok.vocab_size), vocab_size=tok.vocab_size, tokens=total,
-                                 tokenizer=tok.name, unigram_entropy_nats=unigram_entropy(counts),
-                                 sources=tuple(p.name for p in paths))
-            meta_sink.write(meta.to_json())
-        _publish(tmp, meta_tmp, out)
-        return meta
+        with contextlib.ExitStack() as stack:
+            for output in outputs:
+                output.open(stack)
+            _Run(tok, outputs, eval_fraction, progress).all(found, text_field)
+            _check_counts(outputs, paths, eval_fraction)
+            metas = [o.finish(tok, tuple(p.name for p in paths)) for o in outputs]
+        for output in reversed(outputs):  # the held-out pair first: --out's own is the last to appear
+            _publish(output.tmp, output.meta_tmp, output.path)
+        return metas[0]
     except OSError as err:
         raise _write_error(out, err) from None
     finally:
-        for leftover in (tmp, meta_tmp):
-            with contextlib.suppress(OSError):
-                leftover.unlink(missing_ok=True)
+        for output in outputs:
+            for leftover in (output.tmp, output.meta_tmp):
+                with contextlib.suppress(OSError):
+                    leftover.unlink(missing_ok=True)
 
 
-def _tokenise(paths: Sequence[Path], tok, sink, progress: Optional[Callable[[int], None]]) -> tuple[np.ndarray, int]:
-    """Writes the tokens of ``paths`` to ``sink``; returns the count of each token id and the total. Raises
-    ``DataError`` for an id outside the vocabulary or text without a single token."""
-    dtype = DTYPES[dtype_for(tok.vocab_size)]
-    counts = np.zeros(tok.vocab_size, dtype=np.int64)
-    total = 0
-    for path in paths:
-        for chunk in _chunks(path, tok.streams):
-            ids = tok.encode(chunk, path)
-            if ids.size and int(ids.max()) >= tok.vocab_size:
-                raise DataError(f"the tokenizer produced id {int(ids.max())} for {path}, not below its "
-                                f"vocab_size {tok.vocab_size}; the tokenizer.json is inconsistent.")
-            counts += np.bincount(ids, minlength=tok.vocab_size)
-            total += int(ids.size)
-            sink.write(ids.astype(dtype).tobytes())
-            if progress is not None:
-                progress(len(chunk))
-    if total == 0:
-        raise DataError(f"the text given ({', '.join(str(p) for p in paths)}) holds no tokens; pass "
-                        "non-empty files.")
-    return counts, total
+class _Output:
+    """One token file being written: its temporaries, token counts and documents."""
+
+    def __init__(self, path: Path, vocab_size: int):
+        self.path, (self.tmp, self.meta_tmp) = path, temporary_paths(path)
+        self.dtype = dtype_for(vocab_size)
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+        self.tokens = self.documents = 0
+        self.pending: list[np.ndarray] = []
+
+    def open(self, stack: contextlib.ExitStack) -> None:
+        self.sink = stack.enter_context(open(self.tmp, "wb"))
+        self.meta_sink = stack.enter_context(open(self.meta_tmp, "w"))
+
+    def flush(self) -> None:
+        if self.pending:
+            ids = np.concatenate(self.pending)
+            self.pending = []
+            self.sink.write(ids.astype(DTYPES[self.dtype]).tobytes())
+            self.counts += np.bincount(ids, minlength=self.counts.size)
+            self.tokens += int(ids.size)
+
+    def finish(self, tok, sources: tuple) -> TokenFileMeta:
+        meta = TokenFileMeta(dtype=self.dtype, vocab_size=self.counts.size, tokens=self.tokens, tokenizer=tok.name,
+                             unigram_entropy_nats=unigram_entropy(self.counts), sources=sources,
+                             documents=self.documents, eot=tok.eot)
+        self.meta_sink.write(meta.to_json())
+        return meta
+
+
+class _Run:
+    """The documents of all sources, encoded a batch at a time and appended to their output."""
+
+    def __init__(self, tok, outputs: list[_Output], fraction: Optional[float], progress):
+        self.tok, self.outputs, self.fraction, self.progress = tok, outputs, fraction, progress
+        self.eot = None if tok.eot is None else np.array([tok.eot], dtype=np.int64)
+        self.index, self.target = 0, None  # the next document's index; the output of the one being read
+        self.files, self.files_total = 0, 0
+        self.done_bytes, self.file_bytes, self.total_bytes = 0, 0, 0
+
+    def all(self, sources: Sequence[Source], field: str) -> None:
+        sizes = [s.path.stat().st_size for s in sources]
+        self.files_total, self.total_bytes = len(sources), sum(sizes)
+        for source, size in zip(sources, sizes):
+            batch, text = [], 0
+            for piece in read(source, field, whole_text=not self.tok.streams):
+                batch.append(piece)
+                text += len(piece.data)
+                if text >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+                    self._encode(batch, source, size)
+                    batch, text = [], 0
+            self._encode(batch, source, size)
+            self.files, self.done_bytes, self.file_bytes = self.files + 1, self.done_bytes + size, 0
+            self._report()
+
+    def _encode(self, batch: list[Piece], source: Source, size: int) -> None:
+        if not batch:
+            return
+        vocab = self.tok.vocab_size
+        for piece, ids in zip(batch, self.tok.encode_batch([p.data for p in batch], source.path)):
+            if ids.size and int(ids.max()) >= vocab:
+                raise DataError(f"the tokenizer produced id {int(ids.max())} for {source.path}, not below its "
+                                f"vocab_size {vocab}; the tokenizer.json is inconsistent.")
+            if self.target is None:  # a document starts
+                held = self.fraction is not None and held_out(self.index, self.fraction)
+                self.target = self.outputs[1 if held else 0]
+            self.target.pending.append(ids)
+            if piece.ends:
+                if self.eot is not None:
+                    self.target.pending.append(self.eot)
+                self.target.documents += 1
+                self.index, self.target = self.index + 1, None
+        for output in self.outputs:
+            output.flush()
+        self.file_bytes = min(size, self.file_bytes + sum(p.consumed for p in batch))
+        self._report()
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(Progress(self.files, self.files_total, self.index, sum(o.tokens for o in self.outputs),
+                                   self.done_bytes + self.file_bytes, self.total_bytes))
+
+
+def _check_counts(outputs: list[_Output], paths: Sequence[Path], fraction: Optional[float]) -> None:
+    """Raises ``DataError`` if an output holds no tokens (or, held out, no document)."""
+    if outputs[0].tokens == 0:
+        raise DataError(f"the sources given ({listing(str(p) for p in paths)}) hold no tokens; pass non-empty "
+                        "files.")
+    if fraction is None:
+        return
+    documents, held = sum(o.documents for o in outputs), outputs[1]
+    if held.documents == 0:
+        fix = f"raise it to at least {1 / documents:.3g}" if documents > 1 else "give more documents"
+        raise DataError(f"--eval-fraction {fraction} holds out none of the {documents} document(s) (one in every "
+                        f"{1 / fraction:.3g}); {fix}.")
+    if held.tokens == 0:
+        raise DataError(f"the {held.documents} document(s) --eval-fraction {fraction} holds out hold no tokens; "
+                        "raise it or give documents with text.")
 
 
 def _publish(tmp: Path, meta_tmp: Path, out: Path) -> None:
@@ -228,17 +289,3 @@ def _publish(tmp: Path, meta_tmp: Path, out: Path) -> None:
         with contextlib.suppress(OSError):
             meta.unlink(missing_ok=True)
         raise
-
-
-def _chunks(path: Path, streams: bool):
-    """The bytes of ``path``: in ``READ_CHUNK`` pieces if ``streams``, else whole. Raises ``DataError`` if the
-    file cannot be read (so an ``OSError`` escaping ``prepare``'s loop is always one writing ``--out``)."""
-    try:
-        with open(path, "rb") as f:
-            if not streams:
-                yield f.read()
-                return
-            while chunk := f.read(READ_CHUNK):
-                yield chunk
-    except OSError as err:
-        raise DataError(f"cannot read text file {path}: {err.strerror or err}; pass readable text files.") from None

@@ -2,10 +2,11 @@
 
 A token file is what nanoGPT and llm.c train on: token ids back to back, ``uint16`` (vocabularies up to
 65,536) or ``uint32``, little-endian, no header. Beside it, ``<file>.json`` (``metadata_path``) records
-the dtype, the vocabulary size, the token count, the tokenizer and the unigram entropy of the tokens;
-``hybrid data prepare`` writes both. ``TokenFile(path, seq_len, seed)`` opens one with ``numpy.memmap``
-(nothing is read into memory but the rows a batch needs) after checking it against its metadata: a
-missing, empty, truncated or out-of-vocabulary file is a ``DataError`` of one sentence.
+the dtype, the vocabulary size, the token count, the tokenizer and the unigram entropy of the tokens, and
+(when known) the number of documents and the end-of-text id that ends each one (absent or null in older
+files, which read as before); ``hybrid data prepare`` writes both. ``TokenFile(path, seq_len, seed)`` opens
+one with ``numpy.memmap`` (nothing is read into memory but the rows a batch needs) after checking it against
+its metadata: a missing, empty, truncated or out-of-vocabulary file is a ``DataError`` of one sentence.
 
 Sampling: the file is cut into windows of ``seq_len + 1`` tokens; a window is one row (inputs, and the
 targets shifted by one). Every epoch shifts the cut by an offset in ``[0, seq_len]`` and visits the windows
@@ -49,6 +50,8 @@ class TokenFileMeta:
     tokenizer: str = "bytes"
     unigram_entropy_nats: Optional[float] = None
     sources: tuple = ()
+    documents: Optional[int] = None  # None: not recorded (metadata written before documents were counted)
+    eot: Optional[int] = None  # the end-of-text id that ends every document; None: documents are not separated
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self), "sources": list(self.sources)}, indent=2) + "\n"
@@ -102,8 +105,15 @@ def read_metadata(path: Path, shown: Optional[Path] = None) -> TokenFileMeta:
         raise DataError(f"{meta_shown} says unigram_entropy_nats {entropy!r}; it must be a number (or absent).")
     if not isinstance(sources, (list, tuple)):
         raise DataError(f"{meta_shown} says sources {sources!r}; it must be a list of file names (or absent).")
+    documents, eot = doc.get("documents"), doc.get("eot")
+    for key, value, high in (("documents", documents, None), ("eot", eot, fields["vocab_size"])):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
+                                  or (high is not None and value >= high)):
+            bound = f" below vocab_size {high}" if high is not None else ""
+            raise DataError(f"{meta_shown} says {key} {value!r}; it must be a whole number >= 0{bound} (or absent); "
+                            "write it again with `hybrid data prepare`.")
     return TokenFileMeta(**fields, tokenizer=str(doc.get("tokenizer", "unknown")),
-                         unigram_entropy_nats=entropy, sources=tuple(sources))
+                         unigram_entropy_nats=entropy, sources=tuple(sources), documents=documents, eot=eot)
 
 
 # ------------------------------------------------------------------------------------------ permutation

@@ -1,5 +1,7 @@
-"""``hybrid data prepare``: text → token file round trip (bytes and tokenizer.json), one sentence per bad input,
-and the built-in GPT's checks on the file its model config names."""
+"""``hybrid data prepare`` on plain text: text → token file round trip (bytes and tokenizer.json; text files alone
+are written back to back, without separators, as before documents existed), one sentence per bad input, and the
+built-in GPT's checks on the file its model config names. JSON Lines, Parquet and documents:
+test_data_formats.py."""
 
 import json
 import math
@@ -42,6 +44,8 @@ def test_bytes_round_trip_through_the_command_including_non_utf8(tmp_path, capsy
     assert f"unigram entropy {expected_entropy:.3f} nats" in out
     tf = TokenFile(path, seq_len=16)
     assert ByteTokenizer().decode(np.asarray(tf._data)) == raw
+    assert np.array_equal(tf._data, np.frombuffer(raw, np.uint8)), "text files alone: back to back, no separator"
+    assert meta["documents"] == 2 and meta["eot"] is None and "2 documents" in out
     assert not list(path.parent.glob(".*tmp*")), "temporary files left behind"
 
 
@@ -80,9 +84,11 @@ def test_bad_input_is_one_sentence_each(tmp_path, capsys):
     junk.write_text("{not a tokenizer")
     good = tmp_path / "good.txt"
     good.write_text(TEXT)
-    cases = [([tmp_path / "missing.txt"], "does not exist; pass existing text files."),
-             ([empty], "holds no tokens; pass non-empty files."),
-             ([tmp_path], "is a directory; pass the text files in it"),
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "notes.md").write_text(TEXT)
+    cases = [([tmp_path / "missing.txt"], "does not exist; pass existing files, directories or globs."),
+             ([empty], "hold no tokens; pass non-empty files."),
+             ([tmp_path / "nothing"], "holds no .jsonl, .jsonl.gz, .parquet, .txt file; pass the files in it"),
              ([good, "--tokenizer", junk], "does not load as a tokenizer.json"),
              ([good, "--tokenizer", tmp_path / "none.json"], "tokenizer file"),
              ]
@@ -186,8 +192,8 @@ def test_out_never_overwrites_a_source(tmp_path, capsys, monkeypatch):
              ([text, other, "--out", tmp_path / "x.bin"], " with its metadata")]
     for args, what in cases:
         code, _, err = run_cli(args, capsys)
-        _one_error_line(code, err, f"would overwrite the text file {args[-3]}{what}; give --out a path that is "
-                                   "not one of the text files.")
+        _one_error_line(code, err, f"would overwrite the source {args[-3]}{what}; give --out a path that is "
+                                   "not one of the sources.")
     assert text.read_text() == TEXT and other.read_text() == TEXT
     assert not (tmp_path / "x.bin").exists()
 
@@ -197,7 +203,7 @@ def test_a_source_that_is_not_a_regular_file_says_so(tmp_path, capsys):
     os.mkfifo(fifo)
     for source in ("/dev/null", fifo):
         code, _, err = run_cli([source, "--out", tmp_path / "n.bin"], capsys)
-        _one_error_line(code, err, f"text file {source} is not a regular file")
+        _one_error_line(code, err, f"source {source} is not a regular file")
         assert "does not exist" not in err
 
 
