@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -166,7 +167,9 @@ def trace_regions(model: nn.Module, outputs: dict, skip: set, example: Optional[
         if isinstance(t, torch.Tensor):
             follow.mark(t, WHOLE)
     try:
-        with follow:
+        # fake tensors over the meta stand-ins: a model's checks that would read values (transformers' packed-
+        # sequence test) know them as a trace and skip themselves
+        with FakeTensorMode(allow_non_fake_inputs=True), follow:
             torch.func.functional_call(model, stand_ins, args=example, tie_weights=True, strict=False)
     except Exception as err:  # the model's own code: what stopped it is the answer, in one line
         text = " ".join(str(err).split())[:200] or "no message"

@@ -9,7 +9,10 @@ default device. The parameters then get their values from ``hybrid.initialize`` 
 (``weights=``, an initializer, or the module's own init and ``init_fn``), only where a rank keeps them.
 
 A parameter made with values (``nn.Parameter(torch.ones(n))``) is computed, then dropped; one made with
-``torch.empty`` (``nn.Linear``, ``nn.Embedding``) is never touched. ``nn.Module.register_parameter`` is patched
+``torch.empty`` (``nn.Linear``, ``nn.Embedding``) is never touched. A small one (at most ``KEPT_ELEMENTS``: a
+norm's scale, an activation's learnable scalars) keeps what its constructor computed, on the CPU, beside the
+meta parameter (``constructed_values``): what ``hybrid.initialize`` gives it when no init writes it, as an
+ordinary build would have it. ``nn.Module.register_parameter`` is patched
 for the block in this process (every thread), and put back when it ends.
 """
 
@@ -22,13 +25,25 @@ import torch
 from torch import nn
 
 
+KEPT_ELEMENTS = 1 << 16  # the largest parameter whose constructed values are kept (256 KiB in fp32)
+_CONSTRUCTED = "_hybrid_constructed"
+
+
 def _on_meta(param: nn.Parameter) -> nn.Parameter:
-    """``param`` on the meta device: the same class, ``requires_grad`` and attributes."""
+    """``param`` on the meta device: the same class, ``requires_grad`` and attributes (and, when small, what
+    its constructor computed)."""
     meta = torch.empty_like(param, device="meta")
     moved = nn.Parameter(meta, param.requires_grad) if type(param) is nn.Parameter else \
         type(param)(meta, requires_grad=param.requires_grad)
     moved.__dict__.update(param.__dict__)
+    if param.numel() <= KEPT_ELEMENTS:
+        setattr(moved, _CONSTRUCTED, param.detach().to("cpu", copy=True))
     return moved
+
+
+def constructed_values(param: torch.Tensor):
+    """What the constructor computed for a parameter ``empty_init`` moved to meta (small ones only), or None."""
+    return getattr(param, _CONSTRUCTED, None)
 
 
 @contextlib.contextmanager

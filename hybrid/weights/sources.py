@@ -45,6 +45,7 @@ from torch import nn
 
 from hybrid.errors import ConfigError
 from hybrid.weights.attrs import full_shape, tensor_parallel_dim
+from hybrid.weights.empty import constructed_values
 from hybrid.weights.init import get_initializer, local_values, read_local_range
 from hybrid.weights.files import WeightsFile, open_weights
 from hybrid.weights.hf_keys import checkpoint_keys, model_names
@@ -230,6 +231,10 @@ class ModuleValues:
         # what the module holds counts: its copy, or a tensor an init put in its place (module.weight = ...)
         out = {e.name: (held[e.key] if held[e.key] is not None and not held[e.key].is_meta
                         else copies[id(e.tensor)]).detach() for e in self.entries}
+        for e in self.entries:  # no init wrote it: what its constructor computed, where empty_init kept it
+            kept = constructed_values(e.tensor)
+            if e.tensor.is_meta and kept is not None and _still_unwritten(out[e.name]):
+                out[e.name] = kept.to(out[e.name].dtype)
         self._unwritten = {e.name for e in self.entries if e.tensor.is_meta and _still_unwritten(out[e.name])}
         src = self.sources
         return {name: t.chunk(src.tp, split[name])[src.tp_rank].contiguous() if name in split else t

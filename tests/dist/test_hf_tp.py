@@ -88,14 +88,27 @@ def _config(name: str):
         return transformers.Qwen2Config(**shape, tie_word_embeddings=False)
     if name == "qwen3":
         return transformers.Qwen3Config(**shape, head_dim=8, tie_word_embeddings=True)
+    if name == "gemma2":  # a scaled input embedding, tied to the head; soft-capped logits
+        return transformers.Gemma2Config(**shape, head_dim=8)
+    if name == "apertus":  # xIELU's learnable scalars between the MLP's split layers
+        return transformers.ApertusConfig(**shape, head_dim=8)
+    if name == "neox":  # Pythia's shape: fused QKV, untied head named lm_head, embed_out.weight on disk
+        return transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=2 * SEQ, use_cache=False,
+                                          tie_word_embeddings=False)
     return transformers.LlamaConfig(**shape, tie_word_embeddings=name == "llama-tied")
 
 
 def _model_class(name: str):
     if name == "own":
         return lambda _: OwnLM()
-    return {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}.get(
-        name, transformers.LlamaForCausalLM)
+    return transformers.AutoModelForCausalLM.from_config
+
+
+# the local shape of one split projection per model: 2 KV heads of 8 features (one per TP rank), the own
+# model's 64 up features (32 each), NeoX's fused QKV of 4 heads (2 per rank: 48 rows), Apertus's up_proj
+SPLIT_SHAPES = {"own": ("up.weight", (32, 16)), "neox": ("query_key_value.weight", (48, 32)),
+                "apertus": ("up_proj.weight", (32, 32))}
 
 
 def _build(name: str, how: str):
@@ -131,6 +144,8 @@ def _reference(name: str, how: str, weights_file=None):
         hybrid.materialize(model, seed=SEED, init_fn=model._init_weights)
     elif how == "weights":
         hybrid.materialize(model, weights=weights_file)
+    elif how == "pretrained":  # transformers' own reader of its own directory
+        model = transformers.AutoModelForCausalLM.from_pretrained(weights_file, config=_config(name))
     opt_cfg = _train_config(0).optimizer
     opt = torch.optim.AdamW(torch_param_groups(model, opt_cfg), lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY, foreach=False)
@@ -146,13 +161,17 @@ def _reference(name: str, how: str, weights_file=None):
     return losses, norms, {k: t.detach().clone() for k, t in model.state_dict().items()}
 
 
-def _file_of_reference(name: str, path) -> str:
-    """A consolidated .safetensors of the model with FILE_SEED's values (a tied tensor under one name)."""
+def _file_of_reference(name: str, path, how: str = "weights") -> str:
+    """A consolidated .safetensors of the model with FILE_SEED's values (a tied tensor under one name), or for
+    ``pretrained`` its ``save_pretrained`` directory in shards (transformers' own checkpoint keys)."""
     from safetensors.torch import save_model
 
     model = _build(name, "meta")
     hybrid.materialize(model, seed=FILE_SEED, init_fn=model._init_weights)
-    save_model(model, str(path))
+    if how == "pretrained":
+        model.save_pretrained(str(path), max_shard_size="40KB")
+    else:
+        save_model(model, str(path))
     return str(path)
 
 
@@ -168,11 +187,12 @@ def _rank_runs(cases, files):
                             ).parallelize(model)
         else:
             apply_plan(model, hf_plan(model), mesh.tp_comm)
-        split = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith(("k_proj.weight", "up.weight"))}
+        suffix = SPLIT_SHAPES.get(name, ("k_proj.weight",))[0]
+        split = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith(suffix)}
         if checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         init_fn = getattr(model, "_init_weights", None)
-        extra = dict(weights=files[name]) if how == "weights" else dict(seed=SEED, init_fn=init_fn)
+        extra = dict(weights=files[(name, how)]) if how in FILED else dict(seed=SEED, init_fn=init_fn)
         engine = hybrid.initialize(model, _train_config(stage), dp_group=mesh.dp_group, tp_group=mesh.tp_group,
                                    **extra)
         losses, norms = [], []
@@ -193,10 +213,13 @@ def _rel(actual, expected) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
+FILED = ("weights", "pretrained")
+
+
 def _check(world: int, cases, tmp_path):
-    files = {name: _file_of_reference(name, tmp_path / f"{name}.safetensors")
-             for name in {c[0] for c in cases if c[1] == "weights"}}
-    references = {(name, how): _reference(name, how, files.get(name)) for name, how, _, _ in cases}
+    files = {(name, how): _file_of_reference(name, tmp_path / (name + (".safetensors" if how == "weights" else "")), how)
+             for name, how in {c[:2] for c in cases if c[1] in FILED}}
+    references = {(name, how): _reference(name, how, files.get((name, how))) for name, how, _, _ in cases}
     for ref_losses, ref_norms, _ in references.values():
         assert min(ref_norms) > CLIP, "the clip must trigger in every step"
         assert ref_losses[-1] < ref_losses[0], "the reference must learn, or the check is weak"
@@ -210,8 +233,7 @@ def _check(world: int, cases, tmp_path):
         assert _rel(losses, ref_losses) < 1e-5, f"{case}: losses {losses} vs {ref_losses}"
         for rank, res in enumerate(per_rank):
             assert _rel(res["norms"], ref_norms) < 1e-5, f"{case} rank {rank}: norms {res['norms']} vs {ref_norms}"
-            # 2 KV heads of 8 features: one head per TP rank; the own model's 64 up features: 32 each
-            assert set(res["local_shapes"].values()) == {(32, 16) if case[0] == "own" else (8, 32)}, (case, res)
+            assert set(res["local_shapes"].values()) == {SPLIT_SHAPES.get(case[0], (None, (8, 32)))[1]}, (case, res)
         weights = per_rank[0]["weights"]
         assert weights.keys() == ref_weights.keys(), case
         for key, ref in ref_weights.items():
@@ -223,6 +245,8 @@ def test_hf_models_split_by_their_own_plan_at_tp2_dp2_match_single_process_adamw
     cases = [(name, "meta", stage, False) for name in ("llama-tied", "llama", "qwen2") for stage in (0, 1, 2, 3)]
     cases += [("llama-tied", "seeded", 1, False), ("qwen2", "weights", 3, False), ("llama", "meta", 3, True),
               ("qwen2", "meta", 2, True), ("own", "seeded", 2, False), ("qwen3", "meta", 3, False)]
+    cases += [(name, "pretrained", stage, False) for name in ("neox", "gemma2") for stage in (1, 3)]
+    cases += [("apertus", "meta", 3, False)]
     _check(4, cases, tmp_path)
 
 

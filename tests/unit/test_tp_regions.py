@@ -104,7 +104,7 @@ def test_a_forward_that_cannot_run_on_meta_is_said_not_silently_passed():
 
     model = NeedsValues()
     trace = trace_regions(model, {model.up: SLICE}, set(), example=(torch.zeros(2, 8, dtype=torch.long, device="meta"),))
-    assert trace.error is not None and "meta" in trace.error
+    assert trace.error.startswith("DataDependentOutputException")  # .item() of a value no trace has
     apply_plan(model, PLAN, None)
     assert plan_notes(model)[0].startswith("not checked for whole parameters between split layers (its forward "
                                            "did not run on meta: ")
