@@ -9,6 +9,12 @@ transformers 5 does -- the base model's names prefixed, and the input embedding 
 is split alike -- and maps the styles onto hybrid's (``hybrid.tp.plan``; ``colwise_gather_output`` is
 ``colwise_rep``: the head's logits gathered, so the model's own loss reads them whole).
 
+What hybrid does beyond the plan's words is said in its ``notes`` (``plan_notes`` after ``apply_plan``): the
+input embedding is split only when its forward goes through ``nn.Embedding``'s (Gemma's scaled embedding is,
+around its scale), else left whole with a head tied to it; a mixture-of-experts model (an ``experts`` module, or
+``num_local_experts`` / ``num_experts`` / ``n_routed_experts`` above 1) is not split: its plan is refused in one
+sentence, and the launcher plans it at TP 1, its experts sharded by ZeRO, until expert parallelism exists.
+
 What the config says about splitting (heads, MLP, vocabulary; ``largest_tp``) is ``hybrid.tp.hf_config``.
 """
 

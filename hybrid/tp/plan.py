@@ -24,14 +24,22 @@ model with values each rank keeps its slice of the full tensor (a model built af
 is one model at every degree). At TP 1 (``tp_comm`` None or one rank) the modules are converted and their
 parameters marked but keep their whole tensors: the launcher reads the marks to see a model can be split.
 
+A model's own plan (``OwnPlan``, from ``hybrid.tp.hf``) is read as transformers reads it: a pattern that matches
+no module is left out, and one that names a bare parameter (``layers.*.self_attn.sinks: colwise``) splits it along
+its first dimension. Whatever the plan, whole parameters that meet only this rank's slice of the features (found
+by ``hybrid.tp.regions`` from the model's own forward, on fake tensors) get their gradient summed over TP
+(``replicate_grad`` on their module, for those keys only), and ``plan_notes(model)`` says so for the plan line.
+
 What cannot be applied is one ``ConfigError`` sentence naming the module and the fix, before anything changes:
-an unknown style, a pattern matching no module (or naming a parameter), two styles for one module, a style
-on the wrong kind of module or on a subclass with its own forward, a split size the degree does not divide,
-attention heads the degree does not divide (a Hugging Face config's ``num_attention_heads`` /
-``num_key_value_heads``: a projection split inside a head computes nonsense without an error), a tensor tied
-between modules the plan splits differently, a ``local_rowwise`` layer with a bias (each rank would add it
-to its partial sum before the sum, counting it tp times), an embedding with ``max_norm`` or
-``scale_grad_by_freq`` (per-row statistics a split table cannot keep), and a module already split.
+an unknown style, a pattern of a user's plan matching no module (or naming a parameter), two styles for one
+module, a style on the wrong kind of module or on a subclass whose forward does not go through the torch
+layer's, a split size the degree does not divide, attention heads the degree does not divide (a Hugging Face
+config's ``num_attention_heads`` / ``num_key_value_heads``: a projection split inside a head computes nonsense
+without an error), a tensor tied between modules the plan splits differently, a split no sum over TP makes
+exact (a whole parameter meeting slices and whole activations, a whole activation with a gradient meeting a
+slice), a ``local_rowwise`` layer with a bias (each rank would add it to its partial sum before the sum,
+counting it tp times), an embedding with ``max_norm`` or ``scale_grad_by_freq`` (per-row statistics a split
+table cannot keep), and a module already split.
 """
 
 from __future__ import annotations
