@@ -81,7 +81,8 @@ class Worker:
         run_dir.mkdir(parents=True)
         self.run_dir = run_dir
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
+                   TQDM_DISABLE="1")
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(run_dir / "world.log", "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "bench.hf_matrix_world", str(run_dir),
@@ -104,6 +105,9 @@ class Worker:
         """True while the world runs; on its end, collect its rows and start the next world if types remain."""
         self.stall_s = stall_s
         code = self.proc.poll()
+        for row in read_rows(self.run_dir).values():  # said as they come
+            if row.get("complete") and row["type"] in self.types:
+                self._done(row)
         stalled = None
         if code is None:
             last, model_type, step = self.progress()
@@ -119,20 +123,14 @@ class Worker:
         return False
 
     def _collect(self, code, stalled) -> None:
-        rows = {}
-        results = self.run_dir / "results.jsonl"
-        if results.exists():
-            for line in results.read_text().splitlines():
-                row = json.loads(line)
-                rows[row["type"]] = row
+        rows = read_rows(self.run_dir)
         for model_type, row in rows.items():
             if row.get("complete"):
                 self._done(row)
         if not self.types:
             return
-        # the world ended before its last type: the one it was on gets why, the rest go to a new world
+        # the world ended before its last type: the type it was on gets why, the rest go to a new world
         _, current, step = self.progress()
-        current = current if current in self.types else self.types[0]
         if stalled is not None:
             why = (f"error: TimeoutError: no progress in {stalled[1] or 'start-up'} for {self.stall_s:.0f} s; the "
                    "world was stopped")
@@ -141,11 +139,16 @@ class Worker:
             detail = json.loads(error.read_text())["error"] if error.exists() else \
                 f"the world exited with {code} in {step or 'start-up'}"
             why = f"error: WorldDied: {detail}"[:400]
-        row = rows.get(current, dict(type=current, cells={}))
-        row["cells"] = {c: row["cells"].get(c) or why for c in CELLS}
-        row["complete"] = True
-        self.log(f"{current}: the world ended ({why})")
-        self._done(row)
+        if current is None:  # it never reached a type: a new world would fail alike
+            blamed = list(self.types)
+        else:
+            blamed = [current] if current in self.types else []  # else it ended between two types
+        for model_type in blamed:
+            row = rows.get(model_type, dict(type=model_type, cells={}))
+            row["cells"] = {c: row["cells"].get(c) or why for c in CELLS}
+            row["complete"] = True
+            self.log(f"{model_type}: the world ended ({why})")
+            self._done(row)
 
     def _done(self, row: dict) -> None:
         if row["type"] in self.types:
@@ -153,6 +156,17 @@ class Worker:
             self.rows[row["type"]] = row
             self.log(f"{row['type']}: " + " | ".join(f"{c}={_brief(row['cells'].get(c))}" for c in CELLS)
                      + f" ({row.get('seconds', '?')} s)")
+
+
+def read_rows(run_dir: Path) -> dict:
+    """The rows a world wrote (``results.jsonl``): each type's latest, complete or not."""
+    results = Path(run_dir) / "results.jsonl"
+    rows = {}
+    if results.exists():
+        for line in results.read_text().splitlines():
+            row = json.loads(line)
+            rows[row["type"]] = row
+    return rows
 
 
 def _brief(text) -> str:
@@ -195,20 +209,33 @@ def summary(rows: dict) -> str:
         counts = Counter(kind(r["cells"][c]) for r in rows.values())
         parts.append(f"{c}: " + ", ".join(f"{counts[k]} {k}" for k in ("pass", "sentence", "error", "n/a")
                                          if counts[k]))
-    dense = [r for r in rows.values() if dense_with_plan(r)]
-    passing = sum(r["cells"]["tp2"] == PASS for r in dense)
+    dense = [t for t, r in rows.items() if dense_with_plan(r)]
+    failing = [t for t in dense if rows[t]["cells"]["tp2"] != PASS]
+    passing = len(dense) - len(failing)
     share = f"{100 * passing / len(dense):.0f} %" if dense else "n/a"
     return (f"{len(rows)} types. " + "; ".join(parts) + f". Dense types with a plan passing tp2: {passing} of "
-            f"{len(dense)} ({share}).")
+            f"{len(dense)} ({share})" + (f"; not: {', '.join(sorted(failing))}." if failing else "."))
+
+
+def slowest(rows: dict, n: int = 5) -> str:
+    """The ``n`` slowest types, each with its slowest step."""
+    ranked = sorted(rows.values(), key=lambda r: -r.get("seconds", 0))[:n]
+    return ", ".join(f"{r['type']} {r.get('seconds', 0):.0f} s" + (
+        " ({} {:.0f} s)".format(*max(r["steps"].items(), key=lambda kv: kv[1])) if r.get("steps") else "")
+        for r in ranked)
 
 
 def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+_MODEL_CLASS = re.compile(r"\b[A-Za-z0-9_]+(ForCausalLM|ForConditionalGeneration|LMHeadModel|WithLMHead|Decoder)\b")
+
+
 def _group_key(text: str) -> str:
-    """Messages that differ only in names and numbers group together."""
-    return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", re.sub(r"'[^']*'", "'…'", text))
+    """Messages that differ only in quoted names, model classes and numbers group together."""
+    text = _MODEL_CLASS.sub("<model>", re.sub(r"'[^']*'", "'…'", text))
+    return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)
 
 
 def grouped(rows: dict, which: str) -> list:
@@ -233,7 +260,7 @@ def report(rows: dict, command: str, seconds: float) -> str:
              "what each check does, `bench/hf_matrix_cells.py` the tolerance). A cell is `pass`, the sentence the "
              "product raised, `error: ...` (a product bug, grouped at the end) or `n/a: ...` (the check does "
              "not apply, or transformers itself cannot do its part).", "",
-             summary(rows), "",
+             summary(rows), "", f"Slowest: {slowest(rows)}.", "",
              "| type | build | load | tp1 | tp2 | export |", "|---|---|---|---|---|---|"]
     for t in sorted(rows):
         row = rows[t]

@@ -15,12 +15,17 @@ keeps its slice at TP 2), ZeRO stage 3, fp32, ``STEPS`` steps of AdamW (lr 1e-2,
 weight decay 0.1 over the engine's default groups) with gradient clipping at 0.3, on ``ROWS`` rows of ``SEQ``
 tokens (split over DP). The reference is the same model trained in one process by ``torch.optim.AdamW`` over
 ``hybrid.zero.param_groups.torch_param_groups`` and ``clip_grad_norm_``, once in fp32 and once in fp64 from the
-same values. A run passes when its losses (the DP mean), its pre-clip gradient norms and every tensor of its
-``full_state_dict()`` are within ``TOLERANCE_FACTOR`` (10) times torch fp32's own distance from the fp64 run,
-each measured as the largest absolute difference over the largest absolute value (the losses of all steps
-together, the norms together, and the worst tensor), and never below ``TOLERANCE_FLOOR`` (1e-6, for a
-quantity fp32 happens to get exactly); where the model does not run in fp64 the run is compared with the fp32
-reference at relative 1e-5 (``FALLBACK_TOLERANCE``). Loading and exporting move bits: they must be equal.
+same values (a mixture of experts with transformers' eager experts where its grouped_mm has no fp64). A run
+passes when its losses (the DP mean), its pre-clip gradient norms and every tensor of its ``full_state_dict()``
+are within ``TOLERANCE_FACTOR`` (10) times torch fp32's own distance from the fp64 run, each measured as the
+largest absolute difference over the largest absolute value (the losses of all steps together, the norms
+together, the worst tensor), and never below ``TOLERANCE_FLOOR`` (1e-6, for a quantity fp32 happens to get
+exactly). A tensor whose largest value is below ``SCALE_FLOOR`` (1e-3; one AdamW step moves a weight by up to
+the learning rate, 1e-2) is measured against 1e-3 instead: a key projection's bias, whose gradient is zero in
+exact arithmetic, holds rounding noise of ~1e-10 that differs by its own size from run to run. A model with
+no fp64 run at all is compared with the fp32 run, within 10 times that run's distance from itself with each
+step's batch in two accumulated halves (the reordering DP brings). Which rule a type got is in its row
+(``--json``). Loading and exporting move bits: they must be equal.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.hf_matrix_configs import ROWS, build, ids, loss_of, plain_check  # noqa: F401 (plain_check: re-exported)
+from bench.hf_matrix_configs import ROWS, build, ids, loss_of, plain_check  # noqa: F401 (plain_check: for the world)
 
 SEED, WEIGHTS_SEED, STEPS = 3, 11, 3
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-4, 0.1, 0.3
-TOLERANCE_FACTOR, TOLERANCE_FLOOR, FALLBACK_TOLERANCE = 10.0, 1e-6, 1e-5
+TOLERANCE_FACTOR, TOLERANCE_FLOOR, SCALE_FLOOR = 10.0, 1e-6, 1e-3
 PASS, NA = "pass", "n/a"
 CELLS = ("build", "load", "tp1", "tp2", "export")
 
@@ -118,42 +123,60 @@ def train_config(stage: int):
     })
 
 
-def _torch_run(config, dtype) -> dict:
+def _torch_run(config, dtype, halves: bool = False, experts: Optional[str] = None) -> dict:
+    """The single-process run; ``halves``: each step's batch as two accumulated halves (what DP 2 computes);
+    ``experts``: transformers' experts implementation (``eager`` runs in fp64, grouped_mm does not)."""
     from hybrid.zero.param_groups import torch_param_groups
 
     model = build(config, seed=SEED, dtype=dtype)
+    if experts is not None:
+        model.set_experts_implementation(experts)
     opt = torch.optim.AdamW(torch_param_groups(model, train_config(0).optimizer), lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY, foreach=False)
     losses, norms, no_grad = [], [], set()
     for step in range(STEPS):
-        loss = loss_of(model, ids(step))
-        loss.backward()
+        rows = ids(step)
+        parts = (rows[:ROWS // 2], rows[ROWS // 2:]) if halves else (rows,)
+        loss = 0.0
+        for part in parts:
+            part_loss = loss_of(model, part) / len(parts)
+            part_loss.backward()
+            loss += part_loss.item()
         no_grad |= {n for n, p in model.named_parameters() if p.requires_grad and p.grad is None}
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss)
     return dict(losses=losses, norms=norms, weights={k: v.detach().clone() for k, v in model.state_dict().items()},
                 no_grad=sorted(no_grad))
 
 
-def reference(config) -> dict:
-    """The single-process runs and the tolerances a run is held to (see the module docstring)."""
-    ref32 = _torch_run(config, torch.float32)
-    try:
-        ref64 = _torch_run(config, torch.float64)
-    except Exception as err:  # noqa: BLE001 -- a model that does not run in fp64: the fallback tolerance
-        from hybrid.errors import first_line
+def _distance(run: dict, ref: dict) -> dict:
+    return dict(losses=_rel(run["losses"], ref["losses"]), norms=_rel(run["norms"], ref["norms"]),
+                weights=max((_rel(run["weights"][k], v) for k, v in ref["weights"].items() if v.is_floating_point()),
+                            default=0.0))
 
-        tol = dict(losses=FALLBACK_TOLERANCE, norms=FALLBACK_TOLERANCE, weights=FALLBACK_TOLERANCE)
-        return dict(ref32, tolerance=tol, how=f"rel {FALLBACK_TOLERANCE:g} (fp64: {type(err).__name__}: "
-                                               f"{first_line(err, limit=120)})")
-    distance = dict(losses=_rel(ref32["losses"], ref64["losses"]), norms=_rel(ref32["norms"], ref64["norms"]),
-                    weights=max((_rel(ref32["weights"][k], v) for k, v in ref64["weights"].items()
-                                 if v.is_floating_point()), default=0.0))
+
+def reference(config) -> dict:
+    """The single-process run a check compares with, and its tolerances (see the module docstring)."""
+    from hybrid.errors import first_line
+
+    ref32 = _torch_run(config, torch.float32)
+    ref64, how, failure = None, f"{TOLERANCE_FACTOR:g}x fp32's distance from fp64", None
+    for experts in (None, "eager"):
+        try:
+            ref64 = _torch_run(config, torch.float64, experts=experts)
+            how += " (experts: eager)" if experts else ""
+            break
+        except Exception as err:  # noqa: BLE001 -- an op without fp64 (grouped_mm): again with eager experts
+            failure = failure or f"{type(err).__name__}: {first_line(err, limit=120)}"
+    if ref64 is not None:
+        distance, ref = _distance(ref32, ref64), ref64
+    else:  # no fp64 run: fp32's distance from itself with each batch in two accumulated halves
+        distance, ref = _distance(_torch_run(config, torch.float32, halves=True), ref32), ref32
+        how = f"{TOLERANCE_FACTOR:g}x fp32's distance from fp32 in two halves (fp64: {failure})"
     tol = {k: max(TOLERANCE_FACTOR * d, TOLERANCE_FLOOR) for k, d in distance.items()}
-    return dict(ref64, tolerance=tol, how=f"{TOLERANCE_FACTOR:g}x fp32's distance from fp64",
-                fp32_distance=distance)
+    return dict(ref, tolerance=tol, how=how, fp32_distance=distance)
 
 
 def check_run(run: dict, ref: dict, what: str) -> None:
@@ -178,10 +201,16 @@ def check_run(run: dict, ref: dict, what: str) -> None:
                         else float(not torch.equal(got.to(ref_t.dtype), ref_t)))
     bad = {n: e for n, e in errors.items() if not e <= tol["weights"]}
     if bad:
-        worst = max(bad, key=lambda n: bad[n] if math.isfinite(bad[n]) else math.inf)
-        note = " (no gradient in the torch run)" if worst in ref.get("no_grad", ()) else ""
-        raise Mismatch(f"{what}: {len(bad)} of {len(errors)} tensors off, worst {worst!r}{note} {bad[worst]:.3g} "
-                       f"relative, over {tol['weights']:.3g}")
+        no_grad = set(ref.get("no_grad", ())) & set(bad)
+        graded = {n: e for n, e in bad.items() if n not in no_grad}
+        worst = max(graded or bad, key=lambda n: bad[n] if math.isfinite(bad[n]) else math.inf)
+        if graded:
+            also = f" (and {len(no_grad)} that got no gradient in the torch run)" if no_grad else ""
+            raise Mismatch(f"{what}: {len(graded)} of {len(errors)} tensors off{also}, worst {worst!r} "
+                           f"{bad[worst]:.3g} relative, over {tol['weights']:.3g}")
+        raise Mismatch(f"{what}: {len(bad)} of {len(errors)} tensors off, all of them parameters that got no "
+                       f"gradient in the torch run (its AdamW leaves those as they are), worst {worst!r} "
+                       f"{bad[worst]:.3g} relative, over {tol['weights']:.3g}")
 
 
 def train_tp(config, mesh, tp: int) -> tuple:
@@ -246,11 +275,12 @@ def _same_keys(got: dict, expected: dict, got_name: str, expected_name: str) -> 
 
 
 def _rel(actual, expected) -> float:
+    """The largest difference over the largest value, or over ``SCALE_FLOOR`` where that is larger."""
     actual = torch.as_tensor(actual).detach().double().cpu()
     expected = torch.as_tensor(expected).detach().double().cpu()
     diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
     scale = expected.abs().max().item() if expected.numel() else 0.0
-    return diff / scale if scale > 0 else diff
+    return diff / max(scale, SCALE_FLOOR)
 
 
 def _short(values) -> str:

@@ -4,16 +4,21 @@
 sub-configs -- ``text_config``, ``vision_config``, ... -- the same way) and shrunk by the field's name: hidden 32,
 intermediate 64, 2 layers, 4 attention heads of 8 features and 2 KV heads, vocabulary 128, 64 positions, a
 sliding window of 4 (the rows are 8 tokens long, so the window masks), 4 experts with top-k 2 and a shared
-one, MoE layers from the second layer on, every dropout and router noise 0 (the runs are compared with a
-reference), no cache. Per-layer lists (``layer_types``, ``mlp_layer_types``, ...) keep one layer of each
-kind the full model has, in the order they first appear (a hybrid model keeps an attention layer and a
-Mamba one); special token ids outside the vocabulary move to its top, above the ids the matrix's rows use
-(``DATA_VOCAB``), so no row holds a pad or an image token. ``OVERRIDES`` is the one table of what a family
-needs beyond that, each entry with its reason.
+one (experts and top-k set whatever the default: HunYuan-MoE's is 1 expert), MoE layers from the second
+layer on, every dropout and router noise 0 (the runs are compared with a reference), no cache, no auxiliary
+router loss (a load-balancing loss is not linear in the batch, so its mean over DP ranks is not the
+batch's). No other field grows: a size already smaller (1 KV head, no shared expert) stays. Per-layer lists
+(``layer_types``, ``mlp_layer_types``, ...) keep one layer of each kind the full model has, in the order
+they first appear (a hybrid model keeps an attention layer and a Mamba one), and lists and dicts of layer
+indices follow. Special token ids outside the new vocabulary move to its top, above the ids the matrix's rows
+use (``DATA_VOCAB``), so no row holds an image token; ids inside it stay (a Roberta's pad id is also its
+positions' padding index). ``OVERRIDES`` is the one table of what a family needs beyond that, each entry with
+its reason.
 
 ``plain_check(config)`` is the same model in transformers alone (built with values, one forward with
 labels, one backward): a type whose tiny config fails there is not a question for hybrid, and the matrix
-says so instead of blaming the product. ``is_moe`` and ``has_plan`` classify a config.
+says so instead of blaming the product. ``is_moe``, ``is_tied`` and ``has_plan`` classify a config; ``ids``
+are the rows every run trains on, ``build`` and ``loss_of`` how every run builds and runs a model.
 """
 
 from __future__ import annotations
@@ -70,10 +75,13 @@ _SIZES = (  # (size, field names): a list, as several sizes are equal
     (0, ("num_nextn_predict_layers", "num_kv_shared_layers")),
 )
 SIZE_OF = {name: size for size, names in _SIZES for name in names}
+_EXACT = next(names for _, names in _SIZES if "num_experts" in names) + next(
+    names for _, names in _SIZES if "num_experts_per_tok" in names)
 LAYER_FIELDS = next(names for _, names in _SIZES if "num_hidden_layers" in names)
 EXPERT_FIELDS = next(names for _, names in _SIZES if "num_experts" in names)
 # per-layer lists of indices (kept where below the new layer count)
-_INDEX_LISTS = ("mlp_only_layers", "moe_layers", "full_attn_idxs", "hybrid_layer_ids", "index_layers", "ple_layer_ids", "attn_layer_indices")
+_INDEX_LISTS = ("mlp_only_layers", "moe_layers", "full_attn_idxs", "hybrid_layer_ids", "index_layers",
+                "ple_layer_ids", "attn_layer_indices")
 _UNSET = ("head_dim", "num_key_value_heads")  # None in some defaults that the model code then divides by
 _LAYER_VALUES = ("kv_source_layers",)  # per-layer lists whose values are layer indices
 _NOISE = ("router_jitter_noise", "input_jitter_noise", "layerdrop", "mask_time_prob", "mask_feature_prob")
@@ -134,6 +142,8 @@ def shrink(doc: dict, token_ids: Optional[dict] = None, vocab: Optional[int] = N
             doc[key] = SIZE_OF[key]
         elif _is_dropout(key, value):
             doc[key] = 0.0
+        elif key in _EXACT and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            doc[key] = SIZE_OF[key]  # a mixture of EXPERTS experts, top-k TOP_K, whatever the default
         elif key in SIZE_OF and isinstance(value, int) and not isinstance(value, bool):
             doc[key] = min(value, SIZE_OF[key])  # never larger: 0 often means "none", 1 KV head is MQA
     if pick:
@@ -145,8 +155,9 @@ def shrink(doc: dict, token_ids: Optional[dict] = None, vocab: Optional[int] = N
     for key, value in list(doc.items()):
         if vocab and key.endswith(_TOKEN_IDS):
             doc[key] = _token(value, vocab, token_ids)
-    if "use_cache" in doc:
-        doc["use_cache"] = False
+    for key in ("use_cache", "output_router_logits"):  # no cache; no auxiliary router loss (nonlinear in the
+        if key in doc:                                  # batch: a DP mean of it is not the batch's)
+            doc[key] = False
     return doc
 
 
@@ -230,6 +241,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
              "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]},
     "kolibri1_1": {"head_dim": 16},  # its NVFP4 key/value rounding needs a multiple of 16
+    "zaya": {"num_experts_per_tok": 1},  # its validator: top-1 routing only
     "dots3_note": {"": _as_many_kv_heads},  # its validator: as many KV heads as heads, in every layer config
     "dots3_note_text": {"": _as_many_kv_heads},
     # defaults that leave the model without a top-k, experts or layer types
@@ -315,7 +327,10 @@ def is_moe(config) -> bool:
 
 def is_tied(config) -> bool:
     """The input embedding and the head share one tensor (the text config's say where there is one)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        text = config.get_text_config()
+    except Exception:  # noqa: BLE001 -- several text configs (Musicgen's): the config's own flag
+        text = config
     return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
 
 

@@ -85,9 +85,17 @@ class World:
         self.agree_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_S))
         self.meshes = Meshes()
         self.progress = open(workdir / f"progress-rank{self.rank}.jsonl", "a", buffering=1)
+        self.started: dict = {}
+        self.timings: dict = {}  # the current type's steps, seconds each
 
     def note(self, model_type: str, step: str, **fields) -> None:
-        self.progress.write(json.dumps(dict(t=time.time(), type=model_type, step=step, **fields)) + "\n")
+        """A progress line (what the supervisor watches); a step's ``end`` also times it into ``timings``."""
+        now = time.time()
+        if fields.get("event") == "start":
+            self.started[step] = now
+        elif fields.get("event") == "end" and step in self.started:
+            self.timings[step] = round(now - self.started.pop(step), 2)
+        self.progress.write(json.dumps(dict(t=now, type=model_type, step=step, **fields)) + "\n")
 
     def agree(self, mine) -> list:
         import torch.distributed as dist
@@ -133,13 +141,15 @@ def one_type(world: World, model_type: str) -> dict:
     from bench import hf_matrix_configs as configs
 
     start = time.time()
-    row = dict(type=model_type, cells={}, complete=False)
+    world.timings = {}
+    row = dict(type=model_type, cells={}, complete=False, steps=world.timings)
     scratch = world.workdir / "scratch" / model_type.replace("/", "_")  # rank 0's; the checkpoint: both ranks'
     if world.rank == 0:
         cells.fresh(scratch)
     world.note(model_type, "config", event="start")
     try:
         config = configs.tiny_config(model_type)
+        world.note(model_type, "config", event="end")
         row.update(moe=configs.is_moe(config), plan=configs.has_plan(config), tied=configs.is_tied(config))
     except Exception as err:  # noqa: BLE001 -- the harness cannot make a config: said, not blamed
         config = None
@@ -229,13 +239,15 @@ def _trained_cells(world: World, model_type: str, config, ref: dict, row: dict, 
     if _failed(both) is None:
         engine, weights = value[0], value[3]
         run_dir = scratch / "run"
-        saved, _ = _collective_step(world, model_type, "export", 1, lambda mesh: (checkpoint.save(
+        saved, _ = _collective_step(world, model_type, "save", 1, lambda mesh: (checkpoint.save(
             run_dir, engine, cells.STEPS, model_config=cells.hf_model_config(config)), None))
         del engine, value
         if _failed(saved) is not None:
             row["cells"]["export"] = _failed(saved)
         elif world.rank == 0:
+            world.note(model_type, "export-check", event="start")
             row["cells"]["export"] = cells.cell(lambda: cells.export_cell(run_dir, scratch / "hf", weights))
+            world.note(model_type, "export-check", event="end")
         world.agree(None)  # rank 1 waits for the export's check before the next step
     else:
         row["cells"]["export"] = cells.not_applicable("tp1 did not train")
@@ -257,6 +269,7 @@ def world(types: list, workdir: str) -> None:
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     here = World(Path(workdir))
     try:
         for model_type in types:
