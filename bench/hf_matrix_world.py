@@ -236,6 +236,7 @@ def _trained_cells(world: World, model_type: str, config, ref: dict, row: dict, 
     # 3. tp1, then export from its engine
     both, value = _collective_step(world, model_type, "tp1", 1, train(1))
     row["cells"]["tp1"] = check(both, value, "tp1")
+    world.result(row)
     if _failed(both) is None:
         engine, weights = value[0], value[3]
         run_dir = scratch / "run"
