@@ -8,8 +8,9 @@ without allocating anything) and reads what torch itself counts (``trace``):
 - FLOPs of forward and backward (``FlopCounterMode``: matmuls and attention; elementwise ops count nothing, as
   in the analytic ``6·Ψ`` formulas);
 - activation bytes saved for backward (``saved_tensors_hooks``; each storage once, parameters and buffers left
-  out), per block and outside the blocks; with ``checkpointing`` what remains (the blocks' inputs); the head's
-  output (the logits, counted as alive: a causal LM's output keeps them) and what the loss saves (``head``);
+  out), per block and outside the blocks; with ``checkpointing`` what remains (the blocks' inputs); of the
+  outside, the head's (``head``): what is saved from the head on (its input, what the loss saves) and its
+  output, the logits (counted as alive: a causal LM's output keeps them);
 - eager ops per micro-step (a ``TorchDispatchMode``, less ``detach``).
 
 **Blocks.** The largest ``nn.ModuleList`` of one class (``blocks=`` names another) is cut to 1 and then 2 blocks
@@ -30,7 +31,10 @@ torch picks the kernel it picks on a CPU: fused flash, O(s) saved, as a GPU's fl
 its backward's FLOPs are torch's count for fused kernels, which recompute the scores (10 h·s per token and
 layer where the math path does 8). ``attention="math"``: torch's math path (what it takes on meta), which saves
 the s² probabilities, as Korthikanti's formula counts. A model's own eager attention materializes them either
-way. ``dtype``: the compute dtype (floating parameters and buffers are stood in by it; default: theirs).
+way. A checkpoint's recompute takes the forward's kernel where the profile checkpoints (``checkpointing``; a
+checkpoint's ``context_fn``: torch function modes do not reach a recompute); a model that checkpoints its blocks
+itself can be profiled with ``attention="math"`` only (else one sentence says so). ``dtype``: the compute dtype
+(floating parameters and buffers are stood in by it; default: theirs).
 
 **Inputs.** A transformers model gets ``input_ids`` and ``labels`` (its own loss) and ``use_cache=False``; its
 ``sdpa`` attention runs without a mask, as a step on unpadded windows does (under fake tensors transformers

@@ -35,7 +35,7 @@ class Scaling:
     def fit(cls, batch: int, seqs: tuple, values: tuple) -> "Scaling":
         """The exact fit through ``values`` measured at ``(batch, s)`` for the two (different) ``seqs``."""
         (s1, s2), (v1, v2) = seqs, values
-        y1, y2 = Fraction(v1, batch * s1), Fraction(v2, batch * s2)
+        y1, y2 = Fraction(v1) / (batch * s1), Fraction(v2) / (batch * s2)
         quadratic = (y1 - y2) / (s1 - s2)
         return cls(float(y1 - quadratic * s1), float(quadratic))
 
@@ -64,7 +64,7 @@ class ModelProfile:
     blocks: str           # the block list's qualified name ('' where the model has none)
     block: Part           # one block
     outside: Part         # embeddings, final norm, head and loss, and tensors the blocks share
-    head: Scaling         # of outside.saved_bytes: the head's output (the logits) and what is saved from it on
+    head: Scaling         # of outside.saved_bytes: from the head on (its input, the loss's) and its output (logits)
     checkpointing: bool   # each block recomputed in backward
     dtype: str            # the compute dtype the parameters were stood in by
     attention: str        # "fused": the SDPA kernel torch picks on a CPU; "math": SDPA's math path
@@ -97,7 +97,7 @@ class ModelProfile:
         return self.block.saved_bytes.at(micro_batch, seq)
 
     def head_bytes(self, micro_batch: int, seq: int) -> float:
-        """The logits and what the loss saves from them."""
+        """What is saved from the head on (its input, the loss's: a softmax) and the logits."""
         return self.head.at(micro_batch, seq)
 
     def ops_per_micro_step(self) -> int:

@@ -8,7 +8,7 @@ call so the stand-ins are in place when a checkpoint recomputes a block. Counted
   other fused attention kernels);
 - bytes saved for backward: ``saved_tensors_hooks``, each storage once, the stand-ins (and views of them) left
   out; with ``checkpointing``, a checkpointed block's inputs, which the checkpoint keeps (its own hooks hide
-  the rest); the head's output and what is saved from the head on, apart;
+  the rest); apart, the head's: what is saved from the head on (its input, the loss's) and its output;
 - aten ops: a ``TorchDispatchMode``, less ``detach`` (bookkeeping, and fake tensors' gradient accumulation
   adds detaches an eager step does not), a fake tensor's own ``prim`` queries and ``FusedAttention``'s moves.
 
@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -87,7 +87,8 @@ class OpCounter(TorchDispatchMode):
 
 class FusedAttention(TorchFunctionMode):
     """SDPA of meta tensors on fake CPU tensors (module docstring); ``alias`` maps each moved copy's storage to
-    its original's, so a tensor saved under both names counts once."""
+    its original's (and that one's bytes: q, k and v may be views of one projection's output), so a tensor
+    saved under both names counts once, as the whole storage it keeps."""
 
     def __init__(self, alias: Optional[dict] = None):
         super().__init__()
@@ -97,7 +98,7 @@ class FusedAttention(TorchFunctionMode):
         if not isinstance(t, torch.Tensor) or t.device.type == device:
             return t
         moved = t.to(device)
-        self.alias[storage(moved)] = self.alias.get(storage(t), storage(t))
+        self.alias[storage(moved)] = self.alias.get(storage(t), (storage(t), t.untyped_storage().nbytes()))
         return moved
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -136,7 +137,7 @@ class Counts:
     forward_flops: int = 0
     backward_flops: int = 0
     saved: int = 0   # bytes saved for backward, the head's output included
-    head: int = 0    # of them: the head's output and what is saved from the head on
+    head: int = 0    # of them: what is saved from the head on (its input, the loss's) and its output
     ops: int = 0
 
 
@@ -193,13 +194,12 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
     def count(t, into_head=False):
         if not isinstance(t, torch.Tensor):
             return
-        ref = storage(t)
-        ref = fused.alias.get(ref, ref)
+        ref, size = fused.alias.get(storage(t), (storage(t), t.untyped_storage().nbytes()))
         if ref in excluded:
             return
-        seen.setdefault(ref, t.untyped_storage().nbytes())
+        seen.setdefault(ref, size)
         if into_head or state["head"]:
-            head_seen.setdefault(ref, t.untyped_storage().nbytes())
+            head_seen.setdefault(ref, size)
 
     def pack(t):
         if state["forward"]:
@@ -248,9 +248,14 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
 
 
 def _sentence(model: nn.Module, op, err: Exception) -> str:
-    where = f"at {op}" if op is not None else "in its forward"
+    name = type(model).__name__
+    if isinstance(err, CheckpointError):  # its recompute ran SDPA on meta: the math path, not the forward's kernel
+        return (f"the profile of {name} could not be taken: it checkpoints its blocks itself and its recompute "
+                f"took another attention kernel than its forward ({first_line(err, limit=120)}); build it without "
+                "its own activation checkpointing and profile it with checkpointing=True, or with attention='math'.")
+    where = f" at {op}" if op is not None else ""
     hint = _HINTS.get(getattr(op, "__name__", "").split(".")[0]) if op is not None else None
     reason = f" ({hint})" if hint else ""
-    return (f"the profile of {type(model).__name__} could not be taken: its step stopped {where}{reason} with "
+    return (f"the profile of {name} could not be taken: its step stopped{where}{reason} with "
             f"{type(err).__name__}: {first_line(err, limit=200)}; a forward that reads tensor values or an op "
             "without a fake (meta) kernel cannot be profiled without data, so declare the model's shape instead.")
