@@ -39,11 +39,11 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests/unit
 
 # The demo's corpus: this repository's own docs and sources, byte-level (configs/gpt-tiny-text.yaml reads it).
-DEMO_TEXT := README.md $(wildcard hybrid/*.py hybrid/*/*.py hybrid/*/*/*.py launch/*.py launch/*/*.py)
+DEMO_TEXT := README.md $(wildcard docs/*.md hybrid/*.py hybrid/*/*.py hybrid/*/*/*.py launch/*.py launch/*/*.py)
 
 demo: $(STAMP)
 	rm -rf runs/demo  # the demo trains from scratch; `hybrid launch` alone resumes
-	@echo "hybrid data prepare README.md hybrid/ launch/ sources --out runs/demo-corpus/corpus.bin"
+	@echo "hybrid data prepare README.md docs/ hybrid/ launch/ sources --out runs/demo-corpus/corpus.bin"
 	@$(BIN)/hybrid data prepare $(DEMO_TEXT) --out runs/demo-corpus/corpus.bin
 	$(BIN)/hybrid launch clusters/local.yaml
 
