@@ -7,7 +7,9 @@ t = TP degree, N = DP degree, Ψ = parameters):
 * **compute**: ``6·Ψ_mm·T/t`` plus attention ``12·L·h·s·T/t`` for the T = b·k·s tokens of a DP rank's step,
   at ``peak · efficiency``; Ψ_mm leaves out the token and position embeddings (a lookup does no FLOPs).
   Activation checkpointing recomputes each block's forward in backward: ``2·Ψ_blocks·T/t + 4·L·h·s·T/t``
-  more. Forward is a third of the model FLOPs, backward the rest and the recompute.
+  more. A shape from a model's measured profile (``ModelShape.from_profile``) has its FLOPs per token instead,
+  ``(A + B·s)·T/t`` (``flop_terms``), and the recompute's likewise (``recompute_terms``). Forward is a third of
+  the model FLOPs, backward the rest and the recompute.
 * **TP**: Megatron's activation all-reduces of b·s·h elements: two per block in forward, two in backward
   (two more in the recomputed forward), one each for the vocab-parallel embedding and LM head, and three
   small ones of the vocab-parallel loss; ring bytes ``2(t-1)/t`` of the message per call, on the intra-node
@@ -38,7 +40,7 @@ t = TP degree, N = DP degree, Ψ = parameters):
   sharded) at the device's Adam rate (memory bound).
 * **per micro-step**: what a micro-step costs whatever its size, k times per step: the host's dispatch of its
   eager ops (``ModelShape.ops_per_micro_step``: the forward, backward and recompute ops at ``hw.op_overhead``
-  each) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
+  each; a profile's own count where the shape has one) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
   gradients written and accumulated, one more read with activation checkpointing) at
   ``hw.memory_bandwidth``. This is why twice the micro-steps of half the size are slower for the same tokens.
   A GPU runs it beside its kernels (the host queues work ahead while the device computes or waits on a
@@ -77,7 +79,8 @@ PARAM_PASSES = 6
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer: Ψ and the shape its FLOPs and activations follow."""
+    """A decoder-only transformer: Ψ and the shape its FLOPs and activations follow; from a measured profile
+    (``from_profile``) also its FLOPs per token and eager ops, which then replace the GPT's formulas."""
 
     params: int
     layers: int
@@ -86,6 +89,9 @@ class ModelShape:
     seq: int
     vocab: int
     mlp_ratio: int = 4
+    flop_terms: Optional[tuple] = None       # (A, B): forward and backward FLOPs per token, A + B·seq
+    recompute_terms: Optional[tuple] = None  # (A, B): what activation checkpointing adds per token
+    ops: Optional[tuple] = None              # eager ops per micro-step: (plain, with activation checkpointing)
 
     @property
     def matmul_params(self) -> int:
@@ -99,6 +105,8 @@ class ModelShape:
 
     def ops_per_micro_step(self, activation_checkpointing: bool = False) -> int:
         """Eager ops one micro-step dispatches (see ``OPS_PER_BLOCK``), whatever its size."""
+        if self.ops is not None:
+            return self.ops[bool(activation_checkpointing)]
         per_block = OPS_PER_BLOCK + (RECOMPUTE_OPS_PER_BLOCK if activation_checkpointing else 0)
         return self.layers * per_block + OPS_OUTSIDE_BLOCKS
 
@@ -107,6 +115,18 @@ class ModelShape:
         """From the built-in GPT's config dict (``GPTConfig.to_dict()``)."""
         return cls(params, shape["n_layers"], shape["hidden"], shape["n_heads"], shape["seq_len"],
                    shape["vocab_size"], shape.get("mlp_ratio", 4))
+
+    @classmethod
+    def from_profile(cls, plain, checkpointed, seq: int, params: Optional[int] = None) -> "ModelShape":
+        """From a model's measured profiles (``hybrid.plan.profile.ModelProfile``, without and with activation
+        checkpointing) at ``seq`` tokens: its layers, residual width (TP's messages), FLOPs per token, the
+        recompute's and its eager ops; Ψ is ``params`` (default: the profile's count). Heads and vocabulary are
+        not needed (0)."""
+        a, c = plain.flop_terms, checkpointed.flop_terms
+        return cls(params or plain.params, plain.layers, plain.width, 0, seq, 0,
+                   flop_terms=(a.linear, a.quadratic),
+                   recompute_terms=(max(0.0, c.linear - a.linear), max(0.0, c.quadratic - a.quadratic)),
+                   ops=(plain.ops_per_micro_step(), checkpointed.ops_per_micro_step()))
 
 
 @dataclass(frozen=True)
@@ -329,6 +349,11 @@ class StepCost:
 def compute_flops(model: ModelShape, layout: Layout) -> tuple[float, float]:
     """``(model FLOPs, recompute FLOPs)`` per GPU per step."""
     tokens = layout.rows_per_rank * model.seq
+    if model.flop_terms is not None:  # measured (from_profile)
+        per_token = model.flop_terms[0] + model.flop_terms[1] * model.seq
+        again = model.recompute_terms[0] + model.recompute_terms[1] * model.seq if model.recompute_terms else 0.0
+        recompute = again * tokens / layout.tp if layout.activation_checkpointing else 0.0
+        return float(per_token * tokens / layout.tp), float(recompute)
     attention = 12 * model.layers * model.hidden * model.seq
     flops = (6 * model.matmul_params + attention) * tokens / layout.tp
     recompute = 0.0

@@ -24,6 +24,9 @@ bytes per transformer layer for sequence length s, micro-batch b, hidden size h,
 
     s·b·h·(10 + 24/t + 5·a·s/(h·t))     (t = 1 gives the no-TP form s·b·h·(34 + 5·a·s/h))
     2·s·b·h                             with full activation checkpointing (only each layer's input kept)
+
+That formula is a test oracle; the plan's figures are the built-in GPT's own (``gpt_activation_bytes``) and, for
+any other model, its measured profile's (``profile_activation_bytes``, from ``hybrid.plan.profile``).
 """
 
 from __future__ import annotations
@@ -517,3 +520,38 @@ def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, la
     logits = s * b * Fraction(vocab, t)
     loss = int(logits * (FP32 + item))
     return int(layer_stack + final + loss)
+
+
+def profile_activation_bytes(plain, checkpointed, seq: int, micro_batch: int, tp: int = 1,
+                             checkpointing: bool = False, logits_split: bool = False) -> int:
+    """Activation bytes per GPU at the start of backward (the peak) for one micro-batch of ``seq`` tokens, from
+    the model's measured profiles (``hybrid.plan.profile.ModelProfile``: ``plain`` without, ``checkpointed``
+    with activation checkpointing), both taken of the unsplit model.
+
+    Without checkpointing: every block's saved bytes and what is saved outside them (embeddings, final norm,
+    the head's input, logits and loss). With it: what each block's checkpoint keeps (its inputs), the outside,
+    and one block's plain bytes alive again while it is recomputed in backward.
+
+    At TP t this is an approximation (the profile did not run split): of a block, the bytes saved with the
+    residual stream's width (``block_whole_bytes``: its input, norms, residual sums, and the input of its
+    row-parallel projection, counted whole though it is split) stay whole on every rank and the rest
+    (heads, MLP columns) is 1/t; what a checkpoint keeps and the outside stay whole, except the head's bytes,
+    which are 1/t where the logits are split by vocabulary (``logits_split``: a vocab-parallel head and loss,
+    as the built-in GPT's) and whole where every rank gathers them (a Hugging Face head's
+    ``colwise_gather_output``).
+    """
+    s, b, t = _positive_int(seq, "seq"), _positive_int(micro_batch, "micro_batch"), _positive_int(tp, "tp")
+
+    def block_at_tp(profile) -> float:
+        whole = profile.block_whole_bytes(b, s)
+        return whole + (profile.block_bytes(b, s) - whole) / t
+
+    chosen = checkpointed if checkpointing else plain
+    head = chosen.head_bytes(b, s)
+    outside = chosen.activation_bytes(b, s) - chosen.layers * chosen.block_bytes(b, s) - head
+    head = head / t if logits_split else head
+    if checkpointing:
+        blocks = chosen.layers * chosen.block_bytes(b, s) + block_at_tp(plain)
+    else:
+        blocks = chosen.layers * block_at_tp(chosen)
+    return max(0, int(blocks + outside + head))

@@ -16,6 +16,17 @@ config with only ``params: 7B`` is taken at its word (TP layers unknown). With a
 override that must agree with the count to 1 % (one ``ConfigError`` sentence otherwise). A GPT (the built
 one is a ``hybrid.models.gpt.GPT``) also gives its shape, for the activation estimate.
 
+What one micro-step costs (``model_figures(facts, precision) -> ModelFigures``): activation bytes per GPU at any
+micro-batch, TP degree and checkpointing, and the time model's ``ModelShape``. The built-in GPT keeps its own
+formulas (``gpt_activation_bytes``, ``ModelShape.from_gpt``); any other model built on the driver is profiled
+(``hybrid.plan.profile``, on fake tensors, nothing allocated) at the job's sequence length (``ModelFacts.seq``:
+``hf.seq_len``, ``model.seq_len`` or a top-level ``seq_len`` of the model config) in the training precision,
+without and with activation checkpointing: an ``hf:`` model from its transformers config (``profile_config``:
+two layers built and scaled to all), a hook's model as it is built (``profile_model``). Profiles are cached per
+model and sequence in the process. Where none can be taken (the forward reads values, an op without a fake
+kernel, no sequence length, a model not built) ``ModelFigures.note`` says why in one sentence, naming the op,
+and the plan counts no activations and ranks no layouts by time, as it says.
+
 TP plans (``hybrid.tp.plan``): a model the hook returns unsplit is split on the driver, at TP 1 (its modules
 converted and its parameters marked, nothing sliced), by ``parallel.tp_plan`` when the cluster file gives one,
 else by a Hugging Face model's own plan (``hybrid.tp.hf``); the ranks apply the same plan over their TP group
@@ -35,7 +46,8 @@ from typing import Any, Callable, Optional
 
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
-from hybrid.plan.memory import parse_count
+from hybrid.plan.cost import ModelShape
+from hybrid.plan.memory import gpt_activation_bytes, parse_count, profile_activation_bytes
 from hybrid.config.yamlfile import load_yaml
 
 BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
@@ -54,6 +66,8 @@ class ModelFacts:
     module: Any = field(default=None, compare=False, repr=False)  # the model on the meta device, when built
     tp_plan: str = ""  # which TP plan split the model on the driver ("" when none did)
     tp_note: str = ""  # why a model with a plan of its own was left unsplit ("" otherwise)
+    seq: Optional[int] = None  # tokens per row, from the model config (None: not said)
+    config: Any = field(default=None, compare=False, repr=False)  # an hf: model's transformers config
 
     def tp_refusal(self, tp: int) -> Optional[str]:
         """Why the model cannot be split ``tp`` ways, or None when it can (or is not known)."""
@@ -107,7 +121,20 @@ def model_facts(spec) -> ModelFacts:
     if stated is not None:
         check_override(stated, counted, path, where)
         params, source = stated, f"params: {stated:,} in {path.name}, within 1% of the {counted:,} {source}"
-    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model, tp_plan, tp_note)
+    config = model.config if getattr(hook, "__module__", "") == "hybrid.models.hf" else None
+    return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model, tp_plan, tp_note, seq_len_of(doc),
+                      config)
+
+
+def seq_len_of(doc) -> Optional[int]:
+    """Tokens per row the model config says: ``hf.seq_len``, ``model.seq_len`` or a top-level ``seq_len``."""
+    if not isinstance(doc, dict):
+        return None
+    for where in (doc.get("hf"), doc.get("model"), doc):
+        value = where.get("seq_len") if isinstance(where, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def split_by_plan(model, tp_plan, where: str, own_by_default: bool = True) -> tuple[str, str]:
@@ -219,3 +246,119 @@ def gpt_tp_refusal(model: dict, tp: int) -> Optional[str]:
     except ConfigError as err:
         return str(err).rstrip(".")
     return None
+
+
+# ------------------------------------------------------------------------------------ one micro-step's figures
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """What the plan knows of one micro-step of the job's model (module docstring): the built-in GPT's shape,
+    or the model's profiles without and with activation checkpointing, or neither and ``note`` says why."""
+
+    params: int
+    precision: str
+    seq: Optional[int] = None
+    gpt: Optional[dict] = None       # the built-in GPT's shape: its own formulas
+    plain: Any = None                # hybrid.plan.profile.ModelProfile without activation checkpointing
+    checkpointed: Any = None         # and with it
+    logits_split: bool = False       # the head's logits split by vocabulary over TP (else gathered on every rank)
+    note: str = ""                   # why nothing is known, one sentence without its full stop ("" when known)
+
+    @property
+    def known(self) -> bool:
+        return self.gpt is not None or self.plain is not None
+
+    @property
+    def source(self) -> str:
+        """Where the figures come from, for the plan's text."""
+        if self.gpt is not None:
+            return "the built-in GPT's estimate"
+        if self.plain is not None:
+            return f"profiled from {self.plain.model} at {self.seq} tokens"
+        return ""
+
+    def activation_bytes(self, micro_batch: int, tp: int, checkpointing: bool = False) -> float:
+        """Activation bytes per GPU of one micro-batch (0 where nothing is known: ``note`` says why)."""
+        if self.gpt is not None:
+            m = self.gpt
+            return gpt_activation_bytes(m["seq_len"], micro_batch, m["hidden"], m["n_heads"], m["n_layers"],
+                                        m["vocab_size"], tp=tp, precision=self.precision,
+                                        mlp_ratio=m.get("mlp_ratio", 4), checkpointing=checkpointing)
+        if self.plain is not None:
+            return profile_activation_bytes(self.plain, self.checkpointed, self.seq, micro_batch, tp, checkpointing,
+                                            self.logits_split)
+        return 0.0
+
+    def cost_shape(self) -> Optional[ModelShape]:
+        """The time model's shape (None where nothing is known)."""
+        if self.gpt is not None:
+            return ModelShape.from_gpt(self.params, self.gpt)
+        if self.plain is not None:
+            return ModelShape.from_profile(self.plain, self.checkpointed, self.seq, self.params)
+        return None
+
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+_PROFILES: dict = {}  # (model signature, seq, dtype) -> (plain, checkpointed) or the ProfileError sentence
+
+
+def model_figures(facts: ModelFacts, precision: str) -> ModelFigures:
+    """The job's model's figures in ``precision`` (module docstring); profiles taken once per process."""
+    if facts.shape is not None:
+        return ModelFigures(facts.params, precision, facts.shape["seq_len"], gpt=facts.shape)
+    if facts.module is None:
+        return ModelFigures(facts.params, precision, facts.seq, note=(
+            "the model was not built on the driver (a params: count without a build_model hook), so its profile "
+            "cannot be taken"))
+    if facts.seq is None or facts.seq < 2:
+        return ModelFigures(facts.params, precision, facts.seq, note=(
+            "the model config says no sequence length of at least 2 tokens (seq_len: at its top level or under "
+            "model:), so the model's profile cannot be taken at it"))
+    profiles = _profiles(facts, facts.seq, precision)
+    if isinstance(profiles, str):
+        return ModelFigures(facts.params, precision, facts.seq, note=profiles)
+    return ModelFigures(facts.params, precision, facts.seq, plain=profiles[0], checkpointed=profiles[1],
+                        logits_split=logits_split(facts.module))
+
+
+def _profiles(facts: ModelFacts, seq: int, precision: str):
+    import torch
+
+    from hybrid.plan.profile import profile_config, profile_model
+
+    dtype = getattr(torch, DTYPES[precision])
+    if facts.config is not None:  # an hf: model: its config, two layers scaled to all (what build_model builds)
+        key = ("config", facts.config.to_json_string(), seq, precision)
+
+        def take(checkpointing):
+            return profile_config(facts.config, 1, seq, checkpointing=checkpointing, dtype=dtype)
+    else:
+        module = facts.module
+        key = (type(module).__module__, type(module).__qualname__, repr(module),
+               tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()), seq, precision)
+
+        def take(checkpointing):
+            return profile_model(module, 1, seq, checkpointing=checkpointing, dtype=dtype)
+    if key not in _PROFILES:
+        try:
+            _PROFILES[key] = (take(False), take(True))
+        except ConfigError as err:  # ProfileError: the op that stopped it, in one sentence
+            _PROFILES[key] = str(err).rstrip(".")
+        except Exception as err:  # the profile's own limits meeting a model it does not know: said, not hidden
+            _PROFILES[key] = (f"the profile of {type(facts.module).__name__} could not be taken "
+                              f"({type(err).__name__}: {' '.join(str(err).split())[:200]})")
+    return _PROFILES[key]
+
+
+def logits_split(module) -> bool:
+    """Whether the model's head leaves each TP rank its slice of the vocabulary (a column-parallel head without
+    gathering, with a vocab-parallel loss: the built-in GPT's) rather than gathering the logits on every rank (a
+    Hugging Face head's ``colwise_gather_output``, or a head not split)."""
+    from hybrid.plan.profile import find_blocks
+    from hybrid.plan.profile.measure import output_head
+    from hybrid.weights.attrs import is_tensor_parallel
+
+    head = output_head(module, find_blocks(module)[1])
+    return (head is not None and getattr(head, "gather_output", True) is False
+            and any(is_tensor_parallel(p) for p in head.parameters(recurse=False)))

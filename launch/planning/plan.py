@@ -10,20 +10,22 @@ memory per node from
 the probes (nodes sharing a machine share it) or the declared ``host_memory_gb`` (the plan says which,
 and why), with ``cluster.nvme_path`` a node's disk space for NVMe offload's swap files
 (``launch.planning.nvme_space``: probed, declared ``nvme_gb``, or this machine's for an embedded cluster),
-activation estimates for one micro-batch with and without checkpointing, and
+activation estimates for one micro-batch with and without checkpointing (``model_size.model_figures``: the
+built-in GPT's formulas, any other model's measured profile; where neither, none, and the plan says why), and
 ``hybrid.plan.planner.choose_stage`` for the ZeRO stage, activation checkpointing and offload
 (``parallel.activation_checkpointing`` / ``parallel.offload``: auto is the planner's choice, NVMe offload
 among its options where ``cluster.nvme_path`` is set). Without
 ``reports`` nothing touches Ray: that is ``hybrid plan``.
 
-Time beside memory (``launch.planning.time_plan``): for the built-in GPT, every layout the job could run --
+Time beside memory (``launch.planning.time_plan``): for a model whose figures are known (the built-in GPT, a
+profiled model), every layout the job could run --
 each TP degree that splits the model (``tp_options``; only ``parallel.tp`` when given), stage, lever and
 micro-batch x accumulation keeping the global batch -- is costed (``hybrid.plan.cost``) and sized by the
 planner's rule, and the fastest that fits is the plan: its TP degree makes the mesh, its stage and levers the
 ``Plan`` (``choose_stage`` at that stage and levers, with the ranking's reason), its micro-batch and
 accumulation the ranks' (``LaunchPlan.micro_batch``, ``accumulation``); where it is the memory-only choice
-the memory guide's plan and reason stand, and the ranking says why it is also the fastest. Where nothing is costed (another
-model) or nothing fits, the memory-only choice at the default TP degree stands, as before. ``probe`` (a
+the memory guide's plan and reason stand, and the ranking says why it is also the fastest. Where nothing is costed (a
+model that could not be profiled) or nothing fits, the memory-only choice at the default TP degree stands, as before. ``probe`` (a
 ``probe.json``), ``calibration`` and ``extra_bytes`` (``hybrid plan --measured``) feed the ranking.
 
 ``mesh_layout`` is the plan's rank layout, a ``hybrid.comm.mesh.MeshLayout`` (rank r on node r // gpus_per_node;
@@ -42,12 +44,12 @@ from typing import Any, Optional, Sequence
 from hybrid.comm.mesh import MeshLayout
 from hybrid.errors import ConfigError, PlanError
 from hybrid.plan.cost import FLAT, Layout, LinkOptions
-from hybrid.plan.memory import GB, gpt_activation_bytes
+from hybrid.plan.memory import GB
 from hybrid.plan.planner import Plan, choose_stage, quantity
 from hybrid.config.schema import echo
 from hybrid.config.units import count, human_bytes
 from launch.planning import time_plan
-from launch.planning.model_size import ModelFacts, model_facts
+from launch.planning.model_size import ModelFacts, ModelFigures, model_facts, model_figures
 from launch.planning.nvme_space import nvme_space
 from launch.spec import LaunchSpec
 
@@ -80,6 +82,11 @@ class LaunchPlan:
     memory_plan: Optional[Plan] = field(default=None, compare=False, repr=False)
     links: LinkOptions = FLAT  # how ZeRO's collectives use the links (the time model's choice)
     nvme_note: str = ""  # where a node's NVMe space figure came from ("" without cluster.nvme_path)
+    figures: Optional[ModelFigures] = field(default=None, compare=False, repr=False)  # activations, time shape
+
+    def activation_bytes(self, micro_batch: int, checkpointing: bool = False) -> float:
+        """Activation bytes per GPU of one micro-batch on this plan's TP degree (0 where not known)."""
+        return self.figures.activation_bytes(micro_batch, self.layout.tp, checkpointing) if self.figures else 0.0
 
     @property
     def stage(self) -> int:
@@ -114,6 +121,7 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     ``calibration``, ``extra_bytes``: what runs measured (``hybrid probe``, ``hybrid plan --measured``)."""
     cluster, parallel = spec.cluster, spec.parallel
     facts = facts if facts is not None else model_facts(spec)
+    figures = model_figures(facts, parallel.precision)
     tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
     layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, tp)
     _check_tp(facts, layout.tp)
@@ -129,9 +137,9 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     plan, refusal, micro, accumulation = None, None, None, 1
     try:  # the memory-only choice at the default TP degree: the baseline, and the plan where time is not known
         micro, accumulation = time_plan.split_at(spec, layout.dp, batch)
-        plan = _memory_plan(spec, facts, layout, micro, memory, host, disk=disk)
+        plan = _memory_plan(spec, facts, figures, layout, micro, memory, host, disk=disk)
     except ConfigError as err:  # the global batch does not split at the default TP degree: another may take it
-        if facts.shape is None:
+        if figures.cost_shape() is None:
             raise
         refusal = err
     except PlanError as err:
@@ -139,9 +147,9 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     baseline = None if plan is None else Layout(
         cluster.nodes, cluster.gpus_per_node, layout.tp, plan.stage, micro, accumulation,
         plan.activation_checkpointing, plan.offload, parallel.precision, nvme=plan.nvme)
-    tm = time_plan.rank_layouts(spec, facts, tp_options(parallel.tp, cluster.gpus_per_node, facts, tp), baseline,
-                                memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes,
-                                nvme_bytes=disk, sub_group_size=_sub_group_size(spec, facts))
+    tm = time_plan.rank_layouts(spec, facts, tp_options(parallel.tp, cluster.gpus_per_node, facts, tp, figures),
+                                baseline, memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes,
+                                nvme_bytes=disk, sub_group_size=_sub_group_size(spec, facts), figures=figures)
     chosen = tm.chosen.layout if tm.chosen is not None else None
     memory_only = plan
     if chosen is None and plan is None:
@@ -152,13 +160,13 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
                          f"{_slower(tm, layout.tp)})")
             layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, chosen.tp)
         micro, accumulation = chosen.micro_batch, chosen.accumulation
-        plan = dataclasses.replace(_memory_plan(spec, facts, layout, micro, memory, host, chosen, disk),
+        plan = dataclasses.replace(_memory_plan(spec, facts, figures, layout, micro, memory, host, chosen, disk),
                                    reason=tm.ranking.reason)
     links = chosen.links if chosen is not None else FLAT
     return LaunchPlan(spec, facts.params, layout, plan, source, note, use_gpus, facts.shape, tp_reason,
                       facts.source, host_note, facts.tensor_parallel, facts.module, micro_batch=micro,
                       accumulation=accumulation, time=tm, memory_plan=memory_only, links=links,
-                      nvme_note=nvme_note)
+                      nvme_note=nvme_note, figures=figures)
 
 
 def _sub_group_size(spec: LaunchSpec, facts: ModelFacts) -> int:
@@ -174,20 +182,17 @@ def _zero_sizes(spec: LaunchSpec, facts: ModelFacts):
     return zero_config_of(spec, facts.shape, 3)
 
 
-def _memory_plan(spec: LaunchSpec, facts: ModelFacts, layout: MeshLayout, micro_batch: int, memory: float,
-                 host: Optional[float], chosen: Optional[Layout] = None, disk: Optional[float] = None) -> Plan:
-    """``choose_stage`` on ``layout`` with the GPT's activation estimate at ``micro_batch``: the user's levers,
-    or ``chosen``'s stage and levers where the time model chose them; ``disk``: a node's NVMe space."""
+def _memory_plan(spec: LaunchSpec, facts: ModelFacts, figures: ModelFigures, layout: MeshLayout, micro_batch: int,
+                 memory: float, host: Optional[float], chosen: Optional[Layout] = None,
+                 disk: Optional[float] = None) -> Plan:
+    """``choose_stage`` on ``layout`` with the model's activation estimate at ``micro_batch`` (``figures``): the
+    user's levers, or ``chosen``'s stage and levers where the time model chose them; ``disk``: a node's NVMe
+    space."""
     parallel = spec.parallel
     activations, checkpointed = 0.0, None
-    if facts.shape is not None:
-        m = facts.shape
-        # The built-in GPT's own estimate (SDPA, dtype, logits and loss), the one its memory prediction uses.
-        shape = dict(seq=m["seq_len"], micro_batch=micro_batch, hidden=m["hidden"], heads=m["n_heads"],
-                     layers=m["n_layers"], vocab=m["vocab_size"], tp=layout.tp, precision=parallel.precision,
-                     mlp_ratio=m["mlp_ratio"])
-        activations = gpt_activation_bytes(**shape)
-        checkpointed = gpt_activation_bytes(**shape, checkpointing=True)
+    if figures.known:
+        activations = figures.activation_bytes(micro_batch, layout.tp)
+        checkpointed = figures.activation_bytes(micro_batch, layout.tp, checkpointing=True)
     stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
     shard, secondary = None, 1
     if chosen is not None:
@@ -212,10 +217,13 @@ def _slower(tm, tp: int) -> str:
     return f"{tm.chosen.cost.tokens_per_s / best[0].cost.tokens_per_s:.2f}x slower at its best"
 
 
-def tp_options(requested: Optional[int], gpus_per_node: int, facts: ModelFacts, default: int) -> list[int]:
-    """The TP degrees the time model weighs: ``parallel.tp`` when given; for the built-in GPT every divisor of
-    gpus_per_node that splits it; else the default degree alone (``choose_tp``'s)."""
-    if requested is not None or not facts.tensor_parallel or facts.shape is None:
+def tp_options(requested: Optional[int], gpus_per_node: int, facts: ModelFacts, default: int,
+               figures: Optional[ModelFigures] = None) -> list[int]:
+    """The TP degrees the time model weighs: ``parallel.tp`` when given; for a model with TP layers whose figures
+    are known (the built-in GPT; a profiled model: ``figures``) every divisor of gpus_per_node that splits it;
+    else the default degree alone (``choose_tp``'s)."""
+    timed = facts.shape is not None or (figures is not None and figures.known)
+    if requested is not None or not facts.tensor_parallel or not timed:
         return [default]
     return [d for d in range(gpus_per_node, 0, -1) if gpus_per_node % d == 0 and facts.tp_refusal(d) is None]
 
@@ -326,6 +334,8 @@ def plan_dict(lp: LaunchPlan) -> dict:
         "memory": {"source": lp.memory_source, "note": lp.memory_note, "gpu_memory_bytes": p.gpu_memory_bytes,
                    "usable_bytes": p.usable_bytes, "headroom": p.headroom, "activation_bytes": p.activation_bytes,
                    "checkpointed_activation_bytes": p.checkpointed_activation_bytes,
+                   "activations_source": lp.figures.source if lp.figures else "",
+                   "activations_note": lp.figures.note if lp.figures else "",
                    "precision": par.precision, "per_gpu_bytes": p.per_gpu_bytes,
                    "host": {"note": lp.host_note, "host_memory_bytes": p.host_memory_bytes,
                             "per_rank_bytes": p.host_bytes, "per_node_bytes": p.host_bytes_per_node},
@@ -363,8 +373,11 @@ def format_plan(lp: LaunchPlan) -> str:
     lines.append("  DP groups: " + " ".join(_group(g) for g in layout.dp_groups))
     checkpointed = ("" if p.checkpointed_activation_bytes is None else
                     f" ({human_bytes(p.checkpointed_activation_bytes)} with checkpointing)")
-    activations = (f"activations ~{human_bytes(p.activation_bytes)}{checkpointed}" if lp.model is not None else
-                   "activations not estimated (the shape is known only for the built-in GPT)")
+    known = lp.figures.known if lp.figures is not None else lp.model is not None
+    activations = (f"activations ~{human_bytes(p.activation_bytes)}{checkpointed}" if known else
+                   f"activations not estimated: {lp.figures.note if lp.figures else 'the model is not known'}")
+    if known and lp.figures is not None and lp.figures.plain is not None:
+        activations += f" ({lp.figures.source})"
     lines.append(f"memory  {lp.memory_note}; {human_bytes(p.usable_bytes)} usable per GPU "
                  f"({p.headroom:.0%} headroom), {activations}")
     lines.append(f"  {lp.host_note}")

@@ -1,11 +1,13 @@
 """The plan's second axis: which of the layouts that fit trains fastest, from a cluster file and what was measured.
 
 ``rank_layouts(spec, facts, default_tp, ...)`` gathers what ``hybrid.plan.candidates`` needs: the model's
-shape (only the built-in GPT has one: another model gets no time model and keeps the memory-only choice,
-``TimeModel.note`` says so), the TP degrees to weigh (``tp_options``), the global batch every candidate keeps
-(``global_batch``), the hardware (``hybrid.plan.hardware.build_hardware``: ``probe.json``'s figures, else
+shape and activations (``launch.planning.model_size.ModelFigures``: the built-in GPT's formulas, any other
+model's measured profile; a model that could not be profiled gets no time model and keeps the memory-only
+choice, ``TimeModel.note`` says why), the TP degrees to weigh (``tp_options``), the global batch every candidate
+keeps (``global_batch``), the hardware (``hybrid.plan.hardware.build_hardware``: ``probe.json``'s figures, else
 cluster.yaml's declared ones, else the tables) and each layout's memory by the planner's rule
-(``hybrid.plan.planner.layout_option`` with the GPT's activation estimate). ``time_lines`` and ``time_dict``
+(``hybrid.plan.planner.layout_option`` with the model's activation estimate at its micro-batch, TP degree and
+checkpointing). ``time_lines`` and ``time_dict``
 render the ranking for ``hybrid plan`` (the top candidates as a table, with each term of the cost, and the
 reason).
 """
@@ -22,7 +24,6 @@ from hybrid.errors import ConfigError
 from hybrid.plan.candidates import LINK_CHOICES, Ranking, describe, layouts, rank
 from hybrid.plan.cost import DTYPE_BYTES, FLAT, Hardware, Layout, ModelShape
 from hybrid.plan.hardware import build_hardware
-from hybrid.plan.memory import gpt_activation_bytes
 from hybrid.plan.planner import DEFAULT_SUB_GROUP_SIZE, layout_option
 
 
@@ -102,16 +103,20 @@ def _link(name: str) -> Optional[str]:
 def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_memory_bytes: float,
                  host_memory_bytes: Optional[float], device: Optional[str], probe: Optional[dict] = None,
                  calibration: float = 1.0, extra_bytes: float = 0.0, headroom: float = 0.1,
-                 nvme_bytes: Optional[float] = None, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> TimeModel:
+                 nvme_bytes: Optional[float] = None, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+                 figures=None) -> TimeModel:
     """The time model of ``spec`` over the TP degrees ``tps`` (see the module docstring); ``default_layout``
     is the memory-only choice (the reason compares with it), ``calibration`` a factor on the compute
     efficiency (``hybrid plan --measured``), ``extra_bytes`` what a run measured beyond its prediction;
-    ``nvme_bytes`` a node's disk space for NVMe offload, weighed where ``cluster.nvme_path`` is set."""
-    if facts.shape is None:
-        return TimeModel(None, None, None, "time not estimated: the model's shape (layers, hidden size, sequence "
-                                           "length) is known only for the built-in GPT; the memory-only choice")
+    ``nvme_bytes`` a node's disk space for NVMe offload, weighed where ``cluster.nvme_path`` is set;
+    ``figures``: ``model_size.model_figures(facts, precision)`` when the caller has them."""
+    from launch.planning.model_size import model_figures
+
     c, par = spec.cluster, spec.parallel
-    model = ModelShape.from_gpt(facts.params, facts.shape)
+    figures = figures if figures is not None else model_figures(facts, par.precision)
+    model = figures.cost_shape()
+    if model is None:
+        return TimeModel(None, None, None, f"time not estimated: {figures.note}; the memory-only choice")
     hw = hardware_for(spec, device, probe)
     if calibration != 1.0:
         hw = hw.scaled(calibration)
@@ -128,13 +133,9 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
         raise ConfigError(f"job.global_batch is {batch}, which no layout splits: the DP degrees here are "
                           f"{', '.join(map(str, dps))} (and job.micro_batch must divide the rows per rank); use a "
                           f"multiple of {math.lcm(*dps)}.")
-    shape = facts.shape
 
     def memory(lay: Layout):
-        acts = gpt_activation_bytes(shape["seq_len"], lay.micro_batch, shape["hidden"], shape["n_heads"],
-                                    shape["n_layers"], shape["vocab_size"], tp=lay.tp, precision=par.precision,
-                                    mlp_ratio=shape.get("mlp_ratio", 4),
-                                    checkpointing=lay.activation_checkpointing)
+        acts = figures.activation_bytes(lay.micro_batch, lay.tp, lay.activation_checkpointing)
         topology = lay.topology()
         return layout_option(facts.params, lay.dp, lay.tp, lay.stage, gpu_memory_bytes, par.precision, acts,
                              headroom, activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
@@ -144,6 +145,8 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
 
     ranking = rank(model, offered, hw, memory, default_layout)
     where = "; ".join(f"{k} {v}" for k, v in hw.sources)
+    if figures.plain is not None:
+        where += f"; FLOPs, ops and activations {figures.source}"
     if calibration != 1.0:
         where += f"; compute efficiency calibrated from a run (x{calibration:.3g})"
     return TimeModel(ranking, hw, model, where, calibration)

@@ -2,6 +2,7 @@
 plan, and the ``hf:`` model config (a transformers model without code). What the plan picks and why, and the
 one-sentence refusals, before any rank starts."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,25 @@ def _refused(fn, *args) -> str:
     return str(err.value)
 
 
+def _at_tp(spec, tp):
+    return dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, tp=tp))
+
+
+def _offers(lp, default_reason):
+    """tp: auto's default degree is the plan's, or the time model found another faster and says so beside it (a
+    profiled model's layouts are weighed at every TP degree its plan splits, as the built-in GPT's)."""
+    return lp.tp_reason == default_reason or f"(the default, {default_reason}, is " in lp.tp_reason
+
+
 def test_the_own_model_example_with_a_tp_plan_is_planned_at_tp_2_and_the_ranks_get_the_plan():
     spec = load_spec(OWN / "cluster-tp.yaml")
     assert spec.parallel.tp_plan == {"embed": "vocab", "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
                                      "out": "colwise_rep"}
     lp = build_plan(spec)
-    assert (lp.layout.tp, lp.layout.dp) == (2, 2) and lp.tensor_parallel_layers is True
-    assert lp.tp_reason == "tp auto: 2 = gpus_per_node, since parallel.tp_plan splits the model"
-    assert settings_for(lp).tp_plan == spec.parallel.tp_plan
+    assert lp.tensor_parallel_layers is True and {c.layout.tp for c in lp.time.ranking.candidates} == {1, 2}
+    assert _offers(lp, "tp auto: 2 = gpus_per_node, since parallel.tp_plan splits the model"), lp.tp_reason
+    lp = build_plan(_at_tp(spec, 2))
+    assert (lp.layout.tp, lp.layout.dp) == (2, 2) and settings_for(lp).tp_plan == spec.parallel.tp_plan
 
 
 def test_a_tp_plan_that_does_not_fit_the_model_is_one_sentence_before_anything_starts(tmp_path):
@@ -100,14 +112,14 @@ def _hf_job(tmp_path, heads=4, kv=2, model_yaml="hf: {config: tiny/config.json, 
 
 def test_a_hugging_face_model_config_gets_tp_from_its_own_plan(tmp_path):
     lp = build_plan(_hf_job(tmp_path))
-    assert (lp.layout.tp, lp.layout.dp) == (2, 2)
-    assert lp.tp_reason == "tp auto: 2 = gpus_per_node, since LlamaForCausalLM's own TP plan splits the model"
+    assert _offers(lp, "tp auto: 2 = gpus_per_node, since LlamaForCausalLM's own TP plan splits the model")
+    assert (build_plan(_hf_job(tmp_path, tp=2)).layout.dp) == 2
     assert lp.params_source == "counted on the meta device by hybrid.models.hf.build_model"
     lp = build_plan(_hf_job(tmp_path, nodes=1, gpus=8))
-    assert lp.layout.tp == 2 and lp.tp_reason == (
-        "tp auto: 2, the largest divisor of gpus_per_node=8 that splits the model by LlamaForCausalLM's own TP plan "
-        "(tp 8: LlamaConfig.num_attention_heads is 4, which tp=8 does not divide (attention is split by whole "
-        "heads); use a TP degree that divides 4)")
+    assert lp.layout.tp in (2, 1) and {c.layout.tp for c in lp.time.ranking.candidates} == {2, 1}
+    assert _offers(lp, "tp auto: 2, the largest divisor of gpus_per_node=8 that splits the model by LlamaForCausalLM's "
+                       "own TP plan (tp 8: LlamaConfig.num_attention_heads is 4, which tp=8 does not divide (attention "
+                       "is split by whole heads); use a TP degree that divides 4)"), lp.tp_reason
     assert _refused(build_plan, _hf_job(tmp_path, nodes=1, gpus=8, tp=4)) == (
         "parallel.tp=4 cannot split this model: LlamaConfig.num_key_value_heads is 2, which tp=4 does not divide "
         "(attention is split by whole heads); use a TP degree that divides 2; set parallel.tp to a divisor of "
@@ -117,7 +129,7 @@ def test_a_hugging_face_model_config_gets_tp_from_its_own_plan(tmp_path):
     lp = build_plan(parse_spec({"cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": 80},
                                 "job": {"entrypoint": "hybrid.models.gpt:train", "config": str(spec.job.config),
                                         "steps": 3}}, base_dir=tmp_path))
-    assert lp.layout.tp == 2 and "LlamaForCausalLM's own TP plan" in lp.tp_reason
+    assert "tp auto: 2 = gpus_per_node, since LlamaForCausalLM's own TP plan" in lp.tp_reason
 
 
 ENTRYPOINT = """

@@ -48,6 +48,7 @@ class Part:
     backward_flops: Scaling   # with activation checkpointing, the recomputed forward included
     saved_bytes: Scaling      # saved for backward at the end of forward (outside: the head's output included)
     ops: int                  # aten ops dispatched in forward and backward
+    whole_bytes: Scaling = Scaling()  # of saved_bytes: those with the residual stream's width (whole at any TP)
 
     @property
     def flops(self) -> Scaling:
@@ -69,6 +70,7 @@ class ModelProfile:
     dtype: str            # the compute dtype the parameters were stood in by
     attention: str        # "fused": the SDPA kernel torch picks on a CPU; "math": SDPA's math path
     measured: tuple       # the (micro_batch, seq) points measured
+    width: int = 0        # the residual stream's width: the last dimension of the blocks' input (0: no blocks)
 
     def _total(self, pick) -> Scaling:
         return pick(self.block).times(self.layers) + pick(self.outside)
@@ -95,6 +97,12 @@ class ModelProfile:
     def block_bytes(self, micro_batch: int, seq: int) -> float:
         """One block's saved bytes (with ``checkpointing``: what the checkpoint keeps, its inputs)."""
         return self.block.saved_bytes.at(micro_batch, seq)
+
+    def block_whole_bytes(self, micro_batch: int, seq: int) -> float:
+        """Of ``block_bytes``, those saved with the residual stream's width as their last dimension (its input,
+        norms, residual sums, a row-parallel projection's input): what stays whole on every rank of a TP group
+        that splits the rest of the block (heads, MLP columns)."""
+        return self.block.whole_bytes.at(micro_batch, seq)
 
     def head_bytes(self, micro_batch: int, seq: int) -> float:
         """What is saved from the head on (its input, the loss's: a softmax) and the logits."""

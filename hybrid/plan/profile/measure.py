@@ -181,13 +181,14 @@ def profile_model(model: nn.Module, batch: int, seq: int, *, example: Optional[C
         return Scaling.fit(batch, seqs, tuple(split(field, s)[which] for s in seqs))
 
     block, outside = (Part(fitted("forward_flops", i), fitted("backward_flops", i), fitted("saved", i),
-                           split("ops", seq)[i]) for i in (0, 1))
+                           split("ops", seq)[i], fitted("whole", i)) for i in (0, 1))
     head_bytes = Scaling.fit(batch, seqs, tuple(runs[lo, s].head for s in seqs))
     block_params = sum(p.numel() for p in found[0].parameters()) if full else 0
     params = sum(p.numel() for p in model.parameters()) + (layers - full) * block_params
     kind = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return ModelProfile(type(model).__name__, params, layers, name, block, outside, head_bytes, checkpointing,
-                        str(kind).removeprefix("torch."), attention, tuple((batch, s) for s in seqs))
+                        str(kind).removeprefix("torch."), attention, tuple((batch, s) for s in seqs),
+                        runs[hi, seq].width)
 
 
 def profile_config(config, batch: int, seq: int, *, layers_run: int = 2, **options) -> ModelProfile:

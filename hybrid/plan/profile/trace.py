@@ -8,7 +8,10 @@ call so the stand-ins are in place when a checkpoint recomputes a block. Counted
   other fused attention kernels);
 - bytes saved for backward: ``saved_tensors_hooks``, each storage once, the stand-ins (and views of them) left
   out; with ``checkpointing``, a checkpointed block's inputs, which the checkpoint keeps (its own hooks hide
-  the rest); apart, the head's: what is saved from the head on (its input, the loss's) and its output;
+  the rest); apart, the head's: what is saved from the head on (its input, the loss's) and its output; and,
+  of all of them, the *whole* ones: storages first saved as a tensor whose last dimension is the width of the
+  blocks' input (the residual stream: norms, residual sums, a row-parallel projection's input), which stay
+  whole on every TP rank where the rest of a block is split;
 - aten ops: a ``TorchDispatchMode``, less ``detach`` (bookkeeping, and fake tensors' gradient accumulation
   adds detaches an eager step does not), a fake tensor's own ``prim`` queries and ``FusedAttention``'s moves.
 
@@ -137,8 +140,10 @@ class Counts:
     forward_flops: int = 0
     backward_flops: int = 0
     saved: int = 0   # bytes saved for backward, the head's output included
+    whole: int = 0   # of them: storages first saved with the blocks' input width as their last dimension
     head: int = 0    # of them: what is saved from the head on (its input, the loss's) and its output
     ops: int = 0
+    width: int = 0   # the last dimension of the first block's input (0: no blocks)
 
 
 class _Step(nn.Module):
@@ -188,8 +193,8 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
     ops, fused = OpCounter(), FusedAttention()
     modes = (ops, fused) if attention == "fused" else (ops,)
     recompute.alias = fused.alias if attention == "fused" else None
-    seen, head_seen, excluded = {}, {}, set()
-    state = {"forward": True, "head": False}
+    seen, head_seen, whole, excluded = {}, {}, {}, set()
+    state = {"forward": True, "head": False, "width": None}
 
     def count(t, into_head=False):
         if not isinstance(t, torch.Tensor):
@@ -197,6 +202,8 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
         ref, size = fused.alias.get(storage(t), (storage(t), t.untyped_storage().nbytes()))
         if ref in excluded:
             return
+        if ref not in seen and state["width"] is not None and t.dim() >= 2 and t.shape[-1] == state["width"]:
+            whole[ref] = size
         seen.setdefault(ref, size)
         if into_head or state["head"]:
             head_seen.setdefault(ref, size)
@@ -206,7 +213,10 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
             count(t)
         return t
 
-    def block_inputs(module, args, kwargs):  # what a checkpointed block keeps: its inputs
+    def block_inputs(module, args, kwargs):  # the residual stream's width; what a checkpointed block keeps: its inputs
+        if state["width"] is None:
+            state["width"] = next((t.shape[-1] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                                   and t.is_floating_point() and t.dim() >= 2), None)
         if state["forward"] and checkpointing:
             for t in tree_leaves((args, kwargs)):
                 count(t)
@@ -243,8 +253,8 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
     finally:
         for handle in handles:
             handle.remove()
-    return Counts(state["forward_flops"], state["backward_flops"], sum(seen.values()), sum(head_seen.values()),
-                  ops.count)
+    return Counts(state["forward_flops"], state["backward_flops"], sum(seen.values()), sum(whole.values()),
+                  sum(head_seen.values()), ops.count, state["width"] or 0)
 
 
 def _sentence(model: nn.Module, op, err: Exception) -> str:
@@ -258,4 +268,5 @@ def _sentence(model: nn.Module, op, err: Exception) -> str:
     reason = f" ({hint})" if hint else ""
     return (f"the profile of {name} could not be taken: its step stopped{where}{reason} with "
             f"{type(err).__name__}: {first_line(err, limit=200)}; a forward that reads tensor values or an op "
-            "without a fake (meta) kernel cannot be profiled without data, so declare the model's shape instead.")
+            "without a fake (meta) kernel cannot be profiled without data: keep such reads out of the training "
+            "forward, or register the op's fake kernel (torch.library.register_fake).")
