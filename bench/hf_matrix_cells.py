@@ -19,8 +19,9 @@ same values (a mixture of experts with transformers' eager experts where its gro
 passes when its losses (the DP mean), its pre-clip gradient norms and every tensor of its ``full_state_dict()``
 are within ``TOLERANCE_FACTOR`` (10) times torch fp32's own distance from the fp64 run, each measured as the
 largest absolute difference over the largest absolute value (the losses of all steps together, the norms
-together, the worst tensor), and never below ``TOLERANCE_FLOOR`` (1e-6, for a quantity fp32 happens to get
-exactly). A tensor whose largest value is below ``SCALE_FLOOR`` (1e-3; one AdamW step moves a weight by up to
+together, the worst tensor), and never below ``TOLERANCE_FLOOR``: relative 1e-5, the project's own parity
+tolerance (tests/dist/test_hf_tp.py), for a quantity fp32 gets almost exactly in one process (a loss or a
+gradient norm: 1e-7) but that the engine sums in another order (a norm over flat shards was seen 1.7e-6 off). A tensor whose largest value is below ``SCALE_FLOOR`` (1e-3; one AdamW step moves a weight by up to
 the learning rate, 1e-2) is measured against 1e-3 instead: a key projection's bias, whose gradient is zero in
 exact arithmetic, holds rounding noise of ~1e-10 that differs by its own size from run to run. A model with
 no fp64 run at all is compared with the fp32 run, within 10 times that run's distance from itself with each
@@ -42,7 +43,7 @@ from bench.hf_matrix_configs import ROWS, build, ids, loss_of, plain_check  # no
 
 SEED, WEIGHTS_SEED, STEPS = 3, 11, 3
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-4, 0.1, 0.3
-TOLERANCE_FACTOR, TOLERANCE_FLOOR, SCALE_FLOOR = 10.0, 1e-6, 1e-3
+TOLERANCE_FACTOR, TOLERANCE_FLOOR, SCALE_FLOOR = 10.0, 1e-5, 1e-3
 PASS, NA = "pass", "n/a"
 CELLS = ("build", "load", "tp1", "tp2", "export")
 

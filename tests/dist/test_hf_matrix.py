@@ -4,8 +4,8 @@ The sample -- Llama (GQA, untied), GPT-NeoX (its own key names: embed_out), Gemm
 its head), Qwen2 (q/k/v biases), Qwen2-MoE (a mixture of experts) and Qwen3 (per-head q/k norms) -- runs
 through the matrix's own code (one 2-rank gloo world, ``run_matrix``): every cell passes, except that a
 mixture-of-experts model at TP 2 is not split: its cell is the product's sentence (no traceback), and it
-trains at TP 1 (its tp1 cell passes). About 10 s of the matrix's own time plus the world's start-up on an idle
-2-core machine, so well inside a minute.
+trains at TP 1 (its tp1 cell passes). 7 s on an idle 2-core machine, 18 s beside other jobs: one world's
+start-up and about a second per type.
 
 A negative control keeps the checks honest: the same harness with the engine's learning rate 1 % off must
 report the tp1 run as a mismatch, not a pass.
