@@ -32,6 +32,12 @@ booked (``launch.commands.estimate_time``): the GPU (``--gpu``, ``--gpu-tflops``
 TP degrees dividing the node, stages, levers and micro-batches keeping ``--global-batch``; it prints the
 table ``hybrid plan`` prints, the chosen layout and its predicted throughput per GPU, and ``--json`` adds
 ``time``.
+``--hf CONFIG.json`` (a transformers config, or its directory; with ``--seq`` and ``--micro-batch``, without the
+shape options): the model on paper, no weights (``launch.commands.estimate_time.hf_model``): Ψ is counted (a
+``--params`` beside it must agree to 1 %), ``--tp`` must split what the config says, and the activation row
+(``"activations_estimate": "profile"``) and ``--time``'s FLOPs, recompute and ops are the model's measured
+profile's, the figures ``hybrid plan`` uses for an ``hf:`` model; the JSON adds ``"profile"`` (the model's class,
+layers, width, FLOPs per token and activations of one micro-batch with and without checkpointing).
 Any bad input ends with one ``error: ...`` line and exit status 2.
 """
 
@@ -55,7 +61,8 @@ from launch.spec import MAX_GPU_MEMORY_GB, MAX_GPUS_PER_NODE, MAX_HOST_MEMORY_GB
 
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 # activations_estimate in the JSON -> the label of the table's activation row
-ESTIMATES = {"gpt": "Activations (GPT)", "korthikanti": "Activations (Korthikanti)"}
+ESTIMATES = {"gpt": "Activations (GPT)", "korthikanti": "Activations (Korthikanti)",
+             "profile": "Activations (profile)"}
 
 
 _SIZE_UNITS = {"": 10**9, "GB": 10**9, "TB": 10**12, "G": 10**9, "T": 10**12}
@@ -219,8 +226,21 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
     return "\n".join(lines + _offload_lines(plan))
 
 
+def _hf_options(shape: dict, vocab) -> None:
+    """With ``--hf`` the config gives the shape: the shape options are refused, one sentence."""
+    given = [f"--{name}" for name in ("layers", "hidden", "heads") if shape[name] is not None]
+    if vocab is not None:
+        given.append("--vocab")
+    if given:
+        raise ConfigError(f"--hf gives the model's shape, so leave out {', '.join(given)} (--seq and --micro-batch "
+                          "are still yours to give).")
+
+
 @click.command("estimate")
-@click.option("--params", "params_text", required=True, help="Parameter count Ψ: 7B, 1.3B, 350M, 13e9, ...")
+@click.option("--params", "params_text", help="Parameter count Ψ: 7B, 1.3B, 350M, 13e9, ... (required unless --hf "
+              "gives the model; beside it, a check to 1%).")
+@click.option("--hf", "hf_config", help="A transformers config.json (or its directory): the model's Ψ, activations "
+              "and (with --time) FLOPs from its profile on fake tensors, no weights; with --seq and --micro-batch.")
 @click.option("--gpus", type=int, required=True, help="Total GPU count (DP × TP).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree; DP = gpus / tp.")
 @click.option("--gpus-per-node", type=int, help="GPUs of one node (a multiple of --tp; --gpus a multiple of it): "
@@ -258,13 +278,25 @@ def _as_table(params: int, precision: str, gpu_memory: float, plan: Plan, activa
 @click.option("--nics-per-node", type=int, help="With --time: NICs per node (default: one per GPU; ethernet 1).")
 @click.option("--global-batch", type=int, help="With --time: sequences per optimizer step, kept by every layout "
               "(the micro-batch is then chosen); default --micro-batch x DP at --tp.")
-def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, host_memory, nvme_text, precision, headroom, layers,
-             hidden, heads, seq, micro_batch, activation_checkpointing, vocab, as_json, with_time, gpu, gpu_tflops, intra,
-             inter, intra_gbps, inter_gbps, nics_per_node, global_batch) -> None:
+def estimate(params_text, hf_config, gpus, tp, gpus_per_node, gpu_memory, host_memory, nvme_text, precision, headroom,
+             layers, hidden, heads, seq, micro_batch, activation_checkpointing, vocab, as_json, with_time, gpu,
+             gpu_tflops, intra, inter, intra_gbps, inter_gbps, nics_per_node, global_batch) -> None:
     """Per-GPU memory of each ZeRO stage (the seed's tables) and the recommended stage."""
-    params = parse_count(params_text, field="--params")
+    if params_text is None and hf_config is None:
+        raise ConfigError("--params is missing; give the parameter count (7B, 1.3B, 350M, ...) or the model's "
+                          "transformers config with --hf CONFIG.json.")
+    params = parse_count(params_text, field="--params") if params_text is not None else None
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "micro_batch": micro_batch}
-    _validate(gpus, tp, gpus_per_node, gpu_memory, headroom, shape, vocab)
+    hf = None
+    if hf_config is not None:
+        from launch.commands.estimate_time import hf_model
+
+        _hf_options(shape, vocab)
+        _validate(gpus, tp, gpus_per_node, gpu_memory, headroom, dict.fromkeys(shape), None)
+        hf = hf_model(hf_config, seq, micro_batch, tp, precision, params)
+        params = hf.figures.params
+    else:
+        _validate(gpus, tp, gpus_per_node, gpu_memory, headroom, shape, vocab)
     host_bytes = size_option("--host-memory", host_memory, MAX_HOST_MEMORY_GB)
     nvme_bytes = size_option("--nvme", nvme_text, MAX_NVME_GB)
     timing = None
@@ -273,10 +305,14 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, host_memory, nvme
 
         timing = rank_estimate(params, gpus, tp, gpus_per_node, gpu_memory, precision, headroom, shape, vocab,
                                activation_checkpointing, gpu, gpu_tflops, intra, inter, intra_gbps, inter_gbps,
-                               nics_per_node, global_batch, host_bytes, nvme_bytes)
+                               nics_per_node, global_batch, host_bytes, nvme_bytes, hf=hf)
 
     kind = activations = checkpointed = None
-    if shape["layers"] is not None:
+    if hf is not None:
+        kind = "profile"
+        activations = hf.figures.activation_bytes(micro_batch, tp, activation_checkpointing)
+        checkpointed = hf.figures.activation_bytes(micro_batch, tp, checkpointing=True)
+    elif shape["layers"] is not None:
         kind = "gpt" if vocab is not None else "korthikanti"
         activations = activation_estimate(kind, shape, vocab, tp, precision, activation_checkpointing)
         checkpointed = activation_estimate(kind, shape, vocab, tp, precision, checkpointing=True)
@@ -299,6 +335,8 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, host_memory, nvme
                         host_memory_bytes=host_bytes, nvme=True, nvme_bytes=nvme_bytes)
     if as_json:
         out = _as_json(params, gpu_memory, plan, activations, kind)
+        if hf is not None:
+            out["profile"] = hf.summary(micro_batch, tp)
         if prediction is not None:
             out["prediction"] = {str(s): p.as_dict() for s, p in prediction.items()}
             out["prediction_params"] = gpt_params
@@ -306,6 +344,8 @@ def estimate(params_text, gpus, tp, gpus_per_node, gpu_memory, host_memory, nvme
             out["time"] = timing.as_dict()
         click.echo(json.dumps(out))
     else:
+        if hf is not None:
+            click.echo(hf.line(micro_batch, tp))
         click.echo(_as_table(params, precision, gpu_memory, plan, activations, kind, gpus_per_node))
         if prediction is not None:
             from launch.job.memory_view import prediction_lines

@@ -1,4 +1,5 @@
-"""``hybrid estimate --time``: the layouts of a cluster not yet booked, ranked by predicted tokens/s.
+"""``hybrid estimate --time``: the layouts of a cluster not yet booked, ranked by predicted tokens/s; and the model
+of ``--hf`` (``hf_model``: a transformers config profiled on paper).
 
 ``rank_estimate(...)`` builds what ``hybrid plan`` builds from a cluster file, from the estimate's options:
 the hardware (``hybrid.plan.hardware.build_hardware`` from ``--gpu`` and the link options), the TP degrees
@@ -9,13 +10,20 @@ on), micro-batch x accumulation keeping ``--global-batch`` (default ``--micro-ba
 estimate's activation figure (the built-in GPT's with ``--vocab``, Korthikanti's without), a node's host memory
 (``--host-memory``) and disk (``--nvme``) where given; offload is weighed to host memory and to NVMe. The node size is
 ``--gpus-per-node``, else 8 GPUs (a DGX/HGX node) or all of them when fewer, said in the output.
+
+With ``--hf`` (``hf_model``) the model is a transformers config's causal LM, profiled on fake tensors
+(``launch.planning.model_size.config_figures``: no weights, two layers scaled to all) at ``--seq`` in
+``--precision``: Ψ, the activations of any micro-batch, TP degree and checkpointing, and the time model's FLOPs
+per token, recompute and eager ops are the profile's (``hybrid plan`` takes the same for an ``hf:`` model); the TP
+degrees are those the config splits (heads, KV heads, MLP, vocabulary: ``hybrid.tp.hf_config``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
@@ -25,6 +33,7 @@ from hybrid.plan.cost import Hardware, Layout, ModelShape
 from hybrid.plan.hardware import GPU_ALIASES, build_hardware, gpu_spec
 from hybrid.plan.memory import activation_bytes, gpt_activation_bytes
 from hybrid.plan.planner import layout_option
+from launch.planning.model_size import PARAMS_TOLERANCE, ModelFigures, config_figures
 from launch.planning.time_plan import ranking_dict, ranking_lines
 
 DEFAULT_NODE = 8
@@ -56,14 +65,77 @@ class EstimateTime:
         return out
 
 
+@dataclass(frozen=True)
+class HfModel:
+    """The model of ``--hf``: its transformers config and its figures at ``--seq`` (``hf_model``)."""
+
+    path: Path
+    config: Any
+    figures: ModelFigures
+
+    def tp_refusal(self, tp: int) -> Optional[str]:
+        from hybrid.tp.hf_config import config_refusal
+
+        return config_refusal(self.config, tp)
+
+    def summary(self, micro_batch: int, tp: int) -> dict:
+        f, plain = self.figures, self.figures.plain
+        return {"config": str(self.path), "model": plain.model, "params": f.params, "layers": plain.layers,
+                "width": plain.width, "seq": f.seq, "flops_per_token": plain.flops_per_token(f.seq),
+                "activation_bytes": f.activation_bytes(micro_batch, tp),
+                "checkpointed_activation_bytes": f.activation_bytes(micro_batch, tp, True)}
+
+    def line(self, micro_batch: int, tp: int) -> str:
+        d = self.summary(micro_batch, tp)
+        return (f"Profile: {d['model']} of {self.path.name}, {d['layers']} blocks, {d['flops_per_token'] / 1e9:,.3g} "
+                f"GFLOP per token (forward and backward) at {d['seq']:,} tokens, measured on fake tensors")
+
+
+def hf_model(path_text: str, seq: Optional[int], micro_batch: Optional[int], tp: int, precision: str,
+             stated_params: Optional[int]) -> HfModel:
+    """``--hf``'s config read and profiled at ``seq`` (``--seq``), checked against ``--tp`` and ``--params``; each
+    refusal one sentence."""
+    from hybrid.models.hf import load_config
+
+    for name, value in (("--seq", seq), ("--micro-batch", micro_batch)):
+        if value is None:
+            raise ConfigError(f"--hf needs {name} too: the activations and FLOPs are the profile's at the sequence "
+                              "length and micro-batch; give --seq and --micro-batch.")
+        v.positive_int(name, value)
+    if seq < 2:
+        raise v.invalid("--seq", "at least 2 tokens (the profile fits attention's terms from two lengths)", seq)
+    path = Path(path_text).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"--hf is {v.quote(str(path))}, which is not a file; give the path of a transformers "
+                          "config.json (or of the directory holding it).")
+    config = load_config(path)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq + 1 > limit:
+        raise ConfigError(f"--seq is {seq}, but a row of seq + 1 tokens does not fit the model's "
+                          f"max_position_embeddings ({limit}); use at most {limit - 1}.")
+    from hybrid.tp.hf_config import config_refusal
+
+    refusal = config_refusal(config, tp) if tp > 1 else None
+    if refusal is not None:
+        raise ConfigError(f"--tp ({tp}) cannot split the model of --hf: {refusal}.")
+    model = HfModel(path, config, config_figures(config, seq, precision))
+    counted = model.figures.params
+    if stated_params is not None and abs(Fraction(stated_params - counted, counted)) > PARAMS_TOLERANCE:
+        raise ConfigError(f"--params is {stated_params:,}, but the model of --hf has {counted:,} parameters (off by "
+                          "more than 1%); leave --params out (the count is measured) or correct it.")
+    return model
+
+
 def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int], gpu_memory: float, precision: str,
                   headroom: float, shape: dict, vocab: Optional[int], checkpointing: bool, gpu: str,
                   gpu_tflops: Optional[float], intra: str, inter: str, intra_gbps: Optional[float],
                   inter_gbps: Optional[float], nics_per_node: Optional[int],
                   global_batch: Optional[int], host_memory_bytes: Optional[float] = None,
-                  nvme_bytes: Optional[float] = None) -> EstimateTime:
-    """The ranking (see the module docstring); options are checked here, each refusal one sentence."""
-    if shape["layers"] is None:
+                  nvme_bytes: Optional[float] = None, hf: Optional[HfModel] = None) -> EstimateTime:
+    """The ranking (see the module docstring); options are checked here, each refusal one sentence. ``hf``: the
+    model of ``--hf`` (its shape then comes from the profile, not from ``shape``'s layers, hidden and heads)."""
+    if shape["layers"] is None and hf is None:
         raise ConfigError("--time needs the model's shape: give --layers, --hidden, --heads, --seq and "
                           "--micro-batch (and --vocab for the built-in GPT's activation estimate).")
     if gpu_spec(gpu) is None and gpu_tflops is None:
@@ -90,16 +162,23 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
     hw = build_hardware(gpu_spec(gpu).name if gpu_spec(gpu) else gpu, precision, intra, inter, node,
                         nics_per_node=nics_per_node, gpu_tflops=gpu_tflops, intra_gbps=intra_gbps,
                         inter_gbps=inter_gbps)
-    model = ModelShape(params, shape["layers"], shape["hidden"], shape["heads"], shape["seq"], vocab or 0)
-    tps = [d for d in range(node, 0, -1) if node % d == 0 and shape_violation(shape["hidden"], shape["heads"], d, vocab)
-           is None]
+    if hf is not None:
+        model = hf.figures.cost_shape()
+        tps = [d for d in range(node, 0, -1) if node % d == 0 and hf.tp_refusal(d) is None]
+    else:
+        model = ModelShape(params, shape["layers"], shape["hidden"], shape["heads"], shape["seq"], vocab or 0)
+        tps = [d for d in range(node, 0, -1) if node % d == 0 and
+               shape_violation(shape["hidden"], shape["heads"], d, vocab) is None]
     nodes = gpus // node
     memory_bytes = float(Fraction(str(gpu_memory)) * 10**9)
     kind = "gpt" if vocab is not None else "korthikanti"
 
     def memory(lay: Layout):
-        acts = activation_estimate(kind, {**shape, "micro_batch": lay.micro_batch}, vocab, lay.tp, precision,
-                            lay.activation_checkpointing)
+        if hf is not None:
+            acts = hf.figures.activation_bytes(lay.micro_batch, lay.tp, lay.activation_checkpointing)
+        else:
+            acts = activation_estimate(kind, {**shape, "micro_batch": lay.micro_batch}, vocab, lay.tp, precision,
+                                       lay.activation_checkpointing)
         return layout_option(params, lay.dp, lay.tp, lay.stage, memory_bytes, precision, acts, headroom,
                              activation_checkpointing=lay.activation_checkpointing, offload=lay.offload,
                              ranks_per_node=node, host_memory_bytes=host_memory_bytes, nvme=lay.nvme,

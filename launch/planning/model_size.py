@@ -315,26 +315,39 @@ def model_figures(facts: ModelFacts, precision: str) -> ModelFigures:
         return ModelFigures(facts.params, precision, facts.seq, note=(
             "the model config says no sequence length of at least 2 tokens (seq_len: at its top level or under "
             "model:), so the model's profile cannot be taken at it"))
-    profiles = _profiles(facts, facts.seq, precision)
+    profiles = _profiles(facts.config, facts.module, facts.seq, precision)
     if isinstance(profiles, str):
         return ModelFigures(facts.params, precision, facts.seq, note=profiles)
     return ModelFigures(facts.params, precision, facts.seq, plain=profiles[0], checkpointed=profiles[1],
                         logits_split=logits_split(facts.module))
 
 
-def _profiles(facts: ModelFacts, seq: int, precision: str):
+def config_figures(config, seq: int, precision: str) -> ModelFigures:
+    """A transformers config's figures on paper (``hybrid estimate --hf``): its causal LM profiled, Ψ the profile's
+    count; the logits whole on every TP rank (a Hugging Face head gathers them). ``ProfileError`` (one sentence)
+    where the profile cannot be taken."""
+    from hybrid.plan.profile import ProfileError
+
+    profiles = _profiles(config, None, seq, precision)
+    if isinstance(profiles, str):
+        raise ProfileError(profiles + ".")
+    return ModelFigures(profiles[0].params, precision, seq, plain=profiles[0], checkpointed=profiles[1])
+
+
+def _profiles(config, module, seq: int, precision: str):
+    """``(plain, checkpointed)`` profiles of a transformers ``config``'s causal LM (two layers built, scaled to all:
+    what ``hybrid.models.hf.build_model`` builds), else of ``module`` as built; or the sentence why none."""
     import torch
 
     from hybrid.plan.profile import profile_config, profile_model
 
     dtype = getattr(torch, DTYPES[precision])
-    if facts.config is not None:  # an hf: model: its config, two layers scaled to all (what build_model builds)
-        key = ("config", facts.config.to_json_string(), seq, precision)
+    if config is not None:
+        key = ("config", config.to_json_string(), seq, precision)
 
         def take(checkpointing):
-            return profile_config(facts.config, 1, seq, checkpointing=checkpointing, dtype=dtype)
+            return profile_config(config, 1, seq, checkpointing=checkpointing, dtype=dtype)
     else:
-        module = facts.module
         key = (type(module).__module__, type(module).__qualname__, repr(module),
                tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()), seq, precision)
 
@@ -346,7 +359,7 @@ def _profiles(facts: ModelFacts, seq: int, precision: str):
         except ConfigError as err:  # ProfileError: the op that stopped it, in one sentence
             _PROFILES[key] = str(err).rstrip(".")
         except Exception as err:  # the profile's own limits meeting a model it does not know: said, not hidden
-            _PROFILES[key] = (f"the profile of {type(facts.module).__name__} could not be taken "
+            _PROFILES[key] = (f"the profile of {type(module or config).__name__} could not be taken "
                               f"({type(err).__name__}: {' '.join(str(err).split())[:200]})")
     return _PROFILES[key]
 

@@ -11,11 +11,11 @@ without allocating anything) and reads what torch itself counts (``trace``):
   out), per block and outside the blocks; with ``checkpointing`` what remains (the blocks' inputs); of the
   outside, the head's (``head``): what is saved from the head on (its input, what the loss saves) and its
   output, the logits (counted as alive: a causal LM's output keeps them); of a block's, the *whole* ones
-  (``block_whole_bytes``): tensors saved with the residual stream's width (``width``, the last dimension of the
-  blocks' input) as their last dimension -- the input, norms, residual sums -- which a TP group keeps whole on
-  every rank where it splits the rest (heads, MLP columns); a row-parallel projection's input has that width
-  too and is counted whole (an over-count of one tensor per block), as is everything of a model whose MLP or
-  attention width equals it;
+  (``block_whole_bytes``): tensors saved as one vector per token of the residual stream's width (``width``, the
+  last dimension of the blocks' input) -- the input, norms, residual sums -- which a TP group keeps whole on
+  every rank where it splits the rest (heads, MLP columns); a row-parallel projection's input of that shape is
+  counted whole though it is split (an over-count of at most one tensor per block), as is an MLP as wide as
+  the residual stream;
 - eager ops per micro-step (a ``TorchDispatchMode``, less ``detach``).
 
 **Blocks.** The largest ``nn.ModuleList`` of one class (``blocks=`` names another) is cut to 1 and then 2 blocks

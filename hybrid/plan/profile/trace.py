@@ -9,9 +9,9 @@ call so the stand-ins are in place when a checkpoint recomputes a block. Counted
 - bytes saved for backward: ``saved_tensors_hooks``, each storage once, the stand-ins (and views of them) left
   out; with ``checkpointing``, a checkpointed block's inputs, which the checkpoint keeps (its own hooks hide
   the rest); apart, the head's: what is saved from the head on (its input, the loss's) and its output; and,
-  of all of them, the *whole* ones: storages first saved as a tensor whose last dimension is the width of the
-  blocks' input (the residual stream: norms, residual sums, a row-parallel projection's input), which stay
-  whole on every TP rank where the rest of a block is split;
+  of all of them, the *whole* ones: storages first saved as one vector per token (``(b, s, width)`` or
+  ``(b·s, width)``) of the width of the blocks' input (the residual stream: norms, residual sums, a
+  row-parallel projection's input), which stay whole on every TP rank where the rest of a block is split;
 - aten ops: a ``TorchDispatchMode``, less ``detach`` (bookkeeping, and fake tensors' gradient accumulation
   adds detaches an eager step does not), a fake tensor's own ``prim`` queries and ``FusedAttention``'s moves.
 
@@ -202,7 +202,8 @@ def run_once(model: nn.Module, arguments: Callable, batch: int, seq: int, *, att
         ref, size = fused.alias.get(storage(t), (storage(t), t.untyped_storage().nbytes()))
         if ref in excluded:
             return
-        if ref not in seen and state["width"] is not None and t.dim() >= 2 and t.shape[-1] == state["width"]:
+        width = state["width"]
+        if ref not in seen and width and tuple(t.shape) in ((batch, seq, width), (batch * seq, width)):
             whole[ref] = size
         seen.setdefault(ref, size)
         if into_head or state["head"]:
