@@ -264,7 +264,7 @@ def _hf_options(shape: dict, vocab) -> None:
               "table uses that GPT's activation estimate, as hybrid plan does.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--time", "with_time", is_flag=True, help="Also rank every layout that fits by predicted tokens/s "
-              "(TP degree, stage, levers, micro-batch; needs the whole shape) and print the fastest.")
+              "(TP degree, stage, levers, micro-batch; needs the whole shape, or --hf) and print the fastest.")
 @click.option("--gpu", default="H100", show_default=True, help="With --time: the GPU (H100, H200, A100, A100-40GB, "
               "B200, L40S, ... or an NVML name).")
 @click.option("--gpu-tflops", type=float, help="With --time: peak TFLOP/s per GPU in --precision (instead of the "

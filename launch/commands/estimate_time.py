@@ -137,7 +137,8 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
     model of ``--hf`` (its shape then comes from the profile, not from ``shape``'s layers, hidden and heads)."""
     if shape["layers"] is None and hf is None:
         raise ConfigError("--time needs the model's shape: give --layers, --hidden, --heads, --seq and "
-                          "--micro-batch (and --vocab for the built-in GPT's activation estimate).")
+                          "--micro-batch (and --vocab for the built-in GPT's activation estimate), or --hf CONFIG.json "
+                          "with --seq and --micro-batch.")
     if gpu_spec(gpu) is None and gpu_tflops is None:
         raise v.invalid("--gpu", "a GPU the time model knows (" + ", ".join(sorted(GPU_ALIASES)) +
                         ", or an NVML name), or --gpu-tflops", gpu)

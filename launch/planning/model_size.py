@@ -99,10 +99,12 @@ def model_facts(spec) -> ModelFacts:
         from hybrid.models.gpt.training import check_model_config
 
         check_model_config(doc, path)
+    hf_section = False  # the built-in hooks build an hf: section's model from its transformers config alone
     if getattr(hook, "__module__", "") in BUILT_IN_HOOKS:
         from hybrid.models.gpt.training import is_hf_config
 
-        if is_hf_config(doc):  # hf: paths are relative to the model config, wherever the hook runs
+        hf_section = is_hf_config(doc)
+        if hf_section:  # hf: paths are relative to the model config, wherever the hook runs
             from hybrid.models.hf import absolute_paths
 
             doc = absolute_paths(doc, path)
@@ -121,7 +123,7 @@ def model_facts(spec) -> ModelFacts:
     if stated is not None:
         check_override(stated, counted, path, where)
         params, source = stated, f"params: {stated:,} in {path.name}, within 1% of the {counted:,} {source}"
-    config = model.config if getattr(hook, "__module__", "") == "hybrid.models.hf" else None
+    config = getattr(model, "config", None) if hf_section else None
     return ModelFacts(params, tensor_parallel, source, _gpt_shape(model), model, tp_plan, tp_note, seq_len_of(doc),
                       config)
 
@@ -299,7 +301,6 @@ class ModelFigures:
         return None
 
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 _PROFILES: dict = {}  # (model signature, seq, dtype) -> (plain, checkpointed) or the ProfileError sentence
 
 
@@ -337,11 +338,10 @@ def config_figures(config, seq: int, precision: str) -> ModelFigures:
 def _profiles(config, module, seq: int, precision: str):
     """``(plain, checkpointed)`` profiles of a transformers ``config``'s causal LM (two layers built, scaled to all:
     what ``hybrid.models.hf.build_model`` builds), else of ``module`` as built; or the sentence why none."""
-    import torch
-
     from hybrid.plan.profile import profile_config, profile_model
+    from hybrid.zero.engine import DTYPES  # the compute dtype of each precision, as the engine runs it
 
-    dtype = getattr(torch, DTYPES[precision])
+    dtype = DTYPES[precision]
     if config is not None:
         key = ("config", config.to_json_string(), seq, precision)
 

@@ -130,6 +130,7 @@ def test_a_hugging_face_model_config_gets_tp_from_its_own_plan(tmp_path):
                                 "job": {"entrypoint": "hybrid.models.gpt:train", "config": str(spec.job.config),
                                         "steps": 3}}, base_dir=tmp_path))
     assert "tp auto: 2 = gpus_per_node, since LlamaForCausalLM's own TP plan" in lp.tp_reason
+    assert lp.figures.plain.model == "LlamaForCausalLM" and lp.figures.seq == 16  # profiled from its config
 
 
 ENTRYPOINT = """
