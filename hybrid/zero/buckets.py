@@ -96,6 +96,7 @@ class GradReducer:
         self._pending = [0] * len(layout.units)
         self._launched = [False] * len(layout.units)
         self._fired = [False] * len(params)
+        self.got_grad = [False] * len(params)  # in any micro-step since zero_(): torch's grad is not None
         self._touched = False
         self._next = 0
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
@@ -171,6 +172,7 @@ class GradReducer:
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         self._touched = True
+        self.got_grad[i] = True
         if self._by_hook or self._handoff:
             view = self._grad_view(i)
             if self._handoff and not self._written[i]:
@@ -314,6 +316,7 @@ class GradReducer:
     def zero_(self) -> None:
         """Forget the gradients: the shard is zeroed (stages 2, 3); the flat buffer is marked empty and the
         next backward overwrites it (stages 0, 1)."""
+        self.got_grad = [False] * len(self.params)
         if self.mode == "scatter_shard":
             self.grad_shard.zero_()
             return

@@ -69,6 +69,10 @@ set before each step as the configured schedule says (``engine.lr``: the latest 
   other); a disk error is ``SwapError`` (a ``JobError``: exit 1; the checkpoints keep their own files).
   ``engine.close()`` removes the file (so do garbage collection and the process's exit).
 
+A parameter no micro-step of an optimizer step gave a gradient on any DP rank (an unused module) is not stepped
+at all, as torch's optimizers skip a ``grad`` of None: no weight decay, its moments untouched
+(``hybrid.zero.presence``).
+
 Gradients: after ``engine.step()`` every ``param.grad`` is None (as after torch's ``zero_grad()``); after
 ``engine.backward`` they are views of the flat gradient at stage 0 (reduced at an accumulation boundary) and
 at stage 1 between boundaries (this rank's own sums, as under DDP's ``no_sync``), and None after a
@@ -115,6 +119,7 @@ from hybrid.zero.construct import materialize, resolve_device
 from hybrid.zero.deepspeed_api import DeepSpeedNames
 from hybrid.zero.host_arena import HostArena
 from hybrid.zero.host_threads import host_optimizer_threads, intra_op_threads, node_cores, ranks_on_node
+from hybrid.zero.presence import GradPresence
 from hybrid.zero.optimizer import MASTER, FlatOptimizer, SwappedRange, probe_state
 from hybrid.zero.param_groups import assign as assign_groups, embedding_names
 from hybrid.zero.params import ParamGatherer, all_gather_units
@@ -158,6 +163,7 @@ class ZeroEngine(DeepSpeedNames):
         # the DP group, the shard groups the options cut it into, and their collectives (hybrid.comm.zero_groups)
         self.zero_groups = ZeroGroups.build(dp_group, zero, self.policy, self.device)
         self.dp_comm = self.zero_groups.dp
+        self.presence = GradPresence(self.dp_comm)
         self.tp_comm = Comm(tp_group, "tp") if tp_group is not None else None
         self.config = config = config.check_batch(self.dp_comm.size)  # derives accumulation not given
         self.dtype = DTYPES[config.precision]
@@ -457,8 +463,9 @@ class ZeroEngine(DeepSpeedNames):
             self.state.wait_host_grads()  # the copies (a side stream on CUDA) land before the host reads them
         self.last_lr = self.scheduled_lr(self.optimizer.step_count)
         lrs = [self.last_lr * g.lr_scale for g in self.groups]
+        skip = self.presence.skipped(self.reducer.got_grad, self.device)  # no gradient anywhere: as torch, no step
         with intra_op_threads(self.host_threads) if self.host_threads else nullcontext():
-            self.optimizer.step(lrs, clip_coefficient(norm, clip) if clip else None)
+            self.optimizer.step(lrs, clip_coefficient(norm, clip) if clip else None, skip)
         self._refresh_params()
         self.reducer.zero_()
         self.global_step += 1

@@ -93,6 +93,7 @@ class Piece:
     pos: int                       # where the piece starts in shard space (state buffers)
     out: Optional[torch.Tensor]    # model-dtype parameter view receiving the update, or None (master is it)
     group: int = 0                 # index into the parameter groups
+    param: int = -1                # the parameter's index in the layout (which ones got no gradient: step)
 
 
 def probe_state(cls, kwargs: dict) -> tuple:
@@ -290,9 +291,12 @@ class FlatOptimizer:
     _pending = 0  # 1 while a step is being taken (step_count already counts it)
 
     @torch.no_grad()
-    def step(self, lrs: Sequence[float], grad_scale: Optional[torch.Tensor] = None) -> None:
+    def step(self, lrs: Sequence[float], grad_scale: Optional[torch.Tensor] = None, skip: frozenset = frozenset()
+             ) -> None:
         """One step of every piece; group ``g`` uses learning rate ``lrs[g]``; ``grad_scale`` (0-dim fp32)
-        multiplies the gradients first. Each batch costs a constant number of calls whatever its size: one
+        multiplies the gradients first; the pieces of the parameters in ``skip`` (no gradient anywhere this
+        step) are left as torch's optimizers leave a parameter whose ``grad`` is None: not stepped, no decay,
+        their state and per-parameter step count untouched. Each batch costs a constant number of calls whatever its size: one
         conversion of its non-fp32 gradients, one scaling, the optimizer's own (one fused or foreach call per
         parameter group) and one write-back."""
         self.step_count += 1
@@ -302,7 +306,7 @@ class FlatOptimizer:
             grad_scale = grad_scale.to(self.state_device)
         try:
             for batch, record in self._placed(write=True):
-                self._step_batch(batch, record, lrs, grad_scale)
+                self._step_batch(batch, record, lrs, grad_scale, skip)
         finally:
             self._pending = 0
         if self.non_blocking:
@@ -312,7 +316,7 @@ class FlatOptimizer:
             self.scratch.release(self.state_device)
 
     def _step_batch(self, batch: "_Batch", record: Optional[dict], lrs: Sequence[float],
-                    grad_scale: Optional[torch.Tensor]) -> None:
+                    grad_scale: Optional[torch.Tensor], skip: frozenset = frozenset()) -> None:
         for g, group in zip(batch.groups, batch.opt.param_groups):
             group["lr"] = lrs[g]
         pairs, at = [], 0  # (the fp32 gradient the optimizer reads, the gradient converted into it or None)
@@ -337,8 +341,8 @@ class FlatOptimizer:
                 torch._foreach_copy_([grad for grad, _ in converted], [source for _, source in converted])
             if grad_scale is not None and grads:
                 torch._foreach_mul_(grads, grad_scale)
-        for (view, _, _, _), grad in zip(batch.views, grads):
-            view.grad = grad
+        for (view, piece, _, _), grad in zip(batch.views, grads):
+            view.grad = None if piece.param in skip else grad
         batch.opt.step()
         outs, masters = [], []
         for view, piece, lo, hi in batch.views:

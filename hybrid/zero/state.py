@@ -131,7 +131,8 @@ class FlatState:
             grad = (self.host_grad[pc.shard_pos:pc.shard_pos + pc.numel] if self.host_grad is not None
                     else self.unit_grad_shard(pc.unit)[cut])
             out.append(Piece(self.unit_master(pc.unit)[cut], grad, pc.shard_pos,
-                             self.unit_param_shard(pc.unit)[cut] if self.separate_master else None, group_of[pc.param]))
+                             self.unit_param_shard(pc.unit)[cut] if self.separate_master else None, group_of[pc.param],
+                             pc.param))
         return out
 
     @torch.no_grad()

@@ -52,6 +52,7 @@ from tests.dist.zero_models import (ACCUM, ParityNet, WideNet, batch, config, pa
 pytestmark = pytest.mark.slow
 
 EXTRA = 2 * 16  # an all-reduce (counted twice) of two float64: the gradient norm's sums, the unit check
+PRESENCE = 2 * 4  # per parameter, each step: which got a gradient (hybrid.zero.presence), over the DP group
 
 
 def simulate_nodes(ranks_per_node: int) -> None:
@@ -77,6 +78,7 @@ def _theory(cfg: dict, r: dict, accumulation: int, steps: int) -> dict:
         extras.append(topo.spans(rank).shard.split(EXTRA))
     if policy.shard_params:
         extras.append(topo.spans(rank).dp.split(EXTRA))
+    extras.append(topo.spans(rank).dp.split(PRESENCE * r["n_params"]))
     intra = t["intra"] + sum(float(a) for a, _ in extras)
     inter = t["inter"] + sum(float(b) for _, b in extras)
     return {"intra": steps * intra, "inter": steps * inter}
@@ -85,6 +87,7 @@ def _theory(cfg: dict, r: dict, accumulation: int, steps: int) -> dict:
 def _run_of(engine, **more) -> dict:
     return dict(report=engine.comm_report(), units=[u.numel for u in engine.layout.units],
                 persistent=sorted(engine.persistent_units), nodes=engine.zero_groups.topology.nodes,
+                n_params=len(engine.layout.numels),
                 dp_rank=engine.dp_comm.rank, **more)
 
 

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 NORM_BYTES = 2 * 2 * 8  # all-reduce (counted twice) of the two float64 partial sums
 UNITS_CHECK_BYTES = 2 * 2 * 8  # ParamGatherer.start_units_check: (h, h^2) in float64
+PRESENCE_BYTES = 2 * 4  # per parameter: hybrid.zero.presence's all-reduce (counted twice) of which got a gradient
 PREFETCH = 200_000
 BUCKET = 400_000
 CASES = {
@@ -89,6 +90,7 @@ def _measure():
         out[name] = dict(traffic=engine.comm_report(), memory=engine.memory_report(), at_init=at_init,
                          live=_live_tensor_bytes(engine),
                          gathered_in_forward=seen[-1], psi=engine.layout.param_numel,
+                         n_params=len(engine.layout.numels),
                          padded=engine.layout.full_numel, persistent=persistent,
                          probe=engine.layout.locate(engine.names.index("blocks.1.fc1.weight"))[0].numel,
                          rest=sum(engine.layout.units[u].numel for u in engine.gatherer.module_units[engine.module])
@@ -138,6 +140,7 @@ def test_memory_and_traffic_per_stage():
             p_bytes = size * psi
             expect = {0: 2 * p_bytes, 1: 2 * p_bytes + NORM_BYTES, 2: 2 * p_bytes + NORM_BYTES,
                       3: 3 * p_bytes - size * r["persistent"] + NORM_BYTES + UNITS_CHECK_BYTES}[stage]
+            expect += PRESENCE_BYTES * r["n_params"]
             assert t["total"] == expect, f"{case}: {t} expected total {expect}"
             if stage == 0:
                 assert t["all_reduce"] == t["total"]

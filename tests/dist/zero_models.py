@@ -91,9 +91,7 @@ def reference(engine_config=None, lrs=None, make=ParityNet, forward=parity_forwa
     cfg = TrainConfig.from_dict(engine_config or config(0))
     opt_cfg = cfg.optimizer
     model = make()
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:  # a parameter without a gradient is stepped with a zero one, as in the engine
-        p.grad = torch.zeros_like(p)
+    params = [p for p in model.parameters() if p.requires_grad]  # one unused for a whole step: grad None, skipped
     if make_optimizer is not None:
         opt = make_optimizer(model)
     else:
@@ -114,7 +112,7 @@ def reference(engine_config=None, lrs=None, make=ParityNet, forward=parity_forwa
         if lrs is not None:
             lrs.append(opt.param_groups[0]["lr"])
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
         if sched is not None:
             sched.step()
     # state_dict()'s keys, as full_state_dict() gives them (ParityNet's tied head.weight included)

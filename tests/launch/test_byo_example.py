@@ -36,7 +36,7 @@ def hybrid(args, cwd, timeout=240):
 
 
 def test_the_readme_example_runs_from_another_directory_with_its_code_shipped(tmp_path):
-    assert "examples/byo/cluster.yaml" in (ROOT / "README.md").read_text()
+    assert "examples/byo/cluster.yaml" in (ROOT / "docs" / "launching-and-faults.md").read_text()
     byo = tmp_path / "byo"
     shutil.copytree(ROOT / "examples" / "byo", byo, ignore=shutil.ignore_patterns("runs", "corpus.bin*", "__pycache__"))
     elsewhere = tmp_path / "elsewhere"

@@ -78,14 +78,14 @@ def test_the_cluster_file_sections_read_from_yaml_and_built_with_nothing_set_agr
     assert JobSpec("m:f", TINY, 5).working_dir == Path(schema.default_of(JobSpec, "working_dir"))
 
 
-def test_a_checkpoint_dir_without_every_saves_every_10_steps_as_the_readme_shows(tmp_path):
+def test_a_checkpoint_dir_without_every_saves_every_10_steps_as_the_docs_show(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(CLUSTER.replace("CONFIG", str(TINY)).replace("steps: 5}", "steps: 5, checkpoint: {dir: run}}"))
     checkpoint = load_spec(path).job.checkpoint
     assert_same(CheckpointSpec(dir=tmp_path / "run"), checkpoint)
     assert checkpoint.every == CheckpointSpec().every == 10 and checkpoint.keep_last == 2
-    readme = (ROOT / "README.md").read_text()
-    assert "checkpoint: {dir: ../runs/demo, every: 10, keep_last: 2}" in readme
+    page = (ROOT / "docs" / "checkpoints.md").read_text()
+    assert "checkpoint: {dir: ../runs/demo, every: 10, keep_last: 2}" in page
 
 
 def test_the_model_config_sections_read_from_yaml_and_built_with_nothing_set_agree():
