@@ -85,8 +85,12 @@ class LaunchPlan:
     figures: Optional[ModelFigures] = field(default=None, compare=False, repr=False)  # activations, time shape
 
     def activation_bytes(self, micro_batch: int, checkpointing: bool = False) -> float:
-        """Activation bytes per GPU of one micro-batch on this plan's TP degree (0 where not known)."""
-        return self.figures.activation_bytes(micro_batch, self.layout.tp, checkpointing) if self.figures else 0.0
+        """Activation bytes per GPU of one micro-batch on this plan's TP degree (0 where not known): the built-in
+        GPT's by its shape (``model``), another model's by its figures."""
+        figures = self.figures
+        if self.model is not None and (figures is None or figures.gpt != self.model):
+            figures = ModelFigures(self.params, self.spec.parallel.precision, self.model["seq_len"], gpt=self.model)
+        return figures.activation_bytes(micro_batch, self.layout.tp, checkpointing) if figures else 0.0
 
     @property
     def stage(self) -> int:
