@@ -25,7 +25,9 @@ without and with activation checkpointing: an ``hf:`` model from its transformer
 two layers built and scaled to all), a hook's model as it is built (``profile_model``). Profiles are cached per
 model and sequence in the process. Where none can be taken (the forward reads values, an op without a fake
 kernel, no sequence length, a model not built) ``ModelFigures.note`` says why in one sentence, naming the op,
-and the plan counts no activations and ranks no layouts by time, as it says.
+and the plan counts no activations and ranks no layouts by time, as it says. Activation checkpointing is weighed
+for a profiled model where the job's loop applies it (the built-in entrypoints; ``ModelFigures.checkpointing``):
+an entrypoint of one's own applies it only where ``parallel.activation_checkpointing`` is true.
 
 TP plans (``hybrid.tp.plan``): a model the hook returns unsplit is split on the driver, at TP 1 (its modules
 converted and its parameters marked, nothing sliced), by ``parallel.tp_plan`` when the cluster file gives one,
@@ -266,6 +268,12 @@ class ModelFigures:
     checkpointed: Any = None         # and with it
     logits_split: bool = False       # the head's logits split by vocabulary over TP (else gathered on every rank)
     note: str = ""                   # why nothing is known, one sentence without its full stop ("" when known)
+    checkpointing: bool = True       # the job's loop applies activation checkpointing when the plan turns it on
+
+    def checkpointing_lever(self, requested: Optional[bool]) -> Optional[bool]:
+        """``parallel.activation_checkpointing`` as the plan may use it: auto (None) is off where the job's loop
+        would not apply it."""
+        return False if requested is None and not self.checkpointing else requested
 
     @property
     def known(self) -> bool:
@@ -304,8 +312,9 @@ class ModelFigures:
 _PROFILES: dict = {}  # (model signature, seq, dtype) -> (plain, checkpointed) or the ProfileError sentence
 
 
-def model_figures(facts: ModelFacts, precision: str) -> ModelFigures:
-    """The job's model's figures in ``precision`` (module docstring); profiles taken once per process."""
+def model_figures(facts: ModelFacts, precision: str, entrypoint: str = BUILT_IN_ENTRYPOINT) -> ModelFigures:
+    """The job's model's figures in ``precision`` (module docstring); profiles taken once per process;
+    ``entrypoint``: the job's (``job.entrypoint``), whose loop applies activation checkpointing or not."""
     if facts.shape is not None:
         return ModelFigures(facts.params, precision, facts.shape["seq_len"], gpt=facts.shape)
     if facts.module is None:
@@ -320,7 +329,7 @@ def model_figures(facts: ModelFacts, precision: str) -> ModelFigures:
     if isinstance(profiles, str):
         return ModelFigures(facts.params, precision, facts.seq, note=profiles)
     return ModelFigures(facts.params, precision, facts.seq, plain=profiles[0], checkpointed=profiles[1],
-                        logits_split=logits_split(facts.module))
+                        logits_split=logits_split(facts.module), checkpointing=entrypoint in BUILT_IN_ENTRYPOINTS)
 
 
 def config_figures(config, seq: int, precision: str) -> ModelFigures:

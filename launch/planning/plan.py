@@ -125,7 +125,7 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
     ``calibration``, ``extra_bytes``: what runs measured (``hybrid probe``, ``hybrid plan --measured``)."""
     cluster, parallel = spec.cluster, spec.parallel
     facts = facts if facts is not None else model_facts(spec)
-    figures = model_figures(facts, parallel.precision)
+    figures = model_figures(facts, parallel.precision, spec.job.entrypoint)
     tp, tp_reason = choose_tp(parallel.tp, cluster.gpus_per_node, cluster.world_size, facts)
     layout = mesh_layout(cluster.nodes, cluster.gpus_per_node, tp)
     _check_tp(facts, layout.tp)
@@ -152,8 +152,8 @@ def build_plan(spec: LaunchSpec, reports: Optional[Sequence] = None,
         cluster.nodes, cluster.gpus_per_node, layout.tp, plan.stage, micro, accumulation,
         plan.activation_checkpointing, plan.offload, parallel.precision, nvme=plan.nvme)
     tm = time_plan.rank_layouts(spec, facts, tp_options(parallel.tp, cluster.gpus_per_node, facts, tp, figures),
-                                baseline, memory, host, time_plan.device_name(spec, reports), probe, calibration, extra_bytes,
-                                nvme_bytes=disk, sub_group_size=_sub_group_size(spec, facts), figures=figures)
+                                baseline, memory, host, time_plan.device_name(spec, reports), probe, calibration,
+                                extra_bytes, nvme_bytes=disk, sub_group_size=_sub_group_size(spec, facts), figures=figures)
     chosen = tm.chosen.layout if tm.chosen is not None else None
     memory_only = plan
     if chosen is None and plan is None:
@@ -196,8 +196,10 @@ def _memory_plan(spec: LaunchSpec, facts: ModelFacts, figures: ModelFigures, lay
     activations, checkpointed = 0.0, None
     if figures.known:
         activations = figures.activation_bytes(micro_batch, layout.tp)
-        checkpointed = figures.activation_bytes(micro_batch, layout.tp, checkpointing=True)
-    stage, offload, ac = parallel.zero_stage, parallel.offload, parallel.activation_checkpointing
+        if figures.checkpointing_lever(parallel.activation_checkpointing) is not False:
+            checkpointed = figures.activation_bytes(micro_batch, layout.tp, checkpointing=True)
+    stage, offload, ac = parallel.zero_stage, parallel.offload, figures.checkpointing_lever(
+        parallel.activation_checkpointing)
     shard, secondary = None, 1
     if chosen is not None:
         stage, ac = chosen.stage, chosen.activation_checkpointing
@@ -409,9 +411,12 @@ def format_plan(lp: LaunchPlan) -> str:
                          f"{'yes' if o.fits else 'no':<4}{'  <- chosen' if chosen else ''}")
     written = {k: str(value).lower() if isinstance(value, bool) else value for k, value in echo(par).items()}
     offload = "on, to NVMe" if p.nvme else _on(p.offload)
+    own_loop = ("; not weighed: the job's own loop applies it only where it is true"
+                if lp.figures is not None and par.activation_checkpointing is None and not lp.figures.checkpointing
+                else "")
     lines.append(f"levers  activation checkpointing {_on(p.activation_checkpointing)} "
-                 f"(parallel.activation_checkpointing: {written['activation_checkpointing']}), optimizer offload "
-                 f"{offload} (parallel.offload: {written['offload']})")
+                 f"(parallel.activation_checkpointing: {written['activation_checkpointing']}{own_loop}), "
+                 f"optimizer offload {offload} (parallel.offload: {written['offload']})")
     lines.append(f"stage   ZeRO-{p.stage}{_with_levers(p)}: {p.reason}")
     if p.nvme:
         lines.append(f"nvme    {_nvme_line(lp)}")

@@ -113,7 +113,7 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
     from launch.planning.model_size import model_figures
 
     c, par = spec.cluster, spec.parallel
-    figures = figures if figures is not None else model_figures(facts, par.precision)
+    figures = figures if figures is not None else model_figures(facts, par.precision, spec.job.entrypoint)
     model = figures.cost_shape()
     if model is None:
         return TimeModel(None, None, None, f"time not estimated: {figures.note}; the memory-only choice")
@@ -126,7 +126,8 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
     for tp in tps:
         dp = nodes * per_node // tp
         offered += layouts(nodes, per_node, par.precision, [tp], _choices(par.zero_stage, (0, 1, 2, 3)),
-                           _choices(par.activation_checkpointing, (False, True)), offload_choices(spec),
+                           _choices(figures.checkpointing_lever(par.activation_checkpointing), (False, True)),
+                           offload_choices(spec),
                            batch, fixed_micro_batch(spec, dp, batch), links=LINK_CHOICES)
     if not offered:
         dps = sorted({nodes * per_node // tp for tp in tps})

@@ -211,6 +211,54 @@ def test_a_model_whose_profile_fails_gets_the_sentence_and_the_plan_it_had(tmp_p
     assert "says no sequence length" in lp.figures.note and "seq_len:" in format_plan(lp)
 
 
+OWN_LOOP = """
+import torch.nn.functional as F
+from torch import nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                                    for _ in range(3))
+        self.out = nn.Linear(32, 64)
+
+    def forward(self, ids, targets):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return F.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+def build_model(model_config, tp_comm=None):
+    return Stack()
+
+
+def train(ctx):
+    pass
+"""
+
+
+def test_a_models_own_loop_is_profiled_and_planned_without_checkpointing_it_does_not_apply(tmp_path):
+    (tmp_path / "own_loop_a.py").write_text(OWN_LOOP)
+    (tmp_path / "model.yaml").write_text("model: {seq_len: 32}\n")
+
+    def spec(**parallel):
+        return parse_spec({"cluster": {"address": "local", "nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 80},
+                           "job": {"entrypoint": "own_loop_a:train", "config": "model.yaml", "steps": 3},
+                           "parallel": {"precision": "fp32", **parallel}}, base_dir=tmp_path)
+
+    lp = build_plan(spec())
+    assert lp.figures.plain.model == "Stack" and lp.figures.plain.layers == 3 and lp.figures.seq == 32
+    assert lp.plan.activation_bytes == lp.figures.activation_bytes(lp.micro_batch, 1) > 0
+    assert {c.layout.activation_checkpointing for c in lp.time.ranking.candidates} == {False}
+    assert "not weighed: the job's own loop applies it only where it is true" in format_plan(lp)
+    lp = build_plan(spec(activation_checkpointing=True))  # the user says the loop applies it
+    assert lp.plan.activation_checkpointing and lp.plan.chosen_activation_bytes == \
+        lp.figures.activation_bytes(lp.micro_batch, 1, True) < lp.plan.activation_bytes
+
+
 # ----------------------------------------------------------------------------------------- the pure parts
 
 
