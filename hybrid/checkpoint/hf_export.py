@@ -194,11 +194,16 @@ def hf_names(config: Optional[Mapping], doc: Mapping) -> tuple[dict, Optional[st
     """``(name -> the key save_pretrained writes it under, the transformers class asked)`` for every state-dict
     name of the checkpoint's manifest ``doc``, of the model ``config`` (a transformers config.json's
     mapping) describes; ``({}, None)`` (every name its own) without such a model (the module docstring)."""
-    names = {*doc["params"], *doc.get("frozen", {}), *doc.get("buffers", {}), *doc.get("aliases", {})}
+    names = _state_names(doc)
     model = _model_with_names(config, names) if config is not None else None
     if model is None:
         return {}, None
     return checkpoint_keys(model, sorted(names)), type(model).__name__
+
+
+def _state_names(doc: Mapping) -> set:
+    """Every state-dict name the checkpoint's manifest ``doc`` holds (a tied tensor's aliases too)."""
+    return {*doc["params"], *doc.get("frozen", {}), *doc.get("buffers", {}), *doc.get("aliases", {})}
 
 
 def _model_with_names(config: Mapping, names: set):
@@ -243,11 +248,14 @@ def consolidate_hf(path: layout.PathLike, out_dir: layout.PathLike, *,
         doc = inv.manifest
         hf_config, config_from = ((given, "the given config" if isinstance(config, Mapping) else str(config))
                                   if given is not None else config_of_checkpoint(doc))
+        state_names = _state_names(doc)
+        model = _model_with_names(hf_config, state_names) if hf_config is not None else None
         if hf_config is not None:
-            _check_ties(hf_config, doc, config_from)
+            _check_ties(hf_config, doc, config_from, model)
         reader = FileSystemReader(ckpt)
         saved = offline.saved_tensors(ckpt, reader, doc)
-        keys, names_from = hf_names(hf_config, doc)
+        keys, names_from = ({}, None) if model is None else (checkpoint_keys(model, sorted(state_names)),
+                                                              type(model).__name__)
         tensors = sorted((Written(keys.get(t.name, t.name), t) for t in saved), key=lambda w: natural_key(w.key))
         shards = plan_shards(tensors, limit)
         names = tuple(SHARD.format(i, len(shards)) for i in range(1, len(shards) + 1))
@@ -362,10 +370,14 @@ def _float32(config: Mapping) -> dict:
     return {k: "float32" if k in ("dtype", "torch_dtype") else v for k, v in config.items()}
 
 
-def _check_ties(config: Mapping, doc: Mapping, config_from: str) -> None:
+def _check_ties(config: Mapping, doc: Mapping, config_from: str, model=None) -> None:
     """A config that ties the word embeddings, for a checkpoint without tied tensors: from_pretrained would
-    replace the trained output head by the input embedding."""
-    if config.get("tie_word_embeddings") is True and not doc.get("aliases"):
+    replace the trained output head by the input embedding. ``model``: the config's model built on meta, when
+    it could be: a class that ties nothing whatever its config says (BigBirdPegasus) is no such case."""
+    ties = config.get("tie_word_embeddings") is True
+    if model is not None:
+        ties = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.named_parameters()))
+    if ties and not doc.get("aliases"):
         raise CheckpointError(f"the model config ({config_from}) ties the word embeddings (tie_word_embeddings: "
                               f"true), but the checkpoint's model has no tied tensors, so from_pretrained would "
                               f"drop its trained output layer; give the {CONFIG} of the model as it was trained.")

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
-from hybrid.config.tp_plan import normalize_plan
+from hybrid.config.tp_plan import normalize_plan, pattern_matches
 from hybrid.tp.hf_config import text_config
 from hybrid.tp.plan import OwnPlan, apply_plan, forward_goes_through
 
@@ -36,46 +36,70 @@ EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_nu
 
 def raw_hf_plan(model: nn.Module) -> Optional[dict]:
     """The model's own plan in transformers' spellings, names from the model (None: it has none); its
-    ``notes`` (an ``OwnPlan``) say what hybrid added or left out."""
+    ``notes`` (an ``OwnPlan``) say what hybrid added or left out. Each base model inside it (the causal LM's
+    ``model``; a multimodal model's ``model.language_model``) brings its config's plan under its own name."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "base_model_tp_plan"):
         return None
-    prefix_attr = getattr(model, "base_model_prefix", "") or ""
-    base = getattr(model, prefix_attr, None) if prefix_attr else None
-    if not isinstance(base, nn.Module) or base is model:
-        base, prefix = model, ""
-    else:
-        prefix = prefix_attr + "."
-    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    head_plan = dict(getattr(type(model), "_tp_plan", None) or {}) if base is not model else {}
+    base_plan = {}
+    for name, module in model.named_modules():
+        plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if plan and _is_base_model(module):
+            prefix = name + "." if name else ""
+            base_plan.update({prefix + pattern: style for pattern, style in plan.items()})
+    head_plan = dict(getattr(type(model), "_tp_plan", None) or {}) if not _is_base_model(model) else {}
     if not base_plan and not head_plan:
         return None
     notes = []
-    embed = getattr(base, "embed_tokens", None)
-    if base_plan and "embed_tokens" not in base_plan and isinstance(embed, nn.Embedding):
+    plan = {**base_plan, **head_plan}
+    name, embed = _input_embedding(model)
+    if base_plan and embed is not None and not any(pattern_matches(p, name) for p in plan):
         # hybrid's own addition: split the input embedding by vocabulary, so a head tied to it is split alike
         if forward_goes_through(embed, nn.Embedding) and embed.max_norm is None and not embed.scale_grad_by_freq:
-            base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
+            plan = {name: "embedding_rowwise", **plan}
             if type(embed) is not nn.Embedding:
-                notes.append(f"{prefix}embed_tokens split by vocabulary around its own forward "
-                             f"({type(embed).__name__})")
+                notes.append(f"{name} split by vocabulary around its own forward ({type(embed).__name__})")
         else:
-            notes.append(f"{prefix}embed_tokens left whole ({type(embed).__name__}'s forward does not go through "
+            notes.append(f"{name} left whole ({type(embed).__name__}'s forward does not go through "
                          "nn.Embedding's)")
-            head_plan = _without_tied_head(model, embed, head_plan, notes)
-    plan = {**{prefix + pattern: style for pattern, style in base_plan.items()}, **head_plan}
+            plan = _without_tied_head(model, embed, plan, notes)
     return OwnPlan(plan, notes)
 
 
-def _without_tied_head(model: nn.Module, embed: nn.Module, head_plan: dict, notes: list) -> dict:
-    """``head_plan`` less the heads that hold the (whole) input embedding's tensor."""
+def _is_base_model(module: nn.Module) -> bool:
+    """A transformers base model (its plan's names are relative to it), not a model with a head around one."""
+    prefix = getattr(module, "base_model_prefix", None)
+    if not isinstance(prefix, str) or not hasattr(module, "config"):
+        return False
+    inner = getattr(module, prefix, None) if prefix else None
+    return not isinstance(inner, nn.Module) or inner is module
+
+
+def _input_embedding(model: nn.Module) -> tuple[str, Optional[nn.Embedding]]:
+    """The model's input embedding (``get_input_embeddings()``, a multimodal model's text one too) and its
+    name, or ``("", None)`` when it has no ``nn.Embedding`` there."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embed = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return "", None
+    if not isinstance(embed, nn.Embedding):
+        return "", None
+    name = next((n for n, m in model.named_modules() if m is embed), "")
+    return (name, embed) if name else ("", None)
+
+
+def _without_tied_head(model: nn.Module, embed: nn.Module, plan: dict, notes: list) -> dict:
+    """``plan`` less the modules that hold the (whole) input embedding's tensor (a tied head)."""
+    modules = dict(model.named_modules())
     out = {}
-    for name, style in head_plan.items():
-        head = model.get_submodule(name) if name in dict(model.named_modules()) else None
-        if head is not None and getattr(head, "weight", None) is embed.weight:
-            notes.append(f"{name} left whole (tied to the whole input embedding)")
+    for pattern, style in plan.items():
+        tied = [n for n, m in modules.items() if pattern_matches(pattern, n) and m is not embed
+                and getattr(m, "weight", None) is embed.weight]
+        if tied:
+            notes.append(f"{tied[0]} left whole (tied to the whole input embedding)")
             continue
-        out[name] = style
+        out[pattern] = style
     return out
 
 
