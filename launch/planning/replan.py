@@ -30,7 +30,7 @@ from typing import Optional
 
 from hybrid.errors import JobError
 from hybrid.plan.memory import (DEFAULT_CPU_RUNTIME_RESERVE_GB, DEFAULT_RUNTIME_RESERVE_GB, GB, MemoryPrediction,
-                           ModelUnits, gpt_activation_bytes, predict_memory)
+                           ModelUnits, predict_memory)
 from hybrid.runtime.train import JobSettings
 from hybrid.zero.units import model_units
 from hybrid.config.units import human_bytes
@@ -216,13 +216,8 @@ def predict(lp, choice: Choice) -> MemoryPrediction:
     device, reserve = device_of(lp), runtime_reserve(lp)
     zero = zero_config(lp, choice.stage)
     units = units_of(lp, zero)
-    activations = 0  # no estimate for a model whose forward we do not know (or a bare count); the ranks measure
-    if lp.model is not None:
-        m = lp.model
-        activations = gpt_activation_bytes(m["seq_len"], choice.micro_batch, m["hidden"], m["n_heads"],
-                                           m["n_layers"], m["vocab_size"], tp=tp, precision=precision,
-                                           mlp_ratio=m.get("mlp_ratio", 4),
-                                           checkpointing=choice.activation_checkpointing)
+    # the plan's figures (the built-in GPT's formulas, another model's profile; 0 where neither: the ranks measure)
+    activations = lp.activation_bytes(choice.micro_batch, choice.activation_checkpointing)
     p = predict_memory(units, dp, choice.stage, precision, activations=activations, runtime_reserve=reserve,
                        device=device, zero=zero, dp_per_node=max(1, lp.spec.cluster.gpus_per_node // tp))
     if choice.offload:  # master weights and moments live in host memory
