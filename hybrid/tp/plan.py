@@ -315,6 +315,10 @@ def grad_sums(model: nn.Module, assignments: list, bare: list, where: str) -> tu
         raise ConfigError(f"{where} cannot split {cls} exactly: the whole parameter {name} meets both this rank's "
                           f"slice of the features (in {op}) and whole activations, so no sum over TP gives its "
                           "gradient; use tp 1, or a plan that leaves its module outside the split layers.")
+    if trace.reduction is not None:
+        raise ConfigError(f"{where} cannot split {cls} exactly: {trace.reduction} reduces over the features the plan "
+                          "splits (each rank would reduce over its part only, and compute another forward); use "
+                          "tp 1, or a plan that leaves that computation whole.")
     if trace.activation is not None:
         raise ConfigError(f"{where} cannot split {cls} exactly: a whole activation that needs a gradient meets this "
                           f"rank's slice of the features in {trace.activation}, so its gradient would hold this "

@@ -19,8 +19,10 @@ with a ``TorchFunctionMode`` that follows every tensor:
 Parameters the plan splits, or sums the gradient of (``replicate_grad``), are the plan's business and are not
 followed. The result (``RegionTrace``): the parameters that meet slices only (their gradients must be summed
 over TP: ``hybrid.tp.plan`` gives their modules ``replicate_grad``), those that meet slices and whole
-activations both (no sum makes both exact), and the first operation where a whole activation that needs a
-gradient meets a slice (its gradient would be partial, and nothing upstream could tell). A forward that cannot
+activations both (no sum makes both exact), the first operation where a whole activation that needs a
+gradient meets a slice (its gradient would be partial, and nothing upstream could tell), and the first that
+reduces over a slice's split features (a mean, a norm, a top-k over the MLP's columns: each rank would compute
+its part's, and the forward itself would differ). A forward that cannot
 run on meta (data-dependent Python, an op without a meta kernel) gives ``error``: what stopped it, one line.
 """
 
@@ -45,7 +47,34 @@ class RegionTrace:
     partial: dict = field(default_factory=dict)   # parameter name -> the op where it met a slice (and only slices)
     mixed: dict = field(default_factory=dict)     # parameter name -> the op where it met a slice, having met whole ones
     activation: Optional[str] = None              # the first op where a whole activation with a gradient met a slice
+    reduction: Optional[str] = None               # the first op that reduces over the split features of a slice
     error: Optional[str] = None                   # why the forward did not run on meta (None: it ran)
+
+
+# Ops whose result over a dimension needs all of it: over the split features of a slice, each rank would compute
+# its part's mean, norm or top-k (Gemma 3n's activation sparsity: a mean and std over the MLP's features).
+REDUCTIONS = {"mean", "sum", "std", "var", "std_mean", "var_mean", "norm", "vector_norm", "amax", "amin", "max",
+              "min", "topk", "sort", "softmax", "log_softmax", "logsumexp", "cumsum", "argmax", "argmin",
+              "layer_norm", "rms_norm", "group_norm", "normalize", "kthvalue", "median", "quantile"}
+
+
+def _reduced_dims(op: str, t: torch.Tensor, args: tuple, kwargs: dict) -> list:
+    """The dimensions of ``t`` (the op's first argument) the reduction ``op`` runs over."""
+    if op in ("layer_norm", "rms_norm"):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return list(range(t.dim() - len(shape), t.dim()))
+    if op == "group_norm":
+        return list(range(1, t.dim()))
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) or isinstance(kwargs.get("other"), torch.Tensor):
+        return []  # min(a, b), max(a, b): elementwise
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.Tensor) else None)
+    if op in ("topk", "kthvalue"):
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+    if dim is None:
+        return [] if op in ("sort", "softmax", "log_softmax", "cumsum", "normalize") else list(range(t.dim()))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return [d % t.dim() for d in dims if isinstance(d, int)] if t.dim() else []
 
 
 def _op_name(func) -> str:
@@ -61,6 +90,7 @@ class _Follow(TorchFunctionMode):
         self.params = params  # id(stand-in) -> parameter name, for the parameters the plan leaves to us
         self.planned = planned  # ids of the stand-ins of parameters the plan takes care of: not followed
         self.kinds: dict = {}  # id(tensor) -> (kind, frozenset of parameter names)
+        self.widths: dict = {}  # id(slice) -> the full width of the features split along its last dimension
         self.alive: list = []  # every classified tensor, so that no id is reused while the trace runs
         self.whole_use: dict = {}  # parameter name -> first op where it met a whole activation
         self.trace = trace
@@ -89,6 +119,12 @@ class _Follow(TorchFunctionMode):
         op = _op_name(func)
         if SLICE in present:
             kind = SLICE
+            width = next((self.widths[id(t)] for t in inputs if id(t) in self.widths), None)
+            if op in REDUCTIONS and self.trace.reduction is None and id(inputs[0]) in self.widths:
+                first = inputs[0]
+                if any(d == first.dim() - 1 and first.shape[d] == self.widths[id(first)]
+                       for d in _reduced_dims(op, first, args, kwargs)):
+                    self.trace.reduction = op
             for name in named:
                 if name in self.whole_use:
                     self.trace.mixed.setdefault(name, op)
@@ -110,6 +146,8 @@ class _Follow(TorchFunctionMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.mark(t, kind, named if kind == PARAMS else frozenset())
+                if kind == SLICE and width is not None and t.dim() and t.shape[-1] == width:
+                    self.widths[id(t)] = width  # the split features still last (not viewed into heads)
         return out
 
 
@@ -158,6 +196,8 @@ def trace_regions(model: nn.Module, outputs: dict, skip: set, example: Optional[
             t = _first_tensor(out)
             if t is not None:
                 follow.mark(t, kind)
+                if kind == SLICE and t.dim() and t.shape[-1] == getattr(module, "out_features", None):
+                    follow.widths[id(t)] = t.shape[-1]  # a colwise output: its features are the split ones
         return hook
 
     handles = [module.register_forward_hook(set_kind(kind)) for module, kind in outputs.items()]

@@ -184,3 +184,23 @@ def test_embedding_col_and_mla_kv_a_proj_compute_the_unsplit_module_at_tp_1():
     if proj.bias is not None:
         proj.bias = nn.Parameter(torch.zeros(proj.out_features))
     assert torch.equal(proj(x), F.linear(x, proj.weight, proj.bias))
+
+
+def test_a_reduction_over_the_split_features_is_refused_and_one_over_a_heads_own_is_not():
+    class Sparse(Gated):  # Gemma 3n's activation sparsity: a mean over the MLP's columns
+        def forward(self, ids):
+            x = self.embed(ids)
+            h = self.up(x)
+            return x + self.down(F.relu(h - h.mean(-1, keepdim=True)))
+
+    class PerHead(Gated):  # a norm inside each head of 4 features: whole on every rank
+        def forward(self, ids):
+            x = self.embed(ids)
+            h = self.up(x).unflatten(-1, (4, 4))
+            return x + self.down((h - h.mean(-1, keepdim=True)).flatten(-2))
+
+    with pytest.raises(ConfigError) as err:
+        apply_plan(Sparse(), PLAN, None)
+    assert str(err.value).startswith("the TP plan cannot split Sparse exactly: mean reduces over the features the "
+                                     "plan splits")
+    apply_plan(PerHead(), PLAN, None)
