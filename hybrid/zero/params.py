@@ -535,12 +535,13 @@ def _gatherer_of(t):
 
 
 def _gather_if_guarded(tensors) -> None:
-    """Inside an engine's forward, gather the units of the parameters not in use among ``tensors``."""
+    """Inside an engine's forward, or its backward (a forward recomputed there outside any unit root's hooks:
+    Reformer's reversible layers), gather the units of the parameters not in use among ``tensors``."""
     for t in tensors:
         for p in (t if isinstance(t, (list, tuple)) else (t,)):
             if isinstance(p, torch.Tensor):
                 g = _gatherer_of(p)
-                if g is not None and g._guarding and not g._internal:
+                if g is not None and (g._guarding or g.phase is Phase.BACKWARD) and not g._internal:
                     g.read_outside_unit(p)
 
 
