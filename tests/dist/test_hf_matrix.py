@@ -4,7 +4,8 @@ The sample -- Llama (GQA, untied), GPT-NeoX (its own key names: embed_out), Gemm
 its head), Qwen2 (q/k/v biases), Qwen2-MoE (a mixture of experts) and Qwen3 (per-head q/k norms) -- runs
 through the matrix's own code (one 2-rank gloo world, ``run_matrix``): every cell passes, except that a
 mixture-of-experts model at TP 2 is not split: its cell is the product's sentence (no traceback), and it
-trains at TP 1 (its tp1 cell passes). 7 s on an idle 2-core machine, 18 s beside other jobs: one world's
+trains at TP 1 (its tp1 cell passes); and its load from save_pretrained's default format, whose expert tensors
+transformers converts rather than renames, may be the product's sentence naming ``save_original_format``. 7 s on an idle 2-core machine, 18 s beside other jobs: one world's
 start-up and about a second per type.
 
 A negative control keeps the checks honest: the same harness with the engine's learning rate 1 % off must
@@ -39,6 +40,8 @@ def test_the_sample_passes_and_a_moe_model_trains_at_tp1_with_a_sentence(tmp_pat
         text = row["cells"][cell]
         if row["moe"] and cell == "tp2":  # not split: one sentence, and it trains at TP 1 instead
             return hf_matrix.kind(text) == "sentence" and "TP 1" in text and row["cells"]["tp1"] == PASS
+        if row["moe"] and cell == "load":  # experts save_pretrained converts, not renames: one sentence naming it
+            return text == PASS or (hf_matrix.kind(text) == "sentence" and "save_original_format" in text)
         return text == PASS
 
     assert not _failures(rows, ok)
