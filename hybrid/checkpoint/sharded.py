@@ -325,6 +325,7 @@ def _optimizer_doc(engine) -> dict:
     """What the manifest says about the optimizer and the schedule (checked at a resume)."""
     sched = engine.config.scheduler
     return {"type": engine.optimizer.cls.__name__, "state": list(engine.optimizer.keys),
+            "skipped_steps": engine.skipped_steps,  # parameters without a gradient in some steps: their step lags
             "scheduler": None if sched is None else {"type": sched.type, "params": sched.values,
                                                      "steps_taken": engine.optimizer_step_count}}
 
@@ -367,7 +368,7 @@ def _load(choice: "agreement.Choice", engine, model_config: Optional[Mapping[str
         raise _unreadable_data(ckpt, exc) from None
     if same_world:
         rng.restore(state[rng_key])
-    engine.optimizer_step_count = int(doc["optimizer_step_count"])
+    engine.restore_optimizer(int(doc["optimizer_step_count"]), (doc.get("optimizer") or {}).get("skipped_steps", {}))
     engine.global_step = int(doc["global_step"])
     # The checkpoint's rate: one set by hand, else the configured one (a hand-set rate of the engine before
     # this load does not outlive it); also makes engine.lr the next step's rate.

@@ -508,6 +508,17 @@ class ZeroEngine(DeepSpeedNames):
     def optimizer_step_count(self, value: int) -> None:
         self.optimizer.restore(int(value))  # the loaded state buffers are live again from here on
 
+    @property
+    def skipped_steps(self) -> dict:
+        """Parameter name -> the optimizer steps it got no gradient in and was not stepped (``presence``)."""
+        return {self.names[i]: n for i, n in sorted(self.optimizer.lag.items())}
+
+    def restore_optimizer(self, step_count: int, skipped_steps: dict) -> None:
+        """After a checkpoint's state was loaded: ``step_count`` steps taken, ``skipped_steps`` (as
+        ``skipped_steps`` gives it) of them skipped by some parameters, whose torch step counts lag by as many."""
+        index = {name: i for i, name in enumerate(self.names)}
+        self.optimizer.restore(int(step_count), {index[n]: k for n, k in skipped_steps.items() if n in index})
+
     def scheduled_lr(self, i: int) -> float:
         """The learning rate of optimizer step ``i`` (0-based) for a group of ``lr_scale`` 1."""
         sched = self.config.scheduler

@@ -174,6 +174,7 @@ class FlatOptimizer:
         self.rule = step_rule(self.state_device.type, fp32_grads, sub_group_size, scratch_bytes)
         self.sub_group_size = self.rule.batch_numel
         self.step_count = 0
+        self.lag: dict = {}  # parameter index -> steps it was skipped (no gradient): its torch step count lags
         self.batches = self._build_batches()
         self.scratch = scratch or Fp32Scratch()  # fp32 staging of non-fp32 gradients, one batch at a time
         self._largest_batch = max((b.numel for b in self.batches), default=0)
@@ -274,7 +275,7 @@ class FlatOptimizer:
             for key in self.keys:
                 state[key] = record[key][at:at + hi - lo]
             if self._step_dtype is not None and "step" not in state:
-                state["step"] = self._step_tensor(view, self.step_count - self._pending)
+                state["step"] = self._step_tensor(view, self.step_count - self._pending - self.lag.get(piece.param, 0))
 
     def _slice(self, key: str, batch: "_Batch", k: int, record: Optional[dict]) -> torch.Tensor:
         """Where the state ``key`` of the batch's ``k``-th view lives: ``buffers`` or its record."""
@@ -309,6 +310,8 @@ class FlatOptimizer:
                 self._step_batch(batch, record, lrs, grad_scale, skip)
         finally:
             self._pending = 0
+        for i in skip:
+            self.lag[i] = self.lag.get(i, 0) + 1
         if self.non_blocking:
             self._written = torch.cuda.Event()
             self._written.record()
@@ -383,9 +386,12 @@ class FlatOptimizer:
                     state[key] = flat
 
     @torch.no_grad()
-    def restore(self, step_count: int) -> None:
-        """After the buffers were loaded: this many steps were taken; point every piece's state at them."""
+    def restore(self, step_count: int, lag: Optional[dict] = None) -> None:
+        """After the buffers were loaded: this many steps were taken (``lag``: parameter index -> the steps of
+        them it was skipped); point every piece's state at them."""
         self.step_count = int(step_count)
+        if lag is not None:
+            self.lag = {int(i): int(n) for i, n in lag.items() if n}
         if self.swap is not None:  # the state is re-pointed at each record as it is stepped
             for batch in self.batches:
                 batch.opt.state.clear()
@@ -398,7 +404,7 @@ class FlatOptimizer:
             for k, (view, piece, lo, hi) in enumerate(batch.views):
                 state = {key: self._slice(key, batch, k, None) for key in self.keys}
                 if self._step_dtype is not None:
-                    state["step"] = self._step_tensor(view, self.step_count)
+                    state["step"] = self._step_tensor(view, self.step_count - self.lag.get(piece.param, 0))
                 batch.opt.state[view] = state
 
     @torch.no_grad()

@@ -45,7 +45,7 @@ def test_the_own_model_example_with_a_tp_plan_is_planned_at_tp_2_and_the_ranks_g
     spec = load_spec(OWN / "cluster-tp.yaml")
     assert spec.parallel.tp_plan == {"embed": "vocab", "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
                                      "out": "colwise_rep"}
-    lp = build_plan(spec)
+    lp = build_plan(_at_tp(spec, None))  # tp: auto (the example pins tp: 2)
     assert lp.tensor_parallel_layers is True and {c.layout.tp for c in lp.time.ranking.candidates} == {1, 2}
     assert _offers(lp, "tp auto: 2 = gpus_per_node, since parallel.tp_plan splits the model"), lp.tp_reason
     lp = build_plan(_at_tp(spec, 2))
