@@ -22,7 +22,8 @@ A cell is ``pass``, the sentence the product raised (a ``hybrid.errors.UserError
 ``CheckpointError``, ...), ``error: <Type>: <first line>`` (anything else: a product bug, listed at the end),
 or ``n/a: <why>`` (the check does not apply, or transformers itself cannot do its part). The table, its
 summary (cells per kind and column; the share of dense types with a plan that pass tp2) and the grouped
-errors and sentences go to ``--out`` (default ``docs/hf-matrix.md``; the whole matrix also writes the README's summary table).
+errors and sentences go to ``--out`` (default ``docs/hf-matrix.md``; the whole matrix also writes the README's
+summary table between its markers).
 
 Types run in gloo worlds of 2 ranks (``bench/hf_matrix_world.py``), many types per world so that start-up is
 paid once; ``--jobs N`` runs N worlds side by side. Each world runs in a process of its own session, watched

@@ -297,9 +297,9 @@ class FlatOptimizer:
         """One step of every piece; group ``g`` uses learning rate ``lrs[g]``; ``grad_scale`` (0-dim fp32)
         multiplies the gradients first; the pieces of the parameters in ``skip`` (no gradient anywhere this
         step) are left as torch's optimizers leave a parameter whose ``grad`` is None: not stepped, no decay,
-        their state and per-parameter step count untouched. Each batch costs a constant number of calls whatever its size: one
-        conversion of its non-fp32 gradients, one scaling, the optimizer's own (one fused or foreach call per
-        parameter group) and one write-back."""
+        their state and per-parameter step count untouched. Each batch costs a constant number of calls whatever
+        its size: one conversion of its non-fp32 gradients, one scaling, the optimizer's own (one fused or
+        foreach call per parameter group) and one write-back."""
         self.step_count += 1
         self.wait_writeback()
         self._pending = 1
