@@ -245,7 +245,8 @@ def choose_tp(requested: Optional[int], gpus_per_node: int, world_size: int, fac
             raise ConfigError(f"parallel.tp is {requested}, but the model has no tensor-parallel layers (no "
                               f"parameter is marked tensor-parallel, hybrid.weights.attrs){own}, so its TP ranks "
                               "would all compute the same thing; set parallel.tp to 1 or auto.")
-        return requested, f"tp {requested} as requested (parallel.tp)"
+        by = f", split by {facts.tp_plan}" if requested > 1 and facts.tp_plan else ""  # with what it did beyond
+        return requested, f"tp {requested} as requested (parallel.tp){by}"
     if facts.tensor_parallel:
         refusals = {}
         for tp in (d for d in range(gpus_per_node, 0, -1) if gpus_per_node % d == 0):

@@ -63,7 +63,7 @@ def test_the_own_model_example_with_a_tp_plan_trains_at_tp_2(cluster):
     result = plan_and_run(spec, out, tty=False)
     text = out.getvalue()
     assert (result.plan.layout.tp, result.plan.layout.dp) == (2, 2), text
-    assert "tp 2 as requested (parallel.tp)" in text
+    assert "tp 2 as requested (parallel.tp), split by parallel.tp_plan" in text
     assert all((r["tp"], r["dp"]) == (2, 2) for r in result.results.values())
     last = [result.last_reports[r]["loss"] for r in range(4)]
     assert last[0] == last[1] and last[2] == last[3] and last[0] != last[2], last  # TP pairs, DP ranks
@@ -77,7 +77,7 @@ def test_a_hugging_face_config_trains_with_tp_from_its_own_plan_and_resumes_bit_
     first = plan_and_run(_spec(job_dir), out, tty=False)
     text = out.getvalue()
     assert (first.plan.layout.tp, first.plan.layout.dp) == (2, 2), text
-    assert "tp 2 as requested (parallel.tp)" in text
+    assert "tp 2 as requested (parallel.tp), split by LlamaForCausalLM's own TP plan" in text
     assert "counted on the meta device by hybrid.models.hf.build_model" in text
     assert all(r["tp"] == 2 for r in first.results.values())
     assert first.results[0]["reference_loss"]["name"] == "unigram entropy of the data"
