@@ -122,6 +122,11 @@ def _unmatched(model: nn.Module, pattern: str, where: str) -> str:
 def check_plan(model: nn.Module, plan: Any, tp: int, where: str = "the TP plan") -> list[tuple[str, nn.Module, str]]:
     """What ``apply_plan`` would split at TP degree ``tp``, or the ``ConfigError`` it would raise (no
     process group needed: the launcher's check)."""
+    return _checked(model, plan, tp, where)[0]
+
+
+def _checked(model: nn.Module, plan: Any, tp: int, where: str) -> tuple[list, list]:
+    """``check_plan``'s module assignments and the bare parameters the plan splits (``param_entries``)."""
     assignments = resolve_plan(model, plan, where)
     for name, module, style in assignments:
         _check_module(name, module, style, tp, where)
@@ -139,7 +144,7 @@ def check_plan(model: nn.Module, plan: Any, tp: int, where: str = "the TP plan")
     refusal = _attention_refusal(model, split, tp)
     if refusal is not None:
         raise ConfigError(f"{where} cannot split {type(model).__name__} {tp} ways: {refusal}.")
-    return assignments
+    return assignments, bare
 
 
 def forward_goes_through(module: nn.Module, layer: type) -> bool:
@@ -259,8 +264,7 @@ def apply_plan(model: nn.Module, plan: Any, tp_comm: Optional[Comm], where: str 
     """Split ``model`` over ``tp_comm``'s group by ``plan`` (see the module docstring), in place; returns it.
     ``plan_notes(model)`` then says what was done beyond the plan's words."""
     rank, tp = tp_rank_size(tp_comm)
-    assignments = check_plan(model, plan, tp, where)
-    bare = param_entries(model, plan, where)
+    assignments, bare = _checked(model, plan, tp, where)
     summed, notes = grad_sums(model, assignments, bare, where)
     assignments = assignments + summed
     refs = references(model)
@@ -366,17 +370,18 @@ def split_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def tp_refusal(model: nn.Module, tp: int) -> Optional[str]:
     """Why the model a plan split (at TP 1, as the launcher builds it) cannot be split ``tp`` ways -- a split
     size or the attention heads ``tp`` does not divide -- or None when it can."""
-    names = []
-    for name, module in split_modules(model):
+    names, modules = [], split_modules(model)
+    for name, module in modules:
         if STYLE_CLASSES[module.tp_style].split_size:
             names.append(name)
             size = _split_size(module, module.tp_style)
             if size % tp:
                 what = STYLE_CLASSES[module.tp_style].split_size
                 return f"{name} ({module.tp_style}) has {what}={size}, not divisible by {tp}"
+    owners = {name for name, _ in modules}
     for name, param in model.named_parameters():  # bare parameters a plan split (attention sinks)
         dim = tensor_parallel_dim(param)
-        if dim is not None and param.shape[dim] % tp and name.rpartition(".")[0] not in dict(split_modules(model)):
+        if dim is not None and param.shape[dim] % tp and name.rpartition(".")[0] not in owners:
             return f"the parameter {name} has {param.shape[dim]} rows, not divisible by {tp}"
     return _attention_refusal(model, names, tp)
 
