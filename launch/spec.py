@@ -27,7 +27,9 @@ probe`` has not measured them): ``cluster.gpu`` (a GPU of ``hybrid.plan.hardware
 ``cluster.interconnect.intra_node_gbps`` / ``inter_node_gbps`` (line rate of one port, Gb/s, one direction) and
 ``nics_per_node``. ``job.global_batch`` (optional) is the sequences per optimizer step over all DP ranks, which
 every layout the plan weighs keeps; without ``job.micro_batch`` beside it the plan chooses the micro-batch too
-(``JobSpec.micro_batch_auto``). Nothing here contacts Ray. (Whether an embedded
+(``JobSpec.micro_batch_auto``). ``failure.elastic`` (optional, ``ElasticSpec``: ``min_nodes`` <= cluster.nodes
+<= ``max_nodes``, default cluster.nodes; ``grace_s``) makes a lost node shrink the job rather than fail it
+(``launch.job.elastic``). Nothing here contacts Ray. (Whether an embedded
 cluster fits on this machine is ``launch.ray.capacity``'s check, made before one is started.)
 """
 
@@ -73,6 +75,7 @@ MAX_FAILURES = 1000
 COLLECTIVE_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
 PLACEMENT_TIMEOUT_S = (1.0, 7 * 24 * 3600.0)
 CONNECT_TIMEOUT_S = (1.0, 3600.0)
+ELASTIC_GRACE_S = (0.0, 24 * 3600.0)
 
 
 def _address(path: str, address: Any) -> str:
@@ -271,13 +274,35 @@ class ParallelSpec(Section):
 
 
 @dataclass(frozen=True)
+class ElasticSpec(Section):
+    SECTION = "failure.elastic"
+
+    min_nodes: int = setting(1, partial(v.positive_int, hi=MAX_NODES),
+                             help="the fewest nodes the job may shrink to before it fails")
+    max_nodes: Optional[int] = setting(None, partial(v.positive_int, hi=MAX_NODES),
+                                       help="the most nodes it may grow to; unset: cluster.nodes")
+    grace_s: float = setting(10.0, _seconds(ELASTIC_GRACE_S),
+                             help="how long a lost node may take to come back before the job shrinks")
+
+
+@dataclass(frozen=True)
+class FailureSpec(Section):
+    SECTION = "failure"
+
+    elastic: Optional[ElasticSpec] = setting(
+        None, section_check(ElasticSpec), help="{min_nodes, max_nodes, grace_s}: a lost node shrinks the job "
+                                               "instead of failing it (launch.job.elastic); unset: not elastic")
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
-    """The cluster file: its three sections (each checked on construction) and where it was read from."""
+    """The cluster file: its four sections (each checked on construction) and where it was read from."""
 
     cluster: ClusterSpec
     job: JobSpec
     parallel: ParallelSpec
     path: Optional[Path] = None
+    failure: FailureSpec = dataclasses.field(default_factory=FailureSpec)
 
     def __post_init__(self) -> None:
         if self.parallel.offload == "nvme" and self.cluster.nvme_path is None:
@@ -288,6 +313,15 @@ class LaunchSpec:
         if tp is not None and gpus % tp:
             raise ConfigError(f"parallel.tp is {tp}, which does not divide cluster.gpus_per_node = {gpus}; TP "
                               f"groups must lie inside one node, so use a divisor of {gpus} or 'auto'.")
+        elastic = self.failure.elastic
+        if elastic is not None:
+            _check_elastic(elastic, self.cluster.nodes)
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes the job may run on: ``failure.elastic.max_nodes``, else ``cluster.nodes``."""
+        elastic = self.failure.elastic
+        return elastic.max_nodes if elastic is not None and elastic.max_nodes is not None else self.cluster.nodes
 
     @property
     def tp(self) -> int:
@@ -327,12 +361,24 @@ def parse_spec(data: Any, base_dir: Path, path: Optional[Path] = None) -> Launch
         shown = f"cluster file {v.quote(str(path))}" if path else "the cluster file"
         raise ConfigError(f"{shown} must be a mapping with sections cluster, job (and optionally parallel), "
                           f"got {'nothing' if data is None else type(data).__name__}.")
-    v.known_keys("", data, ("cluster", "job", "parallel"))
+    v.known_keys("", data, ("cluster", "job", "parallel", "failure"))
     cluster = read(ClusterSpec, _section(data, "cluster", required=True),
                    examples={"interconnect": "{intra_node: nvlink, inter_node: infiniband}"}, nulls_unset=True)
     job = _job(_section(data, "job", required=True), base_dir, cluster.is_local, path.stem if path else "job")
     parallel = read(ParallelSpec, _section(data, "parallel", required=False))
-    return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path)
+    failure = read(FailureSpec, _section(data, "failure", required=False), nulls_unset=True,
+                   examples={"elastic": "{min_nodes: 2, max_nodes: 3}"})
+    return LaunchSpec(cluster=cluster, job=job, parallel=parallel, path=path, failure=failure)
+
+
+def _check_elastic(elastic: ElasticSpec, nodes: int) -> None:
+    """``failure.elastic``'s bounds around ``cluster.nodes``: min_nodes <= nodes <= max_nodes."""
+    if elastic.min_nodes > nodes:
+        raise ConfigError(f"failure.elastic.min_nodes is {elastic.min_nodes}, more than cluster.nodes = {nodes}; "
+                          f"the job must be able to start, so use at most {nodes}.")
+    if elastic.max_nodes is not None and elastic.max_nodes < nodes:
+        raise ConfigError(f"failure.elastic.max_nodes is {elastic.max_nodes}, fewer than cluster.nodes = {nodes}; "
+                          f"use at least {nodes}, or leave it unset (cluster.nodes).")
 
 
 def _job(d: dict, base_dir: Path, local: bool, name: str = "job") -> JobSpec:
