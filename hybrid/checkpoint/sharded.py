@@ -26,8 +26,11 @@ read (``agreement.choose``): ``resume_if_available`` falls back to the newest go
 damaged one.
 
 A save that cannot be written (disk full, quota, I/O error) fails on every rank together with
-``CheckpointWriteError``: one sentence naming the cause and the directory; the partial ``.tmp-step-N``
-directory is removed (every rank's write had returned) and the previous checkpoints stay as they were.
+``CheckpointWriteError``: one sentence naming the cause (the disk's, where the error hides it:
+``write_errors``) and the directory; the partial ``.tmp-step-N`` directory is removed (every rank's write had
+returned) and the previous checkpoints stay as they were. ``save`` is ``prepare`` (collective: the manifest,
+the directory, the tensors) then ``write`` (collective over any group: the files, their checksums, the
+publish), so ``background`` can run the write in a thread over a host copy while training goes on.
 
 All ranks must call ``save`` / ``load`` / ``maybe_save`` / ``resume_if_available`` / ``exclusive``
 together, and ``run_dir`` must be one directory that every rank sees (a shared filesystem across nodes).
@@ -38,9 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -50,7 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from hybrid.checkpoint import agreement, integrity, layout, manifest, rng
+from hybrid.checkpoint import agreement, integrity, layout, manifest, rng, write_errors
 from hybrid.checkpoint.flat_planner import FlatLoadPlanner, FlatSavePlanner, placeholder
 from hybrid.comm.collectives import Comm
 from hybrid.errors import CheckpointError, CheckpointWriteError, UsageError, first_line
@@ -162,6 +163,30 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     ``extra`` (JSON-serializable, rank 0's value is kept) comes back from ``load`` as ``Resumed.extra``;
     ``keep_last`` prunes older complete checkpoints (None keeps all).
     """
+    return write(prepare(run_dir, engine, step, extra=extra, model_config=model_config), keep_last)
+
+
+@dataclass
+class Prepared:
+    """A save up to its write: the manifest, the directories, and what each rank writes (``state``: DCP key ->
+    tensor, or the rank's RNG state; ``pieces``/``swapped`` as the flat planner takes them)."""
+
+    run_dir: Path
+    step: int
+    rank: int
+    doc: dict
+    tmp: Path
+    final: Path
+    state: dict
+    pieces: dict
+    swapped: dict
+
+
+def prepare(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = None,
+            model_config: Optional[Mapping[str, Any]] = None) -> Prepared:
+    """The first half of ``save`` (collective): refuse a save with unsaved gradients, build the manifest,
+    have rank 0 create the step's temporary directory afresh (every rank raises ``CheckpointWriteError`` when
+    it cannot), and gather the live tensors each rank writes."""
     pending = engine.unsaved_gradients()
     if pending is not None:
         raise UsageError(f"cannot save a checkpoint now: {pending}, and a checkpoint holds no gradients, so a "
@@ -178,7 +203,6 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     if engine.base_lr != engine.config.optimizer.lr:  # set by hand (engine.lr = x): the resume restores it
         doc["lr_set_by_hand"] = engine.base_lr
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
-    everyone = _everyone()
 
     failure = None
     if world.rank == 0:  # a crash may have left this step half-written; start it afresh
@@ -186,29 +210,43 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
             layout.remove(tmp)
             tmp.mkdir(parents=True)
         except OSError as err:
-            failure = str(_write_failed(step, tmp, _os_cause(err) + " on rank 0", _fix(err),
-                                        run_dir=run_dir, wrote=False))
-    _fail_together(failure, everyone, engine.device)  # also the barrier before anyone writes
+            cause, fix = write_errors.write_cause(err, tmp.parent)
+            failure = str(write_errors.write_failed(step, tmp, cause + " on rank 0", fix,
+                                                    previous=layout.latest(run_dir), wrote=False))
+    _fail_together(failure, _everyone(), engine.device)  # also the barrier before anyone writes
     state, pieces, swapped = _pieces(views, world.tp_rank)
     if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
         state.update(plain.dcp_state(world.tp_rank))
     state[manifest.rng_key(world.rank)] = rng.capture()
-    planner = FlatSavePlanner(pieces, swapped)
+    return Prepared(Path(run_dir), step, world.rank, doc, tmp, final, state, pieces, swapped)
+
+
+def write(prepared: Prepared, keep_last: Optional[int] = None, group=None, device="cpu") -> Path:
+    """The second half of ``save`` (collective over ``group``, default the world): every rank writes its
+    files, the ranks agree on their checksums, rank 0 publishes (manifest, seal, rename, prune); returns the
+    checkpoint's path. A failure is one ``CheckpointWriteError`` on every rank, the partial directory removed.
+    ``hybrid.checkpoint.background`` runs it in a thread, on a group of its own, over a host copy of the state."""
+    p, everyone = prepared, Comm(group, name="checkpoint")
+    planner = FlatSavePlanner(p.pieces, p.swapped)
     try:
-        metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
+        metadata = dcp.save(p.state, storage_writer=FileSystemWriter(p.tmp), planner=planner, process_group=group)
     except dcp.api.CheckpointException as exc:  # raised on every rank, after every rank's write returned
-        if world.rank == 0:
-            layout.remove(tmp)
-        raise _write_failed(step, tmp, *_cause(exc), run_dir=run_dir) from None
+        failure = None
+        if p.rank == 0:  # rank 0 names the cause (before the removal frees the space) for every rank
+            cause, fix = _cause(exc, p.tmp)
+            layout.remove(p.tmp)
+            failure = str(write_errors.write_failed(p.step, p.tmp, cause, fix, previous=layout.latest(p.run_dir)))
+        _fail_together(failure, everyone, device)
+        raise AssertionError("unreachable: _fail_together raises on every rank")  # pragma: no cover
     # dcp.save returned: every rank's data and .metadata are written
-    files = agreement.record_checksums(tmp, metadata, planner.final_plan.items, everyone, engine.device)
+    files = agreement.record_checksums(p.tmp, metadata, planner.final_plan.items, everyone, device)
     failure = None
-    if world.rank == 0:
-        doc["files"] = files
-        failure = _publish(run_dir, tmp, final, doc, keep_last)
-    _fail_together(failure, everyone, engine.device)
-    log.info("rank %d: saved %s", world.rank, final)
-    return final
+    if p.rank == 0:
+        p.doc["files"] = files
+        failure = _publish(p.run_dir, p.tmp, p.final, p.doc, keep_last)
+    _fail_together(failure, everyone, device)
+    log.info("rank %d: saved %s", p.rank, p.final)
+    return p.final
 
 
 def _publish(run_dir, tmp: Path, final: Path, doc: dict, keep_last: Optional[int]) -> Optional[str]:
@@ -218,10 +256,10 @@ def _publish(run_dir, tmp: Path, final: Path, doc: dict, keep_last: Optional[int
         manifest.write(tmp, doc)
         layout.publish(tmp, final, integrity.seal_text(tmp, final.name))
     except Exception as exc:  # noqa: BLE001 -- whatever it is, the other ranks wait to hear of it
+        cause, fix = write_errors.write_cause(exc, tmp)
         layout.remove(tmp)
-        cause = _os_cause(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        return str(_write_failed(layout.step_of(final), tmp, cause + " on rank 0",
-                                 _fix(exc if isinstance(exc, OSError) else None), run_dir=run_dir))
+        return str(write_errors.write_failed(layout.step_of(final), tmp, cause + " on rank 0", fix,
+                                             previous=layout.latest(run_dir)))
     try:
         for gone in layout.prune(run_dir, keep_last, keep=final, good=integrity.looks_intact):
             log.info("pruned checkpoint %s", gone)
@@ -236,39 +274,15 @@ def _fail_together(failure: Optional[str], comm: Comm, device) -> None:
         raise CheckpointWriteError(agreement.broadcast_text(failure or "", comm, device))
 
 
-def _cause(exc: "dcp.api.CheckpointException") -> tuple[str, str]:
+def _cause(exc: "dcp.api.CheckpointException", directory: Path) -> tuple[str, str]:
     """The first rank's failure in a DCP exception, in words ("No space left on device on rank 1"), and
-    the fix it calls for (``_fix``)."""
+    the fix it calls for (``write_errors``: an OSError's first, else the disk's state)."""
     failures = sorted(exc.failures.items())
-    for rank, (err, _) in failures:
-        if isinstance(err, OSError):
-            return f"{_os_cause(err)} on rank {rank}", _fix(err)
-    if failures:
-        rank, (err, _) = failures[0]
-        return f"{type(err).__name__}: {first_line(err)} on rank {rank}", _fix(None)
-    return "no detail", _fix(None)
-
-
-def _os_cause(err: OSError) -> str:
-    return os.strerror(err.errno) if err.errno else (err.strerror or str(err))
-
-
-def _fix(err: Optional[OSError]) -> str:
-    """What a failed write of the checkpoint directory calls for, by its error."""
-    if err is not None and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "make it writable for every rank"
-    if err is not None and err.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
-        return "move aside the file that stands where a directory of the path goes (or the directory where a file does)"
-    return "free space there (or lower job.checkpoint.keep_last)"
-
-
-def _write_failed(step: int, tmp: Path, cause: str, fix: str, *, run_dir, wrote: bool = True
-                  ) -> CheckpointWriteError:
-    previous = layout.latest(run_dir)
-    what = f"the partial {tmp.name} was removed" if wrote else "nothing was written"
-    return CheckpointWriteError(
-        f"saving the step-{step} checkpoint into {tmp.parent} failed ({cause}; {what}); {fix} and run the job "
-        f"again to resume from {previous.name if previous else 'step 0'}.")
+    if not failures:
+        return write_errors.classify(None, "no detail", write_errors.disk_facts(directory))
+    rank, (err, _) = next(((r, f) for r, f in failures if write_errors.error_errno(f[0]) is not None), failures[0])
+    cause, fix = write_errors.write_cause(err, directory)
+    return f"{cause} on rank {rank}", fix
 
 
 @contextlib.contextmanager
