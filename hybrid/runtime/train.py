@@ -21,7 +21,9 @@ a second job on the same directory is refused, ``hybrid.checkpoint.lock``), firs
 newest good checkpoint there (rank 0 chooses, the ranks verify its checksums; reported as ``resumed_from``,
 with the damaged or interrupted ones skipped; checkpoints that are all damaged stop the job, exit 2, rather
 than be overwritten by a fresh start) and continues from its step; after every step it
-saves every ``checkpoint_every`` steps and at the last step (rank 0 reports ``checkpoint_saved``). The
+saves every ``checkpoint_every`` steps (or ``checkpoint_every_seconds``) and at the last step, with
+``checkpoint_async`` in the background while training goes on (rank 0 reports ``checkpoint_saved``, with
+the save's bytes and stall, once it is published; the run waits for the last write before it returns). The
 data position saved is the step itself: ``batches(step)`` must yield the same batch for the same step on
 every run, so a resumed run continues exactly as an uninterrupted one would. A step is one optimizer step:
 with ``gradient_accumulation_steps`` k the step's rows are cut into k micro-batches (``train_step``).
@@ -75,6 +77,8 @@ class JobSettings:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     checkpoint_keep_last: int = 2
+    checkpoint_every_seconds: Optional[float] = None  # also save once this many seconds passed since the last save
+    checkpoint_async: bool = False  # write checkpoints in the background from a host copy (hybrid.checkpoint.background)
     offload: Any = False  # optimizer states off the GPU (the plan's choice): False, True (host memory) or "nvme"
     nvme_path: Optional[str] = None  # offload "nvme": the node-local directory of the swap files (cluster.nvme_path)
     activation_checkpointing: bool = False  # recompute activations in backward (the plan's choice)
@@ -115,6 +119,7 @@ class Context:
         self._reported_step = 0  # the step of the last report with a loss
         self.data_state: dict = {}     # what the entrypoint's data stream needs to continue: saved with each checkpoint
         self.resumed_extra: dict = {}  # what the checkpoint resumed from saved beside the model (``data_state``)
+        self.checkpoints = None  # the run's saves (hybrid.runtime.checkpointing.RunCheckpoints), made at the first
         self._reporter = reporter
         self._stop_requested = stop_requested
         # Made before the entrypoint builds the engine: the baseline of every measurement.
@@ -371,17 +376,24 @@ def resume(ctx: Context, engine) -> int:
 
 
 def save_checkpoint(ctx: Context, engine, step: int) -> Optional[str]:
-    """After optimizer step ``step``: save on the job's cadence and at the last step (every rank, together);
-    rank 0 reports ``checkpoint_saved``. Returns the checkpoint's path when one was written."""
-    s = ctx.settings
-    path = checkpoint.maybe_save(s.checkpoint_dir, engine, step, s.checkpoint_every, s.checkpoint_keep_last,
-                                 extra={"data_position": step, **ctx.data_state}, model_config=ctx.model_config,
-                                 force=(step == ctx.steps))
-    if path is None:
+    """After optimizer step ``step``: save when due (every ``checkpoint_every`` steps or
+    ``checkpoint_every_seconds``, and at the last step; in the background with ``checkpoint_async``) on every
+    rank together; rank 0 reports ``checkpoint_saved`` once a save is published, with its bytes and stall
+    (``hybrid.runtime.checkpointing``). Returns the checkpoint's path when one was written or started."""
+    if not ctx.settings.checkpoint_dir:
         return None
-    if ctx.rank == 0:
-        ctx.report({"checkpoint_saved": step, "checkpoint": str(path)})
-    return str(path)
+    if ctx.checkpoints is None:
+        from hybrid.runtime.checkpointing import RunCheckpoints  # DCP: only for a run that saves
+
+        ctx.checkpoints = RunCheckpoints(ctx, engine)
+    return ctx.checkpoints.after_step(step)
+
+
+def finish_checkpoints(ctx: Context) -> None:
+    """At the end of a run that did not fail (every rank together): wait for a background save's write and
+    report it; raises its failure (``CheckpointWriteError``)."""
+    if ctx.checkpoints is not None:
+        ctx.checkpoints.finish()
 
 
 def run_steps(ctx: Context, engine, batches: Callable[[int], tuple], start_step: int = 0,
@@ -459,6 +471,7 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
         save_checkpoint(ctx, engine, ctx.step)
         for hook in after_step:
             hook(ctx, engine, ctx.step)
+    finish_checkpoints(ctx)
     return {"rank": ctx.rank, "start_step": start_step, "steps": ctx.step, "first_loss": first_loss,
             "last_loss": last_loss, "eval_loss": last_eval, "seconds": time.perf_counter() - started}
 

@@ -1,0 +1,156 @@
+"""Asynchronous checkpoints (``hybrid.checkpoint.background``) on real gloo ranks.
+
+Two ranks at ZeRO stage 1 and 3: a background save of step 2 while the next step trains writes the very
+files a synchronous save of step 2 writes (every data file bit for bit, the same DCP metadata and manifest
+but for the directory and the time); ``run_steps`` with ``checkpoint_async`` and a time cadence saves after
+every step, publishes each once written and keeps the newest two, reporting bytes and stall per save.
+
+A one-rank process whose background write of step 2 is slowed (torch's per-item file writer, wrapped) trains
+on while it writes and is SIGKILLed mid-write: step 1 stays the latest, and a resume loads it exactly.
+
+A 3 MB tmpfs (root only: the issue's own recipe) fills up during a save, synchronous and in the background:
+one sentence naming the disk ("No space left on device: ... free of ..."), the partial directory removed,
+the previous checkpoint intact.
+"""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid import checkpoint
+from hybrid.checkpoint.background import BackgroundSaver
+from hybrid.models import GPTConfig
+from hybrid.runtime.local_launch import run_local
+from tests.dist.test_checkpoint import CONFIG, _batch, _engine, _train
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sync_and_async_saves(cfg_dict: dict, root: str) -> dict:
+    from hybrid.runtime.train import Context, JobSettings, run_steps
+
+    cfg, root, out = GPTConfig.from_dict(cfg_dict), Path(root), {}
+    for stage in (1, 3):
+        mesh, engine = _engine(cfg, 1, 2, stage)
+        _train(mesh, engine, cfg, 0, 2)
+        checkpoint.save(root / f"sync{stage}", engine, 2)
+        saver = BackgroundSaver()
+        saver.save(root / f"async{stage}", engine, 2)
+        _train(mesh, engine, cfg, 2, 1)  # changes every master and moment while the write may go on
+        saver.close()
+        out[stage] = [(r.step, r.background) for r in saver.finished()]
+
+    reports = []
+    mesh, engine = _engine(cfg, 1, 2, 1)
+    settings = JobSettings(steps=3, micro_batch=4, stage=1, checkpoint_dir=str(root / "loop"), checkpoint_every=100,
+                           checkpoint_every_seconds=0.0, checkpoint_async=True, checkpoint_keep_last=2)
+    ctx = Context(mesh, {}, settings, rank=dist.get_rank(), world_size=2, reporter=reports.append)
+    rows = slice(4 * mesh.dp_rank, 4 * mesh.dp_rank + 4)
+    run_steps(ctx, engine, lambda step: (_batch(step, cfg)[rows, :-1], _batch(step, cfg)[rows, 1:]))
+    out["saved"] = [{k: v for k, v in r.items() if k.startswith("checkpoint")} for r in reports
+                    if "checkpoint_saved" in r]
+    return out
+
+
+def _same_files(sync: Path, background: Path) -> None:
+    names = sorted(p.name for p in sync.iterdir())
+    assert names == sorted(p.name for p in background.iterdir())
+    for name in names:
+        if name.endswith(".distcp"):
+            assert (sync / name).read_bytes() == (background / name).read_bytes(), name
+    a, b = (pickle.loads((d / ".metadata").read_bytes()) for d in (sync, background))
+    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
+    docs = [checkpoint.describe(d.parents[1])["checkpoints"][0] for d in (sync, background)]
+    assert docs[0]["step"] == docs[1]["step"] == 2 and docs[0]["status"] == docs[1]["status"] == "complete", docs
+    manifests = [__import__("json").loads((d / "hybrid.json").read_text()) for d in (sync, background)]
+    for doc in manifests:
+        doc.pop("saved_at")
+        doc["files"].pop(".metadata")  # it names its own directory
+    assert manifests[0] == manifests[1]
+
+
+def test_background_save_writes_the_files_of_a_synchronous_one(tmp_path):
+    cfg = GPTConfig.from_yaml(CONFIG)
+    ranks = run_local(_sync_and_async_saves, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)
+    for stage in (1, 3):
+        assert ranks[0][stage] == [(2, True)] and ranks[1][stage] == [(2, True)]
+        _same_files(tmp_path / f"sync{stage}" / "checkpoints" / "step-000002",
+                    tmp_path / f"async{stage}" / "checkpoints" / "step-000002")
+    saved = ranks[0]["saved"]
+    assert [s["checkpoint_saved"] for s in saved] == [1, 2, 3] and ranks[1]["saved"] == []
+    assert all(s["checkpoint_async"] and s["checkpoint_bytes"] > 100_000 and s["checkpoint_stall_s"] >= 0
+               and s["checkpoint_write_s"] > 0 for s in saved), saved
+    kept = sorted(p.name for p in (tmp_path / "loop" / "checkpoints").iterdir())
+    assert kept == [".lock", "latest", "step-000002", "step-000003"]
+
+
+# -- a rank killed during a background write -----------------------------------------------------------------
+
+def _slow_background_writer(run_dir: str) -> None:
+    """One rank: publish step 1 in the background, then start step 2's background write with each file item
+    slowed, train on while it writes, and wait to be killed."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}.store", rank=0, world_size=1)
+    cfg = GPTConfig.from_yaml(CONFIG)
+    mesh, engine = _engine(cfg, 1, 1, 1)
+    _train(mesh, engine, cfg, 0, 1)
+    saver = BackgroundSaver()
+    saver.save(run_dir, engine, 1)
+    saver.wait()
+    torch.save(engine.full_state_dict(), f"{run_dir}.step1.pt")
+    write_item = dcp_fs._write_item
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return write_item(*args, **kwargs)
+
+    dcp_fs._write_item = slow
+    _train(mesh, engine, cfg, 1, 1)
+    stall = saver.save(run_dir, engine, 2)
+    _train(mesh, engine, cfg, 2, 1)
+    print(f"trained while writing: {saver.pending()} (stall {stall:.3f} s)", flush=True)
+    time.sleep(600)
+
+
+def _resume(run_dir: str) -> dict:
+    cfg = GPTConfig.from_yaml(CONFIG)
+    mesh, engine = _engine(cfg, 1, 1, 1, seed=7)
+    resumed = checkpoint.resume_if_available(run_dir, engine)
+    expected = torch.load(f"{run_dir}.step1.pt")
+    full = engine.full_state_dict()
+    return {"step": resumed.step, "exact": all(torch.equal(full[k], v) for k, v in expected.items())}
+
+
+def test_a_rank_killed_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    code = ("import sys; from tests.dist.test_async_checkpoint import _slow_background_writer; "
+            "_slow_background_writer(sys.argv[1])")
+    log = tmp_path / "writer.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("trained while writing: True"), f"{line!r}: {log.read_text()}"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / ".tmp-step-000002").is_dir() and not (ckpts / "step-000002").exists()
+    assert checkpoint.latest(run_dir) == ckpts / "step-000001"
+    assert run_local(_resume, 1, str(run_dir), timeout_s=120)[0] == {"step": 1, "exact": True}
