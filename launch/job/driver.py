@@ -69,6 +69,7 @@ from hybrid.config.units import count
 from launch.planning import memory_loop, replan
 from launch.ray import cluster as ray_cluster
 from launch.job import signals
+from launch.job.elastic import Elastic, NotEnoughNodes
 from launch.job.display import Progress
 from launch.job.log_forwarding import LogActivity
 from launch.job.metrics import (MetricsWriter, link_line, ray_log_dir, summary_lines, time_record,
@@ -116,6 +117,8 @@ class AttemptOutcome:
     user_error: Optional[UserError] = None
     placement: list[RankPlacement] = field(default_factory=list)
     oom: bool = False  # the blamed rank ran out of memory (torch.OutOfMemoryError, or over its budget)
+    died: bool = False  # the blamed rank's process died (its node may be gone: launch.job.elastic)
+    placement_failed: bool = False  # Ray could not reserve the nodes (too few left: launch.job.elastic)
 
 
 @dataclass
@@ -130,6 +133,7 @@ class JobResult:
     failures: list[str] = field(default_factory=list)  # one sentence per failed attempt
     resumed_from: Optional[int] = None  # the checkpoint step the final attempt started from
     replans: list[str] = field(default_factory=list)  # the re-plan line of each out-of-memory restart
+    resizes: list[dict] = field(default_factory=list)  # launch.job.elastic's record of each resize
 
 
 def launch(spec: LaunchSpec, stream: Optional[TextIO] = None, measure_links: bool = False) -> JobResult:
@@ -223,11 +227,12 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
     start = replan.start_note(plan)
     if start is not None:
         progress.note(start)
+    elastic = Elastic(spec, progress, metrics)
     attempt = 0
     try:
         while True:
             attempt += 1
-            outcome = run_attempt(plan, progress, loop.choice)
+            outcome = run_attempt(plan, progress, loop.choice, watch=elastic.watch(plan))
             loop.record_attempt(outcome.ok)
             if not outcome.ok and outcome.oom:
                 failures.append(outcome.failure.sentence())
@@ -241,6 +246,15 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 predict_time(plan, loop.choice, progress)
                 attempt -= 1  # a re-plan is not a failed attempt
                 continue
+            if outcome.ok and elastic.fired and reached_step(progress) < spec.job.steps:  # stopped to grow
+                step = latest_checkpoint_step(spec.job.checkpoint.dir, progress.checkpoint_step) or 0
+                reached = reached_step(progress)
+                progress.restart(step)
+                bigger = elastic.grown(plan, step, reached)
+                if bigger is not None:
+                    plan, loop = switch_plan(bigger, progress)
+                    attempt -= 1  # a resize is not a failed attempt
+                    continue
             if outcome.ok:
                 progress.close()
                 wall = time.perf_counter() - started
@@ -253,11 +267,25 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                     if traffic is not None:
                         print(traffic, file=stream, flush=True)
                 return JobResult(plan, outcome.results, outcome.placement, progress.history, progress.last,
-                                 attempt, wall, failures, progress.resumed_from, loop.lines)
+                                 attempt, wall, failures, progress.resumed_from, loop.lines, elastic.records)
             if outcome.user_error is not None:
                 raise outcome.user_error
             failure = outcome.failure.sentence()
             failures.append(failure)
+            if elastic.enabled and (outcome.retryable or outcome.placement_failed):
+                step = latest_checkpoint_step(spec.job.checkpoint.dir, progress.checkpoint_step)
+                reached = reached_step(progress)
+                progress.restart(step or 0)
+                try:
+                    smaller = elastic.after_failure(plan, outcome.died or outcome.placement_failed,
+                                                    [p.node_id for p in outcome.placement], step or 0, reached,
+                                                    checkpoint_name(spec.job.checkpoint.dir, step))
+                except NotEnoughNodes as err:
+                    raise JobFailed(f"{failure}; {err}") from None
+                if smaller is not None:
+                    plan, loop = switch_plan(smaller, progress)
+                    attempt -= 1  # a resize is not a failed attempt
+                    continue
             if not outcome.retryable:
                 raise JobFailed(failure)
             if attempt == attempts:
@@ -270,6 +298,27 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
         metrics.close()
         loop.save()
         save_time(plan, loop.choice, progress)
+
+
+def reached_step(progress: Progress) -> int:
+    """The furthest step any rank reported in the running attempt (complete or not)."""
+    return max([e["step"] for e in progress.history] + list(progress.pending) + [0])
+
+
+def checkpoint_name(run_dir, step: Optional[int]) -> Optional[str]:
+    """How a sentence names the checkpoint of ``step`` (None without one)."""
+    if step is None:
+        return None
+    return f"step {step} in {run_dir}"
+
+
+def switch_plan(plan: LaunchPlan, progress: Progress) -> tuple[LaunchPlan, memory_loop.MemoryLoop]:
+    """Run ``plan`` from the next attempt on (a resize): the display counts its ranks, the memory loop and the
+    time prediction start afresh on it."""
+    progress.world_size = plan.spec.cluster.world_size
+    loop = memory_loop.MemoryLoop(plan, progress)
+    predict_time(plan, loop.choice, progress)
+    return plan, loop
 
 
 def predict_time(plan: LaunchPlan, choice: replan.Choice, progress: Progress) -> None:
@@ -323,9 +372,11 @@ def latest_checkpoint_step(run_dir, reported: Optional[int]) -> Optional[int]:
     return max(seen) if seen else None
 
 
-def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Choice] = None) -> AttemptOutcome:
+def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Choice] = None,
+                watch=None) -> AttemptOutcome:
     """Start every rank, run the entrypoint (as ``choice``: a re-plan's; default the plan's own), poll
-    reports until all ranks return or one fails."""
+    reports until all ranks return or one fails; ``watch()``, polled meanwhile, turning True asks the ranks to
+    stop (``launch.job.elastic``: nodes joined, a checkpoint was saved)."""
     spec = plan.spec
     # On the embedded cluster the ranks meet through a file, not a TCPStore: torch's store client connects
     # over a v4-mapped IPv6 socket and then asks the DNS server for the name of ::ffff:127.0.0.1.
@@ -347,7 +398,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
             group.setup(plan.layout.tp, spec.job.collective_timeout_s, sample_nvml=bool(plan.use_gpus))
             progress.note(describe_placement(placement))
         except PlacementFailed as err:
-            return AttemptOutcome(False, failure=Failure(None, None, str(err)), retryable=False)
+            return AttemptOutcome(False, failure=Failure(None, None, str(err)), retryable=False, placement_failed=True)
         except SetupFailed as err:
             p = err.placement
             cause = f"setting up the rank failed: {cause_of(err.error, p.pid if p else None)}"
@@ -358,7 +409,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
                                   placement=group.placement)
         refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan, choice),
                          working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
-        outcome = _collect(group, refs, progress, spec.job.collective_timeout_s)
+        outcome = _collect(group, refs, progress, spec.job.collective_timeout_s, watch)
         logs.settle()  # the ranks' last lines reach the terminal before the summary and the teardown
         outcome.placement = placement
         graceful = outcome.ok
@@ -384,8 +435,9 @@ def describe_placement(placement: list[RankPlacement]) -> str:
     return "placed  " + "; ".join(parts)
 
 
-def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: float) -> AttemptOutcome:
-    """Poll the ranks' results and reports until every rank returned or one failed.
+def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: float, watch=None) -> AttemptOutcome:
+    """Poll the ranks' results and reports until every rank returned or one failed; once ``watch()`` turns True
+    the ranks are asked to stop (each returns before its next step).
 
     When one fails, the others are asked to stop; failures arriving within ``GRACE_S`` are weighed too,
     because a rank whose process died is often reported after the peers it left stuck in a collective.
@@ -394,11 +446,15 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     results: dict[int, Any] = {}
     failures: list[tuple[int, Exception]] = []  # (rank, error) in the order they arrived
     beats: dict[int, dict] = {}  # rank -> its last heartbeat (kept for ranks that died since)
+    stopping = False
     try:
         while pending and not failures:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
             _drain(group, progress, beats)
             failures = _take(ready, pending, results)
+            if watch is not None and not stopping and watch():
+                stopping = True
+                group.request_stop()
     except KeyboardInterrupt:  # the steps the ranks reported since the last poll (a checkpoint's) are kept
         _last_drain(group, progress)
         raise
@@ -427,7 +483,7 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     log.error("rank %d failed:\n%s", rank, err)
     if kind is FailureKind.JOB_ERROR:  # e.g. diverged: a restart from the checkpoint would diverge again
         return AttemptOutcome(False, failure=Failure(rank, node, str(error)), retryable=False)
-    return AttemptOutcome(False, failure=failure, oom=kind is FailureKind.OUT_OF_MEMORY)
+    return AttemptOutcome(False, failure=failure, oom=kind is FailureKind.OUT_OF_MEMORY, died=kind is FailureKind.DIED)
 
 
 def _take(ready: list, pending: dict, results: dict) -> list[tuple[int, Exception]]:

@@ -199,6 +199,15 @@ class MetricsWriter:
         if self._tb is not None:
             self._scalars(entry)
 
+    def event(self, record: dict) -> None:
+        """A line that is no step's (a resize: ``launch.job.elastic``) after the steps up to ``record["step"]``;
+        the steps after it are dropped (the next attempt writes them again)."""
+        step = int(record["step"])
+        self._rewind(step + 1)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+        self._last_step = step
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

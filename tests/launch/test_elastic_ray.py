@@ -1,0 +1,157 @@
+"""Elastic data parallelism end to end (issue 45): ``hybrid launch`` with ``address: auto`` on a local multi-node
+Ray cluster (``ray.cluster_utils.Cluster``, one CPU rank per node, loopback only), which the test shrinks and
+grows under the running job.
+
+The cluster runs in a process of its own (``tests.launch.elastic_cluster``), driven over stdin, and every launch
+is the CLI in a subprocess (``RAY_ADDRESS`` names the cluster), so this test process holds no Ray state. The
+ranks train the tiny GPT (fp32, ZeRO auto, 12 sequences per step) with a pause after every step
+(``tests.launch.elastic_entrypoints``) so that a node can be removed or added between two checkpoints.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint import layout
+from launch.job.metrics import read_metrics
+from launch.ray.cluster import LOOPBACK_ONLY_ENV
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.exit(main())"]
+ENTRYPOINT = "tests.launch.elastic_entrypoints:train_slowly"
+STEPS, EVERY, GLOBAL_BATCH = 10, 3, 12
+RUN_S = 240  # one launch, start to finish, on 2 shared cores
+
+
+def environment(**extra) -> dict:
+    return {**os.environ, **LOOPBACK_ONLY_ENV, "PYTHONPATH": str(ROOT), **extra}
+
+
+class RayNodes:
+    """The cluster process of ``tests.launch.elastic_cluster``: its address, ``remove()`` and ``add()``."""
+
+    def __init__(self, nodes: int):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.launch.elastic_cluster", str(nodes)], cwd=ROOT,
+                                     env=environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("address "), line
+        self.address = line.split()[1]
+
+    def _command(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def remove(self) -> str:
+        return self._command("remove")
+
+    def add(self) -> str:
+        return self._command("add")
+
+    def close(self) -> None:
+        try:
+            self._command("quit")
+            self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    nodes = RayNodes(3)
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
+def cluster_file(tmp_path: Path, run: str, nodes: int, failure: str = "", steps: int = STEPS) -> Path:
+    path = tmp_path / f"{run}.yaml"
+    path.write_text(f"""\
+cluster: {{address: auto, nodes: {nodes}, gpus_per_node: 1, gpu_memory_gb: 80}}
+job: {{entrypoint: "{ENTRYPOINT}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}, micro_batch: 2,
+      global_batch: {GLOBAL_BATCH}, checkpoint: {{dir: {tmp_path / run}, every: {EVERY}, keep_last: 20}},
+      max_failures: 2, placement_timeout_s: 30, working_dir: {ROOT}}}
+parallel: {{tp: 1, precision: fp32}}
+{failure}
+""")
+    return path
+
+
+def launch(path: Path, address: str) -> subprocess.Popen:
+    return subprocess.Popen(HYBRID + ["launch", str(path)], cwd=ROOT, env=environment(RAY_ADDRESS=address),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = RUN_S) -> None:
+    """Until metrics.jsonl holds ``step`` (the launcher still running)."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        if path.exists() and any(e.get("step", 0) >= step and "loss" in e for e in read_metrics(path)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached within {timeout_s} s")
+
+
+def finish(proc: subprocess.Popen) -> str:
+    try:
+        out, _ = proc.communicate(timeout=RUN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    return out
+
+
+def losses(run_dir: Path) -> dict:
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in read_metrics(run_dir / "metrics.jsonl") if "loss" in e}
+
+
+def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_nodes, tmp_path):
+    """Three launches' worth of rank actors (3, then 2, then the by-hand reference's 2), each importing torch."""
+    run = tmp_path / "run"
+    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 2, grace_s: 2}}"),
+                  ray_nodes.address)
+    wait_for_step(run, EVERY + 1, proc)
+    ray_nodes.remove()
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    entries = read_metrics(run / "metrics.jsonl")
+    resizes = [e for e in entries if e.get("event") == "resize"]
+    assert len(resizes) == 1, out
+    resize = resizes[0]
+    assert (resize["nodes_before"], resize["nodes_after"]) == (3, 2)
+    assert resize["plan_before"]["dp"] == 3 and resize["plan"]["dp"] == 2
+    assert resize["plan_before"]["global_batch"] == resize["plan"]["global_batch"] == GLOBAL_BATCH
+    assert resize["plan"]["micro_batch"] * resize["plan"]["accumulation"] == GLOBAL_BATCH // 2
+    resumed = resize["resumed_from"]
+    saved = sorted(e.step for e in layout.scan(run) if e.complete)
+    assert resumed in saved and resumed % EVERY == 0
+    # only the steps after the last checkpoint were computed twice
+    assert all(s > resumed for s in resize["steps_computed_twice"]) and len(resize["steps_computed_twice"]) < EVERY
+    assert f"resize 3 -> 2 nodes (1 node lost" in out and "global batch 12 kept" in out
+    assert (run / "resizes.jsonl").read_text().count("\n") == 1
+    after = losses(run)
+    assert sorted(after) == list(range(1, STEPS + 1))
+
+    # the reference: that checkpoint resumed by hand at 2 nodes with the same global batch
+    ref = tmp_path / "ref"
+    checkpoint = next(e.path for e in layout.scan(run) if e.step == resumed)
+    shutil.copytree(checkpoint, layout.checkpoints_dir(ref) / checkpoint.name)
+    reference = launch(cluster_file(tmp_path, "ref", 2), ray_nodes.address)
+    ref_out = finish(reference)
+    assert reference.returncode == 0, ref_out
+    expected = {s: v for s, v in losses(ref).items() if s > resumed}
+    assert sorted(expected) == list(range(resumed + 1, STEPS + 1))
+    assert {s: v for s, v in after.items() if s > resumed} == expected
