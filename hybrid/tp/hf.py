@@ -15,11 +15,15 @@ around its scale), else left whole with a head tied to it; a mixture-of-experts 
 ``num_local_experts`` / ``num_experts`` / ``n_routed_experts`` above 1) is not split: its plan is refused in one
 sentence, and the launcher plans it at TP 1, its experts sharded by ZeRO, until expert parallelism exists.
 
+At TP > 1 ``parallelize`` leaves a causal LM's logits split by vocabulary, its loss vocabulary-parallel, where
+its forward allows it (``hybrid.tp.hf_logits``); ``splits_logits(model, tp)`` says whether it will.
+
 What the config says about splitting (heads, MLP, vocabulary; ``largest_tp``) is ``hybrid.tp.hf_config``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from torch import nn
@@ -28,7 +32,12 @@ from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
 from hybrid.config.tp_plan import normalize_plan, pattern_matches
 from hybrid.tp.hf_config import text_config
+from hybrid.tp.hf_logits import logits_refusal, output_head, split_logits, uses_split_logits
 from hybrid.tp.plan import OwnPlan, apply_plan, forward_goes_through
+from hybrid.tp.sharding import tp_rank_size
+from hybrid.tp.styles import ColwiseGatheredLinear, SplitModule
+
+log = logging.getLogger(__name__)
 
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -135,11 +144,54 @@ def own_plan_name(model: nn.Module) -> str:
 def parallelize(model: nn.Module, tp_comm: Optional[Comm], plan: Optional[dict] = None,
                 where: str = "the TP plan") -> nn.Module:
     """Split ``model`` over ``tp_comm`` by ``plan`` (named ``where`` in errors), else by its own Hugging Face
-    plan (``hf_plan``); returns it."""
-    if plan is not None:
-        return apply_plan(model, plan, tp_comm, where)
-    own = hf_plan(model)
-    if own is None:
-        raise ConfigError(f"{type(model).__name__} has no TP plan of its own (no config.base_model_tp_plan); give "
-                          "one: parallel.tp_plan in the cluster file, or hybrid.tp.apply_plan(model, plan, tp_comm).")
-    return apply_plan(model, own, tp_comm, own_plan_name(model))
+    plan (``hf_plan``); returns it. At TP > 1 a causal LM's head split with gathered output keeps its logits
+    split by vocabulary, its loss vocabulary-parallel (``hybrid.tp.hf_logits``), where its forward allows it;
+    else the logits are gathered, and the plan's notes (and the log) say why."""
+    if plan is None:
+        plan = hf_plan(model)
+        where = own_plan_name(model)
+        if plan is None:
+            raise ConfigError(f"{type(model).__name__} has no TP plan of its own (no config.base_model_tp_plan); "
+                              "give one: parallel.tp_plan in the cluster file, or hybrid.tp.apply_plan(model, plan, "
+                              "tp_comm).")
+    tp = tp_rank_size(tp_comm)[1]
+    gathered_head = tp > 1 and _plans_gathered_head(model, plan, where)
+    refusal = logits_refusal(model) if gathered_head else None  # traced on the whole model, before the split
+    apply_plan(model, plan, tp_comm, where)
+    if gathered_head and refusal is None:
+        split_logits(model, tp_comm)
+        model.hybrid_tp_notes.append("logits left split by vocabulary (a vocabulary-parallel loss)")
+    elif gathered_head:
+        log.info("%s: the logits are gathered on every TP rank, as %s", type(model).__name__, refusal)
+        model.hybrid_tp_notes.append(f"logits gathered on every TP rank ({refusal})")
+    return model
+
+
+def _plans_gathered_head(model: nn.Module, plan: dict, where: str = "the TP plan") -> bool:
+    """Whether ``plan`` splits the model's output embedding colwise with gathered output (``colwise_rep``)."""
+    head = output_head(model)
+    name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    return name is not None and any(style == "colwise_rep" and pattern_matches(pattern, name)
+                                    for pattern, style in normalize_plan(plan, where).items())
+
+
+def splits_logits(model: nn.Module, tp: int) -> bool:
+    """Whether ``hybrid.tp.parallelize`` (``Context.parallelize``) leaves ``model``'s logits split by vocabulary
+    over ``tp`` TP ranks, each holding ``V/tp`` of them (the planner's memory question). ``model``: whole (split
+    by its own plan), or split at TP 1 by a plan (as the launcher holds it), or split already."""
+    head = output_head(model)
+    if tp <= 1 or head is None:
+        return False
+    if uses_split_logits(model):
+        return True
+    if isinstance(head, SplitModule):
+        plan_says = isinstance(head, ColwiseGatheredLinear)
+    elif any(isinstance(m, SplitModule) for m in model.modules()):
+        plan_says = False  # split by a plan that leaves the head whole
+    else:
+        try:
+            own = hf_plan(model)
+        except ConfigError:  # a mixture-of-experts model: not split
+            return False
+        plan_says = own is not None and _plans_gathered_head(model, own)
+    return plan_says and logits_refusal(model) is None

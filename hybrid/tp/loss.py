@@ -14,6 +14,10 @@ would refuse it.
 Memory: one fp32 copy of the local logits (shifted, exponentiated and normalised in place, saved as the
 softmax); backward turns that saved softmax into the gradient in place (so the loss can be back-propagated
 once: a second backward through it raises), then casts to the logits' dtype (a copy only when not fp32).
+
+``causal_lm_loss`` is transformers' ``ForCausalLMLoss`` over vocabulary-parallel logits: the same label shift
+(``labels[..., 1:]`` padded with ``ignore_index``, or ``shift_labels`` as given), the same reduction (the mean
+over the kept tokens, or their sum over ``num_items_in_batch``), the logits never gathered.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from hybrid.comm.collectives import Comm
 from hybrid.tp.layers import check_vocab_ids
@@ -99,6 +104,29 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     refused too.
     """
     return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, ignore_index, vocab_size)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None,
+                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX,
+                   shift_labels: Optional[torch.Tensor] = None, *, tp_comm: Optional[Comm] = None,
+                   **_unused) -> torch.Tensor:
+    """A Hugging Face causal LM's loss (transformers' ``ForCausalLMLoss``, its arguments, and ``tp_comm``: the
+    TP group the vocabulary is split over; None or one rank: the whole vocabulary here) from this TP rank's
+    vocabulary slice of ``logits`` (``[..., V/tp]``): position ``i`` predicts ``labels[..., i + 1]`` (or
+    ``shift_labels[..., i]``), targets equal to ``ignore_index`` count for nothing, and the loss is their mean
+    (``nan`` when none is kept, as ``F.cross_entropy``'s) or, with ``num_items_in_batch``, their sum divided by
+    it. Every TP rank gets the same scalar (fp32); ``vocab_size``, when given, is checked against the slices."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, tp_comm,
+                                             ignore_index, vocab_size)
+    total = per_token.sum()
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 _EVEN: set = set()  # (comm, local width) already seen equal on every TP rank

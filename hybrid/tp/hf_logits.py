@@ -1,0 +1,188 @@
+"""A Hugging Face causal LM's logits left split by vocabulary at TP > 1, its loss vocabulary-parallel.
+
+transformers' own plans gather the head's logits (``lm_head: colwise_gather_output``) so that the model's loss
+reads them whole: every TP rank then holds all ``b·s·V`` logits, and the loss an fp32 copy of them. Instead,
+``split_logits`` leaves the head column-parallel with this rank's ``V/tp`` logits and makes the model's
+``loss_function`` ``hybrid.tp.loss.causal_lm_loss`` over the head's TP group (transformers' ``ForCausalLMLoss``
+over vocabulary slices: its label shift, ``ignore_index`` and reduction), as torchtitan's ``loss_parallel`` and
+the built-in GPT do. ``model(input_ids=..., labels=...).loss`` is then the single-process loss, and its
+``.logits`` are this rank's slice.
+
+Whether a model's forward allows it is read from the forward itself (``logits_refusal``): run once on meta
+(fake tensors, the model's parameters swapped for stand-ins), every operation from the head's output to the
+loss must act on each logit alone -- a cast, a view that keeps the vocabulary last, a slice of the positions,
+arithmetic with a number (Gemma 2's soft-capping ``tanh(z / c) · c``, Cohere's ``logit_scale``) -- and the loss
+must be transformers' causal-LM loss, called through ``self.loss_function`` with those logits. Anything else
+(a reduction or a slice over the vocabulary, a tensor over it added, a loss of the model's own, a forward that
+does not run on meta) keeps the gathered head, and the reason is logged and in the plan's notes
+(``hybrid.tp.plan.plan_notes``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hybrid.comm.collectives import Comm
+from hybrid.tp.loss import causal_lm_loss
+from hybrid.tp.regions import TRACE_TOKENS
+from hybrid.tp.styles import ColwiseGatheredLinear, ColwiseLinear, split_class
+
+log = logging.getLogger(__name__)
+
+# ops that act on each element alone without a pointwise tag: casts and copies
+_COPIES = {"_to_copy", "clone", "alias", "detach", "lift_fresh", "contiguous", "_assert_tensor_metadata"}
+# ops that move elements without mixing them; slicing ones are checked to leave the vocabulary (last) dimension
+_VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "slice", "select", "narrow",
+          "as_strided"}
+_SLICING = {"slice", "select", "narrow"}
+
+
+class _FollowLogits(TorchDispatchMode):
+    """Follows the head's output (and what is computed from it alone) through aten ops; the first op that is
+    not elementwise over the vocabulary is ``refusal``. ``loss_logits`` says whether the model's loss got them."""
+
+    def __init__(self):
+        super().__init__()
+        self.followed: dict = {}  # id(tensor) -> tensor (kept alive, so that no id is reused)
+        self.refusal: Optional[str] = None
+        self.loss_calls: list = []  # per call of the loss function: whether its logits were followed ones
+
+    def follow(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            self.followed[id(t)] = t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.refusal is not None:
+            return out
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        logits = next((t for t in inputs if id(t) in self.followed), None)
+        if logits is None:
+            return out
+        self.refusal = _not_elementwise(func, logits, inputs, args, out, self.followed)
+        if self.refusal is None:
+            for t in tree_leaves(out):
+                self.follow(t)
+        return out
+
+
+def _not_elementwise(func, logits: torch.Tensor, inputs: list, args: tuple, out, followed: dict) -> Optional[str]:
+    """Why ``func`` (an aten op taking the followed ``logits``) does not act on each logit alone, or None."""
+    name = func.overloadpacket.__name__
+    width = logits.shape[-1] if logits.dim() else None
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not outs:
+        return None  # a question about the tensor (its device, its sizes), not a computation
+    if any(t.dim() == 0 or t.shape[-1] != width for t in outs):
+        return f"its forward applies {name} over the vocabulary of the logits before the loss"
+    if torch.Tag.pointwise in func.tags or name in _COPIES:
+        other = next((t for t in inputs if id(t) not in followed and t.dim() and t.shape[-1] != 1), None)
+        if other is not None:
+            return (f"its forward combines the logits with a tensor over the vocabulary ({name} with a tensor of "
+                    f"shape {tuple(other.shape)}) before the loss")
+        return None
+    if name in _VIEWS:
+        dim = args[1] if name in _SLICING and len(args) > 1 else None
+        if isinstance(dim, int) and dim % logits.dim() == logits.dim() - 1:
+            return f"its forward takes a {name} of the vocabulary of the logits before the loss"
+        return None
+    return f"its forward applies {name} to the logits before the loss"
+
+
+def _transformers_causal_lm_loss():
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return None
+    return ForCausalLMLoss
+
+
+def output_head(model: nn.Module) -> Optional[nn.Module]:
+    """The model's output embedding (``get_output_embeddings()``: a causal LM's ``lm_head``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return head if isinstance(head, nn.Linear) else None
+
+
+def logits_refusal(model: nn.Module) -> Optional[str]:
+    """Why the model's logits cannot stay split by vocabulary with a vocabulary-parallel loss (one phrase), or
+    None when they can (module docstring). ``model``: whole, or split at TP 1 (as the launcher holds it); the
+    answer is kept on the model, as it depends on its code alone."""
+    known = model.__dict__.get("_hybrid_logits_refusal", False)
+    if known is not False:
+        return known
+    refusal = _trace_refusal(model)
+    model.__dict__["_hybrid_logits_refusal"] = refusal
+    return refusal
+
+
+def _trace_refusal(model: nn.Module) -> Optional[str]:
+    cls = type(model).__name__
+    head = output_head(model)
+    if head is None:
+        return f"{cls} has no nn.Linear output embedding (get_output_embeddings)"
+    transformers_loss = _transformers_causal_lm_loss()
+    if transformers_loss is None or getattr(model, "loss_function", None) is not transformers_loss:
+        return f"{cls}'s loss_function is not transformers' ForCausalLMLoss"
+    follow = _FollowLogits()
+
+    def loss_probe(*args, **kwargs):
+        logits = kwargs.get("logits", args[0] if args else None)
+        follow.loss_calls.append(isinstance(logits, torch.Tensor) and id(logits) in follow.followed)
+        return torch.zeros((), device=logits.device if isinstance(logits, torch.Tensor) else "cpu")
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    tokens = min(TRACE_TOKENS, limit) if isinstance(limit, int) and limit > 1 else TRACE_TOKENS
+    ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
+    stand_ins = {name: torch.empty_like(t, device="meta") for name, t in
+                 [*model.named_parameters(), *model.named_buffers()]}
+    hook = head.register_forward_hook(lambda module, args, out: follow.follow(out))
+    model.loss_function = loss_probe
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), follow:
+            torch.func.functional_call(model, stand_ins, args=(), kwargs={"input_ids": ids, "labels": ids},
+                                       tie_weights=True, strict=False)
+    except Exception as err:  # the model's own code: what stopped it, in one line
+        return f"{cls}'s forward did not run on meta ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
+    finally:
+        hook.remove()
+        del model._loss_function
+    if follow.refusal is not None:
+        return follow.refusal
+    if not follow.loss_calls:
+        return f"{cls}'s forward computes its loss without self.loss_function"
+    if not all(follow.loss_calls):
+        return f"{cls}'s forward gives self.loss_function other logits than its head's"
+    return None
+
+
+def split_logits(model: nn.Module, tp_comm: Optional[Comm]) -> None:
+    """Leave the logits of ``model``'s head -- column-parallel with gathered output (``colwise_rep``), split
+    already by ``apply_plan`` over ``tp_comm`` -- as this rank's vocabulary slice, and make the model's loss
+    ``causal_lm_loss`` over ``tp_comm``. The caller has asked ``logits_refusal`` of the model before splitting."""
+    head = output_head(model)
+    if not isinstance(head, ColwiseGatheredLinear):
+        raise ValueError(f"split_logits: {type(model).__name__}'s output embedding is not split colwise_rep "
+                         "(apply its plan first)")
+    # split_class("colwise_rep", cls) is (cls, ColwiseGatheredLinear) for a subclass of nn.Linear
+    head.__class__ = (ColwiseLinear if type(head) is ColwiseGatheredLinear else
+                      split_class("colwise", type(head).__bases__[0]))
+    model.loss_function = functools.partial(causal_lm_loss, tp_comm=tp_comm)
+
+
+def uses_split_logits(model: nn.Module) -> bool:
+    """Whether ``split_logits`` made ``model``'s loss vocabulary-parallel."""
+    loss = model.__dict__.get("_loss_function")
+    return isinstance(loss, functools.partial) and loss.func is causal_lm_loss
