@@ -187,6 +187,10 @@ class CheckpointSpec(Section):
     every: int = setting(10, partial(v.positive_int, hi=MAX_STEPS),
                          help="save every this many steps (and at the last step)")
     keep_last: int = setting(2, partial(v.positive_int, hi=MAX_STEPS), help="the newest checkpoints kept")
+    every_seconds: Optional[float] = setting(None, partial(v.positive_number, hi=7 * 24 * 3600, unit="seconds"),
+                                             help="also save once this many seconds passed since the last save")
+    async_: bool = setting(False, v.boolean, key="async",
+                           help="write from a host copy in the background while training goes on")
 
 
 def _entrypoint(path: str, entrypoint: Any) -> str:
@@ -219,7 +223,7 @@ class JobSpec(Section):
     steps: int = setting(check=partial(v.positive_int, hi=MAX_STEPS), help="the number of training steps")
     micro_batch: int = setting(8, partial(v.positive_int, hi=MAX_MICRO_BATCH), help="rows per rank per micro-step")
     checkpoint: CheckpointSpec = setting(factory=CheckpointSpec, check=section_check(CheckpointSpec),
-                                         help="{dir, every, keep_last}; unset: no checkpoints")
+                                         help="{dir, every, every_seconds, keep_last, async}; unset: no checkpoints")
     max_failures: int = setting(0, partial(v.integer, lo=0, hi=MAX_FAILURES),
                                 help="restarts of the whole worker group before the job gives up")
     collective_timeout_s: float = setting(300.0, _seconds(COLLECTIVE_TIMEOUT_S),

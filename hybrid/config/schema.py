@@ -253,7 +253,7 @@ def _found(d: dict, name: str, s: Setting, where: str, nested: dict, examples: M
         inside = v.mapping(v.join(where, outer), d[outer], nested[outer], example=examples.get(outer, ""))
         inside = v.without_nulls(inside) if nulls_unset else inside
         return [(s.key, inside[inner])] if inner in inside else []
-    return [(key, d[key]) for key in (name, s.deepspeed, *s.aliases) if key and key in d]
+    return [(key, d[key]) for key in (s.key or name, s.deepspeed, *s.aliases) if key and key in d]
 
 
 def read(cls, section: Any, where: Optional[str] = None, **options):

@@ -204,6 +204,8 @@ def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> Jo
                            precision=plan.spec.parallel.precision, seed=job.seed,
                            checkpoint_dir=str(job.checkpoint.dir) if job.checkpoint.dir else None,
                            checkpoint_every=job.checkpoint.every, checkpoint_keep_last=job.checkpoint.keep_last,
+                           checkpoint_every_seconds=job.checkpoint.every_seconds,
+                           checkpoint_async=job.checkpoint.async_,
                            offload=plan.plan.offload, activation_checkpointing=plan.plan.activation_checkpointing,
                            memory_budget_bytes=budget, tp_plan=plan.spec.parallel.tp_plan,
                            nvme_path=str(plan.spec.cluster.nvme_path) if plan.spec.cluster.nvme_path else None)

@@ -154,3 +154,57 @@ def test_a_rank_killed_during_a_background_write_resumes_from_the_previous_check
     assert (ckpts / ".tmp-step-000002").is_dir() and not (ckpts / "step-000002").exists()
     assert checkpoint.latest(run_dir) == ckpts / "step-000001"
     assert run_local(_resume, 1, str(run_dir), timeout_s=120)[0] == {"step": 1, "exact": True}
+
+
+# -- a checkpoint directory that fills up ----------------------------------------------------------------------
+
+def _fill_up(run_dir: str) -> dict:
+    """One rank of gpt-tiny (a checkpoint of ~1.9 MB) on a 3 MB filesystem: step 1 fits, step 2 does not,
+    saved synchronously and then in the background."""
+    from hybrid.errors import CheckpointWriteError
+
+    cfg = GPTConfig.from_yaml(CONFIG)
+    mesh, engine = _engine(cfg, 1, 1, 1)
+    _train(mesh, engine, cfg, 0, 1)
+    checkpoint.save(run_dir, engine, 1)
+    _train(mesh, engine, cfg, 1, 1)
+    out = {}
+    try:
+        checkpoint.save(run_dir, engine, 2)
+    except CheckpointWriteError as err:
+        out["sync"] = str(err)
+    saver = BackgroundSaver()
+    saver.save(run_dir, engine, 2)
+    try:
+        saver.close()
+    except CheckpointWriteError as err:
+        out["background"] = str(err)
+    out["after"] = sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
+    out["resumed"] = checkpoint.resume_if_available(run_dir, engine).step
+    return out
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 3 MB tmpfs (the issue's recipe); skipped where this user may not mount one."""
+    where = tmp_path / "full"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_full_disk_is_named_and_leaves_the_previous_checkpoint(tiny_tmpfs):
+    run_dir = tiny_tmpfs / "run"
+    got = run_local(_fill_up, 1, str(run_dir), timeout_s=120)[0]
+    expected = (f"saving the step-2 checkpoint into {run_dir / 'checkpoints'} failed (No space left on device: ")
+    for how in ("sync", "background"):
+        assert got[how].startswith(expected), got[how]
+        assert got[how].endswith(" free of 3.146 MB on rank 0; the partial .tmp-step-000002 was removed); free "
+                                 "space there (or lower job.checkpoint.keep_last) and run the job again to resume "
+                                 "from step-000001."), got[how]
+    assert got["after"] == ["latest", "step-000001"] and got["resumed"] == 1
