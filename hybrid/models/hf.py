@@ -15,7 +15,8 @@ the built-in GPT's ``model:`` shape, the model of an ``hf:`` section::
 Relative paths are relative to the model config file. The model is
 ``transformers.AutoModelForCausalLM.from_config(config)``, built under ``hybrid.empty_init()`` (its parameters
 on meta, its rotary table computed), split over the rank's TP group by its own TP plan (``hybrid.tp.hf``; or
-the cluster file's ``parallel.tp_plan``: ``Context.parallelize``), and given its values by
+the cluster file's ``parallel.tp_plan``: ``Context.parallelize``; at TP > 1 its logits left split by vocabulary
+and its loss vocabulary-parallel where its forward allows it: ``hybrid.tp.hf_logits``), and given its values by
 ``hybrid.initialize``: streamed from ``weights`` (each rank reads its slice of its shard), else drawn with the
 model's own init (``init_fn=model._init_weights``) from ``job.seed``, the same values at every layout. It is
 trained by ``hybrid.runtime.train.run_steps`` on ``(input_ids, labels)`` windows of ``seq_len + 1`` tokens (the
