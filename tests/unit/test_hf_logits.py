@@ -112,8 +112,9 @@ def test_the_forward_decides_whether_the_logits_stay_split():
 def test_splits_logits_answers_for_whole_models_and_models_split_at_tp1():
     llama = _meta(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)))
     assert splits_logits(llama, 2) and not splits_logits(llama, 1)
-    apply_plan(llama, hf_plan(llama), None)  # as the launcher holds it
-    assert splits_logits(llama, 2)
+    split_at_tp1 = _meta(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)))
+    apply_plan(split_at_tp1, hf_plan(split_at_tp1), None)  # as the launcher holds it; its forward traced so
+    assert splits_logits(split_at_tp1, 2) and not splits_logits(split_at_tp1, 1)
     refused = _meta(lambda: VocabBias(transformers.LlamaConfig(**SHAPE)))
     assert not splits_logits(refused, 2)
     moe = _meta(lambda: transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
