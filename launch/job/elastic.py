@@ -234,6 +234,8 @@ class Elastic:
         if len(usable) >= nodes:
             return None
         lost = len(usable)
+        self.progress.note(f"{count(nodes - lost, 'node')} of {nodes} lost; waiting up to failure.elastic.grace_s = "
+                           f"{self.options.grace_s:g} s for {'it' if nodes - lost == 1 else 'them'} to come back")
         deadline = time.monotonic() + self.options.grace_s
         while len(usable) < nodes and time.monotonic() < deadline:
             time.sleep(POLL_S)

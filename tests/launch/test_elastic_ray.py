@@ -9,10 +9,12 @@ ranks train the tiny GPT (fp32, ZeRO auto, 12 sequences per step) with a pause a
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +46,7 @@ class RayNodes:
         line = self.proc.stdout.readline()
         assert line.startswith("address "), line
         self.address = line.split()[1]
+        self.nodes = nodes
 
     def _command(self, command: str) -> str:
         self.proc.stdin.write(command + "\n")
@@ -51,10 +54,20 @@ class RayNodes:
         return self.proc.stdout.readline().strip()
 
     def remove(self) -> str:
+        self.nodes -= 1
         return self._command("remove")
 
     def add(self) -> str:
+        self.nodes += 1
         return self._command("add")
+
+    def ensure(self, nodes: int) -> None:
+        """Add or remove nodes until there are ``nodes`` (the tests share the cluster and each starts at the size
+        it needs)."""
+        while self.nodes < nodes:
+            self.add()
+        while self.nodes > nodes:
+            self.remove()
 
     def close(self) -> None:
         try:
@@ -118,8 +131,42 @@ def losses(run_dir: Path) -> dict:
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in read_metrics(run_dir / "metrics.jsonl") if "loss" in e}
 
 
+def rank_processes() -> list[str]:
+    """The rank actors alive on this machine (Ray titles a busy actor's process ``ray::RankActor...``)."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.startswith("ray::RankActor")]
+
+
+class Lines:
+    """A launcher's output, read as it comes (``wait_for`` a pattern)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout_s: float = RUN_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [line for line in list(self.lines) if re.search(pattern, line)]
+            if found:
+                return found[0]
+            assert self.proc.poll() is None or self.thread.is_alive(), "".join(self.lines)
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} not printed within {timeout_s} s:\n{''.join(self.lines)}")
+
+    def text(self) -> str:
+        self.thread.join(timeout=60)
+        return "".join(self.lines)
+
+
 def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_nodes, tmp_path):
     """Three launches' worth of rank actors (3, then 2, then the by-hand reference's 2), each importing torch."""
+    ray_nodes.ensure(3)
     run = tmp_path / "run"
     proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 2, grace_s: 2}}"),
                   ray_nodes.address)
@@ -155,3 +202,55 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_node
     expected = {s: v for s, v in losses(ref).items() if s > resumed}
     assert sorted(expected) == list(range(resumed + 1, STEPS + 1))
     assert {s: v for s, v in after.items() if s > resumed} == expected
+
+
+@pytest.mark.extended  # the grow path's own run (2 rank actors, then 3); the shrink test covers the resize itself
+def test_a_node_that_joins_grows_the_job_at_its_next_checkpoint(ray_nodes, tmp_path):
+    ray_nodes.ensure(2)
+    run = tmp_path / "run"
+    steps = 2 * STEPS  # time for the new node to start and be probed while checkpoints are still to come
+    proc = launch(cluster_file(tmp_path, "run", 2, "failure: {elastic: {max_nodes: 3}}", steps), ray_nodes.address)
+    wait_for_step(run, 1, proc)
+    ray_nodes.add()
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    resizes = [e for e in read_metrics(run / "metrics.jsonl") if e.get("event") == "resize"]
+    assert [(r["nodes_before"], r["nodes_after"], r["why"]) for r in resizes] == [(2, 3, "1 node joined")], out
+    resize = resizes[0]
+    assert resize["plan"]["dp"] == 3 and resize["plan"]["global_batch"] == GLOBAL_BATCH
+    assert resize["resumed_from"] % EVERY == 0 and resize["resumed_from"] > 0  # at a checkpoint after the join
+    assert sorted(losses(run)) == list(range(1, steps + 1))
+    assert "resize 2 -> 3 nodes (1 node joined)" in out
+
+
+@pytest.mark.extended  # two more 3-rank starts; the sentence and the search are unit-tested (test_elastic.py)
+def test_below_min_nodes_exits_1_and_ctrl_c_while_waiting_leaves_no_rank_behind(ray_nodes, tmp_path):
+    ray_nodes.ensure(3)
+    run = tmp_path / "run"
+    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 3, grace_s: 1}}"),
+                  ray_nodes.address)
+    wait_for_step(run, EVERY + 1, proc)
+    ray_nodes.remove()
+    out = finish(proc)
+    assert proc.returncode == 1, out
+    last = out.strip().splitlines()[-1]
+    assert re.search(r"2 usable nodes left \(.*\), below failure\.elastic\.min_nodes = 3; the smallest count that "
+                     r"would run it is 3; checkpoint step \d+ in .* is intact", last), out
+    saved = [e for e in layout.scan(run) if e.complete]
+    assert saved and all(e.complete for e in layout.scan(run))
+
+    ray_nodes.ensure(3)
+    run = tmp_path / "interrupted"
+    proc = launch(cluster_file(tmp_path, "interrupted", 3, "failure: {elastic: {min_nodes: 2, grace_s: 120}}"),
+                  ray_nodes.address)
+    wait_for_step(run, 2, proc)
+    lines = Lines(proc)
+    ray_nodes.remove()
+    lines.wait_for(r"1 node of 3 lost; waiting up to failure\.elastic\.grace_s = 120 s")
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode == 130, lines.text()
+    deadline = time.monotonic() + 20
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert rank_processes() == []
