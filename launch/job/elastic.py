@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence
 
 from hybrid.config.units import count
 from hybrid.errors import ConfigError, JobError, PlanError
+from launch.planning import replan
 from launch.planning.model_size import ModelFacts, model_facts
 from launch.planning.plan import LaunchPlan, build_plan
 from launch.spec import LaunchSpec
@@ -118,11 +119,20 @@ def _reports_for(reports: Optional[Sequence], nodes: int) -> Optional[list]:
 
 
 def choice_of(plan: LaunchPlan) -> dict:
-    """What a resize may change, as a record's ``plan``."""
-    return {"nodes": plan.spec.cluster.nodes, "tp": plan.layout.tp, "dp": plan.layout.dp, "stage": plan.stage,
-            "micro_batch": plan.micro_batch or plan.spec.job.micro_batch, "accumulation": plan.accumulation,
-            "activation_checkpointing": plan.plan.activation_checkpointing, "offload": plan.plan.offload,
+    """What a resize may change, as a record's ``plan``: the layout the ranks run (``replan.initial_choice``: the
+    planner's, or the rung above it that the complete memory prediction starts at)."""
+    choice = replan.initial_choice(plan)
+    return {"nodes": plan.spec.cluster.nodes, "tp": plan.layout.tp, "dp": plan.layout.dp, "stage": choice.stage,
+            "micro_batch": choice.micro_batch, "accumulation": choice.accumulation,
+            "activation_checkpointing": choice.activation_checkpointing, "offload": choice.offload,
             "global_batch": global_batch(plan)}
+
+
+def plan_reason(plan: LaunchPlan) -> str:
+    """Why ``plan`` runs as it does: the line of a start above the planner's choice, else the planner's reason."""
+    if replan.initial_choice(plan) != replan.planned_choice(plan):
+        return replan.start_note(plan)
+    return plan.plan.reason
 
 
 def resize_record(before: LaunchPlan, after: LaunchPlan, why: str, resume_step: int, reached_step: int,
@@ -132,7 +142,7 @@ def resize_record(before: LaunchPlan, after: LaunchPlan, why: str, resume_step: 
     record sits among metrics.jsonl's steps)."""
     return {"event": "resize", "time": time.time() if now is None else now, "step": resume_step,
             "nodes_before": before.spec.cluster.nodes, "nodes_after": after.spec.cluster.nodes, "why": why,
-            "plan_before": choice_of(before), "plan": choice_of(after), "plan_reason": after.plan.reason,
+            "plan_before": choice_of(before), "plan": choice_of(after), "plan_reason": plan_reason(after),
             "resumed_from": resume_step, "steps_computed_twice": list(range(resume_step + 1, reached_step + 1))}
 
 

@@ -23,13 +23,13 @@ import pytest
 from hybrid.checkpoint import layout
 from launch.job.metrics import read_metrics
 from launch.ray.cluster import LOOPBACK_ONLY_ENV
+from tests.launch.elastic_cases import GLOBAL_BATCH, MICRO_BATCH, ROOT, stage_changing_memory_gb
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 HYBRID = [sys.executable, "-c", "import sys; from launch.cli import main; sys.exit(main())"]
 ENTRYPOINT = "tests.launch.elastic_entrypoints:train_slowly"
-STEPS, EVERY, GLOBAL_BATCH = 10, 3, 12
+STEPS, EVERY = 10, 3
 RUN_S = 240  # one launch, start to finish, on 2 shared cores
 
 
@@ -88,14 +88,16 @@ def ray_nodes():
         nodes.close()
 
 
-def cluster_file(tmp_path: Path, run: str, nodes: int, failure: str = "", steps: int = STEPS) -> Path:
+def cluster_file(tmp_path: Path, run: str, nodes: int, failure: str = "", steps: int = STEPS,
+                 gpu_memory_gb: float = 80.0) -> Path:
+    """The job of ``tests.launch.elastic_cases`` on the running cluster (``address: auto``)."""
     path = tmp_path / f"{run}.yaml"
     path.write_text(f"""\
-cluster: {{address: auto, nodes: {nodes}, gpus_per_node: 1, gpu_memory_gb: 80}}
-job: {{entrypoint: "{ENTRYPOINT}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}, micro_batch: 2,
+cluster: {{address: auto, nodes: {nodes}, gpus_per_node: 1, gpu_memory_gb: {gpu_memory_gb!r}}}
+job: {{entrypoint: "{ENTRYPOINT}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}, micro_batch: {MICRO_BATCH},
       global_batch: {GLOBAL_BATCH}, checkpoint: {{dir: {tmp_path / run}, every: {EVERY}, keep_last: 20}},
       max_failures: 2, placement_timeout_s: 30, working_dir: {ROOT}}}
-parallel: {{tp: 1, precision: fp32}}
+parallel: {{tp: 1, precision: fp32, offload: false}}
 {failure}
 """)
     return path
@@ -164,12 +166,15 @@ class Lines:
         return "".join(self.lines)
 
 
-def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_nodes, tmp_path):
-    """Three launches' worth of rank actors (3, then 2, then the by-hand reference's 2), each importing torch."""
+def test_a_lost_node_shrinks_the_job_to_dp_2_at_stage_2_with_the_global_batch_kept(ray_nodes, tmp_path):
+    """Three launches' worth of rank actors (3, then 2, then the by-hand reference's 2), each importing torch. The
+    declared GPU memory fits ZeRO-1 at DP 3 and not at DP 2 (``stage_changing_memory_gb``): the resize also
+    changes the stage, and its line says why."""
     ray_nodes.ensure(3)
     run = tmp_path / "run"
-    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 2, grace_s: 2}}"),
-                  ray_nodes.address)
+    memory = stage_changing_memory_gb()
+    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 2, grace_s: 2}}",
+                               gpu_memory_gb=memory), ray_nodes.address)
     wait_for_step(run, EVERY + 1, proc)
     ray_nodes.remove()
     out = finish(proc)
@@ -180,6 +185,7 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_node
     resize = resizes[0]
     assert (resize["nodes_before"], resize["nodes_after"]) == (3, 2)
     assert resize["plan_before"]["dp"] == 3 and resize["plan"]["dp"] == 2
+    assert (resize["plan_before"]["stage"], resize["plan"]["stage"]) == (1, 2), out
     assert resize["plan_before"]["global_batch"] == resize["plan"]["global_batch"] == GLOBAL_BATCH
     assert resize["plan"]["micro_batch"] * resize["plan"]["accumulation"] == GLOBAL_BATCH // 2
     resumed = resize["resumed_from"]
@@ -187,7 +193,9 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_node
     assert resumed in saved and resumed % EVERY == 0
     # only the steps after the last checkpoint were computed twice
     assert all(s > resumed for s in resize["steps_computed_twice"]) and len(resize["steps_computed_twice"]) < EVERY
-    assert f"resize 3 -> 2 nodes (1 node lost" in out and "global batch 12 kept" in out
+    line = next(line for line in out.splitlines() if line.startswith("resize 3 -> 2 nodes (1 node lost"))
+    assert "dp 3 -> 2, stage 1 -> 2, accumulation 2 -> 3, global batch 12 kept" in line, line
+    assert "plan: still OOM with sharded optimizer, fits with gradient sharding: stage 1 needs" in line, line
     assert (run / "resizes.jsonl").read_text().count("\n") == 1
     after = losses(run)
     assert sorted(after) == list(range(1, STEPS + 1))
@@ -196,7 +204,7 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_with_the_global_batch_kept(ray_node
     ref = tmp_path / "ref"
     checkpoint = next(e.path for e in layout.scan(run) if e.step == resumed)
     shutil.copytree(checkpoint, layout.checkpoints_dir(ref) / checkpoint.name)
-    reference = launch(cluster_file(tmp_path, "ref", 2), ray_nodes.address)
+    reference = launch(cluster_file(tmp_path, "ref", 2, gpu_memory_gb=memory), ray_nodes.address)
     ref_out = finish(reference)
     assert reference.returncode == 0, ref_out
     expected = {s: v for s, v in losses(ref).items() if s > resumed}

@@ -1,0 +1,103 @@
+"""Elastic data parallelism's pure parts (``launch.job.elastic``, ``failure.elastic`` in ``launch.spec``): the spec
+of a resized job, the plan search on the nodes left, the record and its display line, the sentence of a job
+with too few nodes, metrics.jsonl's resize line, and the data order's independence of the DP split."""
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.data import MarkovTokens, TokenFile
+from hybrid.data.tokens import TokenFileMeta, metadata_path
+from hybrid.errors import ConfigError
+from launch.job.elastic import (choice_of, global_batch, plan_on, resize_line, resize_record, resized_spec,
+                                smallest_that_fits, too_few_sentence)
+from launch.job.metrics import MetricsWriter, read_metrics
+from launch.planning.model_size import model_facts
+from launch.planning.plan import build_plan
+from tests.launch.elastic_cases import GLOBAL_BATCH, cpu_reports, job_spec, stage_changing_memory_gb
+
+
+def test_failure_elastic_is_read_and_checked_against_cluster_nodes():
+    spec = job_spec(3, elastic={"min_nodes": 2})
+    assert (spec.failure.elastic.min_nodes, spec.max_nodes, spec.failure.elastic.grace_s) == (2, 3, 10.0)
+    assert job_spec(3).failure.elastic is None and job_spec(3, elastic={"max_nodes": 5}).max_nodes == 5
+    for elastic, sentence in (({"min_nodes": 4}, "failure.elastic.min_nodes is 4, more than cluster.nodes = 3"),
+                              ({"max_nodes": 2}, "failure.elastic.max_nodes is 2, fewer than cluster.nodes = 3"),
+                              ({"min": 2}, "failure.elastic.min is not a known setting"),
+                              ({"grace_s": -1}, "failure.elastic.grace_s must be a number from 0")):
+        with pytest.raises(ConfigError, match=sentence.replace(".", r"\.")):
+            job_spec(3, elastic=elastic)
+
+
+def test_a_resized_spec_keeps_tp_and_the_global_batch_and_raises_the_accumulation():
+    spec = job_spec(3, elastic={"min_nodes": 1})
+    two = resized_spec(spec, 2, 1, GLOBAL_BATCH)
+    assert (two.cluster.nodes, two.parallel.tp, two.job.global_batch, two.job.micro_batch_auto) == (2, 1, 12, False)
+    assert (two.max_nodes, two.failure.elastic.min_nodes) == (3, 1)
+    plan = build_plan(two, cpu_reports(2))
+    assert (plan.layout.dp, plan.micro_batch, plan.accumulation) == (2, 2, 3)
+    # 10 sequences over 5 DP ranks: 2 rows each, divided by micro-batch 2; over 2 ranks 5 rows: the plan chooses
+    assert resized_spec(spec, 5, 1, 10).job.micro_batch_auto is False
+    assert resized_spec(spec, 2, 1, 10).job.micro_batch_auto is True
+
+
+def test_losing_a_node_changes_the_stage_and_the_line_says_why():
+    spec = job_spec(3, stage_changing_memory_gb(), elastic={"min_nodes": 2})
+    facts = model_facts(spec)
+    before = build_plan(spec, cpu_reports(3), facts)
+    after, refused = plan_on(before, 2, cpu_reports(2), facts)
+    assert refused == {} and after.spec.cluster.nodes == 2
+    old, new = choice_of(before), choice_of(after)
+    assert old["stage"] == 1 and new["stage"] >= 2 and global_batch(after) == global_batch(before) == GLOBAL_BATCH
+    assert new["micro_batch"] * new["accumulation"] == GLOBAL_BATCH // 2
+    record = resize_record(before, after, "1 node lost", 6, 8, now=0.0)
+    assert record["steps_computed_twice"] == [7, 8] and record["resumed_from"] == 6
+    line = resize_line(record)
+    assert line.startswith(f"resize 3 -> 2 nodes (1 node lost): resuming from checkpoint step 6 with dp 3 -> 2, "
+                           f"stage 1 -> {new['stage']}")
+    assert "global batch 12 kept; steps 7-8 computed twice; plan: " in line
+    assert "stage 1 needs" in record["plan_reason"] and record["plan_reason"] in line  # the memory model says why
+
+
+def test_no_plan_below_min_nodes_and_the_smallest_count_that_fits():
+    spec = job_spec(3, elastic={"min_nodes": 3})
+    facts = model_facts(spec)
+    plan = build_plan(spec, cpu_reports(3), facts)
+    assert plan_on(plan, 2, cpu_reports(2), facts) == (None, {})
+    assert smallest_that_fits(plan, 2, cpu_reports(2), facts) == 3
+    sentence = too_few_sentence(2, ["abc at 127.0.0.1", "def at 127.0.0.1"], 3, 3, {}, "step 6 in /runs/x")
+    assert sentence == ("2 usable nodes left (abc at 127.0.0.1, def at 127.0.0.1), below failure.elastic.min_nodes = "
+                        "3; the smallest count that would run it is 3; checkpoint step 6 in /runs/x is intact")
+    # a global batch that does not split over the nodes left: the next count down that takes it
+    odd = job_spec(3, elastic={"min_nodes": 1}, global_batch=9, micro_batch=1)
+    odd_plan = build_plan(odd, cpu_reports(3), facts)
+    smaller, refused = plan_on(odd_plan, 2, cpu_reports(2), facts)
+    assert smaller.spec.cluster.nodes == 1 and list(refused) == [2] and "job.global_batch is 9" in refused[2]
+
+
+def test_a_resize_line_in_metrics_jsonl_sits_after_the_checkpoint_and_the_next_steps_follow(tmp_path):
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(1, 6):
+        writer.write({"step": step, "loss": float(step)})
+    writer.event({"event": "resize", "step": 3, "nodes_before": 3, "nodes_after": 2})
+    for step in (4, 5):
+        writer.write({"step": step, "loss": step + 0.5})
+    entries = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(e["step"], e.get("event"), e.get("loss")) for e in entries] == [
+        (1, None, 1.0), (2, None, 2.0), (3, None, 3.0), (3, "resize", None), (4, None, 4.5), (5, None, 5.5)]
+
+
+@pytest.mark.parametrize("dp, rows", [(1, 12), (2, 6), (3, 4), (4, 3), (6, 2)])
+def test_a_steps_rows_are_the_same_sequences_in_the_same_order_whatever_the_dp_split(tmp_path, dp, rows):
+    """The global batch of a step, read rank by rank (and each rank's micro-batches in order), is one sequence
+    of rows whatever the DP x rows split: the Markov chain's and a token file's."""
+    markov = MarkovTokens(64, 8, seed=3)
+    path = tmp_path / "tokens.bin"
+    tokens = (np.arange(4000) % 50).astype(np.uint16)
+    tokens.tofile(path)
+    metadata_path(path).write_text(TokenFileMeta("uint16", 50, len(tokens)).to_json())
+    for stream in (markov, TokenFile(path, seq_len=8, seed=3)):
+        for step in (0, 5):
+            whole = torch.cat(stream.batch(step, GLOBAL_BATCH, 0, 1), dim=1)
+            split = torch.cat([torch.cat(stream.batch(step, rows, r, dp), dim=1) for r in range(dp)])
+            assert torch.equal(split, whole)
