@@ -157,13 +157,17 @@ An own entrypoint reads `ctx.model_config` as it likes. How to use them: [data-a
 
 
 def cluster_page() -> str:
-    from launch.spec import CheckpointSpec, ClusterSpec, JobSpec, ParallelSpec
+    from launch.spec import CheckpointSpec, ClusterSpec, ElasticSpec, JobSpec, ParallelSpec
 
     sections = (("cluster", ClusterSpec, {}, "Where the job runs and what its nodes hold."),
                 ("job", JobSpec, {"checkpoint": "job.checkpoint"}, "What runs, for how long, and how it recovers."),
                 ("job.checkpoint", CheckpointSpec, {}, "Written `checkpoint: {dir: ../runs/demo, every: 10}` "
                                                        "under `job`; without it, no checkpoints."),
-                ("parallel", ParallelSpec, {}, "How the ranks split the work; `auto` is the planner's choice."))
+                ("parallel", ParallelSpec, {}, "How the ranks split the work; `auto` is the planner's choice."),
+                ("failure.elastic", ElasticSpec, {},
+                 "Optional, written `failure: {elastic: {min_nodes: 2}}`: a lost node shrinks the job instead of "
+                 "failing it, a node that joins grows it "
+                 "([launching-and-faults.md](../launching-and-faults.md#restarts-and-fault-tolerance))."))
     return schema_page("The cluster file", CLUSTER_INTRO, sections, "launch/spec.py (the schema of each section)")
 
 
