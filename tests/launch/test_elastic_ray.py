@@ -5,7 +5,8 @@ grows under the running job.
 The cluster runs in a process of its own (``tests.launch.elastic_cluster``), driven over stdin, and every launch
 is the CLI in a subprocess (``RAY_ADDRESS`` names the cluster), so this test process holds no Ray state. The
 ranks train the tiny GPT (fp32, ZeRO auto, 12 sequences per step) with a pause after every step
-(``tests.launch.elastic_entrypoints``) so that a node can be removed or added between two checkpoints.
+(``tests.launch.elastic_entrypoints``) so that a node can be removed or added between two checkpoints. The shrink
+test (with its by-hand reference) and the below-min / Ctrl-C test are extended; the grow test, one launch, is not.
 """
 
 import os
@@ -166,6 +167,7 @@ class Lines:
         return "".join(self.lines)
 
 
+@pytest.mark.extended  # the costliest: three launches (about 130 s on 2 shared cores)
 def test_a_lost_node_shrinks_the_job_to_dp_2_at_stage_2_with_the_global_batch_kept(ray_nodes, tmp_path):
     """Three launches' worth of rank actors (3, then 2, then the by-hand reference's 2), each importing torch. The
     declared GPU memory fits ZeRO-1 at DP 3 and not at DP 2 (``stage_changing_memory_gb``): the resize also
@@ -212,7 +214,6 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_at_stage_2_with_the_global_batch_ke
     assert {s: v for s, v in after.items() if s > resumed} == expected
 
 
-@pytest.mark.extended  # the grow path's own run (2 rank actors, then 3); the shrink test covers the resize itself
 def test_a_node_that_joins_grows_the_job_at_its_next_checkpoint(ray_nodes, tmp_path):
     ray_nodes.ensure(2)
     run = tmp_path / "run"
@@ -231,7 +232,7 @@ def test_a_node_that_joins_grows_the_job_at_its_next_checkpoint(ray_nodes, tmp_p
     assert "resize 2 -> 3 nodes (1 node joined)" in out
 
 
-@pytest.mark.extended  # two more 3-rank starts; the sentence and the search are unit-tested (test_elastic.py)
+@pytest.mark.extended  # two 3-rank launches; the sentence and the search are unit-tested too (test_elastic.py)
 def test_below_min_nodes_exits_1_and_ctrl_c_while_waiting_leaves_no_rank_behind(ray_nodes, tmp_path):
     ray_nodes.ensure(3)
     run = tmp_path / "run"
