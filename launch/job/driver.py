@@ -43,6 +43,11 @@ Time (``launch.planning.time_plan``): the plan is the fastest layout that fits b
 metrics line carries the layout's predicted step time beside the measured one, the summary compares the
 two, and ``run_dir/time.json`` keeps them for ``hybrid plan --measured``.
 
+Nodes (``launch.job.elastic``, with ``failure.elastic``): a failed attempt whose node is gone and not back
+within ``grace_s`` resumes on a plan for the nodes alive (the global batch kept), not counted as a failure; while
+an attempt runs, nodes that joined stop it at its next checkpoint and the job resumes on a larger plan; each
+resize is a record and a line; too few nodes end the job (``JobFailed``).
+
 Failures reach the user as ``JobFailed``: one sentence naming the rank, its node and the cause (the CLI
 exits 1); the rank's traceback is logged.
 """
@@ -190,6 +195,11 @@ def measured_links(spec: LaunchSpec, reports, measure: bool, stream: TextIO) -> 
     figures = read_probe(spec.job.run_dir, spec)
     if figures is not None and (figures.get("device") == "cpu") == bool(use_gpus):
         return None  # made on other devices (CPU ranks then, GPUs now, or the other way)
+    from launch.planning.probe_local import calibrate_local, calibration_line, wanted
+
+    if figures is None and wanted(spec, use_gpus):  # an embedded cluster: this machine's figures, not the tables'
+        figures = calibrate_local(spec)
+        print(calibration_line(figures), file=stream, flush=True)
     return figures
 
 

@@ -12,8 +12,9 @@ plan). The largest node count from the nodes alive down to ``min_nodes`` whose p
 rank resumes from the last complete checkpoint. The data order does not depend on the DP split: a step's
 global batch is the same rows in the same order whatever its DP x accumulation split
 (``hybrid.data.MarkovTokens.batch`` / ``TokenFile.batch`` slice one global batch per step), and the step
-counter, the LR schedule's position and each rank's RNG state come from the checkpoint, so every step after
-a resize equals a by-hand resume of that checkpoint at the new size with the same global batch.
+counter and the LR schedule's position come from the checkpoint (the ranks' RNG states only at an unchanged size:
+``hybrid.checkpoint.sharded`` seeds each DP rank afresh from ``job.seed`` at another), so every step after a
+resize equals a by-hand resume of that checkpoint at the new size with the same global batch.
 
 While an attempt runs, ``Elastic.watch`` checks every ``GROW_CHECK_S`` whether more usable nodes than the plan
 holds (up to ``max_nodes``) are alive and a larger plan builds; once so, the next checkpoint a rank saves
