@@ -9,13 +9,14 @@ the built-in GPT do. ``model(input_ids=..., labels=...).loss`` is then the singl
 ``.logits`` are this rank's slice.
 
 Whether a model's forward allows it is read from the forward itself (``logits_refusal``): run once on meta
-(fake tensors, the model's parameters swapped for stand-ins), every operation from the head's output to the
-loss must act on each logit alone -- a cast, a view that keeps the vocabulary last, a slice of the positions,
-arithmetic with a number (Gemma 2's soft-capping ``tanh(z / c) · c``, Cohere's ``logit_scale``) -- and the loss
-must be transformers' causal-LM loss, called through ``self.loss_function`` with those logits. Anything else
-(a reduction or a slice over the vocabulary, a tensor over it added, a loss of the model's own, a forward that
-does not run on meta) keeps the gathered head, and the reason is logged and in the plan's notes
-(``hybrid.tp.plan.plan_notes``).
+(fake tensors, the model's parameters swapped for stand-ins), every operation from the head's matrix product
+(``F.linear`` with its weight: what a head class of its own does after it counts too) to the loss must act on
+each logit alone -- a cast, a view that keeps the vocabulary last, a slice of the positions, arithmetic with a
+number (Gemma 2's soft-capping ``tanh(z / c) · c``, Cohere's ``logit_scale``) -- and the loss must be
+transformers' causal-LM loss, called through ``self.loss_function`` with those logits. Anything else (a
+reduction or a slice over the vocabulary, a tensor over it added or multiplied: Dory's per-token scale, a loss
+of the model's own, a forward that does not run on meta) keeps the gathered head, and the reason is logged and
+in the plan's notes (``hybrid.tp.plan.plan_notes``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -72,6 +75,23 @@ class _FollowLogits(TorchDispatchMode):
         if self.refusal is None:
             for t in tree_leaves(out):
                 self.follow(t)
+        return out
+
+
+class _HeadProduct(TorchFunctionMode):
+    """Follows the head's matrix product itself (``F.linear`` with its weight), not the head module's output: a
+    head of its own may do more inside its forward (Dory's per-token ``logit_scale``, a whole vector over the
+    vocabulary), which must be followed too."""
+
+    def __init__(self, weight: torch.Tensor, follow: _FollowLogits):
+        super().__init__()
+        self.weight, self.follow_logits = weight, follow
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.linear and (args[1] if len(args) > 1 else kwargs.get("weight")) is self.weight:
+            self.follow_logits.follow(out)
         return out
 
 
@@ -148,16 +168,15 @@ def _trace_refusal(model: nn.Module) -> Optional[str]:
     ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
     stand_ins = {name: torch.empty_like(t, device="meta") for name, t in
                  [*model.named_parameters(), *model.named_buffers()]}
-    hook = head.register_forward_hook(lambda module, args, out: follow.follow(out))
+    weight = next(stand_ins[name] for name, p in model.named_parameters() if p is head.weight)
     model.loss_function = loss_probe
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), follow:
+        with FakeTensorMode(allow_non_fake_inputs=True), follow, _HeadProduct(weight, follow):
             torch.func.functional_call(model, stand_ins, args=(), kwargs={"input_ids": ids, "labels": ids},
                                        tie_weights=True, strict=False)
     except Exception as err:  # the model's own code: what stopped it, in one line
         return f"{cls}'s forward did not run on meta ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
     finally:
-        hook.remove()
         del model._loss_function
     if follow.refusal is not None:
         return follow.refusal

@@ -3,7 +3,8 @@
 ``causal_lm_loss`` over the whole vocabulary is transformers' ``ForCausalLMLoss`` (loss and gradient: the label
 shift, ``ignore_index``, the mean over kept tokens, ``num_items_in_batch``, ``shift_labels``). ``logits_refusal``
 reads the forward: Llama, Gemma 2 (soft-capped logits) and Cohere (``logit_scale``) keep the split; a forward that
-takes a log-softmax, adds a bias over the vocabulary, slices it or computes its own loss is refused in a phrase.
+takes a log-softmax, adds a bias over the vocabulary, slices it, computes its own loss or has a head that scales
+each vocabulary entry after its product (as Dory's does) is refused in a phrase.
 ``splits_logits`` (the planner's question) on whole models, on models split at TP 1 as the launcher holds
 them, and after ``split_logits``, whose model gives the loss it gave before. The multi-rank parity is
 tests/dist/test_hf_vocab_loss.py.
@@ -88,6 +89,23 @@ class OwnLoss(transformers.LlamaForCausalLM):
         return CausalLMOutputWithPast(loss=F.mse_loss(logits, logits.detach() + 1), logits=logits)
 
 
+class ScaledHead(torch.nn.Linear):
+    """A head of its own that scales each vocabulary entry after its product (as Dory's does)."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, VOCAB, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(VOCAB))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class OwnHead(transformers.LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.lm_head = ScaledHead(config)
+
+
 def _meta(build):
     with hybrid.empty_init():
         return build()
@@ -99,13 +117,15 @@ def test_the_forward_decides_whether_the_logits_stay_split():
         model = _meta(lambda: transformers.AutoModelForCausalLM.from_config(config))
         assert logits_refusal(model) is None, type(model).__name__
     refusals = {cls.__name__: logits_refusal(_meta(lambda: cls(transformers.LlamaConfig(**SHAPE))))
-                for cls in (LogSoftmaxFirst, VocabBias, VocabSlice, OwnLoss)}
+                for cls in (LogSoftmaxFirst, VocabBias, VocabSlice, OwnLoss, OwnHead)}
     assert refusals == {
         "LogSoftmaxFirst": "its forward applies _log_softmax to the logits before the loss",
         "VocabBias": f"its forward combines the logits with a tensor over the vocabulary (add with a tensor of "
                      f"shape ({VOCAB},)) before the loss",
         "VocabSlice": "its forward applies slice over the vocabulary of the logits before the loss",
         "OwnLoss": "its forward applies mse_loss over the vocabulary of the logits before the loss",
+        "OwnHead": f"its forward combines the logits with a tensor over the vocabulary (mul with a tensor of "
+                   f"shape ({VOCAB},)) before the loss",
     }, refusals
 
 
