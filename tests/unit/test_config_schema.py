@@ -131,7 +131,7 @@ def test_loading_a_cluster_file_checks_each_section_once(tmp_path):
     counts, patch = _count_constructions()
     with patch:
         load_spec(path)
-    assert counts == {"ClusterSpec": 1, "JobSpec": 1, "CheckpointSpec": 1, "ParallelSpec": 1}
+    assert counts == {"ClusterSpec": 1, "JobSpec": 1, "CheckpointSpec": 1, "ParallelSpec": 1, "FailureSpec": 1}
 
 
 @pytest.mark.parametrize("build, start", [
