@@ -25,8 +25,9 @@ model, another TP degree) are ``hybrid.errors.CheckpointError``.
 Modules: ``layout`` (directories, atomic publish, pruning), ``lock`` (one job per directory), ``manifest`` (hybrid.json and the same-model
 check), ``integrity`` (checksums, the marker's seal, verification), ``agreement`` (the ranks' collective
 checksums and choice of checkpoint), ``flat_planner`` (DCP planners for ZeRO's flat pieces), ``sharded``
-(save/load on the engine), ``offline`` (consolidate/describe), ``hf_export`` (consolidate_hf), ``rng``
-(per-rank RNG states).
+(save/load on the engine), ``background`` (asynchronous saves from a host copy), ``cadence`` (when a run
+saves), ``write_errors`` (a failed write's cause in one sentence), ``offline`` (consolidate/describe),
+``hf_export`` (consolidate_hf), ``rng`` (per-rank RNG states).
 """
 
 import importlib

@@ -38,7 +38,7 @@ from hybrid.config.units import human_bytes
 from launch.job.memory_view import memory_table, near_oom_line, usage_text
 
 
-from launch.job.metrics import model_state_bytes, step_entry, time_line  # noqa: E402,F401  (re-exported)
+from launch.job.metrics import model_state_bytes, save_cost, step_entry, time_line  # noqa: E402,F401  (re-exported)
 
 
 def eval_text(entry: dict) -> str:
@@ -60,6 +60,7 @@ class Progress:
         self.history: list[dict] = []  # one entry per completed step
         self.nvml: dict[int, dict] = {}  # rank (local rank 0 of a node) -> latest sample
         self.checkpoint_step: Optional[int] = None  # the newest checkpoint a rank reported saving or loading
+        self.saves: list[dict] = []  # rank 0's checkpoint_saved reports: bytes, stall, write seconds of each save
         self.resumed_from: Optional[int] = None  # the checkpoint step the latest attempt started from
         self._done = 0  # the last step in the history, in order
         self._printed = 0  # the last step whose line is out: re-run steps up to it are not printed again
@@ -160,7 +161,8 @@ class Progress:
     def _saved(self, record: dict) -> None:
         step = int(record["checkpoint_saved"])
         self.checkpoint_step = max(step, self.checkpoint_step or 0)
-        self._notes.append((step, f"checkpoint step {step} saved: {record.get('checkpoint', '?')}"))
+        self.saves.append(record)
+        self._notes.append((step, f"checkpoint step {step} saved: {record.get('checkpoint', '?')}{save_cost(record)}"))
 
     def _rewind(self, step: int) -> None:
         self.history = [e for e in self.history if e["step"] <= step]

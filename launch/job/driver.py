@@ -272,7 +272,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 wall = time.perf_counter() - started
                 print(progress.summary(outcome.placement, wall), file=stream, flush=True)
                 logs = kept_logs_dir(spec) or ray_log_dir()
-                for line in summary_lines(outcome.results, progress.history, metrics, str(logs)):
+                for line in summary_lines(outcome.results, progress.history, metrics, str(logs), progress.saves):
                     print(line, file=stream, flush=True)
                 if any("dp_inter_bytes" in e for e in progress.history):  # run_steps' reports carry them
                     traffic = link_line(progress.history, *replan.link_theory(plan, loop.choice))
