@@ -1,8 +1,15 @@
 """The time model against the clock: predicted vs measured step time of real launches on this machine.
 
-    python bench/time_model.py            # 24 layouts (TP 1/2 x stage 1/2/3 x AC x 2 micro-batches), world 4
-    python bench/time_model.py --quick    # 3 layouts, 6 steps: checks the script, proves nothing
+    python bench/time_model.py            # 20 layouts: 12 of the built-in GPT, 8 of an hf: Llama (GQA), world 4
+    python bench/time_model.py --quick    # 4 layouts (2 per model), 6 steps: checks the script, proves nothing
     python bench/time_model.py --world 2  # one node of 2 ranks instead of 2 nodes of 2
+
+Two models of about the same size: the built-in GPT (its FLOPs and ops from its formulas) and a transformers
+Llama with grouped-query attention (``hf: {config: llama/config.json, seq_len: 64}``, the config written into the
+work directory from ``LLAMA``), which the plan prices from its measured profile (``ModelShape.from_profile``:
+FLOPs per token, eager ops per micro-step, TP split by the model's own TP plan). Each model's layouts are a
+covering array of TP 1/2 x stage 1/2/3 x activation checkpointing x two micro-batches (``layouts``): every pair
+of two factors' values appears, in about half the runs of the full product.
 
 Runs ``hybrid probe`` once on a local cluster (2 simulated nodes x 2 ranks, gloo on CPU), then ``hybrid launch``
 for each layout with every choice fixed in the cluster file (``parallel.tp``, ``zero_stage``,
@@ -11,7 +18,7 @@ for each layout with every choice fixed in the cluster file (``parallel.tp``, ``
 commands, end to end. Each launch leaves ``time.json`` (``launch.job.metrics.time_record``): the predicted
 step time beside the median measured one (the first steps left out). The report: one row per layout
 (predicted, measured, measured / predicted, within +-30 %), the Spearman rank correlation of predicted and
-measured (the ranking the planner relies on), and what a calibration on the first layout alone
+measured over both models' layouts together (the ranking the planner relies on), and what a calibration on the first layout alone
 (``hybrid plan --measured``'s) would have predicted for the others. Pass: every layout within +-30 % and
 Spearman >= 0.8 (exit 1 otherwise). Timings need a quiet machine; the full run takes ~15 min on 2 cores.
 Without ``--quick`` the section "Time model" of bench/RESULTS.md is replaced.
@@ -37,28 +44,51 @@ if str(ROOT) not in sys.path:
 
 MODEL = {"vocab_size": 2048, "seq_len": 64, "n_layers": 4, "hidden": 256, "n_heads": 4, "mlp_ratio": 4,
          "dropout": 0.0}
+# A transformers LlamaConfig of the GPT's size class: 4 layers, width 256, 8 query heads sharing 2 key/value
+# heads (GQA), a gated MLP of 688; 4.3M parameters with untied embeddings.
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 256,
+         "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "max_position_embeddings": 128, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+SEQ = 64
+MODELS = ("gpt", "llama")
 SECTION = "## Time model: predicted vs measured step time (issue 35)"
 TOLERANCE = 0.30
 MIN_SPEARMAN = 0.8
 
 
+# Covering arrays over (tp, stage, ac, micro-batch half): every pair of two factors' values in some row.
+GPT_ROWS = [(1, 1, False, 0), (1, 1, True, 1), (1, 2, False, 1), (1, 2, True, 0), (1, 3, False, 0),
+            (1, 3, True, 1), (2, 1, False, 1), (2, 1, True, 0), (2, 2, False, 0), (2, 2, True, 1),
+            (2, 3, False, 1), (2, 3, True, 0)]
+LLAMA_ROWS = [(1, 1, False, 0), (1, 2, True, 1), (1, 3, False, 1), (1, 3, True, 0), (2, 1, True, 1),
+              (2, 2, False, 0), (2, 3, False, 0), (2, 3, True, 1)]
+
+
 def layouts(world: int, quick: bool) -> list[dict]:
-    """TP 1/2 x stage 1/2/3 x activation checkpointing x two micro-batches, one global batch for all."""
+    """Each model's covering array (``GPT_ROWS``, ``LLAMA_ROWS``) at one global batch of 16 sequences: micro-batch
+    the rows per DP rank, or half of them (two micro-steps); ``quick``: each model's first and last."""
     out = []
-    for tp in (1, 2):
-        dp = world // tp
-        rows = 16 // dp  # global batch 16 sequences
-        for stage in (1, 2, 3):
-            for ac in (False, True):
-                for micro in (rows, rows // 2):
-                    out.append({"tp": tp, "stage": stage, "ac": ac, "micro_batch": micro})
-    if quick:
-        return [out[0], out[7], out[-1]]
+    for model, rows in (("gpt", GPT_ROWS), ("llama", LLAMA_ROWS)):
+        chosen = [rows[0], rows[-1]] if quick else rows
+        for tp, stage, ac, half in chosen:
+            micro = 16 // (world // tp) // (2 if half else 1)
+            out.append({"model": model, "tp": tp, "stage": stage, "ac": ac, "micro_batch": micro})
     return out
 
 
 def label(lay: dict) -> str:
-    return f"tp{lay['tp']} z{lay['stage']} mb {lay['micro_batch']}" + (" AC" if lay["ac"] else "")
+    return (f"{lay.get('model', 'gpt')} tp{lay['tp']} z{lay['stage']} mb {lay['micro_batch']}"
+            + (" AC" if lay["ac"] else ""))
+
+
+def write_models(work: Path) -> dict:
+    """The two model configs in ``work``: ``{name: path}``."""
+    (work / "llama").mkdir()
+    (work / "llama" / "config.json").write_text(json.dumps(LLAMA, indent=1))
+    paths = {"gpt": work / "gpt.yaml", "llama": work / "llama.yaml"}
+    paths["gpt"].write_text(json.dumps({"model": {**MODEL, "seq_len": SEQ}}))
+    paths["llama"].write_text(json.dumps({"hf": {"config": "llama/config.json", "seq_len": SEQ}}))
+    return paths
 
 
 def cluster_text(nodes: int, per_node: int, model: Path, run_dir: Path, steps: int, lay: dict | None) -> str:
@@ -132,10 +162,9 @@ def run(args) -> dict:
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    model = work / "model.yaml"
-    model.write_text(json.dumps({"model": MODEL}))
+    models = write_models(work)
     probe_dir = work / "probe"
-    (work / "probe.yaml").write_text(cluster_text(nodes, per_node, model, probe_dir, args.steps, None))
+    (work / "probe.yaml").write_text(cluster_text(nodes, per_node, models["gpt"], probe_dir, args.steps, None))
     started = time.perf_counter()
     hybrid("probe", str(work / "probe.yaml"), log=work / "probe.log")
     probe = json.loads((probe_dir / PROBE_FILE).read_text())
@@ -145,14 +174,14 @@ def run(args) -> dict:
         run_dir.mkdir()
         shutil.copy(probe_dir / PROBE_FILE, run_dir / PROBE_FILE)
         cluster = work / f"run-{i:02d}.yaml"
-        cluster.write_text(cluster_text(nodes, per_node, model, run_dir, args.steps, lay))
+        cluster.write_text(cluster_text(nodes, per_node, models[lay["model"]], run_dir, args.steps, lay))
         if not launched(cluster, run_dir, lay, retried):
             continue
         record = json.loads((run_dir / "time.json").read_text())
         rows.append({"layout": label(lay), **lay, "predicted_s": record["predicted_step_s"],
                      "measured_s": record["measured_step_s"], "steps": record["measured_steps"],
                      "terms": record["predicted"]})
-        print(f"{label(lay):<18} predicted {rows[-1]['predicted_s'] * 1e3:8.2f} ms  measured "
+        print(f"{label(lay):<24} predicted {rows[-1]['predicted_s'] * 1e3:8.2f} ms  measured "
               f"{rows[-1]['measured_s'] * 1e3:8.2f} ms", flush=True)
     return {"rows": rows, "probe": {k: v for k, v in probe.items() if k != "ranks"}, "nodes": nodes,
             "per_node": per_node, "minutes": (time.perf_counter() - started) / 60, "retried": retried}
@@ -179,10 +208,11 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              f"{os.getloadavg()[0]:.1f} (timings need a quiet machine: other jobs share the cores and the probe)",
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Cluster: local, {result['nodes']} nodes x {result['per_node']} ranks, gloo on CPU, fp32; GPT "
-             f"{MODEL}; global batch 16 sequences in every layout; each layout one `hybrid launch` with its choices "
+             f"{MODEL} (its formulas); hf: Llama {LLAMA} at seq_len {SEQ} (its measured profile); global batch 16 "
+             f"sequences in every layout; each layout one `hybrid launch` with its choices "
              f"fixed in the cluster file and the probe's probe.json in its run_dir",
-             f"- Probe (`hybrid probe`): matmul {next(iter(p['matmul_flops'].values())) / 1e9:.3g} GFLOP/s, AdamW "
-             f"{p['optimizer_rate'] / 1e6:.3g}M parameters/s"
+             f"- Probe (`hybrid probe`): matmul {next(iter(p['matmul_flops'].values())) / 1e9:.3g} GFLOP/s"
+             + (f", AdamW {p['optimizer_rate'] / 1e6:.3g}M parameters/s" if p.get("optimizer_rate") else "")
              + (f", {1e6 / p['op_rate']:.3g} us per eager op" if p.get("op_rate") else "")
              + (f", copy {p['memory_bandwidth'] / 1e9:.3g} GB/s" if p.get("memory_bandwidth") else "")
              + f" (each CPU rank's share of its host's cores); intra-node "
@@ -194,8 +224,8 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              "- measured: median step time of the slowest rank over the steps after the first 3 "
              "(`launch.job.metrics.measured_step_s`); calibrated: every prediction scaled by the first layout's "
              "measured / predicted (what one run tells `hybrid plan --measured`)",
-             *(["- **A short run (`--quick`: 3 layouts, 6 steps) that checks the script, not the model**; the "
-                "acceptance run is the full one (24 layouts, 15 steps) on a quiet machine", ""] if quick else [""]),
+             *(["- **A short run (`--quick`: 4 layouts, 6 steps) that checks the script, not the model**; the "
+                "acceptance run is the full one (20 layouts, 15 steps) on a quiet machine", ""] if quick else [""]),
              "| layout | compute ms | TP ms | DP ms | optim ms | micro ms | predicted ms | measured ms "
              "| measured / predicted | within 30% | calibrated ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -205,6 +235,11 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
                      f"{t['optimizer_s'] * 1e3:.2f} | {t.get('micro_s', 0.0) * 1e3:.2f} | "
                      f"{r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
                      f"{r['measured_s'] / r['predicted_s']:.2f} | {'yes' if ok else 'no'} | {cal * 1e3:.2f} |")
+    for model in MODELS:
+        ratios = [r["measured_s"] / r["predicted_s"] for r in result["rows"] if r.get("model", "gpt") == model]
+        if ratios:
+            lines.append(f"\n{model}: measured / predicted {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} "
+                         "layouts.")
     lines += ["", f"Within +-{TOLERANCE:.0%}: {sum(check['within'])} of {len(check['within'])} layouts; Spearman "
                   f"rank correlation of predicted and measured: {check['spearman']:.2f} (target >= {MIN_SPEARMAN}). "
                   f"{'PASS' if check['passed'] else 'FAIL'}.", ""]
@@ -225,7 +260,7 @@ def write_section(path: Path, text: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 layouts, 6 steps: checks the script")
+    ap.add_argument("--quick", action="store_true", help="4 layouts, 6 steps: checks the script")
     ap.add_argument("--world", type=int, default=4, choices=(2, 4), help="ranks (4: 2 nodes x 2; 2: 1 node)")
     ap.add_argument("--steps", type=int, default=None, help="steps per launch (default 15; --quick 6)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-time-model"), help="scratch directory")

@@ -7,6 +7,8 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 # xdist workers each running several processes on two cores, a second OpenMP thread per process only spins
 # waiting for a core (measured: 25 % more CPU time for the same tests). Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Embedded-cluster launches plan from the tables, not from a calibration probe each (launch.planning.probe_local).
+os.environ.setdefault("HYBRID_LOCAL_CALIBRATION", "0")
 
 from launch.ray.cluster import LOOPBACK_ONLY_ENV  # noqa: E402  (imports neither Ray nor torch)
 

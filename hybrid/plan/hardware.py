@@ -340,8 +340,9 @@ def _probed(probe: dict, precision: str, peak, efficiency, optimizer_rate, intra
         if not fit or not fit.get("bandwidth"):
             continue
         groups = scale or int(fit.get("concurrent_groups", 1))  # the node's rings ran together
+        how = "in training's rhythm, after compute" if fit.get("loaded") else "back to back"
         new = Link(float(fit["bandwidth"]) * groups, float(fit.get("latency", link.latency)),
-                   f"measured by hybrid probe ({fit.get('group_size', '?')} ranks per group)")
+                   f"measured by hybrid probe ({fit.get('group_size', '?')} ranks per group, {how})")
         if key == "intra":
             intra = new
         else:

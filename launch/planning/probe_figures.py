@@ -39,6 +39,17 @@ def fit_line(points: list) -> tuple[float, float]:
     return max(0.0, t0 - b0 / bandwidth), bandwidth
 
 
+def fit_loaded(points: list) -> tuple[float, float]:
+    """``fit_line`` for collectives timed in training's rhythm (``hybrid.runtime.probe._loaded_collective``), where
+    a small call is mostly the wait for its peers: a larger message that was not slower gives the large one's rate
+    and the small one's time, less its bytes at that rate, as the latency (never none)."""
+    (b0, t0), (b1, t1) = sorted(points)[:2]
+    if t1 > t0 and b1 > b0:
+        return fit_line(points)
+    bandwidth = b1 / t1
+    return max(0.0, t0 - b0 / bandwidth), bandwidth
+
+
 def _bus_bytes(op: str, nbytes: float, n: int) -> float:
     return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
 
@@ -60,7 +71,8 @@ def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, addre
            "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision,
            "device": ranks[0]["device"] if ranks else "cpu",
            "matmul_flops": {precision: median(shared_rates(ranks, "matmul_flops"))},
-           "optimizer_rate": median(shared_rates(ranks, "optimizer_rate")),
+           "optimizer_rate": median(shared_rates(ranks, "optimizer_rate"))
+           if ranks and all(r.get("optimizer_rate") for r in ranks) else None,  # None: the quick probe's
            **{key: median(shared_rates(ranks, key)) for key in ("op_rate", "memory_bandwidth")
               if ranks and all(r.get(key) for r in ranks)}}
     for key, concurrent in (("intra", nodes), ("inter", gpus_per_node)):
@@ -73,10 +85,12 @@ def summarize(ranks: list, nodes: int, gpus_per_node: int, precision: str, addre
         for op in ("all_reduce", "all_gather"):
             sizes = [b for b, _ in groups[0][op]]
             slowest = [(_bus_bytes(op, b, n), max(dict(map(tuple, grp[op]))[b] for grp in groups)) for b in sizes]
-            latency, bandwidth = fit_line(slowest)
+            loaded = bool(groups[0].get("loaded"))
+            latency, bandwidth = (fit_loaded if loaded else fit_line)(slowest)
             fits[op] = {"points": [[b, t] for (_, t), b in zip(slowest, sizes)], "latency": latency,
                         "bandwidth": bandwidth}
         out[key] = {"group_size": n, "concurrent_groups": concurrent, **fits,
+                    **({"loaded": True} if groups[0].get("loaded") else {}),
                     "bandwidth": (fits["all_reduce"]["bandwidth"] + fits["all_gather"]["bandwidth"]) / 2,
                     "latency": fits["all_reduce"]["latency"]}
     out["ranks"] = ranks
