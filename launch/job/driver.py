@@ -289,7 +289,7 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 reached = reached_step(progress)
                 progress.restart(step or 0)
                 try:
-                    smaller = elastic.after_failure(plan, outcome.died or outcome.placement_failed,
+                    smaller = elastic.after_failure(plan, failure, outcome.died or outcome.placement_failed,
                                                     [p.node_id for p in outcome.placement], step or 0, reached,
                                                     checkpoint_name(spec.job.checkpoint.dir, step))
                 except NotEnoughNodes as err:

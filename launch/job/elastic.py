@@ -231,10 +231,10 @@ class Elastic:
 
     # -- shrinking
 
-    def after_failure(self, plan: LaunchPlan, failure_died: bool, lost_ids: Sequence[str], resume_step: int,
-                      reached_step: int, checkpoint: Optional[str]) -> Optional[LaunchPlan]:
-        """After a failed attempt: the smaller plan to resume on when nodes were lost and did not come back
-        within ``grace_s``; None to restart at the same size. Raises ``NotEnoughNodes``."""
+    def after_failure(self, plan: LaunchPlan, failure: str, failure_died: bool, lost_ids: Sequence[str],
+                      resume_step: int, reached_step: int, checkpoint: Optional[str]) -> Optional[LaunchPlan]:
+        """After a failed attempt (``failure``: its sentence): the smaller plan to resume on when nodes were lost
+        and did not come back within ``grace_s``; None to restart at the same size. Raises ``NotEnoughNodes``."""
         nodes = plan.spec.cluster.nodes
         usable = self._usable(plan)
         if failure_died and len(usable) >= nodes:  # Ray may report the node gone a moment after its ranks
@@ -245,8 +245,9 @@ class Elastic:
         if len(usable) >= nodes:
             return None
         lost = len(usable)
-        self.progress.note(f"{count(nodes - lost, 'node')} of {nodes} lost; waiting up to failure.elastic.grace_s = "
-                           f"{self.options.grace_s:g} s for {'it' if nodes - lost == 1 else 'them'} to come back")
+        self.progress.note(f"{failure}; {count(nodes - lost, 'node')} of {nodes} lost; waiting up to "
+                           f"failure.elastic.grace_s = {self.options.grace_s:g} s for "
+                           f"{'it' if nodes - lost == 1 else 'them'} to come back")
         deadline = time.monotonic() + self.options.grace_s
         while len(usable) < nodes and time.monotonic() < deadline:
             time.sleep(POLL_S)
