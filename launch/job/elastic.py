@@ -172,8 +172,8 @@ def too_few_sentence(alive: int, names: list, low: int, smallest: Optional[int],
     if alive < low:
         why = f"below failure.elastic.min_nodes = {low}"
     else:
-        why = f"on which the job does not fit ({refused[min(refused)]})" if refused else "too few for the job"
-        why = why.rstrip(".")
+        refusal = refused[max(refused)].rstrip(".") if refused else None  # the count nearest the nodes left
+        why = f"on which the job does not fit ({refusal})" if refusal else "too few for the job"
     need = (f"the smallest count that would run it is {smallest}" if smallest is not None else
             "no node count up to failure.elastic.max_nodes would run it")
     kept = f"; checkpoint {checkpoint} is intact" if checkpoint else ""

@@ -101,3 +101,18 @@ def test_a_steps_rows_are_the_same_sequences_in_the_same_order_whatever_the_dp_s
             whole = torch.cat(stream.batch(step, GLOBAL_BATCH, 0, 1), dim=1)
             split = torch.cat([torch.cat(stream.batch(step, rows, r, dp), dim=1) for r in range(dp)])
             assert torch.equal(split, whole)
+
+
+def test_a_model_that_fits_on_no_count_left_names_the_refusal_and_the_smallest_count_that_fits():
+    spec = job_spec(3, 0.0014, elastic={"min_nodes": 1})  # ZeRO-3 with checkpointing fits 3 nodes, not 2 or 1
+    facts = model_facts(spec)
+    plan = build_plan(spec, cpu_reports(3), facts)
+    assert plan.stage == 3
+    smaller, refused = plan_on(plan, 2, cpu_reports(2), facts)
+    assert smaller is None and sorted(refused) == [1, 2]
+    smallest = smallest_that_fits(plan, 2, cpu_reports(2), facts)
+    sentence = too_few_sentence(2, ["abc at 127.0.0.1"], 1, smallest, refused, "step 3 in /runs/x")
+    assert sentence.startswith("2 usable nodes left (abc at 127.0.0.1), on which the job does not fit (134,912 "
+                               "parameters do not fit on 2 GPUs")
+    assert sentence.endswith("; the smallest count that would run it is 3; checkpoint step 3 in /runs/x is intact")
+    assert ".;" not in sentence and ".)" not in sentence
