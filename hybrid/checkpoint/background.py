@@ -1,15 +1,15 @@
 """Asynchronous checkpoint saves: the rank copies what it writes to host memory and a background thread
 writes it, while training goes on.
 
-``BackgroundSaver.save(run_dir, engine, step, ...)`` (collective, every rank together, right after an
-optimizer step) first waits for the previous save's write, raising its failure (``CheckpointWriteError``,
-the same on every rank) -- one save in flight at a time --; then ``sharded.prepare`` (the manifest, the
-step's temporary directory, the live tensors), copies every tensor into host buffers that the saver keeps
-from one save to the next (pinned for a GPU's tensors: the master shard, the optimizer states, offloaded or
-not, the frozen parameters and buffers), and starts a thread that runs ``sharded.write`` on that copy over
-a gloo process group of its own (made at the first save), so DCP's collectives, the checksum agreement and
-the publish never interleave with training's. The stall of a save is the wait for the previous one plus
-the prepare and the copy. The files are those a synchronous ``sharded.save`` of the same state writes, bit
+``BackgroundSaver.save(run_dir, engine, step, ...)`` (every rank together, right after an optimizer step)
+first waits for the previous save's write, raising its failure (``CheckpointWriteError``, the same on every
+rank) -- one save in flight at a time --; then ``sharded.prepare`` (the manifest, the live tensors: no
+collective), copies every tensor into host buffers that the saver keeps from one save to the next (pinned
+for a GPU's tensors: the master shard, the optimizer states, offloaded or not, the frozen parameters and
+buffers), and starts a thread that runs ``sharded.write`` on that copy over a gloo process group of its own
+(made at the first save: the only collective on the training thread), so the directory's creation, DCP's
+collectives, the checksum agreement and the publish never interleave with training's. The stall of a save
+is the wait for the previous one plus the manifest and the copy. The files are those a synchronous ``sharded.save`` of the same state writes, bit
 for bit (same tensors, same planner); a checkpoint is still published only when every rank's files are
 written and their checksums agreed, so a rank killed during a background write leaves the previous
 checkpoint the latest.

@@ -28,9 +28,9 @@ damaged one.
 A save that cannot be written (disk full, quota, I/O error) fails on every rank together with
 ``CheckpointWriteError``: one sentence naming the cause (the disk's, where the error hides it:
 ``write_errors``) and the directory; the partial ``.tmp-step-N`` directory is removed (every rank's write had
-returned) and the previous checkpoints stay as they were. ``save`` is ``prepare`` (collective: the manifest,
-the directory, the tensors) then ``write`` (collective over any group: the files, their checksums, the
-publish), so ``background`` can run the write in a thread over a host copy while training goes on.
+returned) and the previous checkpoints stay as they were. ``save`` is ``prepare`` (this rank alone: the
+manifest, the tensors) then ``write`` (collective over any group: the directory, the files, their checksums,
+the publish), so ``background`` can run the write in a thread over a host copy while training goes on.
 
 All ranks must call ``save`` / ``load`` / ``maybe_save`` / ``resume_if_available`` / ``exclusive``
 together, and ``run_dir`` must be one directory that every rank sees (a shared filesystem across nodes).
@@ -163,7 +163,8 @@ def save(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = Non
     ``extra`` (JSON-serializable, rank 0's value is kept) comes back from ``load`` as ``Resumed.extra``;
     ``keep_last`` prunes older complete checkpoints (None keeps all).
     """
-    return write(prepare(run_dir, engine, step, extra=extra, model_config=model_config), keep_last)
+    return write(prepare(run_dir, engine, step, extra=extra, model_config=model_config), keep_last,
+                 device=engine.device)
 
 
 @dataclass
@@ -184,9 +185,8 @@ class Prepared:
 
 def prepare(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = None,
             model_config: Optional[Mapping[str, Any]] = None) -> Prepared:
-    """The first half of ``save`` (collective): refuse a save with unsaved gradients, build the manifest,
-    have rank 0 create the step's temporary directory afresh (every rank raises ``CheckpointWriteError`` when
-    it cannot), and gather the live tensors each rank writes."""
+    """The first half of ``save``, on this rank alone (no collective): refuse a save with unsaved gradients,
+    build the manifest and gather the live tensors the rank writes."""
     pending = engine.unsaved_gradients()
     if pending is not None:
         raise UsageError(f"cannot save a checkpoint now: {pending}, and a checkpoint holds no gradients, so a "
@@ -203,17 +203,6 @@ def prepare(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = 
     if engine.base_lr != engine.config.optimizer.lr:  # set by hand (engine.lr = x): the resume restores it
         doc["lr_set_by_hand"] = engine.base_lr
     tmp, final = layout.temporary_dir(run_dir, step), layout.final_dir(run_dir, step)
-
-    failure = None
-    if world.rank == 0:  # a crash may have left this step half-written; start it afresh
-        try:
-            layout.remove(tmp)
-            tmp.mkdir(parents=True)
-        except OSError as err:
-            cause, fix = write_errors.write_cause(err, tmp.parent)
-            failure = str(write_errors.write_failed(step, tmp, cause + " on rank 0", fix,
-                                                    previous=layout.latest(run_dir), wrote=False))
-    _fail_together(failure, _everyone(), engine.device)  # also the barrier before anyone writes
     state, pieces, swapped = _pieces(views, world.tp_rank)
     if world.dp_rank == 0:  # DP-replicated: one writer per TP rank, so the saved values are DP rank 0's
         state.update(plain.dcp_state(world.tp_rank))
@@ -222,11 +211,21 @@ def prepare(run_dir, engine, step: int, *, extra: Optional[Mapping[str, Any]] = 
 
 
 def write(prepared: Prepared, keep_last: Optional[int] = None, group=None, device="cpu") -> Path:
-    """The second half of ``save`` (collective over ``group``, default the world): every rank writes its
-    files, the ranks agree on their checksums, rank 0 publishes (manifest, seal, rename, prune); returns the
-    checkpoint's path. A failure is one ``CheckpointWriteError`` on every rank, the partial directory removed.
+    """The second half of ``save`` (collective over ``group``, default the world): rank 0 creates the step's
+    temporary directory afresh, every rank writes its files, the ranks agree on their checksums, rank 0
+    publishes (manifest, seal, rename, prune); returns the checkpoint's path. A failure is one ``CheckpointWriteError`` on every rank, the partial directory removed.
     ``hybrid.checkpoint.background`` runs it in a thread, on a group of its own, over a host copy of the state."""
     p, everyone = prepared, Comm(group, name="checkpoint")
+    failure = None
+    if p.rank == 0:  # a crash may have left this step half-written; start it afresh
+        try:
+            layout.remove(p.tmp)
+            p.tmp.mkdir(parents=True)
+        except OSError as err:
+            cause, fix = write_errors.write_cause(err, p.tmp.parent)
+            failure = str(write_errors.write_failed(p.step, p.tmp, cause + " on rank 0", fix,
+                                                    previous=layout.latest(p.run_dir), wrote=False))
+    _fail_together(failure, everyone, device)  # also the barrier before anyone writes
     planner = FlatSavePlanner(p.pieces, p.swapped)
     try:
         metadata = dcp.save(p.state, storage_writer=FileSystemWriter(p.tmp), planner=planner, process_group=group)
