@@ -6,7 +6,7 @@ alone on its host, and report the host and its cores, since they share them (``l
 divides). The driver fits and keeps the figures (``launch.planning.probe_figures``).
 
 ``measure_rank(..., quick=True)`` is the plan's calibration on CPU ranks (``launch.planning.probe_local``): a
-second or two. Its collectives are timed as training meets them -- each call after a short burst of compute on
+few seconds. Its collectives are timed as training meets them -- each call after a short burst of compute on
 every rank at once (``_loaded_collective``), so a call also pays for waking its peers and for their turns on
 shared cores, which a collective timed back to back (the full probe's) does not see: on a 2-core host 4 ranks'
 64 KB all-reduces took 0.4-0.6 ms back to back and 1.5-4 ms in training. Its rates are sustained for
@@ -32,7 +32,7 @@ REPS = 5
 # 81-85 each (one core's: the calls barely overlapped); alone, a core's rate is steady (90-100).
 SUSTAIN_S = 0.5
 QUICK_SUSTAIN_S = 0.05
-QUICK_LARGE_BYTES = 1 << 20  # the quick probe's large message: a DP bucket of a small model, a TP message of a large
+QUICK_LARGE_BYTES = 1 << 20  # the quick probe's large message (a small model's DP bucket)
 BURST_WIDTH = 128  # the compute between two loaded collectives: BURST_MATMULS matmuls of this width (~40 us each)
 BURST_MATMULS = 8
 LOADED_REPS = 15
