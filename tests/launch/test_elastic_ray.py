@@ -194,7 +194,8 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_at_stage_2_with_the_global_batch_ke
     saved = sorted(e.step for e in layout.scan(run) if e.complete)
     assert resumed in saved and resumed % EVERY == 0
     # only the steps after the last checkpoint were computed twice
-    assert all(s > resumed for s in resize["steps_computed_twice"]) and len(resize["steps_computed_twice"]) < EVERY
+    # (EVERY of them only where the node went while the next checkpoint was being written)
+    assert all(s > resumed for s in resize["steps_computed_twice"]) and len(resize["steps_computed_twice"]) <= EVERY
     line = next(line for line in out.splitlines() if line.startswith("resize 3 -> 2 nodes (1 node lost"))
     assert "dp 3 -> 2, stage 1 -> 2, accumulation 2 -> 3, global batch 12 kept" in line, line
     assert "plan: still OOM with sharded optimizer, fits with gradient sharding: stage 1 needs" in line, line
@@ -217,7 +218,7 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_at_stage_2_with_the_global_batch_ke
 def test_a_node_that_joins_grows_the_job_at_its_next_checkpoint(ray_nodes, tmp_path):
     ray_nodes.ensure(2)
     run = tmp_path / "run"
-    steps = 2 * STEPS  # time for the new node to start and be probed while checkpoints are still to come
+    steps = 3 * STEPS  # time for the new node to start and be probed while checkpoints are still to come
     proc = launch(cluster_file(tmp_path, "run", 2, "failure: {elastic: {max_nodes: 3}}", steps), ray_nodes.address)
     wait_for_step(run, 1, proc)
     ray_nodes.add()
