@@ -9,7 +9,9 @@ embedding tied to the head, soft-capped logits: ``tanh(z / c) · c`` applied to 
 No rank holds a full-vocabulary logits tensor: a ``TorchDispatchMode`` around each forward and backward records
 the widest last dimension of every tensor with one row per token (the logits' shape: ``b·s`` rows, or ``b × s``),
 which is ``V/2`` with the split logits and ``V`` for the control, the same model split by its plan alone
-(``apply_plan(model, hf_plan(model))``: the head's logits gathered).
+(``apply_plan(model, hf_plan(model))``: the head's logits gathered). ``hybrid.models.hf:train`` (2 steps of the
+Llama, ZeRO-1) takes the split logits too: its model's loss is the vocab-parallel one, its widest such tensor
+``V/2``.
 """
 
 import math
@@ -25,7 +27,8 @@ from hybrid.comm.mesh import build_mesh
 from hybrid.runtime.local_launch import run_local
 from hybrid.tp import apply_plan, hf_plan, parallelize
 from hybrid.tp.plan import plan_notes
-from tests.dist.test_hf_tp import GLOBAL_BATCH, SEED, SEQ, STEPS, VOCAB, _build, _ids, _reference, _rel, _train_config
+from tests.dist.test_hf_tp import (GLOBAL_BATCH, SEED, SEQ, STEPS, VOCAB, _build, _config, _ids, _reference, _rel,
+                                   _train_config)
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -48,7 +51,24 @@ class WidestPerToken(TorchDispatchMode):
         return out
 
 
-def _rank_runs(cases):
+def _hf_train(mesh, config_path: str) -> dict:
+    """``hybrid.models.hf:train`` at TP 2 x DP 2 for 2 steps: whether its model's loss was the vocab-parallel one,
+    and the widest per-token tensor its steps made."""
+    from hybrid.models.hf import train
+    from hybrid.runtime.train import Context, JobSettings
+    from hybrid.tp.hf_logits import uses_split_logits
+
+    settings = JobSettings(steps=2, micro_batch=2, stage=1, precision="fp32")
+    ctx = Context(mesh, {"hf": {"config": config_path, "seq_len": SEQ}, "train": {"lr": 0.01}}, settings,
+                  rank=dist.get_rank(), world_size=dist.get_world_size())
+    used = []
+    widest = WidestPerToken(tokens=settings.micro_batch * (SEQ + 1))  # hf:train's rows: seq_len + 1 tokens
+    with widest:
+        summary = train(ctx, after_step=[lambda ctx, engine, step: used.append(uses_split_logits(engine.module))])
+    return dict(used=used, widest=widest.widest, steps=summary["steps"])
+
+
+def _rank_runs(cases, config_path):
     mesh = build_mesh(tp=2)
     rows = slice(mesh.dp_rank * GLOBAL_BATCH // mesh.dp, (mesh.dp_rank + 1) * GLOBAL_BATCH // mesh.dp)
     out = {}
@@ -71,12 +91,16 @@ def _rank_runs(cases):
             losses.append(loss.item())
         out[(name, stage, logits)] = dict(losses=losses, widest=widest.widest, notes=plan_notes(model),
                                           weights=engine.full_state_dict(rank0_only=True))
+    out["hf:train"] = _hf_train(mesh, config_path)
     return out
 
 
-def test_split_logits_keep_parity_at_tp2_dp2_and_no_rank_holds_the_whole_vocabulary():
+def test_split_logits_keep_parity_at_tp2_dp2_and_no_rank_holds_the_whole_vocabulary(tmp_path):
     references = {name: _reference(name, "meta") for name in {name for name, _, _ in CASES}}
-    results = run_local(_rank_runs, 4, CASES, timeout_s=300)
+    _config("llama").to_json_file(str(tmp_path / "config.json"))
+    results = run_local(_rank_runs, 4, CASES, str(tmp_path / "config.json"), timeout_s=300)
+    for rank, res in enumerate(results):  # hybrid.models.hf:train takes the split logits too
+        assert res["hf:train"] == dict(used=[True, True], widest=VOCAB // 2, steps=2), (rank, res["hf:train"])
     for case in CASES:
         name, _, logits = case
         per_rank = [res[case] for res in results]
