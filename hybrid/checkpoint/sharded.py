@@ -230,13 +230,13 @@ def write(prepared: Prepared, keep_last: Optional[int] = None, group=None, devic
     try:
         metadata = dcp.save(p.state, storage_writer=FileSystemWriter(p.tmp), planner=planner, process_group=group)
     except dcp.api.CheckpointException as exc:  # raised on every rank, after every rank's write returned
-        failure = None
-        if p.rank == 0:  # rank 0 names the cause (before the removal frees the space) for every rank
+        failure = ""  # rank 0 names the cause (before the removal frees the space) for every rank
+        if p.rank == 0:
             cause, fix = _cause(exc, p.tmp)
             layout.remove(p.tmp)
             failure = str(write_errors.write_failed(p.step, p.tmp, cause, fix, previous=layout.latest(p.run_dir)))
+    if failure is not None:  # raised outside the handler: DCP's multi-rank traceback is no part of the sentence
         _fail_together(failure, everyone, device)
-        raise AssertionError("unreachable: _fail_together raises on every rank")  # pragma: no cover
     # dcp.save returned: every rank's data and .metadata are written
     files = agreement.record_checksums(p.tmp, metadata, planner.final_plan.items, everyone, device)
     failure = None

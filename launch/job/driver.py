@@ -77,6 +77,7 @@ from launch.job import signals
 from launch.job.elastic import Elastic, NotEnoughNodes
 from launch.job.display import Progress
 from launch.job.log_forwarding import LogActivity
+from launch.job import rank_traceback
 from launch.job.metrics import (MetricsWriter, link_line, ray_log_dir, summary_lines, time_record,
                                 write_time_record)
 from launch.planning.model_size import ModelFacts, model_facts
@@ -421,7 +422,7 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
                                   placement=group.placement)
         refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan, choice),
                          working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
-        outcome = _collect(group, refs, progress, spec.job.collective_timeout_s, watch)
+        outcome = _collect(group, refs, progress, spec.job.collective_timeout_s, watch, spec.job.run_dir)
         logs.settle()  # the ranks' last lines reach the terminal before the summary and the teardown
         outcome.placement = placement
         graceful = outcome.ok
@@ -447,7 +448,8 @@ def describe_placement(placement: list[RankPlacement]) -> str:
     return "placed  " + "; ".join(parts)
 
 
-def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: float, watch=None) -> AttemptOutcome:
+def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: float, watch=None,
+             run_dir=None) -> AttemptOutcome:
     """Poll the ranks' results and reports until every rank returned or one failed; once ``watch()`` turns True
     the ranks are asked to stop (each returns before its next step).
 
@@ -492,9 +494,11 @@ def _collect(group: WorkerGroup, refs: list, progress: Progress, timeout_s: floa
     if kind is FailureKind.USER_ERROR:  # one sentence is the whole story: no traceback (it stays in the rank's log)
         log.debug("rank %d failed:\n%s", rank, err)
         return AttemptOutcome(False, failure=failure, user_error=reworded(error, f"rank {rank}: {error}"))
+    if kind is FailureKind.JOB_ERROR:  # e.g. diverged, disk full: a restart would repeat it; the sentence says all
+        log.debug("rank %d failed:\n%s", rank, err)
+        cause = rank_traceback.pointing(str(error), rank_traceback.keep(run_dir, rank, err))
+        return AttemptOutcome(False, failure=Failure(rank, node, cause), retryable=False)
     log.error("rank %d failed:\n%s", rank, err)
-    if kind is FailureKind.JOB_ERROR:  # e.g. diverged: a restart from the checkpoint would diverge again
-        return AttemptOutcome(False, failure=Failure(rank, node, str(error)), retryable=False)
     return AttemptOutcome(False, failure=failure, oom=kind is FailureKind.OUT_OF_MEMORY, died=kind is FailureKind.DIED)
 
 
