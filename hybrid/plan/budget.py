@@ -81,9 +81,11 @@ def load_torch_runtime() -> None:
 
 
 def follow_live_tensors() -> bool:
-    """Make glibc serve blocks of 1 MiB and more from their own mappings and give freed heap above 2 MiB back
+    """Make glibc serve blocks of 256 KiB and more from their own mappings and give freed heap above 2 MiB back
     at once, so the process's RSS follows its live tensors (to ~1 %); False where libc is not glibc.
-    (64 KiB / 128 KiB followed them to 0.1 %, but cost a CPU step 16-31 % instead of 11-23 %.)"""
+    (64 KiB / 128 KiB followed them to 0.1 %, but cost a CPU step 16-31 % instead of 11-23 %. 1 MiB left a TP
+    rank's activations -- 1/t of the width: 256 KiB-1 MiB at hidden 512 -- to the heap, whose holes kept
+    31-55 MB, 8-15 % of the peak, beyond the live tensors: tests/dist/test_hf_memory_prediction.py.)"""
     import ctypes
 
     try:
@@ -91,7 +93,7 @@ def follow_live_tensors() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_trim_threshold, 2 << 20))
+    return bool(mallopt(m_mmap_threshold, 256 << 10)) and bool(mallopt(m_trim_threshold, 2 << 20))
 
 
 class MemoryMeter:
