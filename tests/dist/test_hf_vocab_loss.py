@@ -11,7 +11,8 @@ the widest last dimension of every tensor with one row per token (the logits' sh
 which is ``V/2`` with the split logits and ``V`` for the control, the same model split by its plan alone
 (``apply_plan(model, hf_plan(model))``: the head's logits gathered). ``hybrid.models.hf:train`` (2 steps of the
 Llama, ZeRO-1) takes the split logits too: its model's loss is the vocab-parallel one, its widest such tensor
-``V/2``.
+``V/2``. A Llama whose head scales each vocabulary entry after its product (as Dory's does) keeps the gathered
+logits, and the plan's notes say why.
 """
 
 import math
@@ -68,6 +69,35 @@ def _hf_train(mesh, config_path: str) -> dict:
     return dict(used=used, widest=widest.widest, steps=summary["steps"])
 
 
+class ScaledHead(torch.nn.Linear):
+    """A head of its own that scales each vocabulary entry after its product (as Dory's does): not split."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(config.vocab_size))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def _fallback(mesh, rows) -> dict:
+    """A Llama with a ``ScaledHead`` split by ``parallelize`` at TP 2: its logits gathered, the plan's notes say
+    why; one step's widest per-token tensor and loss."""
+    import transformers
+
+    torch.manual_seed(SEED)  # built with values, each rank keeping its slice
+    model = transformers.LlamaForCausalLM(_config("llama"))
+    model.lm_head = ScaledHead(model.config)
+    parallelize(model, mesh.tp_comm)
+    engine = hybrid.initialize(model, _train_config(1), dp_group=mesh.dp_group, tp_group=mesh.tp_group, seed=SEED,
+                               init_fn=model._init_weights)
+    widest = WidestPerToken(tokens=(GLOBAL_BATCH // mesh.dp) * SEQ)
+    with widest:
+        loss = engine(input_ids=_ids(0)[rows], labels=_ids(0)[rows]).loss
+        engine.backward(loss)
+    return dict(notes=plan_notes(model), widest=widest.widest, loss=loss.item())
+
+
 def _rank_runs(cases, config_path):
     mesh = build_mesh(tp=2)
     rows = slice(mesh.dp_rank * GLOBAL_BATCH // mesh.dp, (mesh.dp_rank + 1) * GLOBAL_BATCH // mesh.dp)
@@ -92,6 +122,7 @@ def _rank_runs(cases, config_path):
         out[(name, stage, logits)] = dict(losses=losses, widest=widest.widest, notes=plan_notes(model),
                                           weights=engine.full_state_dict(rank0_only=True))
     out["hf:train"] = _hf_train(mesh, config_path)
+    out["fallback"] = _fallback(mesh, rows)
     return out
 
 
@@ -101,6 +132,10 @@ def test_split_logits_keep_parity_at_tp2_dp2_and_no_rank_holds_the_whole_vocabul
     results = run_local(_rank_runs, 4, CASES, str(tmp_path / "config.json"), timeout_s=300)
     for rank, res in enumerate(results):  # hybrid.models.hf:train takes the split logits too
         assert res["hf:train"] == dict(used=[True, True], widest=VOCAB // 2, steps=2), (rank, res["hf:train"])
+        fallback = res["fallback"]  # a forward that needs the whole vocabulary keeps the gathered logits
+        assert fallback["widest"] == VOCAB and math.isfinite(fallback["loss"]), (rank, fallback)
+        assert (f"logits gathered on every TP rank (its forward combines the logits with a tensor over the "
+                f"vocabulary (mul with a tensor of shape ({VOCAB},)) before the loss)") in fallback["notes"], fallback
     for case in CASES:
         name, _, logits = case
         per_rank = [res[case] for res in results]
