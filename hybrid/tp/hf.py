@@ -178,14 +178,14 @@ def _plans_gathered_head(model: nn.Module, plan: dict, where: str = "the TP plan
 def splits_logits(model: nn.Module, tp: int) -> bool:
     """Whether ``hybrid.tp.parallelize`` (``Context.parallelize``) leaves ``model``'s logits split by vocabulary
     over ``tp`` TP ranks, each holding ``V/tp`` of them (the planner's memory question). ``model``: whole (split
-    by its own plan), or split at TP 1 by a plan (as the launcher holds it), or split already."""
+    by its own plan), or split at TP 1 by a plan (as the launcher holds it), or split by ``parallelize``."""
     head = output_head(model)
     if tp <= 1 or head is None:
         return False
     if uses_split_logits(model):
         return True
-    if isinstance(head, SplitModule):
-        plan_says = isinstance(head, ColwiseGatheredLinear)
+    if isinstance(head, SplitModule):  # at TP > 1 split by apply_plan alone: its logits stay gathered
+        plan_says = isinstance(head, ColwiseGatheredLinear) and head.tp == 1
     elif any(isinstance(m, SplitModule) for m in model.modules()):
         plan_says = False  # split by a plan that leaves the head whole
     else:

@@ -22,7 +22,6 @@ in the plan's notes (``hybrid.tp.plan.plan_notes``).
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Optional
 
 import torch
@@ -38,19 +37,16 @@ from hybrid.tp.loss import causal_lm_loss
 from hybrid.tp.regions import TRACE_TOKENS
 from hybrid.tp.styles import ColwiseGatheredLinear, ColwiseLinear, split_class
 
-log = logging.getLogger(__name__)
-
 # ops that act on each element alone without a pointwise tag: casts and copies
 _COPIES = {"_to_copy", "clone", "alias", "detach", "lift_fresh", "contiguous", "_assert_tensor_metadata"}
 # ops that move elements without mixing them; slicing ones are checked to leave the vocabulary (last) dimension
-_VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "slice", "select", "narrow",
-          "as_strided"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "slice", "select", "narrow"}
 _SLICING = {"slice", "select", "narrow"}
 
 
 class _FollowLogits(TorchDispatchMode):
-    """Follows the head's output (and what is computed from it alone) through aten ops; the first op that is
-    not elementwise over the vocabulary is ``refusal``. ``loss_logits`` says whether the model's loss got them."""
+    """Follows the head's product (and what is computed from it) through aten ops; the first op that is not
+    elementwise over the vocabulary is ``refusal``. ``loss_calls``: whether each call of the loss got them."""
 
     def __init__(self):
         super().__init__()
