@@ -1,7 +1,7 @@
 """Asynchronous checkpoints (``hybrid.checkpoint.background``) on real gloo ranks.
 
-Two ranks at ZeRO stage 1 and 3: a background save of step 2 while the next step trains writes the very
-files a synchronous save of step 2 writes (every data file bit for bit, the same DCP metadata and manifest
+Two ranks at ZeRO stage 1, 3 and 2 with the optimizer offloaded to host memory: a background save of step 2
+while the next step trains writes the very files a synchronous save of step 2 writes (every data file bit for bit, the same DCP metadata and manifest
 but for the directory and the time); ``run_steps`` with ``checkpoint_async`` and a time cadence saves after
 every step, publishes each once written and keeps the newest two, reporting bytes and stall per save.
 
@@ -13,11 +13,13 @@ one sentence naming the disk ("No space left on device: ... free of ..."), the p
 the previous checkpoint intact.
 """
 
+import contextlib
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,18 +37,53 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+OFFLOADED = "2-offload"  # ZeRO stage 2 with the optimizer states in host memory, which the next step mutates
+
+
+def _offloaded_engine(cfg: GPTConfig):
+    import hybrid
+    from hybrid.comm.mesh import build_mesh
+    from hybrid.config.training import TrainConfig
+    from hybrid.models import GPT
+
+    mesh = build_mesh(tp=1, dp=2)
+    config = TrainConfig.from_dict({"zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "precision": "fp32",
+                                    "optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}})
+    return mesh, hybrid.initialize(GPT(cfg, seed=0), config, dp_group=mesh.dp_group)
+
+
+@contextlib.contextmanager
+def _writes_after(event: threading.Event):
+    """DCP's file writer (torch's, per item) holds each write until ``event`` is set."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    write_item = dcp_fs._write_item
+
+    def held(*args, **kwargs):
+        assert event.wait(60), "the training thread never got to set the event"
+        return write_item(*args, **kwargs)
+
+    dcp_fs._write_item = held
+    try:
+        yield
+    finally:
+        dcp_fs._write_item = write_item
+
+
 def _sync_and_async_saves(cfg_dict: dict, root: str) -> dict:
     from hybrid.runtime.train import Context, JobSettings, run_steps
 
     cfg, root, out = GPTConfig.from_dict(cfg_dict), Path(root), {}
-    for stage in (1, 3):
-        mesh, engine = _engine(cfg, 1, 2, stage)
+    for stage in (1, 3, OFFLOADED):
+        mesh, engine = _engine(cfg, 1, 2, stage) if stage != OFFLOADED else _offloaded_engine(cfg)
         _train(mesh, engine, cfg, 0, 2)
         checkpoint.save(root / f"sync{stage}", engine, 2)
-        saver = BackgroundSaver()
-        saver.save(root / f"async{stage}", engine, 2)
-        _train(mesh, engine, cfg, 2, 1)  # changes every master and moment while the write may go on
-        saver.close()
+        saver, trained = BackgroundSaver(), threading.Event()
+        with _writes_after(trained):
+            saver.save(root / f"async{stage}", engine, 2)
+            _train(mesh, engine, cfg, 2, 1)  # changes every master and moment before the first byte is written
+            trained.set()
+            saver.close()
         out[stage] = [(r.step, r.background) for r in saver.finished()]
 
     reports = []
@@ -81,7 +118,7 @@ def _same_files(sync: Path, background: Path) -> None:
 def test_background_save_writes_the_files_of_a_synchronous_one(tmp_path):
     cfg = GPTConfig.from_yaml(CONFIG)
     ranks = run_local(_sync_and_async_saves, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)
-    for stage in (1, 3):
+    for stage in (1, 3, OFFLOADED):
         assert ranks[0][stage] == [(2, True)] and ranks[1][stage] == [(2, True)]
         _same_files(tmp_path / f"sync{stage}" / "checkpoints" / "step-000002",
                     tmp_path / f"async{stage}" / "checkpoints" / "step-000002")
