@@ -9,7 +9,8 @@ embedding tied to the head, soft-capped logits: ``tanh(z / c) · c`` applied to 
 No rank holds a full-vocabulary logits tensor: a ``TorchDispatchMode`` around each forward and backward records
 the widest last dimension of every tensor with one row per token (the logits' shape: ``b·s`` rows, or ``b × s``),
 which is ``V/2`` with the split logits and ``V`` for the control, the same model split by its plan alone
-(``apply_plan(model, hf_plan(model))``: the head's logits gathered). ``hybrid.models.hf:train`` (2 steps of the
+(``apply_plan(model, hf_plan(model))``: the head's logits gathered); ``splits_logits(model, 2)``, the planner's
+question, says which on every rank. ``hybrid.models.hf:train`` (2 steps of the
 Llama, ZeRO-1) takes the split logits too: its model's loss is the vocab-parallel one, its widest such tensor
 ``V/2``. A Llama whose head scales each vocabulary entry after its product (as Dory's does) keeps the gathered
 logits, and the plan's notes say why.
@@ -26,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 import hybrid
 from hybrid.comm.mesh import build_mesh
 from hybrid.runtime.local_launch import run_local
-from hybrid.tp import apply_plan, hf_plan, parallelize
+from hybrid.tp import apply_plan, hf_plan, parallelize, splits_logits
 from hybrid.tp.plan import plan_notes
 from tests.dist.test_hf_tp import (GLOBAL_BATCH, SEED, SEQ, STEPS, VOCAB, _build, _config, _ids, _reference, _rel,
                                    _train_config)
@@ -120,6 +121,7 @@ def _rank_runs(cases, config_path):
             engine.step()
             losses.append(loss.item())
         out[(name, stage, logits)] = dict(losses=losses, widest=widest.widest, notes=plan_notes(model),
+                                          predicted=splits_logits(model, 2),
                                           weights=engine.full_state_dict(rank0_only=True))
     out["hf:train"] = _hf_train(mesh, config_path)
     out["fallback"] = _fallback(mesh, rows)
@@ -145,6 +147,7 @@ def test_split_logits_keep_parity_at_tp2_dp2_and_no_rank_holds_the_whole_vocabul
         assert _rel(losses, ref_losses) < 1e-5, f"{case}: losses {losses} vs {ref_losses}"
         for key, ref in ref_weights.items():
             assert _rel(per_rank[0]["weights"][key], ref) < 1e-5, f"{case}: {key}"
+        assert {r["predicted"] for r in per_rank} == {logits == "split"}, f"{case}: the planner's splits_logits"
         widths = {r["widest"] for r in per_rank}
         if logits == "split":
             assert widths == {VOCAB // 2}, f"{case}: a rank held logits {widths} wide (vocabulary {VOCAB})"
