@@ -10,10 +10,11 @@ No rank holds a full-vocabulary logits tensor: a ``TorchDispatchMode`` around ea
 the widest last dimension of every tensor with one row per token (the logits' shape: ``b·s`` rows, or ``b × s``),
 which is ``V/2`` with the split logits and ``V`` for the control, the same model split by its plan alone
 (``apply_plan(model, hf_plan(model))``: the head's logits gathered); ``splits_logits(model, 2)``, the planner's
-question, says which on every rank. ``hybrid.models.hf:train`` (2 steps of the
-Llama, ZeRO-1) takes the split logits too: its model's loss is the vocab-parallel one, its widest such tensor
-``V/2``. A Llama whose head scales each vocabulary entry after its product (as Dory's does) keeps the gathered
-logits, and the plan's notes say why.
+question, says which on every rank.
+
+``hybrid.models.hf:train`` (2 steps of the Llama, ZeRO-1) takes the split logits too: its model's loss is the
+vocab-parallel one, its widest such tensor ``V/2``. A Llama whose head scales each vocabulary entry after its
+product (as Dory's does) keeps the gathered logits, and the plan's notes say why.
 """
 
 import math
