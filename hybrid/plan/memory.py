@@ -537,8 +537,8 @@ def profile_activation_bytes(plain, checkpointed, seq: int, micro_batch: int, tp
     row-parallel projection, counted whole though it is split) stay whole on every rank and the rest
     (heads, MLP columns) is 1/t; what a checkpoint keeps and the outside stay whole, except the head's bytes,
     which are 1/t where the logits are split by vocabulary (``logits_split``: a vocab-parallel head and loss,
-    as the built-in GPT's) and whole where every rank gathers them (a Hugging Face head's
-    ``colwise_gather_output``).
+    as the built-in GPT's and a Hugging Face causal LM's where ``hybrid.tp.splits_logits`` says so) and whole
+    where every rank gathers them (a head whose forward cannot keep them split).
     """
     s, b, t = _positive_int(seq, "seq"), _positive_int(micro_batch, "micro_batch"), _positive_int(tp, "tp")
 

@@ -57,6 +57,7 @@ BUILT_IN_ENTRYPOINTS = (BUILT_IN_ENTRYPOINT, "hybrid.models.hf:train")
 BUILT_IN_HOOKS = ("hybrid.models.gpt.training", "hybrid.models.hf")
 HOOK = "build_model"
 PARAMS_TOLERANCE = Fraction(1, 100)  # a params: override this far from the measured count is a typo
+ANY_TP = 2  # a TP degree above 1, where hybrid.tp.splits_logits answers alike for all of them
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,7 @@ class ModelFigures:
     gpt: Optional[dict] = None       # the built-in GPT's shape: its own formulas
     plain: Any = None                # hybrid.plan.profile.ModelProfile without activation checkpointing
     checkpointed: Any = None         # and with it
-    logits_split: bool = False       # the head's logits split by vocabulary over TP (else gathered on every rank)
+    logits_split: bool = False       # at TP > 1 the logits split by vocabulary (else gathered on every rank)
     note: str = ""                   # why nothing is known, one sentence without its full stop ("" when known)
     checkpointing: bool = True       # the job's loop applies activation checkpointing when the plan turns it on
 
@@ -334,14 +335,16 @@ def model_figures(facts: ModelFacts, precision: str, entrypoint: str = BUILT_IN_
 
 def config_figures(config, seq: int, precision: str) -> ModelFigures:
     """A transformers config's figures on paper (``hybrid estimate --hf``): its causal LM profiled, Ψ the profile's
-    count; the logits whole on every TP rank (a Hugging Face head gathers them). ``ProfileError`` (one sentence)
-    where the profile cannot be taken."""
+    count; the logits split at TP > 1 where ``hybrid.models.hf:train`` splits them (``logits_split`` of the model
+    built on meta with two layers). ``ProfileError`` (one sentence) where the profile cannot be taken."""
     from hybrid.plan.profile import ProfileError
+    from hybrid.plan.profile.measure import model_on_meta
 
     profiles = _profiles(config, None, seq, precision)
     if isinstance(profiles, str):
         raise ProfileError(profiles + ".")
-    return ModelFigures(profiles[0].params, precision, seq, plain=profiles[0], checkpointed=profiles[1])
+    return ModelFigures(profiles[0].params, precision, seq, plain=profiles[0], checkpointed=profiles[1],
+                        logits_split=logits_split(model_on_meta(config)))
 
 
 def _profiles(config, module, seq: int, precision: str):
@@ -374,13 +377,17 @@ def _profiles(config, module, seq: int, precision: str):
 
 
 def logits_split(module) -> bool:
-    """Whether the model's head leaves each TP rank its slice of the vocabulary (a column-parallel head without
-    gathering, with a vocab-parallel loss: the built-in GPT's) rather than gathering the logits on every rank (a
-    Hugging Face head's ``colwise_gather_output``, or a head not split)."""
+    """Whether the ranks keep their ``V/t`` slice of the model's logits at TP ``t`` > 1 (the answer is the same at
+    every such degree) rather than gathering them on every rank: a Hugging Face causal LM where
+    ``hybrid.tp.splits_logits`` says ``Context.parallelize`` leaves them split with a vocabulary-parallel loss,
+    or a head of ``hybrid.tp`` layers split by vocabulary without gathering (the built-in GPT's)."""
     from hybrid.plan.profile import find_blocks
     from hybrid.plan.profile.measure import output_head
+    from hybrid.tp.hf import splits_logits
     from hybrid.weights.attrs import is_tensor_parallel
 
+    if splits_logits(module, ANY_TP):
+        return True
     head = output_head(module, find_blocks(module)[1])
     return (head is not None and getattr(head, "gather_output", True) is False
             and any(is_tensor_parallel(p) for p in head.parameters(recurse=False)))

@@ -195,13 +195,17 @@ def profile_config(config, batch: int, seq: int, *, layers_run: int = 2, **optio
     """The profile of a transformers config's causal LM (``AutoModelForCausalLM``), built on meta with
     ``layers_run`` layers from a copy of ``config`` and scaled to its ``num_hidden_layers``; ``options`` as
     ``profile_model``'s."""
+    return profile_model(model_on_meta(config, layers_run), batch, seq, layers=config.num_hidden_layers, **options)
+
+
+def model_on_meta(config, layers: int = 2) -> nn.Module:
+    """A transformers config's causal LM (``AutoModelForCausalLM``) on meta, built from a copy of ``config`` with
+    at most ``layers`` layers (its per-layer ``layer_types`` cut alike)."""
     import transformers
 
-    layers = config.num_hidden_layers
     small = copy.deepcopy(config)
-    small.num_hidden_layers = min(layers_run, layers)
+    small.num_hidden_layers = min(layers, config.num_hidden_layers)
     if isinstance(getattr(small, "layer_types", None), list):
         small.layer_types = small.layer_types[:small.num_hidden_layers]
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(small)
-    return profile_model(model, batch, seq, layers=layers, **options)
+        return transformers.AutoModelForCausalLM.from_config(small)
