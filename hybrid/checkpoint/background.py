@@ -88,7 +88,7 @@ class BackgroundSaver:
         t0 = time.perf_counter()
         self.wait()
         prepared = sharded.prepare(run_dir, engine, step, extra=extra, model_config=model_config)
-        if prepared.swapped:
+        if getattr(engine.optimizer, "swap", None) is not None:  # the job's choice, so every rank's alike
             path = sharded.write(prepared, keep_last, device=engine.device)
             stall = time.perf_counter() - t0
             self._done.append(SaveRecord(step, path, checkpoint_bytes(prepared), stall, stall, background=False))
