@@ -67,6 +67,7 @@ def test_the_launch_line_says_what_was_measured_and_how_long_it_took():
     assert line.startswith("probe   calibrated on this machine in 3.2 s (2 x 2 CPU ranks")
     assert "inside a node 1.9 ms per call of 2 ranks" in line and "matmul 50 GFLOP/s" in line  # 100 / 2 ranks a core
     assert "20 us per eager op" in line
+    assert calibration_line(None).endswith("did not finish (see the warning above); the plan uses the tables")
 
 
 def test_only_an_embedded_cpu_cluster_calibrates_and_the_switch_turns_it_off(monkeypatch):
