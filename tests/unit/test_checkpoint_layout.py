@@ -301,19 +301,21 @@ def test_an_unreadable_file_stops_the_resume_instead_of_skipping(tmp_path, capsy
 def test_a_failed_write_is_one_sentence_naming_the_cause():
     import torch.distributed.checkpoint as dcp
 
+    from hybrid.checkpoint.write_errors import write_failed
+
     full = OSError(errno.ENOSPC, "No space left on device")
     exc = dcp.api.CheckpointException("write", {1: (full, None), 0: (RuntimeError("peer\nmore"), None)})
-    assert sharded._cause(exc) == ("No space left on device on rank 1",
-                                   "free space there (or lower job.checkpoint.keep_last)")
-    err = sharded._write_failed(8, Path("/runs/a/checkpoints/.tmp-step-000008"), *sharded._cause(exc),
-                                run_dir="/nope")
+    tmp = Path("/runs/a/checkpoints/.tmp-step-000008")
+    assert sharded._cause(exc, tmp) == ("No space left on device on rank 1",
+                                        "free space there (or lower job.checkpoint.keep_last)")
+    err = write_failed(8, tmp, *sharded._cause(exc, tmp), previous=None)
     assert str(err) == ("saving the step-8 checkpoint into /runs/a/checkpoints failed (No space left on device on "
                         "rank 1; the partial .tmp-step-000008 was removed); free space there (or lower "
                         "job.checkpoint.keep_last) and run the job again to resume from step 0.")
     denied = dcp.api.CheckpointException("write", {0: (PermissionError(errno.EACCES, "Permission denied"), None)})
-    assert sharded._cause(denied) == ("Permission denied on rank 0", "make it writable for every rank")  # by errno
+    assert sharded._cause(denied, tmp) == ("Permission denied on rank 0", "make it writable for every rank")  # by errno
     in_the_way = dcp.api.CheckpointException("write", {1: (NotADirectoryError(errno.ENOTDIR, "Not a directory"), None)})
-    assert sharded._cause(in_the_way)[1].startswith("move aside the file that stands where a directory")
+    assert sharded._cause(in_the_way, tmp)[1].startswith("move aside the file that stands where a directory")
 
 
 def test_a_checkpoint_of_another_optimizer_or_its_options_is_refused_by_name():
