@@ -302,6 +302,25 @@ def test_a_blocks_tp_split_agrees_with_korthikanti():
         assert 0.88 <= ratio <= 0.95, (tp, ratio)  # measured 0.895 .. 0.935: no dropout masks, the s² term
 
 
+def test_the_plan_prices_the_logits_split_exactly_where_the_loop_keeps_them_split():
+    """``model_size.logits_split`` is ``hybrid.tp.splits_logits``'s answer for a Hugging Face causal LM as the launcher
+    holds it (split by its own plan at TP 1): a Llama's logits stay split at TP > 1, a head whose forward adds a
+    tensor over the vocabulary keeps them gathered; ``estimate --hf`` asks the config's model the same."""
+    from hybrid.tp import splits_logits
+    from tests.unit.test_hf_logits import SHAPE as TINY, VocabBias
+
+    config = transformers.LlamaConfig(**TINY)
+    for cls, split in ((transformers.LlamaForCausalLM, True), (VocabBias, False)):
+        with torch.device("meta"):
+            model = cls(config)
+        model_size.split_by_plan(model, None, "the test")
+        assert logits_split(model) is split and splits_logits(model, 2) is split, cls.__name__
+    figures = model_size.config_figures(config, 8, "fp32")
+    assert figures.logits_split
+    assert figures.activation_bytes(2, 2) == profile_activation_bytes(figures.plain, figures.checkpointed, 8, 2, 2,
+                                                                      logits_split=True)
+
+
 def test_the_built_in_gpt_through_the_profile_is_near_its_own_formulas():
     """A tested step toward the GPT on the same path: its profile's figures beside its formulas (the plan keeps
     the formulas, which the measured peaks were fitted to: the profile counts no contiguous q, k, v copies the
