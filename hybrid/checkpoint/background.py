@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.checkpoint import sharded
+from hybrid.comm.shm import _group_timeout
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class BackgroundSaver:
             return stall
         prepared = replace(prepared, state=self._host_copy(prepared.state))
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank's first save, together
+            # collective: every rank's first save, together; the job's collective timeout, not torch's 30 min
+            self._group = dist.new_group(backend="gloo", timeout=_group_timeout(dist.group.WORLD))
         stall = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write, args=(prepared, keep_last, stall),
                                         name=f"checkpoint-step-{step}", daemon=True)
