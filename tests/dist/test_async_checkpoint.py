@@ -5,8 +5,9 @@ while the next step trains writes the very files a synchronous save of step 2 wr
 but for the directory and the time); ``run_steps`` with ``checkpoint_async`` and a time cadence saves after
 every step, publishes each once written and keeps the newest two, reporting bytes and stall per save.
 
-A one-rank process whose background write of step 2 is slowed (torch's per-item file writer, wrapped) trains
-on while it writes and is SIGKILLed mid-write: step 1 stays the latest, and a resume loads it exactly.
+Two rank processes whose background write of step 2 is slowed (torch's per-item file writer, wrapped) train
+on while it writes; rank 1 is SIGKILLed mid-write (then rank 0): step 1 stays the latest, and a resume loads
+it exactly.
 
 A 3 MB tmpfs (root only: the issue's own recipe) fills up during a save, synchronous and in the background:
 one sentence naming the disk ("No space left on device: ... free of ..."), the partial directory removed,
@@ -132,20 +133,22 @@ def test_background_save_writes_the_files_of_a_synchronous_one(tmp_path):
 
 # -- a rank killed during a background write -----------------------------------------------------------------
 
-def _slow_background_writer(run_dir: str) -> None:
-    """One rank: publish step 1 in the background, then start step 2's background write with each file item
-    slowed, train on while it writes, and wait to be killed."""
+def _slow_background_writer(run_dir: str, rank: int) -> None:
+    """One of two ranks: publish step 1 in the background, then start step 2's background write with each file
+    item slowed, train on while it writes, and wait to be killed."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{run_dir}.store", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}.store", rank=rank, world_size=2)
     cfg = GPTConfig.from_yaml(CONFIG)
-    mesh, engine = _engine(cfg, 1, 1, 1)
+    mesh, engine = _engine(cfg, 1, 2, 1)
     _train(mesh, engine, cfg, 0, 1)
     saver = BackgroundSaver()
     saver.save(run_dir, engine, 1)
     saver.wait()
-    torch.save(engine.full_state_dict(), f"{run_dir}.step1.pt")
+    full = engine.full_state_dict()
+    if rank == 0:
+        torch.save(full, f"{run_dir}.step1.pt")
     write_item = dcp_fs._write_item
 
     def slow(*args, **kwargs):
@@ -162,7 +165,7 @@ def _slow_background_writer(run_dir: str) -> None:
 
 def _resume(run_dir: str) -> dict:
     cfg = GPTConfig.from_yaml(CONFIG)
-    mesh, engine = _engine(cfg, 1, 1, 1, seed=7)
+    mesh, engine = _engine(cfg, 1, 2, 1, seed=7)
     resumed = checkpoint.resume_if_available(run_dir, engine)
     expected = torch.load(f"{run_dir}.step1.pt")
     full = engine.full_state_dict()
@@ -170,27 +173,34 @@ def _resume(run_dir: str) -> dict:
 
 
 def test_a_rank_killed_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path):
+    """Rank 1 is SIGKILLed mid-write (rank 0's write then waits for it, as a launched job's would until the
+    driver stops it: killed too); step 2 was never published, and both ranks resume step 1 exactly."""
     run_dir = tmp_path / "run"
     code = ("import sys; from tests.dist.test_async_checkpoint import _slow_background_writer; "
-            "_slow_background_writer(sys.argv[1])")
-    log = tmp_path / "writer.log"
-    with open(log, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            "_slow_background_writer(sys.argv[1], int(sys.argv[2]))")
+    procs = []
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("trained while writing: True"), f"{line!r}: {log.read_text()}"
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        for rank in (0, 1):
+            with open(tmp_path / f"rank{rank}.log", "w") as stderr:
+                procs.append(subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(rank)], cwd=ROOT,
+                                              stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        for rank, proc in enumerate(procs):
+            line = proc.stdout.readline()
+            assert line.startswith("trained while writing: True"), f"{line!r}: {(tmp_path / f'rank{rank}.log').read_text()}"
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
     ckpts = run_dir / "checkpoints"
     assert (ckpts / ".tmp-step-000002").is_dir() and not (ckpts / "step-000002").exists()
     assert checkpoint.latest(run_dir) == ckpts / "step-000001"
-    assert run_local(_resume, 1, str(run_dir), timeout_s=120)[0] == {"step": 1, "exact": True}
+    assert run_local(_resume, 2, str(run_dir), timeout_s=120) == [{"step": 1, "exact": True}] * 2
 
 
 # -- a checkpoint directory that fills up ----------------------------------------------------------------------
