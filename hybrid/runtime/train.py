@@ -119,7 +119,7 @@ class Context:
         self._reported_step = 0  # the step of the last report with a loss
         self.data_state: dict = {}     # what the entrypoint's data stream needs to continue: saved with each checkpoint
         self.resumed_extra: dict = {}  # what the checkpoint resumed from saved beside the model (``data_state``)
-        self.checkpoints = None  # the run's saves (hybrid.runtime.checkpointing.RunCheckpoints), made at the first
+        self.checkpoints = None  # the run's saves (hybrid.runtime.checkpointing.RunCheckpoints), from the first
         self._reporter = reporter
         self._stop_requested = stop_requested
         # Made before the entrypoint builds the engine: the baseline of every measurement.
