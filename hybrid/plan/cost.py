@@ -284,6 +284,21 @@ class Hardware:
         """This hardware with the compute efficiency scaled (calibration)."""
         return replace(self, compute_efficiency=self.compute_efficiency * compute)
 
+    def slowed(self, factor: float, why: str = "") -> "Hardware":
+        """This hardware ``factor`` times slower in every figure -- rates divided, latencies and per-op overheads
+        multiplied, the overlap kept -- so that every layout's predicted step is ``factor`` times as long and the
+        ranking is unchanged: a whole-step calibration from a measured step (``why`` goes into the sources)."""
+        def link(l: Link) -> Link:
+            return replace(l, bandwidth=l.bandwidth / factor, latency=l.latency * factor)
+
+        disk = None if self.nvme is None else replace(self.nvme, read=self.nvme.read / factor,
+                                                      write=self.nvme.write / factor)
+        return replace(self, compute_efficiency=self.compute_efficiency / factor,
+                       optimizer_rate=self.optimizer_rate / factor, intra=link(self.intra), inter=link(self.inter),
+                       pcie=link(self.pcie), host_adam_rate=self.host_adam_rate / factor, nvme=disk,
+                       op_overhead=self.op_overhead * factor, memory_bandwidth=self.memory_bandwidth / factor,
+                       sources=self.sources + ((("calibration", why),) if why else ()))
+
 
 @dataclass(frozen=True)
 class StepCost:

@@ -174,6 +174,8 @@ def plan_and_run(spec: LaunchSpec, stream: TextIO = sys.stdout, tty: Optional[bo
     reports = probe_nodes(nvme_path=spec.cluster.nvme_path)
     figures = measured_links(spec, reports, measure_links, stream)
     plan = build_plan(spec, reports, facts, probe=figures)
+    if figures is not None and figures.get("quick"):  # an embedded cluster: a few real steps set the time's level
+        plan = calibrated_by_trial(plan, reports, facts, figures, stream)
     print(format_plan(plan), file=stream, flush=True)
     check_nvme_space(plan, reports)  # the swap files of NVMe offload fit every machine's disk, before any rank
     return run_job(plan, stream, tty=tty)
@@ -202,6 +204,24 @@ def measured_links(spec: LaunchSpec, reports, measure: bool, stream: TextIO) -> 
         figures = calibrate_local(spec)
         print(calibration_line(figures), file=stream, flush=True)
     return figures
+
+
+def calibrated_by_trial(plan: LaunchPlan, reports, facts, figures: dict, stream: TextIO) -> LaunchPlan:
+    """``plan`` again with every predicted step scaled by a trial of its layout (``launch.planning.trial_local``),
+    or ``plan`` itself where there is no time model or the trial gave no figure."""
+    from launch.planning.trial_local import run_trial, step_factor, trial_line
+
+    choice = replan.initial_choice(plan)
+    predicted = replan.predicted_cost(plan, choice)
+    if predicted is None:
+        return plan
+    trial = run_trial(plan.spec, settings_for(plan, choice), plan.layout.tp)
+    print(trial_line(trial, predicted.step_s, predicted.layout.label), file=stream, flush=True)
+    if trial is None:
+        return plan
+    figures = dict(figures, step_factor=step_factor(trial, predicted.step_s),
+                   trial=f"{trial['steps']} steps of {predicted.layout.label} timed here")
+    return build_plan(plan.spec, reports, facts, probe=figures)
 
 
 def settings_for(plan: LaunchPlan, choice: Optional[replan.Choice] = None) -> JobSettings:

@@ -120,6 +120,8 @@ def rank_layouts(spec, facts, tps: list, default_layout: Optional[Layout], gpu_m
     hw = hardware_for(spec, device, probe)
     if calibration != 1.0:
         hw = hw.scaled(calibration)
+    if probe and probe.get("step_factor"):  # an embedded cluster's trial (launch.planning.trial_local)
+        hw = hw.slowed(probe["step_factor"], f"x{probe['step_factor']:.3g} from {probe.get('trial', 'a trial')}")
     nodes, per_node = c.nodes, c.gpus_per_node
     batch = global_batch(spec, default_layout.dp if default_layout else nodes * per_node // tps[0])
     offered = []

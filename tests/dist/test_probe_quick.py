@@ -34,3 +34,26 @@ def test_the_quick_probe_measures_every_group_loaded_and_the_plan_prices_with_it
     assert hw.intra.latency == pytest.approx(figures["intra"]["latency"])
     assert hw.op_overhead == pytest.approx(1 / figures["op_rate"]) and hw.peak_flops == figures["matmul_flops"]["fp32"]
     assert calibration_line(figures).startswith("probe   calibrated on this machine")
+
+
+def test_a_trial_of_the_planned_layout_sets_every_predicted_step_to_this_machines_level():
+    """``launch.planning.trial_local``: the job's own entrypoint for a few steps on the 2 x 2 CPU ranks, then the
+    plan again with ``step_factor``: the layout tried predicts what the trial measured, the ranking unchanged."""
+    from launch.job.driver import settings_for
+    from launch.planning import replan
+    from launch.planning.trial_local import TRIAL_STEPS, run_trial, step_factor
+
+    spec = parse_spec({"cluster": {"address": "local", "nodes": 2, "gpus_per_node": 2, "gpu_memory_gb": 80},
+                       "job": {"entrypoint": "hybrid.models.gpt:train", "config": "configs/gpt-tiny.yaml",
+                               "steps": 500, "micro_batch": 4},
+                       "parallel": {"tp": 2, "zero_stage": 1, "precision": "fp32"}}, base_dir=".")
+    plan = build_plan(spec)
+    choice = replan.initial_choice(plan)
+    trial = run_trial(spec, settings_for(plan, choice), plan.layout.tp)
+    assert trial is not None and trial["steps"] == TRIAL_STEPS and trial["step_s"] > 0, trial
+    before = replan.predicted_cost(plan, choice)
+    factor = step_factor(trial, before.step_s)
+    again = build_plan(spec, probe={"step_factor": factor, "trial": "a test"})
+    after = replan.predicted_cost(again, replan.initial_choice(again))
+    assert after.layout == before.layout and after.step_s == pytest.approx(trial["step_s"], rel=1e-9)
+    assert [c.layout for c in again.time.ranking.candidates] == [c.layout for c in plan.time.ranking.candidates]

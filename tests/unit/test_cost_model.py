@@ -220,6 +220,21 @@ def test_calibration_makes_the_runs_layout_predict_what_it_measured():
         assert hw.compute_efficiency == pytest.approx(H100.compute_efficiency * factor)
 
 
+
+@pytest.mark.parametrize("factor", [0.5, 2.7, 9.0])
+def test_a_whole_step_calibration_scales_every_layout_alike(factor):
+    """``Hardware.slowed``: every term of every layout (compute, TP, ZeRO, offload, NVMe, micro-step ops and
+    passes, the optimizer) ``factor`` times as long, so the ranking stands; what it is for is in the sources."""
+    nvme = [dataclasses.replace(on_16_dgx(stage=3, offload=True), nvme=True)]
+    slowed = H100.slowed(factor, "a trial")
+    for lay in LAYOUTS + nvme:
+        base, slow = step_cost(GPT13B, lay, H100), step_cost(GPT13B, lay, slowed)
+        assert slow.step_s == pytest.approx(base.step_s * factor, rel=1e-9)
+        for term in ("compute_s", "tp_s", "dp_s", "offload_s", "nvme_s", "micro_s", "optimizer_s"):
+            assert getattr(slow, term) == pytest.approx(getattr(base, term) * factor, rel=1e-9, abs=1e-15), term
+    assert slowed.sources[-1] == ("calibration", "a trial")
+
+
 # ------------------------------------------------------------------------------------------- candidates
 
 def test_every_candidate_keeps_the_global_batch():

@@ -18,6 +18,7 @@ from hybrid.models.gpt.model import GPT, GPTConfig
 from hybrid.runtime.local_launch import run_local
 from hybrid.runtime.train import train_step
 from launch.planning import replan
+from hybrid.config.units import human_bytes
 from launch.job.memory_view import memory_table, near_oom_line, usage_text
 from launch.planning.plan import build_plan
 from launch.spec import parse_spec
@@ -234,6 +235,21 @@ def test_table_compares_per_category_and_the_peak():
     assert lines[0].startswith("memory per rank (largest: rank 0, step 1")
     assert any(line.split()[:1] == ["parameters"] and line.rstrip().endswith("+0.0%") for line in lines)
     assert lines[-2].lstrip().startswith("peak (RSS growth)") and lines[-2].rstrip().endswith("+10.0%")
+
+
+
+def test_a_cpu_peak_far_from_the_plan_says_what_the_plan_did_not_count():
+    pred = predict_memory([[1000, 2000]], 1, 0, "fp32", activations=10_000, device="cpu").as_dict()
+    m = {"device": "cpu", "peak_bytes": int(pred["total"] * 3.8), "used_bytes": int(pred["total"] * 3.8),
+         "step": 100, "source": "peak RSS growth"}
+    lines = memory_table(pred, {0: m}, {})
+    assert lines[-2].rstrip().endswith("+280.0%")
+    assert lines[-1].startswith(f"  not counted by the plan: {human_bytes(int(pred['total'] * 3.8) - pred['total'])} "
+                                "of the rank's own memory beyond the tensors it predicts")
+    m.update(peak_bytes=int(pred["total"] * 0.5))
+    assert memory_table(pred, {0: m}, {})[-1].startswith("  counted by the plan but not held: ")
+    m.update(peak_bytes=int(pred["total"] * 1.29))
+    assert memory_table(pred, {0: m}, {})[-1].lstrip().startswith("peak (RSS growth)")  # within 30 %: no note
 
 
 # ------------------------------------------------------------------------------------------- accumulation
