@@ -39,3 +39,14 @@ def test_the_benchs_llama_is_profiled_and_split_by_its_own_plan(tmp_path):
     assert facts.tp_refusal(2) is None and "LlamaForCausalLM" in facts.tp_plan
     shape = model_figures(facts, "fp32", spec.job.entrypoint).cost_shape()
     assert shape.flop_terms is not None and shape.layers == config["num_hidden_layers"] and shape.seq == time_model.SEQ
+
+
+def test_the_verdict_judges_every_layout_after_the_first_at_the_first_ones_level():
+    rows = [{"predicted_s": 0.010, "measured_s": 0.025}, {"predicted_s": 0.020, "measured_s": 0.048},
+            {"predicted_s": 0.040, "measured_s": 0.101}, {"predicted_s": 0.030, "measured_s": 0.074}]
+    check = time_model.verdict(rows)
+    assert check["scale"] == 2.5 and check["calibrated"][1] == 0.05
+    assert check["within"] == [True] * 4 and check["spearman"] == 1.0 and check["passed"]
+    rows[2]["measured_s"] = 0.140  # 1.4x its calibrated prediction: out, though the ranking holds
+    check = time_model.verdict(rows)
+    assert check["within"][2] is False and check["spearman"] == 1.0 and not check["passed"]
