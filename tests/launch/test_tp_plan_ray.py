@@ -14,6 +14,7 @@ the one before and ends with the same losses and bit-identical weights.
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,9 @@ def test_a_hugging_face_config_trains_with_tp_from_its_own_plan_and_resumes_bit_
     assert (first.plan.layout.tp, first.plan.layout.dp) == (2, 2), text
     assert "tp 2 as requested (parallel.tp), split by LlamaForCausalLM's own TP plan" in text
     assert "counted on the meta device by hybrid.models.hf.build_model" in text
+    # planned by the model's measured profile, time included: the summary sets the measured step beside it
+    assert re.search(r"step time: predicted [\d.]+ m?s \(tp2 z\d mb \d+.*\), measured [\d.]+ m?s \(median of \d+ "
+                     r"steps\): measured / predicted = [\d.]+", text), text
     assert all(r["tp"] == 2 for r in first.results.values())
     assert first.results[0]["reference_loss"]["name"] == "unigram entropy of the data"
     losses = _losses(job_dir / "run")
