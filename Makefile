@@ -24,14 +24,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Three xdist workers, scheduled by tests/scheduling.py: the suite's processes wait on each other's start-up,
-# on Ray and on sleeping peers often enough that a 2-core machine runs three tests at once with time to spare.
+# Two xdist workers, scheduled by tests/scheduling.py: the suite's processes wait on each other's start-up
+# often enough that a 2-core machine runs two tests at once with time to spare.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 -m "not extended" --durations=30 tests
+	$(BIN)/python -m pytest -q -n 2 -m "not extended" --durations=30 tests
 
 # Everything, the extended cases too (tests marked extended: see pyproject.toml).
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --durations=30 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=30 tests
 
 # The unit tier: tests/unit less the tests marked slow (those start a process that imports torch or Ray: a gloo
 # world, the CLI, a script), so nothing here spawns a world, starts Ray or runs the CLI in a subprocess.

@@ -1,4 +1,4 @@
-"""How `make test` shares the suite between its pytest-xdist workers (three).
+"""How `make test` shares the suite between two pytest-xdist workers.
 
 Units of work are test files, except that the files whose tests share the package's embedded Ray cluster
 (``tests/launch/conftest.py``'s ``cluster`` fixture) form one unit, so that one worker starts that cluster
