@@ -78,6 +78,19 @@ PARAM_PASSES = 6
 
 
 @dataclass(frozen=True)
+class TpCalls:
+    """The TP all-reduces one block makes per micro-step where a plan split it by module
+    (``hybrid.tp.traffic.block_collectives``): ``forward`` calls (a rowwise module's output, an all_reduce style's)
+    and ``backward`` calls (a colwise module's input gradient, a replicated parameter's gradient), each side's
+    message width summed in elements per token (a parameter's gradient sum is latency only: 0 per token)."""
+
+    forward: int
+    backward: int
+    forward_width: int
+    backward_width: int
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer: Ψ and the shape its FLOPs and activations follow; from a measured profile
     (``from_profile``) also its FLOPs per token and eager ops, which then replace the GPT's formulas."""
@@ -92,6 +105,7 @@ class ModelShape:
     flop_terms: Optional[tuple] = None       # (A, B): forward and backward FLOPs per token, A + B·seq
     recompute_terms: Optional[tuple] = None  # (A, B): what activation checkpointing adds per token
     ops: Optional[tuple] = None              # eager ops per micro-step: (plain, with activation checkpointing)
+    tp_block: Optional[TpCalls] = None       # a block's TP calls by its plan (None: the GPT's 2 + 2 per block)
 
     @property
     def matmul_params(self) -> int:
@@ -384,11 +398,20 @@ def tp_traffic(model: ModelShape, layout: Layout) -> tuple[float, float]:
         return 0.0, 0.0
     item = DTYPE_BYTES[layout.precision]
     tokens = layout.micro_batch * model.seq
-    blocks = 4 + (2 if layout.activation_checkpointing else 0)  # per block and micro-step
-    big = blocks * model.layers + 2
     ring = 2 * (t - 1) / t
-    per_micro = big * ring * tokens * model.hidden * item + LOSS_CALLS * ring * tokens * 4
-    return per_micro * layout.accumulation, float((big + LOSS_CALLS) * layout.accumulation)
+    ac = layout.activation_checkpointing  # the recompute repeats the forward's calls
+    if model.tp_block is not None:  # counted from the model's plan
+        b = model.tp_block
+        block_calls = b.forward * (2 if ac else 1) + b.backward
+        block_width = b.forward_width * (2 if ac else 1) + b.backward_width
+    else:  # the GPT's: attention's and the MLP's output in forward, their input gradients in backward
+        block_calls = 4 + (2 if ac else 0)
+        block_width = block_calls * model.hidden
+    outside = 2  # the embedding's output and the head's input gradient
+    per_micro = ((block_width * model.layers + outside * model.hidden) * ring * tokens * item
+                 + LOSS_CALLS * ring * tokens * 4)
+    calls = block_calls * model.layers + outside + LOSS_CALLS
+    return per_micro * layout.accumulation, float(calls * layout.accumulation)
 
 
 PHASES = ("forward", "backward", "boundary", "after")

@@ -40,7 +40,7 @@ then says why a degree cannot split the model (a split size or the attention hea
 from __future__ import annotations
 
 import copy
-
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -270,6 +270,7 @@ class ModelFigures:
     logits_split: bool = False       # at TP > 1 the logits split by vocabulary (else gathered on every rank)
     note: str = ""                   # why nothing is known, one sentence without its full stop ("" when known)
     checkpointing: bool = True       # the job's loop applies activation checkpointing when the plan turns it on
+    tp_block: Any = None             # hybrid.plan.cost.TpCalls: a block's TP calls by the plan that split it
 
     def checkpointing_lever(self, requested: Optional[bool]) -> Optional[bool]:
         """``parallel.activation_checkpointing`` as the plan may use it: auto (None) is off where the job's loop
@@ -306,7 +307,8 @@ class ModelFigures:
         if self.gpt is not None:
             return ModelShape.from_gpt(self.params, self.gpt)
         if self.plain is not None:
-            return ModelShape.from_profile(self.plain, self.checkpointed, self.seq, self.params)
+            shape = ModelShape.from_profile(self.plain, self.checkpointed, self.seq, self.params)
+            return dataclasses.replace(shape, tp_block=self.tp_block) if self.tp_block is not None else shape
         return None
 
 
@@ -330,7 +332,17 @@ def model_figures(facts: ModelFacts, precision: str, entrypoint: str = BUILT_IN_
     if isinstance(profiles, str):
         return ModelFigures(facts.params, precision, facts.seq, note=profiles)
     return ModelFigures(facts.params, precision, facts.seq, plain=profiles[0], checkpointed=profiles[1],
-                        logits_split=logits_split(facts.module), checkpointing=entrypoint in BUILT_IN_ENTRYPOINTS)
+                        logits_split=logits_split(facts.module), checkpointing=entrypoint in BUILT_IN_ENTRYPOINTS,
+                        tp_block=tp_block(facts.module, profiles[0].width) if facts.tp_plan else None)
+
+
+def tp_block(module, width: int):
+    """The TP calls of one of ``module``'s blocks by the plan that split it (None where it has no blocks)."""
+    from hybrid.plan.profile import find_blocks
+    from hybrid.tp.traffic import block_collectives
+
+    _, blocks = find_blocks(module)
+    return block_collectives(blocks[0], width) if blocks is not None else None
 
 
 def config_figures(config, seq: int, precision: str) -> ModelFigures:
