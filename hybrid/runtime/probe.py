@@ -55,8 +55,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_collective(comm, op: str, nbytes: int, dtype, device) -> float:
-    """Median seconds of one ``op`` (all_reduce | all_gather) of ``nbytes`` (the all-gather's output)."""
+def _collective_call(comm, op: str, nbytes: int, dtype, device):
+    """One ``op`` (all_reduce | all_gather) of ``nbytes`` (the all-gather's output) on buffers made once."""
     import torch
 
     n = comm.size
@@ -70,6 +70,12 @@ def _time_collective(comm, op: str, nbytes: int, dtype, device) -> float:
         else:
             comm.all_gather(full, shard)
 
+    return once
+
+
+def _time_collective(comm, op: str, nbytes: int, dtype, device) -> float:
+    """Median seconds of one ``op`` (all_reduce | all_gather) of ``nbytes`` (the all-gather's output)."""
+    once = _collective_call(comm, op, nbytes, dtype, device)
     once()  # connects the transport (shared memory, NCCL communicators)
     times = []
     for _ in range(REPS):
@@ -88,18 +94,8 @@ def _loaded_collective(comm, op: str, nbytes: int, dtype, device, world_barrier)
     waiting for peers that share the cores to get their turn, ``LOADED_REPS`` calls."""
     import torch
 
-    n = comm.size
-    numel = max(n, nbytes // torch.empty((), dtype=dtype).element_size() // n * n)
-    full = torch.ones(numel, dtype=dtype, device=device)
-    shard = torch.ones(numel // n, dtype=dtype, device=device)
+    call = _collective_call(comm, op, nbytes, dtype, device)
     a = torch.randn(BURST_WIDTH, BURST_WIDTH, device=device)
-
-    def call():
-        if op == "all_reduce":
-            comm.all_reduce(full)
-        else:
-            comm.all_gather(full, shard)
-
     call()
     world_barrier()
     times = []
