@@ -31,6 +31,7 @@ from torch import nn
 from hybrid.comm.collectives import Comm
 from hybrid.errors import ConfigError
 from hybrid.config.tp_plan import normalize_plan, pattern_matches
+from hybrid.tp.forward_record import shared
 from hybrid.tp.hf_config import text_config
 from hybrid.tp.hf_logits import logits_refusal, output_head, split_logits, uses_split_logits
 from hybrid.tp.plan import OwnPlan, apply_plan, forward_goes_through
@@ -156,8 +157,9 @@ def parallelize(model: nn.Module, tp_comm: Optional[Comm], plan: Optional[dict] 
                               "tp_comm).")
     tp = tp_rank_size(tp_comm)[1]
     gathered_head = tp > 1 and _plans_gathered_head(model, plan, where)
-    refusal = logits_refusal(model) if gathered_head else None  # traced on the whole model, before the split
-    apply_plan(model, plan, tp_comm, where)
+    with shared(model):  # one run of the whole model's forward answers both, before the split
+        refusal = logits_refusal(model) if gathered_head else None
+        apply_plan(model, plan, tp_comm, where)  # its regions (hybrid.tp.regions) read that run
     if gathered_head and refusal is None:
         split_logits(model, tp_comm)
         model.hybrid_tp_notes.append("logits left split by vocabulary (a vocabulary-parallel loss)")

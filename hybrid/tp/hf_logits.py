@@ -9,8 +9,9 @@ the built-in GPT do. ``model(input_ids=..., labels=...).loss`` is then the singl
 ``.logits`` are this rank's slice.
 
 Whether a model's forward allows it is read from the forward itself (``logits_refusal``): run once on meta
-(fake tensors, the model's parameters swapped for stand-ins), every operation from the head's matrix product
-(``F.linear`` with its weight: what a head class of its own does after it counts too) to the loss must act on
+(``hybrid.tp.forward_record``: fake tensors, the model's parameters swapped for stand-ins; the run
+``hybrid.tp.regions`` reads too), every aten op from the head's matrix product (``F.linear`` with its weight:
+what a head class of its own does after it counts too) to the loss must act on
 each logit alone -- a cast, a view that keeps the vocabulary last, a slice of the positions, arithmetic with a
 number (Gemma 2's soft-capping ``tanh(z / c) · c``, Cohere's ``logit_scale``) -- and the loss must be
 transformers' causal-LM loss, called through ``self.loss_function`` with those logits. Anything else (a
@@ -27,14 +28,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hybrid.comm.collectives import Comm
+from hybrid.tp.forward_record import causal_lm, record_forward
 from hybrid.tp.loss import causal_lm_loss
-from hybrid.tp.regions import TRACE_TOKENS
 from hybrid.tp.styles import ColwiseGatheredLinear, ColwiseLinear, split_class
 
 # ops that act on each element alone without a pointwise tag: casts and copies
@@ -44,54 +42,43 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "
 _SLICING = {"slice", "select", "narrow"}
 
 
-class _FollowLogits(TorchDispatchMode):
-    """Follows the head's product (and what is computed from it) through aten ops; the first op that is not
-    elementwise over the vocabulary is ``refusal``. ``loss_calls``: whether each call of the loss got them."""
+class _FollowLogits:
+    """Follows the head's product (and what is computed from it) through the recorded aten ops; the first op
+    that is not elementwise over the vocabulary is ``refusal``. ``loss_calls``: whether each call of the loss
+    got them. The head's product is its matrix product itself (``F.linear`` with its weight), not the head
+    module's output: a head of its own may do more inside its forward (Dory's per-token ``logit_scale``, a
+    whole vector over the vocabulary), which must be followed too."""
 
-    def __init__(self):
-        super().__init__()
-        self.followed: dict = {}  # id(tensor) -> tensor (kept alive, so that no id is reused)
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # the head weight's stand-in
+        self.followed: set = set()  # ids of the logits and what was computed from them (the record holds them)
         self.refusal: Optional[str] = None
         self.loss_calls: list = []  # per call of the loss function: whether its logits were followed ones
 
-    def follow(self, t) -> None:
-        if isinstance(t, torch.Tensor):
-            self.followed[id(t)] = t
+    def follow(self, out) -> None:
+        self.followed.update(id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def call(self, func, args: tuple, kwargs: dict, out) -> None:
+        if func is F.linear and (args[1] if len(args) > 1 else kwargs.get("weight")) is self.weight:
+            self.follow(out)
+
+    def op(self, func, args: tuple, kwargs: dict, out) -> None:
         if self.refusal is not None:
-            return out
+            return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         logits = next((t for t in inputs if id(t) in self.followed), None)
         if logits is None:
-            return out
+            return
         self.refusal = _not_elementwise(func, logits, inputs, args, out, self.followed)
         if self.refusal is None:
-            for t in tree_leaves(out):
-                self.follow(t)
-        return out
+            self.follow(out)
+
+    def loss(self, args: tuple, kwargs: dict) -> None:
+        logits = kwargs.get("logits", args[0] if args else None)
+        self.loss_calls.append(isinstance(logits, torch.Tensor) and id(logits) in self.followed)
 
 
-class _HeadProduct(TorchFunctionMode):
-    """Follows the head's matrix product itself (``F.linear`` with its weight), not the head module's output: a
-    head of its own may do more inside its forward (Dory's per-token ``logit_scale``, a whole vector over the
-    vocabulary), which must be followed too."""
-
-    def __init__(self, weight: torch.Tensor, follow: _FollowLogits):
-        super().__init__()
-        self.weight, self.follow_logits = weight, follow
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is F.linear and (args[1] if len(args) > 1 else kwargs.get("weight")) is self.weight:
-            self.follow_logits.follow(out)
-        return out
-
-
-def _not_elementwise(func, logits: torch.Tensor, inputs: list, args: tuple, out, followed: dict) -> Optional[str]:
+def _not_elementwise(func, logits: torch.Tensor, inputs: list, args: tuple, out, followed: set) -> Optional[str]:
     """Why ``func`` (an aten op taking the followed ``logits``) does not act on each logit alone, or None."""
     name = func.overloadpacket.__name__
     width = logits.shape[-1] if logits.dim() else None
@@ -112,14 +99,6 @@ def _not_elementwise(func, logits: torch.Tensor, inputs: list, args: tuple, out,
             return f"its forward takes a {name} of the vocabulary of the logits before the loss"
         return None
     return f"its forward applies {name} to the logits before the loss"
-
-
-def _transformers_causal_lm_loss():
-    try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-    except ImportError:
-        return None
-    return ForCausalLMLoss
 
 
 def output_head(model: nn.Module) -> Optional[nn.Module]:
@@ -149,31 +128,21 @@ def _trace_refusal(model: nn.Module) -> Optional[str]:
     head = output_head(model)
     if head is None:
         return f"{cls} has no nn.Linear output embedding (get_output_embeddings)"
-    transformers_loss = _transformers_causal_lm_loss()
-    if transformers_loss is None or getattr(model, "loss_function", None) is not transformers_loss:
+    if not causal_lm(model):
         return f"{cls}'s loss_function is not transformers' ForCausalLMLoss"
-    follow = _FollowLogits()
-
-    def loss_probe(*args, **kwargs):
-        logits = kwargs.get("logits", args[0] if args else None)
-        follow.loss_calls.append(isinstance(logits, torch.Tensor) and id(logits) in follow.followed)
-        return torch.zeros((), device=logits.device if isinstance(logits, torch.Tensor) else "cpu")
-
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    tokens = min(TRACE_TOKENS, limit) if isinstance(limit, int) and limit > 1 else TRACE_TOKENS
-    ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
-    stand_ins = {name: torch.empty_like(t, device="meta") for name, t in
-                 [*model.named_parameters(), *model.named_buffers()]}
-    weight = next(stand_ins[name] for name, p in model.named_parameters() if p is head.weight)
-    model.loss_function = loss_probe
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), follow, _HeadProduct(weight, follow):
-            torch.func.functional_call(model, stand_ins, args=(), kwargs={"input_ids": ids, "labels": ids},
-                                       tie_weights=True, strict=False)
-    except Exception as err:  # the model's own code: what stopped it, in one line
-        return f"{cls}'s forward did not run on meta ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
-    finally:
-        del model._loss_function
+    record = record_forward(model)
+    if record.error is not None:  # the model's own code: what stopped it, in one line
+        kind, text = record.error
+        return f"{cls}'s forward did not run on meta ({kind}: {text[:160]})"
+    weight = next(record.stand_ins[name] for name, p in model.named_parameters() if p is head.weight)
+    follow = _FollowLogits(weight)
+    for kind, *event in record.entries:
+        if kind == "call":
+            follow.call(*event)
+        elif kind == "op":
+            follow.op(*event)
+        elif kind == "loss":
+            follow.loss(*event)
     if follow.refusal is not None:
         return follow.refusal
     if not follow.loss_calls:

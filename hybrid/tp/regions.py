@@ -4,9 +4,9 @@ Between a ``colwise`` layer and the ``rowwise`` layer that sums its slices, each
 part of the features (its heads, its MLP columns). A parameter left whole that acts on those features -- Qwen3's
 per-head ``q_norm``, Apertus's xIELU activation scalars, a norm or gate of one's own -- gets on each rank the
 gradient of that rank's slice only; the single-process gradient is their sum over TP. Nobody has to list such
-parameters: ``trace_regions`` runs the model's forward once, on the meta device (nothing allocated, no values,
-the unsplit model with every parameter and buffer swapped for a meta stand-in by ``torch.func.functional_call``),
-with a ``TorchFunctionMode`` that follows every tensor:
+parameters: ``trace_regions`` reads the model's forward run once on fake tensors (``hybrid.tp.forward_record``:
+nothing allocated, no values, the unsplit model with every parameter and buffer swapped for a meta stand-in) and
+follows every tensor of its torch-function-level calls:
 
 - a *slice*: the output of a module whose style leaves this rank's features (``colwise``, ``local_rowwise``,
   ``packed_colwise``, ...), and everything computed from one;
@@ -24,22 +24,21 @@ gradient meets a slice (its gradient would be partial, and nothing upstream coul
 reduces over a slice's split features (a mean, a norm, a top-k over the MLP's columns: each rank would compute
 its part's, and the forward itself would differ). A forward that cannot
 run on meta (data-dependent Python, an op without a meta kernel) gives ``error``: what stopped it, one line.
+The run is the one ``hybrid.tp.hf_logits`` reads too: inside ``forward_record.shared(model)`` it is made once.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from hybrid.tp.forward_record import record_forward
+
 SLICE, WHOLE, ENTERED, PARAMS = "slice", "whole", "entered", "params"
-TRACE_TOKENS = 8  # the meta input's sequence length: enough for every position-dependent path
 
 
 @dataclass
@@ -82,16 +81,14 @@ def _op_name(func) -> str:
     return name.replace("__", "") if name.startswith("__") else name
 
 
-class _Follow(TorchFunctionMode):
-    """Classifies every tensor an op makes from the kinds of its inputs (see the module docstring)."""
+class _Follow:
+    """Classifies every tensor a call makes from the kinds of its inputs (see the module docstring); the
+    record keeps every tensor alive, so ids are not reused while it is read."""
 
-    def __init__(self, params: dict, planned: set, trace: RegionTrace):
-        super().__init__()
+    def __init__(self, params: dict, trace: RegionTrace):
         self.params = params  # id(stand-in) -> parameter name, for the parameters the plan leaves to us
-        self.planned = planned  # ids of the stand-ins of parameters the plan takes care of: not followed
         self.kinds: dict = {}  # id(tensor) -> (kind, frozenset of parameter names)
         self.widths: dict = {}  # id(slice) -> the full width of the features split along its last dimension
-        self.alive: list = []  # every classified tensor, so that no id is reused while the trace runs
         self.whole_use: dict = {}  # parameter name -> first op where it met a whole activation
         self.trace = trace
 
@@ -105,14 +102,18 @@ class _Follow(TorchFunctionMode):
 
     def mark(self, t: torch.Tensor, kind: str, names=frozenset()) -> None:
         self.kinds[id(t)] = (kind, names)
-        self.alive.append(t)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def module_output(self, module: nn.Module, kind: str, out) -> None:
+        t = _first_tensor(out)
+        if t is not None:
+            self.mark(t, kind)
+            if kind == SLICE and t.dim() and t.shape[-1] == getattr(module, "out_features", None):
+                self.widths[id(t)] = t.shape[-1]  # a colwise output: its features are the split ones
+
+    def call(self, func, args: tuple, kwargs: dict, out) -> None:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not inputs:
-            return out
+            return
         kinds = [self.kind_of(t) for t in inputs]
         present = {k for k, _ in kinds}
         named = frozenset().union(*(names for k, names in kinds if k == PARAMS))
@@ -142,13 +143,12 @@ class _Follow(TorchFunctionMode):
         elif named:
             kind = PARAMS
         else:
-            return out
+            return
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.mark(t, kind, named if kind == PARAMS else frozenset())
                 if kind == SLICE and width is not None and t.dim() and t.shape[-1] == width:
                     self.widths[id(t)] = width  # the split features still last (not viewed into heads)
-        return out
 
 
 def _first_tensor(out):
@@ -159,62 +159,24 @@ def _first_tensor(out):
     return None
 
 
-def token_arguments(model: nn.Module) -> tuple:
-    """Token ids (one row of ``TRACE_TOKENS``, within the model's positions) for each argument its forward
-    requires -- a causal LM's ``input_ids``, a model of one's own ``(ids, targets)`` -- on meta."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    tokens = min(TRACE_TOKENS, limit) if isinstance(limit, int) and limit > 0 else TRACE_TOKENS
-    ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return (ids,)
-    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (ids,) * max(len(required), 1)
-
-
 def trace_regions(model: nn.Module, outputs: dict, skip: set, example: Optional[tuple] = None) -> RegionTrace:
-    """Run ``model``'s forward on meta and follow its tensors (module docstring). ``outputs``: module -> the kind
-    its output is (``SLICE``, ``WHOLE`` or ``ENTERED``); ``skip``: ids of the parameters the plan takes care of;
-    ``example``: the forward's positional arguments on meta (default: token ids, one row of ``TRACE_TOKENS``,
-    as a causal LM's ``input_ids`` and most models' first argument take them)."""
+    """Follow the tensors of ``model``'s forward on meta (module docstring; the run: ``record_forward``).
+    ``outputs``: module -> the kind its output is (``SLICE``, ``WHOLE`` or ``ENTERED``); ``skip``: ids of the
+    parameters the plan takes care of; ``example``: the forward's positional arguments on meta (default: token
+    ids, as ``record_forward`` gives them)."""
+    record = record_forward(model, example)
     trace = RegionTrace()
-    stand_ins, followed, planned = {}, {}, set()
-    for name, p in model.named_parameters():
-        stand = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-        stand_ins[name] = stand
-        if id(p) in skip or not p.requires_grad:
-            planned.add(id(stand))
-        else:
-            followed[id(stand)] = name
-    for name, b in model.named_buffers():
-        stand_ins[name] = torch.empty_like(b, device="meta")
-    follow = _Follow(followed, planned, trace)
-
-    def set_kind(kind):
-        def hook(module, args, out):
-            t = _first_tensor(out)
-            if t is not None:
-                follow.mark(t, kind)
-                if kind == SLICE and t.dim() and t.shape[-1] == getattr(module, "out_features", None):
-                    follow.widths[id(t)] = t.shape[-1]  # a colwise output: its features are the split ones
-        return hook
-
-    handles = [module.register_forward_hook(set_kind(kind)) for module, kind in outputs.items()]
-    if example is None:
-        example = token_arguments(model)
-    for t in tree_leaves(example):
-        if isinstance(t, torch.Tensor):
-            follow.mark(t, WHOLE)
-    try:
-        # fake tensors over the meta stand-ins: a model's checks that would read values (transformers' packed-
-        # sequence test) know them as a trace and skip themselves
-        with FakeTensorMode(allow_non_fake_inputs=True), follow:
-            torch.func.functional_call(model, stand_ins, args=example, tie_weights=True, strict=False)
-    except Exception as err:  # the model's own code: what stopped it is the answer, in one line
-        text = " ".join(str(err).split())[:200] or "no message"
-        trace.error = f"{type(err).__name__}: {text}"
-    finally:
-        for handle in handles:
-            handle.remove()
+    followed = {id(record.stand_ins[name]): name for name, p in model.named_parameters()
+                if id(p) not in skip and p.requires_grad}
+    follow = _Follow(followed, trace)
+    for t in record.inputs:
+        follow.mark(t, WHOLE)
+    for entry in record.entries:
+        if entry[0] == "call":
+            follow.call(*entry[1:])
+        elif entry[0] == "module" and entry[1] in outputs:
+            follow.module_output(entry[1], outputs[entry[1]], entry[2])
+    if record.error is not None:  # the model's own code: what stopped it is the answer, in one line
+        kind, text = record.error
+        trace.error = f"{kind}: {text[:200] or 'no message'}"
     return trace

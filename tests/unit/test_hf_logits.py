@@ -6,7 +6,8 @@ reads the forward: Llama, Gemma 2 (soft-capped logits) and Cohere (``logit_scale
 takes a log-softmax, adds a bias over the vocabulary, slices it, computes its own loss or has a head that scales
 each vocabulary entry after its product (as Dory's does) is refused in a phrase.
 ``splits_logits`` (the planner's question) on whole models, on models split at TP 1 as the launcher holds
-them, and after ``split_logits``, whose model gives the loss it gave before. The multi-rank parity is
+them, and after ``split_logits``, whose model gives the loss it gave before. ``parallelize``'s two questions
+(these logits, and ``hybrid.tp.regions``') read one run of the forward. The multi-rank parity is
 tests/dist/test_hf_vocab_loss.py.
 """
 
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 
 import hybrid
 from hybrid.tp import apply_plan, causal_lm_loss, hf_plan, splits_logits
+from hybrid.tp.forward_record import shared
 from hybrid.tp.hf_logits import logits_refusal, output_head, split_logits, uses_split_logits
+from hybrid.tp.plan import plan_notes
 from hybrid.tp.styles import ColwiseLinear
 
 transformers = pytest.importorskip("transformers")
@@ -154,3 +157,28 @@ def test_split_logits_gives_the_loss_the_model_gave():
     split_logits(model, None)
     assert type(output_head(model)) is ColwiseLinear and uses_split_logits(model) and splits_logits(model, 2)
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, before, rtol=1e-6, atol=0)
+
+
+def test_parallelize_runs_the_forward_once_for_the_logits_and_the_regions():
+    """Inside ``shared`` (as ``parallelize`` asks both of the whole model) one run of the forward answers both
+    questions, each as it answers alone: Apertus's xIELU scalars summed over TP, its logits split."""
+    runs = []
+
+    def apertus():
+        model = _meta(lambda: transformers.AutoModelForCausalLM.from_config(transformers.ApertusConfig(**SHAPE)))
+        model.register_forward_pre_hook(lambda *_: runs.append(1))
+        return model
+
+    alone = apertus()
+    refusal = logits_refusal(alone)
+    apply_plan(alone, hf_plan(alone), None)
+    assert len(runs) == 2
+    runs.clear()
+    together = apertus()
+    with shared(together):
+        assert logits_refusal(together) == refusal is None
+        apply_plan(together, hf_plan(together), None)
+    assert len(runs) == 1
+    assert plan_notes(together) == plan_notes(alone) == [
+        "gradients of the whole parameters between split layers summed over TP "
+        "(model.layers.*.mlp.act_fn.alpha_p, model.layers.*.mlp.act_fn.alpha_n)"]
