@@ -45,7 +45,7 @@ _SIZES = (  # (size, field names): a list, as several sizes are equal
                 "moe_shared_expert_intermediate_size", "shared_intermediate_size",
                 "shared_experts_intermediate_size", "expert_intermediate_size")),
     (LAYERS, ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-             "num_decoder_layers", "num_encoder_layers")),
+             "num_decoder_layers", "num_encoder_layers", "num_blocks", "num_layers_per_stack")),
     (HEADS, ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
             "encoder_attention_heads", "attention_heads", "num_decoder_attention_heads",
             "num_encoder_attention_heads", "swa_num_attention_heads", "linear_num_value_heads")),
