@@ -44,7 +44,8 @@ metrics line carries the layout's predicted step time beside the measured one, t
 two, and ``run_dir/time.json`` keeps them for ``hybrid plan --measured``.
 
 Nodes (``launch.job.elastic``, with ``failure.elastic``): a failed attempt whose node is gone and not back
-within ``grace_s`` resumes on a plan for the nodes alive (the global batch kept), not counted as a failure; while
+within ``grace_s`` resumes on a plan for the nodes alive (the global batch kept), not counted as a failure, as
+is a rank's process dying in set-up on a node where no rank of the job got through set-up yet; while
 an attempt runs, nodes that joined stop it at its next checkpoint and the job resumes on a larger plan; each
 resize is a record and a line; too few nodes end the job (``JobFailed``).
 
@@ -125,6 +126,9 @@ class AttemptOutcome:
     oom: bool = False  # the blamed rank ran out of memory (torch.OutOfMemoryError, or over its budget)
     died: bool = False  # the blamed rank's process died (its node may be gone: launch.job.elastic)
     placement_failed: bool = False  # Ray could not reserve the nodes (too few left: launch.job.elastic)
+    set_up: bool = False  # every rank got through set-up (the entrypoint started on all of them)
+    setup_death_nodes: tuple = ()  # a rank's process died before every rank was set up: the Ray nodes it may
+    # have been on (its own where known, else all of the attempt's)
 
 
 @dataclass
@@ -266,6 +270,8 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
         while True:
             attempt += 1
             outcome = run_attempt(plan, progress, loop.choice, watch=elastic.watch(plan))
+            if outcome.set_up:
+                elastic.set_up_on([p.node_id for p in outcome.placement])
             loop.record_attempt(outcome.ok)
             if not outcome.ok and outcome.oom:
                 failures.append(outcome.failure.sentence())
@@ -310,14 +316,17 @@ def run_job(plan: LaunchPlan, stream: TextIO = sys.stdout, tty: Optional[bool] =
                 reached = reached_step(progress)
                 progress.restart(step or 0)
                 try:
+                    placed = [p.node_id for p in outcome.placement] or list(outcome.setup_death_nodes)
                     smaller = elastic.after_failure(plan, failure, outcome.died or outcome.placement_failed,
-                                                    [p.node_id for p in outcome.placement], step or 0, reached,
-                                                    checkpoint_name(spec.job.checkpoint.dir, step))
+                                                    placed, step or 0, reached,
+                                                    checkpoint_name(spec.job.checkpoint.dir, step),
+                                                    setup_death_nodes=outcome.setup_death_nodes)
                 except NotEnoughNodes as err:
                     raise JobFailed(f"{failure}; {err}") from None
                 if smaller is not None:
-                    plan, loop = switch_plan(smaller, progress)
-                    attempt -= 1  # a resize is not a failed attempt
+                    if smaller is not plan:
+                        plan, loop = switch_plan(smaller, progress)
+                    attempt -= 1  # a resize, or a node not ready yet, is not a failed attempt
                     continue
             if not outcome.retryable:
                 raise JobFailed(failure)
@@ -433,18 +442,14 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
         except PlacementFailed as err:
             return AttemptOutcome(False, failure=Failure(None, None, str(err)), retryable=False, placement_failed=True)
         except SetupFailed as err:
-            p = err.placement
-            cause = f"setting up the rank failed: {cause_of(err.error, p.pid if p else None)}"
-            return AttemptOutcome(False, failure=Failure(p.rank if p else None, p.node_index if p else None, cause),
-                                  placement=group.placement)
+            return setup_failed(err.error, err.placement, group.placement, attempt_nodes(group))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-            return AttemptOutcome(False, failure=Failure(None, None, f"setting up the ranks failed: {cause_of(err)}"),
-                                  placement=group.placement)
+            return setup_failed(err, None, group.placement, attempt_nodes(group))
         refs = group.run(spec.job.entrypoint, str(spec.job.config), settings_for(plan, choice),
                          working_dir=str(spec.job.working_dir) if spec.job.working_dir else None)
         outcome = _collect(group, refs, progress, spec.job.collective_timeout_s, watch, spec.job.run_dir)
         logs.settle()  # the ranks' last lines reach the terminal before the summary and the teardown
-        outcome.placement = placement
+        outcome.placement, outcome.set_up = placement, True
         graceful = outcome.ok
         return outcome
     except ConnectionError as err:  # Ray Client: the session to the cluster dropped
@@ -456,6 +461,36 @@ def run_attempt(plan: LaunchPlan, progress: Progress, choice: Optional[replan.Ch
         remove_swap_files(spec, plan.job_id)  # a rank killed with its swap file open left it behind
         if shared_dir is not None:
             shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def setup_failed(err: Exception, where: Optional[RankPlacement], placement: list[RankPlacement],
+                 nodes: list[str]) -> AttemptOutcome:
+    """The attempt that failed before every rank was set up, blamed on the rank at ``where`` (None: no one
+    rank's -- an actor that died starting, before the ranks were placed). A process that died (``DIED``) names
+    the nodes it may have been on, ``where``'s or else all the attempt's ``nodes``: ``launch.job.elastic`` may
+    take them for nodes not ready to run ranks rather than a failure of the job."""
+    if where is not None:
+        failure = Failure(where.rank, where.node_index, f"setting up the rank failed: {cause_of(err, where.pid)}")
+    else:
+        failure = Failure(None, None, f"setting up the ranks failed: {cause_of(err)}")
+    died = kind_of(err) is FailureKind.DIED
+    suspects = (where.node_id,) if where is not None else tuple(nodes)
+    return AttemptOutcome(False, failure=failure, placement=placement, died=died,
+                          setup_death_nodes=suspects if died else ())
+
+
+def attempt_nodes(group: WorkerGroup) -> list[str]:
+    """The Ray nodes of an attempt's ranks: where they were placed, else where its placement group reserved
+    them (none when it reserved nothing, or the cluster cannot say)."""
+    if group.placement:
+        return [p.node_id for p in group.placement]
+    if group.pg is None:
+        return []
+    try:
+        reserved = ray.util.placement_group_table(group.pg).get("bundles_to_node_id", {})
+    except Exception:  # noqa: BLE001 -- only which nodes to suspect: none then
+        return []
+    return [node for _, node in sorted(reserved.items()) if node]
 
 
 def describe_placement(placement: list[RankPlacement]) -> str:

@@ -16,6 +16,13 @@ counter and the LR schedule's position come from the checkpoint (the ranks' RNG 
 ``hybrid.checkpoint.sharded`` seeds each DP rank afresh from ``job.seed`` at another), so every step after a
 resize equals a by-hand resume of that checkpoint at the new size with the same global batch.
 
+A rank whose process died before every rank was set up (``setup_death_nodes``: its node, or the attempt's
+nodes where Ray did not say which) is a node's failure too: Ray may report that node gone a moment later (then
+it is lost, as above); if the nodes stay alive and some of them ran no rank of this job yet (a node that just
+joined: its first worker died loading torch in the tests), the job restarts at the same size without counting
+the attempt against ``job.max_failures`` -- once per node (``excuses``), so that a node that keeps killing
+ranks still uses the restarts up.
+
 While an attempt runs, ``Elastic.watch`` checks every ``GROW_CHECK_S`` whether more usable nodes than the plan
 holds (up to ``max_nodes``) are alive and a larger plan builds; once so, the next checkpoint a rank saves
 stops the attempt (``request_stop``) and the job resumes from it on the larger plan. The steps the ranks ran
@@ -206,6 +213,8 @@ class Elastic:
         self._grow: Optional[LaunchPlan] = None  # the larger plan a running attempt may stop for
         self._fired = False  # the running attempt's watch asked it to stop for ``_grow``
         self._seen: dict[int, Optional[LaunchPlan]] = {}  # usable node count -> the plan it allows (grow)
+        self._set_up_on: set[str] = set()  # Ray nodes where this job's ranks got through set-up
+        self._excused: set[str] = set()  # Ray nodes whose set-up death was not counted as a failure
 
     @property
     def enabled(self) -> bool:
@@ -231,10 +240,25 @@ class Elastic:
 
     # -- shrinking
 
+    def set_up_on(self, node_ids: Sequence[str]) -> None:
+        """Every rank of an attempt got through set-up on ``node_ids``."""
+        self._set_up_on.update(node_ids)
+
+    def excuses(self, node_ids: Sequence[str]) -> list[str]:
+        """The nodes among ``node_ids`` (alive, where a rank's process died before every rank was set up) that
+        make it the nodes' failure, not the job's: those where no rank of this job got through set-up and none
+        was excused before (each node is excused once); none: the job's failure."""
+        new = [n for n in dict.fromkeys(node_ids) if n not in self._set_up_on and n not in self._excused]
+        self._excused.update(new)
+        return new
+
     def after_failure(self, plan: LaunchPlan, failure: str, failure_died: bool, lost_ids: Sequence[str],
-                      resume_step: int, reached_step: int, checkpoint: Optional[str]) -> Optional[LaunchPlan]:
+                      resume_step: int, reached_step: int, checkpoint: Optional[str],
+                      setup_death_nodes: Sequence[str] = ()) -> Optional[LaunchPlan]:
         """After a failed attempt (``failure``: its sentence): the smaller plan to resume on when nodes were lost
-        and did not come back within ``grace_s``; None to restart at the same size. Raises ``NotEnoughNodes``."""
+        and did not come back within ``grace_s``; ``plan`` itself to restart at the same size without counting
+        a failure (a rank's process died before set-up ended on one of ``setup_death_nodes``, alive, and
+        ``excuses`` them); None to restart at the same size. Raises ``NotEnoughNodes``."""
         nodes = plan.spec.cluster.nodes
         usable = self._usable(plan)
         if failure_died and len(usable) >= nodes:  # Ray may report the node gone a moment after its ranks
@@ -243,6 +267,15 @@ class Elastic:
                 time.sleep(POLL_S)
                 usable = self._usable(plan)
         if len(usable) >= nodes:
+            new = self.excuses(setup_death_nodes) if setup_death_nodes else []
+            if new:
+                origin = f"checkpoint {checkpoint}" if checkpoint else "step 0"
+                where = ", ".join(n[:8] for n in new)
+                self.progress.note(f"{failure}; Ray {'node' if len(new) == 1 else 'nodes'} {where} alive but new "
+                                   f"to the job (no rank of it ran there yet: not ready); restarting all ranks "
+                                   f"from {origin} on {count(nodes, 'node')}, not counted against "
+                                   "job.max_failures")
+                return plan
             return None
         lost = len(usable)
         self.progress.note(f"{failure}; {count(nodes - lost, 'node')} of {nodes} lost; waiting up to "

@@ -4,9 +4,10 @@ grows under the running job.
 
 The cluster runs in a process of its own (``tests.launch.elastic_cluster``), driven over stdin, and every launch
 is the CLI in a subprocess (``RAY_ADDRESS`` names the cluster), so this test process holds no Ray state. The
-ranks train the tiny GPT (fp32, ZeRO auto, 12 sequences per step) with a pause after every step
-(``tests.launch.elastic_entrypoints``) so that a node can be removed or added between two checkpoints. The shrink
-test (with its by-hand reference) and the below-min / Ctrl-C test are extended; the grow test, one launch, is not.
+ranks train the tiny GPT (fp32, ZeRO auto, 12 sequences per step) with a pause after every step until the test has
+removed or added its node (``tests.launch.elastic_entrypoints``: while the run's slow file exists), so that the
+node goes or comes between two checkpoints; the steps after that run at full speed. The shrink test (with its
+by-hand reference) and the below-min / Ctrl-C test are extended; the grow test, one launch, is not.
 """
 
 import os
@@ -25,6 +26,7 @@ from hybrid.checkpoint import layout
 from launch.job.metrics import read_metrics
 from launch.ray.cluster import LOOPBACK_ONLY_ENV
 from tests.launch.elastic_cases import GLOBAL_BATCH, MICRO_BATCH, ROOT, stage_changing_memory_gb
+from tests.launch.elastic_entrypoints import SLOW_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -49,22 +51,25 @@ class RayNodes:
         self.address = line.split()[1]
         self.nodes = nodes
 
-    def _command(self, command: str) -> str:
+    def _command(self, command: str, answer: str) -> str:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
+        line = self.proc.stdout.readline().strip()
+        assert line.startswith(answer), f"{command}: {line!r}"
+        return line
 
     def remove(self) -> str:
         self.nodes -= 1
-        return self._command("remove")
+        return self._command("remove", "removed ")
 
-    def add(self) -> str:
+    def add(self, ready: bool = True) -> str:
+        """A node, once it has run a task that imports torch (``ready``), else once Ray lists it alive."""
         self.nodes += 1
-        return self._command("add")
+        return self._command("add" if ready else "join", "added ")
 
     def ensure(self, nodes: int) -> None:
-        """Add or remove nodes until there are ``nodes`` (the tests share the cluster and each starts at the size
-        it needs)."""
+        """Add or remove nodes until there are ``nodes``, every one able to run a rank (the tests share the
+        cluster and each starts at the size it needs)."""
         while self.nodes < nodes:
             self.add()
         while self.nodes > nodes:
@@ -72,7 +77,8 @@ class RayNodes:
 
     def close(self) -> None:
         try:
-            self._command("quit")
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
             self.proc.wait(timeout=60)
         finally:
             if self.proc.poll() is None:
@@ -91,16 +97,28 @@ def ray_nodes():
 
 def cluster_file(tmp_path: Path, run: str, nodes: int, failure: str = "", steps: int = STEPS,
                  gpu_memory_gb: float = 80.0) -> Path:
-    """The job of ``tests.launch.elastic_cases`` on the running cluster (``address: auto``)."""
+    """The job of ``tests.launch.elastic_cases`` on the running cluster (``address: auto``), its steps slowed
+    while ``slow_file(tmp_path, run)`` exists."""
     path = tmp_path / f"{run}.yaml"
     path.write_text(f"""\
 cluster: {{address: auto, nodes: {nodes}, gpus_per_node: 1, gpu_memory_gb: {gpu_memory_gb!r}}}
 job: {{entrypoint: "{ENTRYPOINT}", config: {ROOT / "configs" / "gpt-tiny.yaml"}, steps: {steps}, micro_batch: {MICRO_BATCH},
       global_batch: {GLOBAL_BATCH}, checkpoint: {{dir: {tmp_path / run}, every: {EVERY}, keep_last: 20}},
-      max_failures: 2, placement_timeout_s: 30, working_dir: {ROOT}}}
+      max_failures: 2, placement_timeout_s: 30, working_dir: {ROOT}, env: {{{SLOW_FILE}: {slow_file(tmp_path, run)}}}}}
 parallel: {{tp: 1, precision: fp32, offload: false}}
 {failure}
 """)
+    return path
+
+
+def slow_file(tmp_path: Path, run: str) -> Path:
+    return tmp_path / f"{run}.slow"
+
+
+def slowed(tmp_path: Path, run: str) -> Path:
+    """Slow the steps of ``run`` until the file returned is deleted."""
+    path = slow_file(tmp_path, run)
+    path.touch()
     return path
 
 
@@ -175,10 +193,12 @@ def test_a_lost_node_shrinks_the_job_to_dp_2_at_stage_2_with_the_global_batch_ke
     ray_nodes.ensure(3)
     run = tmp_path / "run"
     memory = stage_changing_memory_gb()
-    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 2, grace_s: 2}}",
+    slow = slowed(tmp_path, "run")
+    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 2, grace_s: 0.5}}",
                                gpu_memory_gb=memory), ray_nodes.address)
     wait_for_step(run, EVERY + 1, proc)
     ray_nodes.remove()
+    slow.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out
     entries = read_metrics(run / "metrics.jsonl")
@@ -219,10 +239,15 @@ def test_a_node_that_joins_grows_the_job_at_its_next_checkpoint(ray_nodes, tmp_p
     ray_nodes.ensure(2)
     run = tmp_path / "run"
     steps = 3 * STEPS  # time for the new node to start and be probed while checkpoints are still to come
+    slow = slowed(tmp_path, "run")
     proc = launch(cluster_file(tmp_path, "run", 2, "failure: {elastic: {max_nodes: 3}}", steps), ray_nodes.address)
     wait_for_step(run, 1, proc)
-    ray_nodes.add()
-    out = finish(proc)
+    lines = Lines(proc)
+    ray_nodes.add(ready=False)  # as a node joins a running job: its first rank may be the node's first worker
+    lines.wait_for(r"^resize 2 -> 3 nodes")
+    slow.unlink()
+    proc.wait(timeout=RUN_S)
+    out = lines.text()
     assert proc.returncode == 0, out
     resizes = [e for e in read_metrics(run / "metrics.jsonl") if e.get("event") == "resize"]
     assert [(r["nodes_before"], r["nodes_after"], r["why"]) for r in resizes] == [(2, 3, "1 node joined")], out
@@ -233,11 +258,12 @@ def test_a_node_that_joins_grows_the_job_at_its_next_checkpoint(ray_nodes, tmp_p
     assert "resize 2 -> 3 nodes (1 node joined)" in out
 
 
-@pytest.mark.extended  # two 3-rank launches; the sentence and the search are unit-tested too (test_elastic.py)
+@pytest.mark.extended  # a 3-rank and a 2-rank launch; the sentence and the search are unit-tested too (test_elastic.py)
 def test_below_min_nodes_exits_1_and_ctrl_c_while_waiting_leaves_no_rank_behind(ray_nodes, tmp_path):
     ray_nodes.ensure(3)
     run = tmp_path / "run"
-    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 3, grace_s: 1}}"),
+    slowed(tmp_path, "run")
+    proc = launch(cluster_file(tmp_path, "run", 3, "failure: {elastic: {min_nodes: 3, grace_s: 0.5}}"),
                   ray_nodes.address)
     wait_for_step(run, EVERY + 1, proc)
     ray_nodes.remove()
@@ -249,14 +275,14 @@ def test_below_min_nodes_exits_1_and_ctrl_c_while_waiting_leaves_no_rank_behind(
     saved = [e for e in layout.scan(run) if e.complete]
     assert saved and all(e.complete for e in layout.scan(run))
 
-    ray_nodes.ensure(3)
-    run = tmp_path / "interrupted"
-    proc = launch(cluster_file(tmp_path, "interrupted", 3, "failure: {elastic: {min_nodes: 2, grace_s: 120}}"),
+    # on the 2 nodes left: the ranks placed (running), one of their nodes goes
+    slowed(tmp_path, "interrupted")
+    proc = launch(cluster_file(tmp_path, "interrupted", 2, "failure: {elastic: {min_nodes: 1, grace_s: 120}}"),
                   ray_nodes.address)
-    wait_for_step(run, 2, proc)
     lines = Lines(proc)
+    lines.wait_for(r"^placed ")
     ray_nodes.remove()
-    lines.wait_for(r"1 node of 3 lost; waiting up to failure\.elastic\.grace_s = 120 s")
+    lines.wait_for(r"1 node of 2 lost; waiting up to failure\.elastic\.grace_s = 120 s")
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode == 130, lines.text()

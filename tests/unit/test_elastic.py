@@ -1,19 +1,26 @@
 """Elastic data parallelism's pure parts (``launch.job.elastic``, ``failure.elastic`` in ``launch.spec``): the spec
 of a resized job, the plan search on the nodes left, the record and its display line, the sentence of a job
-with too few nodes, metrics.jsonl's resize line, and the data order's independence of the DP split."""
+with too few nodes, metrics.jsonl's resize line, the data order's independence of the DP split, and a rank's
+process that died in set-up taken for its node's failure (once per node that ran no rank of the job)."""
+
+import io
 
 import numpy as np
 import pytest
 import torch
+from ray.exceptions import RayActorError
 
 from hybrid.data import MarkovTokens, TokenFile
 from hybrid.data.tokens import TokenFileMeta, metadata_path
 from hybrid.errors import ConfigError
-from launch.job.elastic import (choice_of, global_batch, plan_on, resize_line, resize_record, resized_spec,
+from launch.job.display import Progress
+from launch.job.driver import setup_failed
+from launch.job.elastic import (Elastic, choice_of, global_batch, plan_on, resize_line, resize_record, resized_spec,
                                 smallest_that_fits, too_few_sentence)
 from launch.job.metrics import MetricsWriter, read_metrics
 from launch.planning.model_size import model_facts
 from launch.planning.plan import build_plan
+from launch.ray.workers import RankPlacement, SetupFailed
 from tests.launch.elastic_cases import GLOBAL_BATCH, cpu_reports, job_spec, stage_changing_memory_gb
 
 
@@ -116,3 +123,31 @@ def test_a_model_that_fits_on_no_count_left_names_the_refusal_and_the_smallest_c
                                "parameters do not fit on 2 GPUs")
     assert sentence.endswith("; the smallest count that would run it is 3; checkpoint step 3 in /runs/x is intact")
     assert ".;" not in sentence and ".)" not in sentence
+
+
+def test_a_rank_process_that_died_in_set_up_names_its_nodes_and_nodes_new_to_the_job_are_excused_once(tmp_path):
+    """The flake of the real-Ray test: a rank's process died before the ranks were set up, on a node that had
+    just joined the cluster (its first worker failed to load torch). The driver's outcome names the nodes it may
+    have been on (its own where the rank is known, else all of the attempt's); an error a rank raised names
+    none. The job does not count it against job.max_failures where a node among them ran no rank of the job
+    yet, once per node."""
+    placement = [RankPlacement(rank=r, node_id=f"node{r}", ip="127.0.0.1", node_index=r, pid=100 + r)
+                 for r in range(3)]
+    nodes = [p.node_id for p in placement]
+    died = setup_failed(RayActorError(), placement[2], placement, nodes)
+    assert (died.ok, died.died, died.setup_death_nodes, died.set_up, died.retryable) == (False, True, ("node2",),
+                                                                                         False, True)
+    assert died.failure.sentence().startswith("rank 2 on node 2 failed (setting up the rank failed: its process "
+                                              "(pid 102) died")
+    starting = setup_failed(RayActorError(), None, [], nodes)  # an actor died before the ranks were placed
+    assert (starting.died, starting.setup_death_nodes) == (True, ("node0", "node1", "node2"))
+    assert starting.failure.sentence().startswith("setting up the ranks failed: its process died")
+    raised = setup_failed(TimeoutError("rendezvous timed out"), placement[1], placement, nodes)
+    assert (raised.died, raised.setup_death_nodes) == (False, ())
+
+    spec = job_spec(3, elastic={"min_nodes": 2})
+    elastic = Elastic(spec, Progress(10, 3, io.StringIO(), tty=False), MetricsWriter(tmp_path, tensorboard=False))
+    elastic.set_up_on(["node0", "node1"])
+    assert elastic.excuses(["node1"]) == []  # ranks of the job ran there: its death is the job's failure
+    assert elastic.excuses(["node0", "node1", "node2"]) == ["node2"]  # new to the job: not ready yet
+    assert elastic.excuses(["node2"]) == [] and elastic.excuses(nodes) == []  # once: restarts get used up
