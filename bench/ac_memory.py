@@ -44,8 +44,8 @@ def _step_growth(cfg, micro_batch: int, precision: str, queue) -> None:
 
 
 def main(argv=None) -> int:
-    from hybrid.plan.memory import gpt_activation_bytes
     from hybrid.models.gpt.config import GPTConfig
+    from launch.planning.model_size import gpt_figures
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=256)
@@ -70,8 +70,7 @@ def main(argv=None) -> int:
         proc.start()
         growth = queue.get(timeout=600)
         proc.join()
-        estimate = gpt_activation_bytes(args.seq, args.micro_batch, args.hidden, base.n_heads, args.layers,
-                                        args.vocab, precision=args.precision, checkpointing=ac)
+        estimate = gpt_figures(base.to_dict(), args.precision).activation_bytes(args.micro_batch, 1, ac)
         measured[ac] = growth
         print(f"| {'on' if ac else 'off'} | {growth / 2**20:.1f} | {estimate / 2**20:.1f} | {growth / estimate:.2f} |")
     print(f"activation checkpointing keeps {measured[True] / measured[False]:.2f}x the memory of a plain step")

@@ -120,13 +120,12 @@ def predicted_peak_bytes(spec: RowSpec, cfg, engine, kind: str) -> int:
     """``hybrid.plan.memory.predict_memory``'s allocator peak for ``engine``'s own config (with offload, the
     optimizer states are in host memory, as ``launch.planning.replan.predict`` counts them)."""
     from hybrid.models.gpt.model import GPT
-    from hybrid.plan.memory import gpt_activation_bytes, predict_memory
+    from hybrid.plan.memory import predict_memory
     from hybrid.zero.units import model_units
+    from launch.planning.model_size import gpt_figures
 
     zero = engine.config.zero
-    activations = gpt_activation_bytes(cfg.seq_len, MICRO_BATCH[kind], cfg.hidden, cfg.n_heads, cfg.n_layers,
-                                       cfg.vocab_size, tp=1, precision="bf16", mlp_ratio=cfg.mlp_ratio,
-                                       checkpointing=spec.checkpointing)
+    activations = gpt_figures(cfg.to_dict(), "bf16").activation_bytes(MICRO_BATCH[kind], 1, spec.checkpointing)
     p = predict_memory(model_units(GPT(cfg, device="meta"), 1, zero.stage3_unit), 1, spec.stage, "bf16",
                        activations=activations, zero=zero, device=kind)
     if spec.offload:

@@ -40,7 +40,7 @@ t = TP degree, N = DP degree, Ψ = parameters):
   sharded) at the device's Adam rate (memory bound).
 * **per micro-step**: what a micro-step costs whatever its size, k times per step: the host's dispatch of its
   eager ops (``ModelShape.ops_per_micro_step``: the forward, backward and recompute ops at ``hw.op_overhead``
-  each; a profile's own count where the shape has one) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
+  each; a profile's own count where the shape has one, with the engine's hooks and the TP collectives' ops) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
   gradients written and accumulated, one more read with activation checkpointing) at
   ``hw.memory_bandwidth``. This is why twice the micro-steps of half the size are slower for the same tokens.
   A GPU runs it beside its kernels (the host queues work ahead while the device computes or waits on a
@@ -65,12 +65,21 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NVME_BYTES_PER_PARAM = 12  # hybrid.plan.memory's: fp32 master and both moments in the swap file
 DEFAULT_BUCKET_NUMEL = 500_000_000  # hybrid.config.training.ZeroConfig.reduce_bucket_size
 LOSS_CALLS = 3  # the vocab-parallel cross-entropy's all-reduces: max, sum of exponentials, target logit
-# Eager ops per micro-step (forward and backward, the engine's hooks at stage 1 included), counted with a
-# TorchDispatchMode on the built-in GPT at 4 and 8 layers (577 and 1,065 ops; 829 and 1,569 with activation
-# checkpointing): 122 per block, 63 more per block recomputed, 89 outside the blocks (embeddings, head, loss).
+# Eager ops per micro-step (forward and backward, the engine's hooks at stage 1 included) of a shape without a
+# profile (``hybrid estimate``'s declared GPT shapes), counted with a TorchDispatchMode on the built-in GPT at 4 and 8
+# layers: 122 per block, 63 more per block recomputed, 89 outside the blocks (embeddings, head, loss).
 OPS_PER_BLOCK = 122
 RECOMPUTE_OPS_PER_BLOCK = 63
 OPS_OUTSIDE_BLOCKS = 89
+# What the engine and TP add to a profiled model's own ops (``ModelShape.ops``: the model's forward, backward and
+# recompute, measured on fake tensors) per micro-step: the ZeRO engine's gradient hooks and its input and loss
+# handling, per parameter tensor and once (stage 0 reduces through a flat all-reduce buffer: more per tensor), and
+# each TP collective's own ops. Counted on real gloo ranks (a TorchDispatchMode around forward and backward, less
+# detach, as the profile counts) for the built-in GPT and a Hugging Face Llama at 2 and 4 layers, TP 1 and 2,
+# stages 0, 1 and 3: tests/dist/test_engine_ops.py holds the prediction to the count.
+ENGINE_OPS_PER_TENSOR = {0: 5, "sharded": 3}
+ENGINE_OPS_FIXED = {0: 43, "sharded": 25}
+OPS_PER_TP_CALL = 2
 # Passes over a rank's Ψ/t parameters per micro-step at the device's memory bandwidth: the weights read in
 # forward and in backward (2), each gradient written by its matmul and then added into the accumulated one
 # (read both, write one: 4); activation checkpointing reads the weights once more.
@@ -88,6 +97,7 @@ class TpCalls:
     backward: int
     forward_width: int
     backward_width: int
+    by_style: tuple = ()  # (style, forward calls, backward calls, elements per token): where the calls come from
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class ModelShape:
     recompute_terms: Optional[tuple] = None  # (A, B): what activation checkpointing adds per token
     ops: Optional[tuple] = None              # eager ops per micro-step: (plain, with activation checkpointing)
     tp_block: Optional[TpCalls] = None       # a block's TP calls by its plan (None: the GPT's 2 + 2 per block)
+    tensors: int = 0                         # parameter tensors (a profiled model's; 0: not known)
 
     @property
     def matmul_params(self) -> int:
@@ -117,30 +128,29 @@ class ModelShape:
         """The transformer blocks' parameters: what activation checkpointing recomputes (not the LM head)."""
         return max(0, self.matmul_params - self.vocab * self.hidden)
 
-    def ops_per_micro_step(self, activation_checkpointing: bool = False) -> int:
-        """Eager ops one micro-step dispatches (see ``OPS_PER_BLOCK``), whatever its size."""
+    def ops_per_micro_step(self, activation_checkpointing: bool = False, stage: int = 1, tp_calls: float = 0.0) -> int:
+        """Eager ops one micro-step dispatches, whatever its size: a profiled model's own and what the engine at
+        ``stage`` and ``tp_calls`` TP collectives add (see ``ENGINE_OPS_PER_TENSOR``); a declared shape's by the
+        GPT's counts (``OPS_PER_BLOCK``)."""
         if self.ops is not None:
-            return self.ops[bool(activation_checkpointing)]
+            key = 0 if stage == 0 else "sharded"
+            engine = ENGINE_OPS_PER_TENSOR[key] * self.tensors + ENGINE_OPS_FIXED[key]
+            return int(self.ops[bool(activation_checkpointing)] + engine + OPS_PER_TP_CALL * tp_calls)
         per_block = OPS_PER_BLOCK + (RECOMPUTE_OPS_PER_BLOCK if activation_checkpointing else 0)
         return self.layers * per_block + OPS_OUTSIDE_BLOCKS
-
-    @classmethod
-    def from_gpt(cls, params: int, shape: dict) -> "ModelShape":
-        """From the built-in GPT's config dict (``GPTConfig.to_dict()``)."""
-        return cls(params, shape["n_layers"], shape["hidden"], shape["n_heads"], shape["seq_len"],
-                   shape["vocab_size"], shape.get("mlp_ratio", 4))
 
     @classmethod
     def from_profile(cls, plain, checkpointed, seq: int, params: Optional[int] = None) -> "ModelShape":
         """From a model's measured profiles (``hybrid.plan.profile.ModelProfile``, without and with activation
         checkpointing) at ``seq`` tokens: its layers, residual width (TP's messages), FLOPs per token, the
-        recompute's and its eager ops; Ψ is ``params`` (default: the profile's count). Heads and vocabulary are
-        not needed (0)."""
+        recompute's, its eager ops and parameter tensors, and a block's TP calls where the profile carries them;
+        Ψ is ``params`` (default: the profile's count). Heads and vocabulary are not needed (0)."""
         a, c = plain.flop_terms, checkpointed.flop_terms
         return cls(params or plain.params, plain.layers, plain.width, 0, seq, 0,
                    flop_terms=(a.linear, a.quadratic),
                    recompute_terms=(max(0.0, c.linear - a.linear), max(0.0, c.quadratic - a.quadratic)),
-                   ops=(plain.ops_per_micro_step(), checkpointed.ops_per_micro_step()))
+                   ops=(plain.ops_per_micro_step(), checkpointed.ops_per_micro_step()),
+                   tp_block=plain.tp_block, tensors=plain.tensors)
 
 
 @dataclass(frozen=True)
@@ -580,7 +590,8 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
 def micro_step_seconds(model: ModelShape, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
     """Seconds, ops and parameter bytes of a step's k micro-steps that do not depend on their size (see the
     module docstring's "per micro-step")."""
-    ops = model.ops_per_micro_step(layout.activation_checkpointing) * layout.accumulation
+    tp_calls = tp_traffic(model, layout)[1] / layout.accumulation
+    ops = model.ops_per_micro_step(layout.activation_checkpointing, layout.stage, tp_calls) * layout.accumulation
     passes = PARAM_PASSES + (1 if layout.activation_checkpointing else 0)
     nbytes = passes * model.params / layout.tp * DTYPE_BYTES[layout.precision] * layout.accumulation
     seconds = ops * hw.op_overhead + (nbytes / hw.memory_bandwidth if hw.memory_bandwidth > 0 else 0.0)

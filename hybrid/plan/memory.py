@@ -25,8 +25,9 @@ bytes per transformer layer for sequence length s, micro-batch b, hidden size h,
     s·b·h·(10 + 24/t + 5·a·s/(h·t))     (t = 1 gives the no-TP form s·b·h·(34 + 5·a·s/h))
     2·s·b·h                             with full activation checkpointing (only each layer's input kept)
 
-That formula is a test oracle; the plan's figures are the built-in GPT's own (``gpt_activation_bytes``) and, for
-any other model, its measured profile's (``profile_activation_bytes``, from ``hybrid.plan.profile``).
+That formula is what ``hybrid estimate`` takes for a shape declared without a model; the plan's figures are the
+model's measured profile's (``profile_activation_bytes``, from ``hybrid.plan.profile``), the built-in GPT's
+included (its own analytic formula, ``tests/oracles.py``, is the tests' oracle for that path).
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def nvme_offload_bytes(params: int, dp: int, stage: int, tp: int = 1, precision:
 #   sub-group, ``sub_group_size`` elements, the rank's shard by default, into it at once) (clipping
 #   scales in place; the optimizer's state is the flat buffers from the start, so its first step allocates
 #   none); the step runs after backward, so this competes with activations, not adds to them;
-# * activations: see ``gpt_activation_bytes``;
+# * activations: the model's profile's (``profile_activation_bytes``);
 # * runtime reserve: CUDA context, cuBLAS workspaces and NCCL buffers, outside every allocator statistic
 #   (``DEFAULT_RUNTIME_RESERVE_GB``, overridable as ``cluster.runtime_reserve_gb``); on CPU, where the
 #   figure measured is the process's RSS growth since the Context was made (with glibc returning freed
@@ -405,7 +406,7 @@ def predict_memory(units, dp: int, stage: int, precision: str = DEFAULT_PRECISIO
     default one node, which only ``zero.shard_group: node`` and the other link options read) for a model whose
     trainable parameters are ``units`` (``hybrid.zero.units.model_units``, made with the ``stage3_unit`` of
     ``zero``); ``zero`` is a ``hybrid.config.ZeroConfig`` (default sizes when None), ``activations`` the bytes of
-    ``gpt_activation_bytes``; ``device`` "cpu" predicts the peak RSS growth instead of the CUDA allocator's
+    one micro-batch's activations (``profile_activation_bytes``); ``device`` "cpu" predicts the peak RSS growth instead of the CUDA allocator's
     peak."""
     zero = zero or ZeroConfig()
     policy = policy_for(v.stage("stage", stage))
@@ -491,35 +492,6 @@ def _waiting_buckets(units: list, cap: int) -> int:
             break
         waiting += n
     return order[0] + waiting
-
-
-def gpt_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
-                         tp: int = 1, precision: str = DEFAULT_PRECISION, mlp_ratio: int = 4,
-                         checkpointing: bool = False) -> int:
-    """Activation bytes of the built-in GPT at the start of backward (its peak), for one micro-batch.
-
-    Per layer, in the model dtype, with x = s·b·h elements (SDPA keeps no s×s scores, only its output and
-    a fp32 log-sum-exp per head and token): the block input and the LN1 output, the fused QKV output (3x/t),
-    SDPA's contiguous q, k, v (3x/t), the attention output and its contiguous copy (2x/t), the residual sum and the LN2 output, the MLP
-    up-projection and its GELU (2·mlp_ratio·x/t); plus the fp32 LayerNorm statistics. With activation
-    checkpointing only each layer's input is kept, and one layer is recomputed at a time. On top: the
-    final LayerNorm's input and output, and the loss: ``hybrid.tp.loss`` keeps one fp32 copy of the
-    s·b·vocab/t logits (the softmax, turned into the gradient in place), beside the model-dtype logits at the
-    end of the forward (or their gradient's cast at the start of backward).
-    """
-    s, b, h = (_positive_int(x, name) for x, name in ((seq, "seq"), (micro_batch, "micro_batch"), (hidden, "hidden")))
-    a, n, t = _positive_int(heads, "heads"), _positive_int(layers, "layers"), _positive_int(tp, "tp")
-    vocab = _positive_int(vocab, "vocab")
-    item = DTYPE_BYTES[v.one_of("precision", precision, PRECISIONS)]
-    x = s * b * h
-    # (8 + 2r)x/t: SDPA's CPU flash kernel and the efficient CUDA kernel keep contiguous q, k, v too.
-    per_layer = item * (4 * x + Fraction((8 + 2 * mlp_ratio) * x, t)) + FP32 * s * b * (4 + Fraction(a, t))
-    per_layer = int(per_layer)
-    layer_stack = (n * item * x + per_layer) if checkpointing else n * per_layer
-    final = 2 * item * x
-    logits = s * b * Fraction(vocab, t)
-    loss = int(logits * (FP32 + item))
-    return int(layer_stack + final + loss)
 
 
 def profile_activation_bytes(plain, checkpointed, seq: int, micro_batch: int, tp: int = 1,

@@ -12,8 +12,9 @@ the built-in GPT of that shape, which the human output shows as a second table. 
 the seed; sizes print through ``hybrid.config.units.human_bytes``.
 
 Which activation estimate (``ESTIMATES``): with ``--vocab`` the built-in GPT's whole shape is known, and the
-table, the recommendation and the prediction all use ``hybrid.plan.memory.gpt_activation_bytes`` -- the figures
-``hybrid plan`` gives ``choose_stage`` for that model, so the two pick the same stage at the same totals.
+table, the recommendation and the prediction all use that GPT's profile (``launch.planning.model_size.gpt_figures``)
+-- the figures ``hybrid plan`` gives ``choose_stage`` for that model, so the two pick the same stage at the same
+totals.
 Without it, the generic transformer formula ``hybrid.plan.memory.activation_bytes`` (Korthikanti et al. 2022).
 A shape the GPT cannot have is refused in the CLI's terms either way: ``--heads`` must divide ``--hidden``,
 and ``--tp`` what ``GPTConfig.check_tp`` splits (the heads, the MLP width and, with ``--vocab``, the vocabulary).

@@ -7,7 +7,8 @@ the hardware (``hybrid.plan.hardware.build_hardware`` from ``--gpu`` and the lin
 default one the global batch is taken at), the stages and levers (``--activation-checkpointing`` forces it
 on), micro-batch x accumulation keeping ``--global-batch`` (default ``--micro-batch`` x DP at ``--tp``; with
 ``--global-batch`` the micro-batch is chosen), and each layout's memory by the planner's rule with the
-estimate's activation figure (the built-in GPT's with ``--vocab``, Korthikanti's without), a node's host memory
+estimate's figures (with ``--vocab`` the built-in GPT's profile: activations, FLOPs, recompute and eager ops, as
+``hybrid plan`` takes them; without it Korthikanti's activations and the analytic FLOPs), a node's host memory
 (``--host-memory``) and disk (``--nvme``) where given; offload is weighed to host memory and to NVMe. The node size is
 ``--gpus-per-node``, else 8 GPUs (a DGX/HGX node) or all of them when fewer, said in the output.
 
@@ -31,9 +32,9 @@ from hybrid.models.gpt.config import GPTConfig, shape_violation
 from hybrid.plan.candidates import Ranking, describe, layouts, rank
 from hybrid.plan.cost import Hardware, Layout, ModelShape
 from hybrid.plan.hardware import GPU_ALIASES, build_hardware, gpu_spec
-from hybrid.plan.memory import activation_bytes, gpt_activation_bytes
+from hybrid.plan.memory import activation_bytes
 from hybrid.plan.planner import layout_option
-from launch.planning.model_size import PARAMS_TOLERANCE, ModelFigures, config_figures
+from launch.planning.model_size import PARAMS_TOLERANCE, ModelFigures, config_figures, gpt_figures
 from launch.planning.time_plan import ranking_dict, ranking_lines
 
 DEFAULT_NODE = 8
@@ -166,8 +167,9 @@ def rank_estimate(params: int, gpus: int, tp: int, gpus_per_node: Optional[int],
     if hf is not None:
         model = hf.figures.cost_shape()
         tps = [d for d in range(node, 0, -1) if node % d == 0 and hf.tp_refusal(d) is None]
-    else:
-        model = ModelShape(params, shape["layers"], shape["hidden"], shape["heads"], shape["seq"], vocab or 0)
+    else:  # the built-in GPT of this shape (its profile, as hybrid plan takes it), else a declared shape's formulas
+        model = (gpt_figures(gpt_shape(shape, vocab), precision, params).cost_shape() if vocab is not None else
+                 ModelShape(params, shape["layers"], shape["hidden"], shape["heads"], shape["seq"], 0))
         tps = [d for d in range(node, 0, -1) if node % d == 0 and
                shape_violation(shape["hidden"], shape["heads"], d, vocab) is None]
     nodes = gpus // node
@@ -205,10 +207,16 @@ def _gcd_micro(micro: int, batch: int, dp: int) -> Optional[int]:
 
 def activation_estimate(kind: str, shape: dict, vocab: int | None, tp: int, precision: str, checkpointing: bool) -> float:
     """Activation bytes per GPU for one micro-batch by the estimate ``kind`` (a key of ``ESTIMATES``): "gpt"
-    is ``gpt_activation_bytes`` with the arguments ``launch.planning.plan.build_plan`` gives it for the built-in GPT
-    of this shape (its default mlp_ratio), "korthikanti" the generic ``activation_bytes``."""
+    is the profile of the built-in GPT of this shape (``gpt_shape``), as ``launch.planning.plan.build_plan`` takes it,
+    "korthikanti" the generic ``activation_bytes`` of a declared shape."""
     s, b, h, a, n = (shape[k] for k in ("seq", "micro_batch", "hidden", "heads", "layers"))
     if kind == "gpt":
-        return gpt_activation_bytes(s, b, h, a, n, vocab, tp=tp, precision=precision, mlp_ratio=GPTConfig.mlp_ratio,
-                                    checkpointing=checkpointing)
+        return gpt_figures(gpt_shape(shape, vocab), precision).activation_bytes(b, tp, checkpointing)
     return activation_bytes(s, b, h, a, n, tp, checkpointing)
+
+
+def gpt_shape(shape: dict, vocab: int) -> dict:
+    """The built-in GPT's config dict (``GPTConfig.to_dict()``) of the estimate's ``--layers``, ``--hidden``,
+    ``--heads``, ``--seq`` and ``--vocab``."""
+    return GPTConfig(vocab_size=vocab, seq_len=shape["seq"], n_layers=shape["layers"], hidden=shape["hidden"],
+                     n_heads=shape["heads"]).to_dict()

@@ -14,15 +14,16 @@ a ``model:`` mapping is the built-in GPT's shape (``hybrid.models.gpt.training.b
 section a transformers model, ``hybrid.models.hf``, its paths resolved against the model config), and a model
 config with only ``params: 7B`` is taken at its word (TP layers unknown). With a hook, ``params:`` is an
 override that must agree with the count to 1 % (one ``ConfigError`` sentence otherwise). A GPT (the built
-one is a ``hybrid.models.gpt.GPT``) also gives its shape, for the activation estimate.
+one is a ``hybrid.models.gpt.GPT``) also gives its shape (its TP refusals, its sequence length).
 
 What one micro-step costs (``model_figures(facts, precision) -> ModelFigures``): activation bytes per GPU at any
-micro-batch, TP degree and checkpointing, and the time model's ``ModelShape``. The built-in GPT keeps its own
-formulas (``gpt_activation_bytes``, ``ModelShape.from_gpt``); any other model built on the driver is profiled
-(``hybrid.plan.profile``, on fake tensors, nothing allocated) at the job's sequence length (``ModelFacts.seq``:
-``hf.seq_len``, ``model.seq_len`` or a top-level ``seq_len`` of the model config) in the training precision,
-without and with activation checkpointing: an ``hf:`` model from its transformers config (``profile_config``:
-two layers built and scaled to all), a hook's model as it is built (``profile_model``). Profiles are cached per
+micro-batch, TP degree and checkpointing, and the time model's ``ModelShape``. Every model built on the driver is
+profiled (``hybrid.plan.profile``, on fake tensors, nothing allocated) at the job's sequence length
+(``ModelFacts.seq``: ``hf.seq_len``, ``model.seq_len`` or a top-level ``seq_len`` of the model config) in the
+training precision, without and with activation checkpointing: the built-in GPT as two of its blocks scaled to
+all (``gpt_figures``; its analytic formulas are the tests' oracle), an ``hf:`` model from its transformers config
+(``profile_config``: two layers built and scaled to all), a hook's model as it is built (``profile_model``); each
+profile carries the TP calls of a block as the ranks split it (``hybrid.tp.traffic``). Profiles are cached per
 model and sequence in the process. Where none can be taken (the forward reads values, an op without a fake
 kernel, no sequence length, a model not built) ``ModelFigures.note`` says why in one sentence, naming the op,
 and the plan counts no activations and ranks no layouts by time, as it says. Activation checkpointing is weighed
@@ -49,7 +50,7 @@ from typing import Any, Callable, Optional
 from hybrid.config import validate as v
 from hybrid.errors import ConfigError
 from hybrid.plan.cost import ModelShape
-from hybrid.plan.memory import gpt_activation_bytes, parse_count, profile_activation_bytes
+from hybrid.plan.memory import parse_count, profile_activation_bytes
 from hybrid.config.yamlfile import load_yaml
 
 BUILT_IN_ENTRYPOINT = "hybrid.models.gpt:train"
@@ -258,19 +259,17 @@ def gpt_tp_refusal(model: dict, tp: int) -> Optional[str]:
 
 @dataclass(frozen=True)
 class ModelFigures:
-    """What the plan knows of one micro-step of the job's model (module docstring): the built-in GPT's shape,
-    or the model's profiles without and with activation checkpointing, or neither and ``note`` says why."""
+    """What the plan knows of one micro-step of the job's model (module docstring): its profiles without and with
+    activation checkpointing, or neither and ``note`` says why."""
 
     params: int
     precision: str
     seq: Optional[int] = None
-    gpt: Optional[dict] = None       # the built-in GPT's shape: its own formulas
     plain: Any = None                # hybrid.plan.profile.ModelProfile without activation checkpointing
     checkpointed: Any = None         # and with it
     logits_split: bool = False       # at TP > 1 the logits split by vocabulary (else gathered on every rank)
     note: str = ""                   # why nothing is known, one sentence without its full stop ("" when known)
     checkpointing: bool = True       # the job's loop applies activation checkpointing when the plan turns it on
-    tp_block: Any = None             # hybrid.plan.cost.TpCalls: a block's TP calls by the plan that split it
 
     def checkpointing_lever(self, requested: Optional[bool]) -> Optional[bool]:
         """``parallel.activation_checkpointing`` as the plan may use it: auto (None) is off where the job's loop
@@ -279,37 +278,25 @@ class ModelFigures:
 
     @property
     def known(self) -> bool:
-        return self.gpt is not None or self.plain is not None
+        return self.plain is not None
 
     @property
     def source(self) -> str:
         """Where the figures come from, for the plan's text."""
-        if self.gpt is not None:
-            return "the built-in GPT's estimate"
-        if self.plain is not None:
-            return f"profiled from {self.plain.model} at {self.seq} tokens"
-        return ""
+        return f"profiled from {self.plain.model} at {self.seq} tokens" if self.plain is not None else ""
 
     def activation_bytes(self, micro_batch: int, tp: int, checkpointing: bool = False) -> float:
         """Activation bytes per GPU of one micro-batch (0 where nothing is known: ``note`` says why)."""
-        if self.gpt is not None:
-            m = self.gpt
-            return gpt_activation_bytes(m["seq_len"], micro_batch, m["hidden"], m["n_heads"], m["n_layers"],
-                                        m["vocab_size"], tp=tp, precision=self.precision,
-                                        mlp_ratio=m.get("mlp_ratio", 4), checkpointing=checkpointing)
-        if self.plain is not None:
-            return profile_activation_bytes(self.plain, self.checkpointed, self.seq, micro_batch, tp, checkpointing,
-                                            self.logits_split)
-        return 0.0
+        if self.plain is None:
+            return 0.0
+        return profile_activation_bytes(self.plain, self.checkpointed, self.seq, micro_batch, tp, checkpointing,
+                                        self.logits_split)
 
     def cost_shape(self) -> Optional[ModelShape]:
         """The time model's shape (None where nothing is known)."""
-        if self.gpt is not None:
-            return ModelShape.from_gpt(self.params, self.gpt)
-        if self.plain is not None:
-            shape = ModelShape.from_profile(self.plain, self.checkpointed, self.seq, self.params)
-            return dataclasses.replace(shape, tp_block=self.tp_block) if self.tp_block is not None else shape
-        return None
+        if self.plain is None:
+            return None
+        return ModelShape.from_profile(self.plain, self.checkpointed, self.seq, self.params)
 
 
 _PROFILES: dict = {}  # (model signature, seq, dtype) -> (plain, checkpointed) or the ProfileError sentence
@@ -319,7 +306,7 @@ def model_figures(facts: ModelFacts, precision: str, entrypoint: str = BUILT_IN_
     """The job's model's figures in ``precision`` (module docstring); profiles taken once per process;
     ``entrypoint``: the job's (``job.entrypoint``), whose loop applies activation checkpointing or not."""
     if facts.shape is not None:
-        return ModelFigures(facts.params, precision, facts.shape["seq_len"], gpt=facts.shape)
+        return gpt_figures(facts.shape, precision, facts.params)
     if facts.module is None:
         return ModelFigures(facts.params, precision, facts.seq, note=(
             "the model was not built on the driver (a params: count without a build_model hook), so its profile "
@@ -331,32 +318,58 @@ def model_figures(facts: ModelFacts, precision: str, entrypoint: str = BUILT_IN_
     profiles = _profiles(facts.config, facts.module, facts.seq, precision)
     if isinstance(profiles, str):
         return ModelFigures(facts.params, precision, facts.seq, note=profiles)
-    return ModelFigures(facts.params, precision, facts.seq, plain=profiles[0], checkpointed=profiles[1],
-                        logits_split=logits_split(facts.module), checkpointing=entrypoint in BUILT_IN_ENTRYPOINTS,
-                        tp_block=tp_block(facts.module, profiles[0].width) if facts.tp_plan else None)
+    plain, checkpointed = (with_block_collectives(p, facts.module) for p in profiles)
+    return ModelFigures(facts.params, precision, facts.seq, plain, checkpointed, logits_split(facts.module),
+                        checkpointing=entrypoint in BUILT_IN_ENTRYPOINTS)
 
 
-def tp_block(module, width: int):
-    """The TP calls of one of ``module``'s blocks by the plan that split it (None where it has no blocks)."""
-    from hybrid.plan.profile import find_blocks
-    from hybrid.tp.traffic import block_collectives
+def gpt_figures(shape: dict, precision: str, params: Optional[int] = None) -> ModelFigures:
+    """The built-in GPT of ``shape`` (``GPTConfig.to_dict()``) profiled as any model is: two of its blocks built on
+    meta, without its own activation checkpointing (the profile applies it), scaled to its ``n_layers``; its
+    logits split by vocabulary at TP > 1 (its head and loss are vocab-parallel); Ψ ``params`` (default: the
+    profile's count). Its analytic formulas (Korthikanti's activations, ``6·Ψ + 12·L·h·s``) are the tests'
+    oracle for this path (tests/oracles.py)."""
+    import torch
 
-    _, blocks = find_blocks(module)
-    return block_collectives(blocks[0], width) if blocks is not None else None
+    from hybrid.models.gpt.model import GPT, GPTConfig
+    from hybrid.plan.profile import profile_model
+    from hybrid.zero.engine import DTYPES
+
+    key = ("gpt", tuple(sorted((k, v) for k, v in shape.items() if k != "activation_checkpointing")), precision)
+    if key not in _PROFILES:
+        config = GPTConfig.from_dict({**shape, "n_layers": min(2, shape["n_layers"]), "activation_checkpointing": False})
+        with torch.device("meta"):
+            model = GPT(config)
+        _PROFILES[key] = tuple(
+            with_block_collectives(profile_model(model, 1, shape["seq_len"], checkpointing=ac, dtype=DTYPES[precision],
+                                                 layers=shape["n_layers"]), model) for ac in (False, True))
+    plain, checkpointed = _PROFILES[key]
+    return ModelFigures(params or plain.params, precision, shape["seq_len"], plain, checkpointed, logits_split=True)
+
+
+def with_block_collectives(profile, module):
+    """``profile`` with the TP calls of one of ``module``'s blocks (``hybrid.tp.traffic``)."""
+    from hybrid.tp.traffic import with_block_collectives as counted
+
+    return counted(profile, module)
 
 
 def config_figures(config, seq: int, precision: str) -> ModelFigures:
     """A transformers config's figures on paper (``hybrid estimate --hf``): its causal LM profiled, Ψ the profile's
-    count; the logits split at TP > 1 where ``hybrid.models.hf:train`` splits them (``logits_split`` of the model
-    built on meta with two layers). ``ProfileError`` (one sentence) where the profile cannot be taken."""
+    count; the logits split at TP > 1 where ``hybrid.models.hf:train`` splits them and the TP calls of a block split
+    by its own plan (of the model built on meta with two layers). ``ProfileError`` (one sentence) where the profile
+    cannot be taken."""
     from hybrid.plan.profile import ProfileError
     from hybrid.plan.profile.measure import model_on_meta
 
     profiles = _profiles(config, None, seq, precision)
     if isinstance(profiles, str):
         raise ProfileError(profiles + ".")
-    return ModelFigures(profiles[0].params, precision, seq, plain=profiles[0], checkpointed=profiles[1],
-                        logits_split=logits_split(model_on_meta(config)))
+    model = model_on_meta(config)
+    split = logits_split(model)
+    split_by_plan(model, None, "the model of --hf")  # as the ranks split it, for its TP calls
+    plain, checkpointed = (with_block_collectives(p, model) for p in profiles)
+    return ModelFigures(plain.params, precision, seq, plain, checkpointed, logits_split=split)
 
 
 def _profiles(config, module, seq: int, precision: str):

@@ -49,7 +49,7 @@ from hybrid.plan.planner import Plan, choose_stage, quantity
 from hybrid.config.schema import echo
 from hybrid.config.units import count, human_bytes
 from launch.planning import time_plan
-from launch.planning.model_size import ModelFacts, ModelFigures, model_facts, model_figures
+from launch.planning.model_size import ModelFacts, ModelFigures, gpt_figures, model_facts, model_figures
 from launch.planning.nvme_space import nvme_space
 from launch.spec import LaunchSpec
 
@@ -85,11 +85,11 @@ class LaunchPlan:
     figures: Optional[ModelFigures] = field(default=None, compare=False, repr=False)  # activations, time shape
 
     def activation_bytes(self, micro_batch: int, checkpointing: bool = False) -> float:
-        """Activation bytes per GPU of one micro-batch on this plan's TP degree (0 where not known): the built-in
-        GPT's by its shape (``model``), another model's by its figures."""
+        """Activation bytes per GPU of one micro-batch on this plan's TP degree (0 where not known), by the model's
+        figures (the built-in GPT's: of its shape ``model``)."""
         figures = self.figures
-        if self.model is not None and (figures is None or figures.gpt != self.model):
-            figures = ModelFigures(self.params, self.spec.parallel.precision, self.model["seq_len"], gpt=self.model)
+        if self.model is not None:  # the shape the plan holds now (a re-plan may have replaced it): profiled once
+            figures = gpt_figures(self.model, self.spec.parallel.precision, self.params)
         return figures.activation_bytes(micro_batch, self.layout.tp, checkpointing) if figures else 0.0
 
     @property

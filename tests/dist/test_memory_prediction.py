@@ -4,7 +4,8 @@ The built-in GPT at 52.6M parameters (vocab 8192, hidden 512, 14 layers, seq 128
 stages 0-3, fp32 and bf16: each rank makes a ``MemoryMeter`` before building the model on meta (as
 ``hybrid.runtime.train.Context`` does), trains two steps in fp32 and three in bf16 (``STEPS``), and its
 measured peak RSS growth is within 15 % of ``hybrid.plan.memory.predict_memory(...).total`` (the engine's real
-layout, gloo's reduce-scatter copies, the GPT's activations, the CPU runtime reserve). Each case runs in fresh
+layout, gloo's reduce-scatter copies, the GPT's activations by its profile as the plan takes them, the CPU runtime
+reserve). Each case runs in fresh
 processes (RSS is per process).
 With and without activation checkpointing: each stage with both precisions and both, each precision with
 both (8 cases); stage 2 on DP 3 and stage 3 on DP 4.
@@ -19,10 +20,11 @@ import hybrid
 from hybrid.config.training import TrainConfig, ZeroConfig
 from hybrid.plan.cpu_bf16 import SLOW_FACTOR, bf16_matmul_slowdown
 from hybrid.runtime.local_launch import run_local
-from hybrid.plan.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, gpt_activation_bytes, predict_memory
+from hybrid.plan.memory import DEFAULT_CPU_RUNTIME_RESERVE_GB, GB, predict_memory
 from hybrid.zero.units import model_units
 from hybrid.plan.budget import MemoryMeter
 from hybrid.models.gpt.model import GPT, GPTConfig
+from launch.planning.model_size import gpt_figures
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +54,7 @@ def _case(stage: int, precision: str, checkpointing: bool, dp: int = DP) -> dict
         engine.backward(loss)
         engine.step()
     measured = meter.measure()["peak_bytes"]
-    activations = gpt_activation_bytes(SHAPE["seq_len"], MICRO_BATCH, SHAPE["hidden"], SHAPE["n_heads"],
-                                       SHAPE["n_layers"], SHAPE["vocab_size"], precision=precision,
-                                       checkpointing=checkpointing)
+    activations = gpt_figures(GPTConfig(**SHAPE).to_dict(), precision).activation_bytes(MICRO_BATCH, 1, checkpointing)
     predicted = predict_memory(modules, dp, stage, precision, activations=activations, device="cpu",
                                runtime_reserve=DEFAULT_CPU_RUNTIME_RESERVE_GB * GB)
     return {"measured": measured, "predicted": predicted.total, "parts": predicted.as_dict(),

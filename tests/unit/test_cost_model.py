@@ -11,6 +11,7 @@ from hybrid.plan.candidates import TIE, batch_splits, layouts, rank
 from hybrid.plan.cost import Hardware, Layout, Link, ModelShape, calibrate, dp_traffic, step_cost, tp_traffic
 from hybrid.plan.hardware import EFFICIENCY, GPUS, LINK_EFFICIENCY, build_hardware, gpu_spec
 from hybrid.plan.planner import Option
+from tests.oracles import gpt_model_shape
 
 # GPT-3 13B as configs/gpt-13b.yaml builds it (count_parameters: 13,111,183,360, untied head).
 PSI = 13_111_183_360
@@ -315,7 +316,7 @@ def test_the_built_in_gpts_profile_gives_its_analytic_flops():
     params = sum(p.numel() for p in model.parameters())
     profiled = ModelShape.from_profile(profile_model(model, 1, 64), profile_model(model, 1, 64, checkpointing=True),
                                        64, params)
-    analytic = ModelShape.from_gpt(params, shape)
+    analytic = gpt_model_shape(params, shape)
     for tp in (1, 2):
         layout = Layout(1, 2, tp, 1, 4, 2)
         assert compute_flops(profiled, layout)[0] == pytest.approx(compute_flops(analytic, layout)[0], rel=0.01)

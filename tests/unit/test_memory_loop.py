@@ -11,7 +11,7 @@ import torch
 
 import hybrid
 from hybrid.config.training import TrainConfig, ZeroConfig
-from hybrid.plan.memory import gpt_activation_bytes, predict_memory, unit_layout
+from hybrid.plan.memory import predict_memory, unit_layout
 from hybrid.zero.units import model_units
 from hybrid.plan.budget import MemoryMeter, OutOfMemoryError, near_oom, should_measure
 from hybrid.models.gpt.model import GPT, GPTConfig
@@ -20,6 +20,7 @@ from hybrid.runtime.train import train_step
 from launch.planning import replan
 from hybrid.config.units import human_bytes
 from launch.job.memory_view import memory_table, near_oom_line, usage_text
+from launch.planning.model_size import gpt_figures
 from launch.planning.plan import build_plan
 from launch.spec import parse_spec
 from tests.dist.meter_rank import meter_in_a_fresh_process
@@ -87,13 +88,13 @@ def test_optimizer_transients_are_per_sub_group_piece():
 
 
 def test_activations_are_dtype_aware_and_checkpointing_keeps_less():
-    args = (128, 4, 512, 8, 12, 8192)
-    fp32, bf16 = gpt_activation_bytes(*args, precision="fp32"), gpt_activation_bytes(*args, precision="bf16")
+    """The plan's GPT activations (its profile: ``gpt_figures``)."""
+    shape = GPTConfig(vocab_size=8192, seq_len=128, n_layers=12, hidden=512, n_heads=8).to_dict()
+    fp32, bf16 = (gpt_figures(shape, p).activation_bytes(4, 1) for p in ("fp32", "bf16"))
     assert 1.5 < fp32 / bf16 < 2.0  # layers double; the loss is fp32 in both
-    assert gpt_activation_bytes(*args, precision="fp32", checkpointing=True) < fp32 / 3
-    s, b, h = 128, 4, 512
+    assert gpt_figures(shape, "fp32").activation_bytes(4, 1, checkpointing=True) < fp32 / 3
     # SDPA: nothing grows with s^2 (no attention scores kept)
-    long = gpt_activation_bytes(4 * s, b, h, 8, 12, 8192, precision="fp32")
+    long = gpt_figures({**shape, "seq_len": 4 * 128}, "fp32").activation_bytes(4, 1)
     assert long == pytest.approx(4 * fp32, rel=0.01)
 
 

@@ -34,6 +34,7 @@ from hybrid.models.gpt.model import GPT, GPTConfig, count_parameters
 from hybrid.plan.cost import Layout, ModelShape, compute_flops
 from hybrid.plan.memory import activation_bytes
 from hybrid.plan.profile import ModelProfile, Part, ProfileError, Scaling, find_blocks, profile_config, profile_model
+from tests.oracles import gpt_model_shape
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +74,7 @@ def llama_profiles():
 
 
 def test_gpt_flops_per_token_match_the_cost_models_formula(gpt_profiles):
-    shape = ModelShape.from_gpt(count_parameters(GPTConfig(**GPT_SHAPE)), GPTConfig(**GPT_SHAPE).to_dict())
+    shape = gpt_model_shape(count_parameters(GPTConfig(**GPT_SHAPE)), GPTConfig(**GPT_SHAPE).to_dict())
     L, h = shape.layers, shape.hidden
     for s in (512, 128):  # measured at 512 and 256: 128 is the fit's extrapolation
         analytic = 6 * shape.matmul_params + 12 * L * h * s

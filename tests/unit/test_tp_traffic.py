@@ -28,7 +28,23 @@ def _llama():
 def test_a_llama_block_split_by_its_own_plan_makes_two_calls_forward_and_five_backward():
     _, blocks = find_blocks(_llama())
     calls = block_collectives(blocks[0], 64)
-    assert calls == TpCalls(forward=2, backward=5, forward_width=64 + 64, backward_width=5 * 64)
+    assert calls == TpCalls(forward=2, backward=5, forward_width=64 + 64, backward_width=5 * 64,
+                            by_style=(("colwise", 0, 5, 5 * 64), ("rowwise", 2, 0, 64 + 64)))
+
+
+def test_the_built_in_gpts_block_makes_megatrons_two_and_two_and_its_profile_carries_them():
+    """The GPT's own TP layers count as their styles: the column-parallel QKV and MLP input gradients in backward,
+    the row-parallel projections' outputs in forward; ``gpt_figures``' profile carries the count to the time
+    model, which prices the same calls it priced for the GPT before (2 + 2 per block)."""
+    from launch.planning.model_size import gpt_figures
+
+    figures = gpt_figures({"vocab_size": 512, "seq_len": 32, "n_layers": 4, "hidden": 64, "n_heads": 8}, "fp32")
+    assert figures.plain.tp_block == TpCalls(2, 2, 128, 128, (("colwise", 0, 2, 128), ("rowwise", 2, 0, 128)))
+    shape = figures.cost_shape()
+    formulas = ModelShape(10**6, layers=4, hidden=64, heads=8, seq=32, vocab=512)  # tp_block None: the GPT's
+    for ac in (False, True):
+        lay = Layout(1, 2, 2, 1, 4, 1, ac, False, "fp32")
+        assert tp_traffic(shape, lay) == pytest.approx(tp_traffic(formulas, lay))
 
 
 def test_the_time_model_prices_the_plans_calls_instead_of_the_gpts():

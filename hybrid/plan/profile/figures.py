@@ -71,6 +71,10 @@ class ModelProfile:
     attention: str        # "fused": the SDPA kernel torch picks on a CPU; "math": SDPA's math path
     measured: tuple       # the (micro_batch, seq) points measured
     width: int = 0        # the residual stream's width: the last dimension of the blocks' input (0: no blocks)
+    tensors: int = 0      # parameter tensors of the full model (its blocks' counted ``layers`` times)
+    tp_block: object = None  # the TP collectives one block makes per micro-step (``hybrid.plan.cost.TpCalls``: calls
+    #                          and elements per token, by style), counted from the split model's block by
+    #                          ``hybrid.tp.traffic.with_block_collectives`` (None: not counted)
 
     def _total(self, pick) -> Scaling:
         return pick(self.block).times(self.layers) + pick(self.outside)

@@ -185,10 +185,13 @@ def profile_model(model: nn.Module, batch: int, seq: int, *, example: Optional[C
     head_bytes = Scaling.fit(batch, seqs, tuple(runs[lo, s].head for s in seqs))
     block_params = sum(p.numel() for p in found[0].parameters()) if full else 0
     params = sum(p.numel() for p in model.parameters()) + (layers - full) * block_params
+    block_tensors = sum(1 for _ in found[0].parameters()) if full else 0
+    tensors = sum(1 for _ in model.parameters()) + (layers - full) * block_tensors
+    width = runs[hi, seq].width
     kind = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return ModelProfile(type(model).__name__, params, layers, name, block, outside, head_bytes, checkpointing,
-                        str(kind).removeprefix("torch."), attention, tuple((batch, s) for s in seqs),
-                        runs[hi, seq].width)
+                        str(kind).removeprefix("torch."), attention, tuple((batch, s) for s in seqs), width,
+                        tensors)
 
 
 def profile_config(config, batch: int, seq: int, *, layers_run: int = 2, **options) -> ModelProfile:
