@@ -4,9 +4,9 @@ An entrypoint is a function ``train(ctx)``. ``ctx`` carries the rank's 2D mesh, 
 parsed YAML and its path), the job settings (steps, micro-batch, precision, ZeRO stage, checkpoint
 directory and cadence, the cluster file's ``parallel.tp_plan``), the step counter, ``parallelize(model)``
 (the model split over the rank's TP group by that plan or a Hugging Face model's own: ``hybrid.tp.plan``),
-``report(metrics)`` and ``should_stop()``. Reports go to an injected ``reporter`` callable (the launcher's;
-without one they are logged), so this module stays free of Ray and runs under torchrun or ``run_local``
-just as well.
+``report(metrics)``, ``should_stop()`` (this rank asked to stop) and ``stop_agreed()`` (any rank asked, agreed by
+all: what a loop checks before each step). Reports go to an injected ``reporter`` callable (the launcher's; without
+one they are logged), so this module stays free of Ray and runs under torchrun or ``run_local`` just as well.
 
 The loop is split into one function per concern -- ``train_step`` (forward, backward, optimizer step;
 the loss is the forward's output, or its ``.loss`` / ``["loss"]`` for a Hugging Face style model),
@@ -192,8 +192,24 @@ class Context:
             log.info("rank %d step %d: %s", self.rank, step, metrics)
 
     def should_stop(self) -> bool:
-        """True once the driver asked the job to stop (Ctrl-C, another rank failed)."""
+        """True once the driver asked this rank to stop (Ctrl-C, another rank failed, an elastic resize): this
+        rank's own flag, which reaches the ranks at different moments."""
         return bool(self._stop_requested and self._stop_requested())
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank has been asked to stop, agreed by all: a one-element all-reduce (MAX) over every rank,
+        so every rank leaves its loop before the same step (one rank stopping a step early would leave its peers
+        in that step's collectives until they time out). Call it on every rank at the same point of the loop, as
+        ``run_steps`` does before each step; a single process answers ``should_stop``."""
+        import torch.distributed as dist
+
+        flag = self.should_stop()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        agreed = torch.tensor([int(flag)], dtype=torch.int32)  # CPU: gloo in every default group
+        with heartbeat.collective("world.stop"):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return bool(agreed.item())
 
 
 # ---------------------------------------------------------------------------------------- loop pieces
@@ -442,7 +458,7 @@ def _train_loop(ctx: Context, engine, batches: Callable[[int], tuple], start_ste
     links = LinkMeter(engine)
     links.step()  # the baseline: what the build and the resume moved is not a step's
     for step in range(start_step, ctx.steps):
-        if ctx.should_stop():
+        if ctx.stop_agreed():
             log.info("rank %d: stop requested before step %d", ctx.rank, step + 1)
             break
         args, kwargs = batch_args(batches(step))
