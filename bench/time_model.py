@@ -4,7 +4,7 @@
     python bench/time_model.py --quick    # 4 layouts (2 per model), 6 steps: checks the script, proves nothing
     python bench/time_model.py --world 2  # one node of 2 ranks instead of 2 nodes of 2
 
-Two models of about the same size: the built-in GPT (its FLOPs and ops from its formulas) and a transformers
+Two models of about the same size: the built-in GPT (its FLOPs and ops from its measured profile) and a transformers
 Llama with grouped-query attention (``hf: {config: llama/config.json, seq_len: 64}``, the config written into the
 work directory from ``LLAMA``), which the plan prices from its measured profile (``ModelShape.from_profile``:
 FLOPs per token, eager ops per micro-step, TP split by the model's own TP plan). Each model's layouts are a
@@ -215,7 +215,7 @@ def markdown(result: dict, check: dict, command: str, quick: bool = False) -> st
              f"{os.getloadavg()[0]:.1f} (timings need a quiet machine: other jobs share the cores and the probe)",
              f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Cluster: local, {result['nodes']} nodes x {result['per_node']} ranks, gloo on CPU, fp32; GPT "
-             f"{MODEL} (its formulas); hf: Llama {LLAMA} at seq_len {SEQ} (its measured profile); global batch 16 "
+             f"{MODEL} (its measured profile); hf: Llama {LLAMA} at seq_len {SEQ} (its measured profile); global batch 16 "
              f"sequences in every layout; each layout one `hybrid launch` with its choices "
              f"fixed in the cluster file and the probe's probe.json in its run_dir",
              f"- Probe (`hybrid probe`): matmul {next(iter(p['matmul_flops'].values())) / 1e9:.3g} GFLOP/s"
