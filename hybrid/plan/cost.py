@@ -40,7 +40,8 @@ t = TP degree, N = DP degree, Ψ = parameters):
   sharded) at the device's Adam rate (memory bound).
 * **per micro-step**: what a micro-step costs whatever its size, k times per step: the host's dispatch of its
   eager ops (``ModelShape.ops_per_micro_step``: the forward, backward and recompute ops at ``hw.op_overhead``
-  each; a profile's own count where the shape has one, with the engine's hooks and the TP collectives' ops) and its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
+  each; a profile's own count where the shape has one, with the engine's hooks and the TP collectives' ops) and
+  its passes over the parameters (``PARAM_PASSES``: Ψ/t read in forward and in backward, the
   gradients written and accumulated, one more read with activation checkpointing) at
   ``hw.memory_bandwidth``. This is why twice the micro-steps of half the size are slower for the same tokens.
   A GPU runs it beside its kernels (the host queues work ahead while the device computes or waits on a
@@ -570,7 +571,7 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
         optimizer = shard / hw.optimizer_rate
 
     dp = dp_forward + dp_backward + dp_boundary + dp_after
-    micro, micro_ops, micro_bytes = micro_step_seconds(model, layout, hw)
+    micro, micro_ops, micro_bytes = micro_step_seconds(model, layout, hw, tp_calls)
     # the host dispatches while the device works: under all of the device's time, exposed traffic included
     # (step = device + micro - overlap * min(micro, device): never slower for a faster device or link)
     device = compute + optimizer + tp + (dp - dp_hidden) + (offload - offload_hidden)
@@ -587,11 +588,12 @@ def step_cost(model: ModelShape, layout: Layout, hw: Hardware, bucket_numel: int
                     micro_hidden)
 
 
-def micro_step_seconds(model: ModelShape, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
+def micro_step_seconds(model: ModelShape, layout: Layout, hw: Hardware,
+                       tp_calls: float) -> tuple[float, float, float]:
     """Seconds, ops and parameter bytes of a step's k micro-steps that do not depend on their size (see the
-    module docstring's "per micro-step")."""
-    tp_calls = tp_traffic(model, layout)[1] / layout.accumulation
-    ops = model.ops_per_micro_step(layout.activation_checkpointing, layout.stage, tp_calls) * layout.accumulation
+    module docstring's "per micro-step"); ``tp_calls``: the step's TP collectives (``tp_traffic``'s count)."""
+    ops = model.ops_per_micro_step(layout.activation_checkpointing, layout.stage,
+                                   tp_calls / layout.accumulation) * layout.accumulation
     passes = PARAM_PASSES + (1 if layout.activation_checkpointing else 0)
     nbytes = passes * model.params / layout.tp * DTYPE_BYTES[layout.precision] * layout.accumulation
     seconds = ops * hw.op_overhead + (nbytes / hw.memory_bandwidth if hw.memory_bandwidth > 0 else 0.0)

@@ -41,7 +41,6 @@ then says why a degree cannot split the model (a split size or the attention hea
 from __future__ import annotations
 
 import copy
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -315,6 +314,8 @@ def model_figures(facts: ModelFacts, precision: str, entrypoint: str = BUILT_IN_
         return ModelFigures(facts.params, precision, facts.seq, note=(
             "the model config says no sequence length of at least 2 tokens (seq_len: at its top level or under "
             "model:), so the model's profile cannot be taken at it"))
+    from hybrid.tp.traffic import with_block_collectives
+
     profiles = _profiles(facts.config, facts.module, facts.seq, precision)
     if isinstance(profiles, str):
         return ModelFigures(facts.params, precision, facts.seq, note=profiles)
@@ -333,11 +334,13 @@ def gpt_figures(shape: dict, precision: str, params: Optional[int] = None) -> Mo
 
     from hybrid.models.gpt.model import GPT, GPTConfig
     from hybrid.plan.profile import profile_model
+    from hybrid.tp.traffic import with_block_collectives
     from hybrid.zero.engine import DTYPES
 
     key = ("gpt", tuple(sorted((k, v) for k, v in shape.items() if k != "activation_checkpointing")), precision)
     if key not in _PROFILES:
-        config = GPTConfig.from_dict({**shape, "n_layers": min(2, shape["n_layers"]), "activation_checkpointing": False})
+        config = GPTConfig.from_dict({**shape, "n_layers": min(2, shape["n_layers"]),
+                                      "activation_checkpointing": False})
         with torch.device("meta"):
             model = GPT(config)
         _PROFILES[key] = tuple(
@@ -347,13 +350,6 @@ def gpt_figures(shape: dict, precision: str, params: Optional[int] = None) -> Mo
     return ModelFigures(params or plain.params, precision, shape["seq_len"], plain, checkpointed, logits_split=True)
 
 
-def with_block_collectives(profile, module):
-    """``profile`` with the TP calls of one of ``module``'s blocks (``hybrid.tp.traffic``)."""
-    from hybrid.tp.traffic import with_block_collectives as counted
-
-    return counted(profile, module)
-
-
 def config_figures(config, seq: int, precision: str) -> ModelFigures:
     """A transformers config's figures on paper (``hybrid estimate --hf``): its causal LM profiled, Ψ the profile's
     count; the logits split at TP > 1 where ``hybrid.models.hf:train`` splits them and the TP calls of a block split
@@ -361,6 +357,7 @@ def config_figures(config, seq: int, precision: str) -> ModelFigures:
     cannot be taken."""
     from hybrid.plan.profile import ProfileError
     from hybrid.plan.profile.measure import model_on_meta
+    from hybrid.tp.traffic import with_block_collectives
 
     profiles = _profiles(config, None, seq, precision)
     if isinstance(profiles, str):
